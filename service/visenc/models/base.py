@@ -1,0 +1,104 @@
+"""The one interface every vision tower sits behind.
+
+A tower turns a decoded RGB image into per-image token rows in three steps,
+each with its own contract:
+
+``layout(width, height)``
+    Pure arithmetic on the pixel size: how many token rows the image becomes,
+    its ``grid_thw`` and its *bucket*. Known before any decode or forward, so
+    a ``pending`` handle can already carry ``num_tokens``.
+``preprocess(image)``
+    CPU work (resize, rescale, normalise, patchify), thread-safe, no torch
+    state touched; runs in the preprocessing pool, never on the event loop.
+    Its output equals the transformers image processor of the same model.
+``forward(batch)``
+    Device work, called from the one worker thread of the device. Images of
+    one bucket have equal input shapes and always share a forward; a
+    ``packable`` tower also accepts images of different buckets in one call.
+    Returns one ``[num_tokens, hidden_size]`` tensor per image, in order,
+    on the CPU, contiguous, in ``dtype`` (views into one output are fine).
+
+Invariant checked by the engine: ``forward(batch)[i].shape[0] ==
+batch[i].layout.num_tokens``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from abc import ABC, abstractmethod
+from collections.abc import Hashable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLayout:
+    """What an image becomes, known from its pixel size alone."""
+
+    num_tokens: int
+    grid_thw: tuple[int, int, int]
+    #: images with equal buckets have equal input shapes (batchable without padding)
+    bucket: Hashable
+
+
+@dataclass(slots=True)
+class Prepared:
+    """A preprocessed image: the tower's input array and its layout."""
+
+    pixels: np.ndarray
+    layout: TokenLayout
+
+
+class VisionTower(ABC):
+    #: registry name or checkpoint path the tower was built from
+    name: str
+    #: width of one output token row
+    hidden_size: int
+    dtype: torch.dtype
+    device: torch.device
+    #: images of different buckets may share one forward (variable-resolution towers)
+    packable: bool = False
+
+    @abstractmethod
+    def layout(self, width: int, height: int) -> TokenLayout: ...
+
+    @abstractmethod
+    def preprocess(self, image: Image.Image) -> Prepared: ...
+
+    @abstractmethod
+    def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]: ...
+
+    @abstractmethod
+    def fingerprint_fields(self) -> dict[str, Any]:
+        """Everything that changes the output: model id/revision, weights digest
+        or seed, architecture config, dtype, preprocessing settings."""
+
+    def activation_bytes_per_token(self) -> int:
+        """Rough peak activation bytes per input patch token in one forward,
+        used to turn a memory budget into a token budget."""
+        return 64 * self.hidden_size * max(1, self.dtype.itemsize)
+
+    @property
+    def fingerprint(self) -> str:
+        """128-bit digest (32 hex) of ``fingerprint_fields``; goes into every index key."""
+        cached = getattr(self, "_fingerprint", None)
+        if cached is None:
+            blob = json.dumps(self.fingerprint_fields(), sort_keys=True, default=str).encode()
+            cached = hashlib.sha256(blob).hexdigest()[:32]
+            self._fingerprint = cached
+        return cached
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "fingerprint": self.fingerprint,
+            "hidden_size": self.hidden_size,
+            "dtype": str(self.dtype).removeprefix("torch."),
+            "device": str(self.device),
+            "packable": self.packable,
+        }

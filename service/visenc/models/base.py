@@ -78,6 +78,12 @@ class VisionTower(ABC):
         """Everything that changes the output: model id/revision, weights digest
         or seed, architecture config, dtype, preprocessing settings."""
 
+    def input_tokens(self, layout: TokenLayout) -> int:
+        """Tokens the forward processes for this image: the unit of the batch budget.
+        Default: the patch grid (``t*h*w``); fixed-resolution towers override."""
+        t, h, w = layout.grid_thw
+        return t * h * w
+
     def activation_bytes_per_token(self) -> int:
         """Rough peak activation bytes per input patch token in one forward,
         used to turn a memory budget into a token budget."""

@@ -1,0 +1,50 @@
+# visenc — the two commands that matter:
+#   make run    install (runtime deps) and serve the embedded default on 127.0.0.1:8000
+#   make test   install (test deps + redis-server) and run lint + the whole test suite
+PYTHON ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+HOST ?= 127.0.0.1
+PORT ?= 8000
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+PYTEST_ARGS ?=
+
+.PHONY: run test lint install install-test system-deps bench clean
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# CPU build of torch first (see README for a CUDA host); the project pins the same version.
+	$(BIN)/pip install -q torch==2.13.0
+
+$(VENV)/.runtime: $(BIN)/python pyproject.toml
+	$(BIN)/pip install -q -e .
+	touch $@
+
+$(VENV)/.test: $(VENV)/.runtime
+	$(BIN)/pip install -q -e '.[test]'
+	touch $@
+
+install: $(VENV)/.runtime
+install-test: $(VENV)/.test system-deps
+
+# redis-server (tests start their own on a free loopback port) and promtool (alert rules check)
+system-deps:
+	@command -v redis-server >/dev/null && command -v promtool >/dev/null || \
+	  ( $(SUDO) apt-get update -q && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server prometheus )
+
+run: install
+	$(BIN)/visenc serve --host $(HOST) --port $(PORT)
+
+lint: $(VENV)/.test
+	$(BIN)/ruff check service clients tests bench loadtest
+	$(BIN)/mypy service/visenc clients/visenc_client
+
+test: install-test lint
+	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+
+bench: install-test
+	$(BIN)/python bench/run_all.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,41 @@
+"""visenc_client: talk to a visenc service from a prefill worker.
+
+Example::
+
+    from visenc_client import Client, RowRange
+
+    with Client("http://127.0.0.1:8000") as vc:
+        h = vc.encode([png_bytes], wait=False)[0]   # pending handle, num_tokens known
+        first = vc.fetch(h, 0, 16)                    # waits until encoded
+"""
+
+from visenc_client._client import AsyncClient, Client
+from visenc_client._exceptions import (
+    APIError,
+    BadRequestError,
+    DeadlineError,
+    NotFoundError,
+    OverloadedError,
+    ProtocolError,
+    ServerError,
+    TransportError,
+    VisencClientError,
+)
+from visenc_client._types import Handle, RowRange, image_hash
+
+__all__ = [
+    "APIError",
+    "AsyncClient",
+    "BadRequestError",
+    "Client",
+    "DeadlineError",
+    "Handle",
+    "NotFoundError",
+    "OverloadedError",
+    "ProtocolError",
+    "RowRange",
+    "ServerError",
+    "TransportError",
+    "VisencClientError",
+    "image_hash",
+]

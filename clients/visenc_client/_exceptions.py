@@ -1,0 +1,68 @@
+"""The client's exceptions::
+
+    VisencClientError
+    ├── TransportError        the service could not be reached (connect, read, timeout)
+    ├── ProtocolError         the service answered something this client cannot read
+    └── APIError              the service answered an error (``status_code``, ``kind``, ``message``)
+        ├── BadRequestError   400 / 413 / 415 / 422: fix the request, do not retry
+        ├── NotFoundError     404: unknown image (upload its bytes again)
+        ├── OverloadedError   429: retry after ``retry_after_s``
+        └── ServerError       5xx
+            └── DeadlineError 504: not ready in time; retrying may succeed
+"""
+
+from __future__ import annotations
+
+
+class VisencClientError(Exception):
+    pass
+
+
+class TransportError(VisencClientError):
+    pass
+
+
+class ProtocolError(VisencClientError):
+    pass
+
+
+class APIError(VisencClientError):
+    def __init__(self, status_code: int, kind: str, message: str) -> None:
+        super().__init__(f"{status_code} {kind}: {message}")
+        self.status_code = status_code
+        self.kind = kind
+        self.message = message
+
+
+class BadRequestError(APIError):
+    pass
+
+
+class NotFoundError(APIError):
+    pass
+
+
+class OverloadedError(APIError):
+    def __init__(self, status_code: int, kind: str, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(status_code, kind, message)
+        self.retry_after_s = retry_after_s
+
+
+class ServerError(APIError):
+    pass
+
+
+class DeadlineError(ServerError):
+    pass
+
+
+def error_for(status_code: int, kind: str, message: str, retry_after: str | None = None) -> APIError:
+    if status_code == 404:
+        return NotFoundError(status_code, kind, message)
+    if status_code == 429:
+        return OverloadedError(status_code, kind, message, float(retry_after or 1))
+    if status_code == 504:
+        return DeadlineError(status_code, kind, message)
+    if status_code >= 500:
+        return ServerError(status_code, kind, message)
+    return BadRequestError(status_code, kind, message)

@@ -1,0 +1,145 @@
+"""What the client says and how it reads the answers, independent of I/O.
+
+Each operation is a generator that yields ``httpx.Request`` objects and is sent
+back the ``httpx.Response``; ``Client`` drives it with blocking calls,
+``AsyncClient`` with awaits. One implementation of the protocol, two drivers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from collections.abc import Generator, Sequence
+from typing import Any, TypeVar
+
+import httpx
+import msgpack
+import numpy as np
+
+from visenc_client._exceptions import ProtocolError, error_for
+from visenc_client._types import Handle, RowRange, image_hash
+
+T = TypeVar("T")
+Flow = Generator[httpx.Request, httpx.Response, T]
+ImageInput = bytes | bytearray | memoryview | str | os.PathLike[str]
+
+MSGPACK = "application/msgpack"
+ROWS_MEDIA_TYPE = "application/x-visenc-rows"
+#: wire dtype -> numpy dtype of the returned array (bfloat16 comes as raw 16-bit words)
+NUMPY_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+
+
+def read_image(image: ImageInput) -> bytes:
+    if isinstance(image, (bytes, bytearray, memoryview)):
+        return bytes(image)
+    with open(image, "rb") as f:
+        return f.read()
+
+
+def raise_for_status(resp: httpx.Response) -> None:
+    if resp.status_code < 400:
+        return
+    kind, message = "http_error", resp.reason_phrase
+    try:
+        err = json.loads(resp.content)["error"]
+        kind, message = err["kind"], err["message"]
+    except Exception:  # noqa: BLE001 - a non-JSON error body still maps by status
+        pass
+    raise error_for(resp.status_code, kind, message, resp.headers.get("retry-after"))
+
+
+def _msgpack_request(client: httpx.Client | httpx.AsyncClient, path: str, payload: dict[str, Any],
+                     headers: dict[str, str] | None = None) -> httpx.Request:
+    return client.build_request("POST", path, content=msgpack.packb(payload),
+                                headers={"content-type": MSGPACK, "accept": MSGPACK, **(headers or {})})
+
+
+def _handles(resp: httpx.Response) -> list[Handle]:
+    raise_for_status(resp)
+    try:
+        body = msgpack.unpackb(resp.content)
+        return [Handle.from_wire(d) for d in body["items"]]
+    except Exception as e:
+        raise ProtocolError(f"unreadable encode response: {e}") from e
+
+
+def encode_flow(client: httpx.Client | httpx.AsyncClient, images: Sequence[ImageInput], *, wait: bool,
+                hash_first: bool, headers: dict[str, str] | None) -> Flow[list[Handle]]:
+    """Hash-first: send hashes; upload bytes only for images the index answers ``missing``."""
+    datas = [read_image(im) for im in images]
+    hashes = [image_hash(d) for d in datas]
+    if not hash_first:
+        items = [{"hash": h, "data": d} for h, d in zip(hashes, datas)]
+        return _handles((yield _msgpack_request(client, "/v1/encode", {"items": items, "wait": wait}, headers)))
+    payload = {"items": [{"hash": h} for h in hashes], "wait": wait}
+    handles = _handles((yield _msgpack_request(client, "/v1/encode", payload, headers)))
+    missing = [i for i, h in enumerate(handles) if h.status == "missing"]
+    if missing:
+        items = [{"hash": hashes[i], "data": datas[i]} for i in missing]
+        uploaded = _handles((yield _msgpack_request(client, "/v1/encode", {"items": items, "wait": wait},
+                                                    headers)))
+        for i, h in zip(missing, uploaded):
+            handles[i] = h
+    return handles
+
+
+def _as_array(buf: bytes | memoryview, dtype: str, rows: int, hidden: int) -> np.ndarray:
+    if dtype not in NUMPY_DTYPES:
+        raise ProtocolError(f"unknown dtype {dtype!r}")
+    return np.frombuffer(buf, dtype=NUMPY_DTYPES[dtype]).reshape(rows, hidden)
+
+
+def fetch_flow(client: httpx.Client | httpx.AsyncClient, image: str | Handle, start: int | None,
+               end: int | None, headers: dict[str, str] | None) -> Flow[np.ndarray]:
+    """Rows ``[start, end)`` of one image: a read-only view of the response body (no copy)."""
+    h = image.hash if isinstance(image, Handle) else image
+    params = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
+    resp = yield client.build_request("GET", f"/v1/embeddings/{h}", params=params, headers=headers)
+    raise_for_status(resp)
+    try:
+        rows, hidden = (int(x) for x in resp.headers["x-visenc-shape"].split(","))
+        return _as_array(resp.content, resp.headers["x-visenc-dtype"], rows, hidden)
+    except (KeyError, ValueError) as e:
+        raise ProtocolError(f"unreadable embedding response: {e}") from e
+
+
+def parse_rows(body: bytes) -> list[tuple[dict[str, Any], memoryview | None]]:
+    """Split an ``application/x-visenc-rows`` body into (item header, rows view) pairs."""
+    view = memoryview(body)
+    try:
+        (hlen,) = struct.unpack_from("<I", view, 0)
+        header = msgpack.unpackb(view[4 : 4 + hlen])
+    except Exception as e:
+        raise ProtocolError(f"unreadable rows response: {e}") from e
+    base = 4 + hlen
+    out: list[tuple[dict[str, Any], memoryview | None]] = []
+    for item in header["items"]:
+        if "offset" in item:
+            out.append((item, view[base + item["offset"] : base + item["offset"] + item["nbytes"]]))
+        else:
+            out.append((item, None))
+    return out
+
+
+def fetch_many_flow(client: httpx.Client | httpx.AsyncClient, ranges: Sequence[RowRange], *, wait: bool,
+                    headers: dict[str, str] | None) -> Flow[list[np.ndarray]]:
+    """Several ranges in one round trip; each result is a read-only view of the one response body."""
+    payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
+    resp = yield _msgpack_request(client, "/v1/embeddings/fetch", payload, headers)
+    raise_for_status(resp)
+    arrays = []
+    for item, rows in parse_rows(resp.content):
+        if rows is None:
+            raise error_for(int(item.get("status", 500)), "fetch_failed",
+                            f"{item.get('hash')}: {item.get('error')}")
+        n, hidden = item["shape"]
+        arrays.append(_as_array(rows, item["dtype"], n, hidden))
+    return arrays
+
+
+def simple_flow(client: httpx.Client | httpx.AsyncClient, method: str, path: str,
+                headers: dict[str, str] | None) -> Flow[Any]:
+    resp = yield client.build_request(method, path, headers=headers)
+    raise_for_status(resp)
+    return resp.json()

@@ -1,0 +1,45 @@
+"""Plain data the client hands back."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any
+
+
+def image_hash(data: bytes | bytearray | memoryview) -> str:
+    """The image key: SHA-256 of the raw image bytes, 64 lowercase hex digits (as the service computes it)."""
+    return hashlib.sha256(data).hexdigest()
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """One image's embedding handle.
+
+    ``status`` is ``ready`` (fetch now), ``pending`` (being encoded; a fetch
+    waits), ``missing`` (not in the index and no bytes were sent) or ``error``.
+    ``num_tokens`` / ``grid_thw`` are known even while pending, so a prompt can
+    be laid out before the embeddings exist."""
+
+    hash: str
+    status: str
+    num_tokens: int | None = None
+    hidden_size: int | None = None
+    dtype: str | None = None
+    grid_thw: tuple[int, int, int] | None = None
+    error: str | None = None
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any]) -> Handle:
+        grid = d.get("grid_thw")
+        return cls(d["hash"], d["status"], d.get("num_tokens"), d.get("hidden_size"), d.get("dtype"),
+                   tuple(grid) if grid else None, d.get("error"))  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True, slots=True)
+class RowRange:
+    """Token rows ``[start, end)`` of one image (``None``: from the first / to the last row)."""
+
+    hash: str
+    start: int | None = None
+    end: int | None = None

@@ -1,0 +1,3 @@
+from visenc.cli import main
+
+raise SystemExit(main())

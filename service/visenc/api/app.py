@@ -1,0 +1,134 @@
+"""``create_app(settings)``: everything is wired in the lifespan, nothing at import time."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from visenc.api.routes import router
+from visenc.config import Settings
+from visenc.engine.encoder import Encoder
+from visenc.errors import VisencError
+from visenc.index.base import Index
+from visenc.index.memory import MemoryIndex
+from visenc.metrics import Metrics
+from visenc.models.base import VisionTower
+
+log = logging.getLogger("visenc")
+
+
+def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"kind": kind, "message": message}}, status, headers)
+
+
+class MetricsMiddleware:
+    """Counts every request by route template and status, and times it."""
+
+    def __init__(self, app: ASGIApp, metrics: Metrics) -> None:
+        self.app = app
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 500
+        t0 = time.perf_counter()
+
+        async def send_wrapper(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_wrapper)
+        finally:
+            route = scope.get("route")
+            endpoint = getattr(route, "path", None) or "unmatched"
+            self.metrics.requests.labels(endpoint, str(status)).inc()
+            self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
+
+
+def build_index(settings: Settings, metrics: Metrics) -> Index:
+    return MemoryIndex(settings.cache_bytes, metrics)
+
+
+def load_tower(settings: Settings) -> VisionTower:
+    import torch
+
+    from visenc.models.registry import load_tower as _load
+
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    if settings.torch_threads:
+        torch.set_num_threads(settings.torch_threads)
+    return _load(settings.model, dtype=dtype, device=device, max_pixels=settings.max_pixels)
+
+
+def create_app(settings: Settings | None = None, *, tower: VisionTower | None = None) -> FastAPI:
+    """Build the service. ``tower`` may be passed in (tests share one loaded tower)."""
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        loaded = tower or await asyncio.to_thread(load_tower, settings)
+        index = build_index(settings, metrics)
+        encoder = Encoder(loaded, index, settings, metrics)
+        d = loaded.describe()
+        metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"],
+                                  str(d["hidden_size"])).set(1)
+        await encoder.start()
+        app.state.encoder = encoder
+        log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"],
+                 settings.redacted())
+        try:
+            yield
+        finally:
+            await encoder.stop()
+            await index.close()
+
+    app = FastAPI(title="visenc", version="0.1.0", lifespan=lifespan,
+                  description="Vision-encoder service: per-image embedding index, batched encoding, "
+                              "lazy per-chunk fetch.")
+    app.state.settings = settings
+    app.state.metrics = metrics
+    app.include_router(router)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)
+
+    @app.exception_handler(VisencError)
+    async def _visenc_error(request: Request, exc: VisencError) -> JSONResponse:
+        metrics.errors.labels(exc.kind).inc()
+        if not exc.public:
+            log.error("internal error on %s: %r", request.url.path, exc)
+            return _error(500, "internal", "internal error")
+        return _error(exc.status_code, exc.kind, exc.message, exc.headers or None)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        metrics.errors.labels("invalid_params").inc()
+        errs: list[Any] = list(exc.errors())[:5]
+        msg = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errs)
+        return _error(422, "invalid_params", msg or "invalid parameters")
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
+        metrics.errors.labels("internal").inc()
+        log.exception("unhandled error on %s", request.url.path)
+        return _error(500, "internal", "internal error")
+
+    return app

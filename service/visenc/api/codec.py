@@ -1,0 +1,119 @@
+"""Request and response encodings: JSON or msgpack, chosen by Content-Type / Accept.
+
+The fetch response is *not* msgpack-in-full: msgpack's ``unpackb`` copies every
+``bin`` value, so embedding bytes travel as a small header followed by raw rows
+(``application/x-visenc-rows``)::
+
+    u32 LE  header_len
+    bytes   msgpack {"items": [{"hash", "start", "end", "shape", "dtype",
+                                "offset", "nbytes"} | {"hash", "status", "error"}]}
+    bytes   the rows of every item, back to back; item k is
+            body[4 + header_len + offset_k : ... + nbytes_k]
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from collections.abc import Sequence
+from typing import Any, TypeVar
+
+import msgpack
+from pydantic import BaseModel, ValidationError
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from visenc.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+
+MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
+ROWS_MEDIA_TYPE = "application/x-visenc-rows"
+M = TypeVar("M", bound=BaseModel)
+
+
+def _media_type(value: str | None) -> str:
+    return (value or "").split(";", 1)[0].strip().lower()
+
+
+def wants_msgpack(request: Request) -> bool:
+    return any(t in request.headers.get("accept", "") for t in MSGPACK_TYPES)
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole body, refusing (413) past ``limit`` bytes before reading them all."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        try:
+            if int(declared) > limit:
+                raise PayloadTooLarge(f"body of {declared} bytes exceeds max_body_bytes={limit}")
+        except ValueError as e:
+            raise BadRequest("bad Content-Length header") from e
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise PayloadTooLarge(f"body exceeds max_body_bytes={limit}")
+        chunks.append(chunk)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def _validation_message(e: ValidationError) -> str:
+    parts = []
+    for err in e.errors()[:5]:
+        loc = ".".join(str(x) for x in err["loc"]) or "body"
+        parts.append(f"{loc}: {err['msg']}")
+    return "; ".join(parts)
+
+
+class InvalidBody(BadRequest):
+    status_code = 422
+    kind = "invalid_body"
+
+
+async def parse(request: Request, model: type[M], limit: int) -> M:
+    """Parse a JSON or msgpack body into ``model`` (4xx on anything malformed)."""
+    media = _media_type(request.headers.get("content-type"))
+    body = await read_body(request, limit)
+    try:
+        if media in MSGPACK_TYPES:
+            try:
+                obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
+            except Exception as e:
+                raise BadRequest(f"malformed msgpack body: {type(e).__name__}") from e
+            return model.model_validate(obj)
+        if media in ("application/json", ""):
+            return model.model_validate_json(body)
+    except ValidationError as e:
+        raise InvalidBody(f"invalid request: {_validation_message(e)}") from e
+    raise UnsupportedMediaType(f"Content-Type {media!r} is not supported; use application/json or "
+                               "application/msgpack")
+
+
+def render(request: Request, payload: dict[str, Any], status_code: int = 200,
+           headers: dict[str, str] | None = None) -> Response:
+    if wants_msgpack(request):
+        return Response(msgpack.packb(payload), status_code, headers, media_type="application/msgpack")
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    return Response(body, status_code, headers, media_type="application/json")
+
+
+class ChunksResponse(Response):
+    """A body sent as several buffers (views into cached entries), never joined into one."""
+
+    def __init__(self, chunks: Sequence[bytes | memoryview], media_type: str,
+                 headers: dict[str, str] | None = None) -> None:
+        self.chunks = [c for c in chunks if len(c)]
+        super().__init__(None, 200, headers, media_type)
+        self.headers["content-length"] = str(sum(len(c) for c in self.chunks))
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await send({"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers})
+        if not self.chunks:
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        for i, chunk in enumerate(self.chunks):
+            await send({"type": "http.response.body", "body": chunk, "more_body": i < len(self.chunks) - 1})
+
+
+def rows_response(meta: list[dict[str, Any]], views: Sequence[memoryview]) -> ChunksResponse:
+    header = msgpack.packb({"items": meta})
+    return ChunksResponse([struct.pack("<I", len(header)) + header, *views], ROWS_MEDIA_TYPE)

@@ -1,0 +1,168 @@
+"""HTTP routes: encode, fetch, model info, health and metrics.
+
+Handlers only translate between the wire and the engine: no torch here, no
+CPU-heavy work on the event loop.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+from fastapi import APIRouter, Query, Request
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response
+from visenc.api.schemas import EncodeRequest, EncodeResponse, ErrorResponse, FetchRequest
+from visenc.engine.encoder import EncodeItem, Encoder
+from visenc.errors import BadRequest, NotReady, PayloadTooLarge, VisencError
+from visenc.index.format import Entry
+
+router = APIRouter()
+_NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+
+_ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in [(400, "Bad input"), (404, "Unknown image"), (413, "Over a limit"),
+                       (415, "Unsupported content type"), (422, "Invalid body"), (429, "Queue full"),
+                       (503, "Not ready"), (504, "Deadline exceeded")]
+}
+
+
+def _body_schema(model: type) -> dict[str, Any]:
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    return {"requestBody": {"required": True, "content": {
+        "application/json": {"schema": ref}, "application/msgpack": {"schema": ref}}}}
+
+
+def _encoder(request: Request) -> Encoder:
+    return request.app.state.encoder  # type: ignore[no-any-return]
+
+
+def namespace_of(request: Request) -> str:
+    """The caller's key namespace: set by auth when enabled, else the header or the default."""
+    ns = getattr(request.state, "namespace", None)
+    if ns is not None:
+        return str(ns)
+    ns = request.headers.get("x-visenc-namespace") or request.app.state.settings.namespace
+    if not _NAMESPACE_RE.fullmatch(ns):
+        raise BadRequest("X-Visenc-Namespace must be 1-64 characters of [A-Za-z0-9_.-]")
+    return ns
+
+
+def check_range(entry: Entry, start: int | None, end: int | None) -> tuple[int, int]:
+    s = 0 if start is None else start
+    e = entry.rows if end is None else end
+    if not 0 <= s <= e <= entry.rows:
+        raise BadRequest(f"range [{s}, {e}) is outside the image's {entry.rows} token rows")
+    return s, e
+
+
+@router.post("/v1/encode", response_model=EncodeResponse, responses=_ERRORS,
+             openapi_extra=_body_schema(EncodeRequest))
+async def encode(request: Request) -> Response:
+    """Look images up by hash and encode the misses that came with bytes.
+
+    Each item is ``{"hash"}``, ``{"data"}`` or both. A hash-only item that is not
+    in the index answers ``missing`` (upload its bytes next: hash-first). With
+    ``wait=false`` the answer comes at once with ``pending`` handles that already
+    carry ``num_tokens``; fetch the rows later."""
+    settings = request.app.state.settings
+    body = await parse(request, EncodeRequest, settings.max_body_bytes)
+    encoder = _encoder(request)
+    handles = await encoder.encode(
+        [EncodeItem(it.hash, it.data) for it in body.items], namespace_of(request), wait=body.wait
+    )
+    return render(request, {"model": encoder.fingerprint, "items": [h.to_wire() for h in handles]})
+
+
+@router.get(
+    "/v1/embeddings/{image_hash}",
+    responses={200: {"content": {"application/octet-stream": {}},
+                     "description": "Raw little-endian rows; shape and dtype in headers."}, **_ERRORS},
+    response_class=Response,
+)
+async def get_embedding(
+    request: Request,
+    image_hash: str,
+    start: int | None = Query(None, ge=0, description="First token row."),
+    end: int | None = Query(None, ge=0, description="One past the last token row."),
+) -> Response:
+    """Token rows ``[start, end)`` of one image as raw bytes, waiting while it is pending."""
+    entry = await _encoder(request).lookup(image_hash, namespace_of(request))
+    s, e = check_range(entry, start, end)
+    view = entry.rows_view(s, e)
+    request.app.state.metrics.bytes_served.labels("http").inc(len(view))
+    return Response(view, media_type="application/octet-stream", headers={
+        "X-Visenc-Shape": f"{e - s},{entry.hidden}", "X-Visenc-Dtype": entry.dtype,
+        "X-Visenc-Rows": f"{s}-{e}", "X-Visenc-Total-Rows": str(entry.rows),
+        "X-Visenc-Grid-Thw": ",".join(map(str, entry.grid_thw)),
+    })
+
+
+@router.post(
+    "/v1/embeddings/fetch",
+    responses={200: {"content": {ROWS_MEDIA_TYPE: {}},
+                     "description": "u32 header length, msgpack header, then raw rows."}, **_ERRORS},
+    response_class=Response,
+    openapi_extra=_body_schema(FetchRequest),
+)
+async def fetch(request: Request) -> Response:
+    """Several ``(hash, start, end)`` ranges in one round trip (one response, rows back to back)."""
+    settings = request.app.state.settings
+    body = await parse(request, FetchRequest, settings.max_body_bytes)
+    if len(body.ranges) > settings.max_items:
+        raise PayloadTooLarge(f"{len(body.ranges)} ranges exceed max_items={settings.max_items}")
+    encoder = _encoder(request)
+    ns = namespace_of(request)
+    meta: list[dict[str, Any]] = []
+    views: list[memoryview] = []
+    offset = 0
+    for r in body.ranges:
+        try:
+            entry = await encoder.lookup(r.hash, ns, timeout_s=None if body.wait else 0.0)
+            s, e = check_range(entry, r.start, r.end)
+        except VisencError as err:
+            if not err.public:
+                raise
+            meta.append({"hash": r.hash, "status": err.status_code, "error": err.message})
+            continue
+        view = entry.rows_view(s, e)
+        meta.append({"hash": r.hash, "start": s, "end": e, "shape": [e - s, entry.hidden],
+                     "dtype": entry.dtype, "offset": offset, "nbytes": len(view)})
+        views.append(view)
+        offset += len(view)
+    request.app.state.metrics.bytes_served.labels("http").inc(offset)
+    return rows_response(meta, views)
+
+
+@router.get("/v1/model")
+async def model_info(request: Request) -> Response:
+    """The served tower: name, fingerprint, hidden size, dtype, device."""
+    encoder = _encoder(request)
+    return render(request, encoder.tower.describe())
+
+
+@router.get("/healthz", response_class=PlainTextResponse)
+async def healthz() -> str:
+    """Liveness: the process answers."""
+    return "ok"
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    """Readiness: model loaded and device worker alive (503 otherwise)."""
+    encoder: Encoder | None = getattr(request.app.state, "encoder", None)
+    if encoder is None or not encoder.ready:
+        raise NotReady("encoder not ready")
+    return render(request, {"status": "ready", "index": encoder.index.health(),
+                            "queue_depth": encoder.scheduler.depth})
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition."""
+    m = request.app.state.metrics
+    m.queue_depth.set(request.app.state.encoder.scheduler.depth)
+    return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

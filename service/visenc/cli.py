@@ -1,0 +1,66 @@
+"""``visenc serve [--flag value ...]``: every Settings field is a flag and a VISENC_* variable."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+import types
+import typing
+from typing import Any
+
+from pydantic import SecretStr, ValidationError
+
+from visenc.config import Settings
+
+
+def _flag_type(annotation: Any) -> tuple[Any, list[str] | None]:
+    """argparse type and choices for a field annotation (``X | None`` unwraps to X)."""
+    origin = typing.get_origin(annotation)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(annotation) if a is not type(None)]
+        return _flag_type(args[0])
+    if origin is typing.Literal:
+        return str, [str(a) for a in typing.get_args(annotation)]
+    if annotation in (int, float):
+        return annotation, None
+    if annotation is SecretStr:
+        return str, None
+    return str, None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="visenc", description="Vision-encoder service for multimodal LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    serve = sub.add_parser("serve", help="Run the HTTP service.",
+                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    for name, field in Settings.model_fields.items():
+        kind, choices = _flag_type(field.annotation)
+        env = f"VISENC_{name.upper()}"
+        serve.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, choices=choices,
+                           default=argparse.SUPPRESS, help=f"{field.description} [env {env}]")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = vars(build_parser().parse_args(argv))
+    command = args.pop("command")
+    try:
+        settings = Settings(**args)
+    except ValidationError as e:
+        print(f"visenc: invalid settings:\n{e}", file=sys.stderr)
+        return 2
+    if command == "serve":
+        import uvicorn
+
+        from visenc.api.app import create_app
+
+        logging.basicConfig(level=settings.log_level.upper(),
+                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
+                    log_level=settings.log_level, timeout_graceful_shutdown=30)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,88 @@
+"""Settings: one typed place for every option.
+
+Every field is a ``visenc serve --flag-name`` option and a ``VISENC_FLAG_NAME``
+environment variable (the flag wins). Invalid values fail at start-up.
+Secrets (the Redis URL's password, API keys) are ``SecretStr`` and never logged.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Literal
+
+from pydantic import Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+MiB = 1 << 20
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="VISENC_", extra="forbid", validate_default=True)
+
+    # --- server -------------------------------------------------------------
+    host: str = Field("127.0.0.1", description="Address to bind.")
+    port: int = Field(8000, ge=0, le=65535, description="Port to bind (0: any free port).")
+    log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
+
+    # --- model --------------------------------------------------------------
+    model: str = Field(
+        "tiny-qwen2-vl",
+        description="Registry name (tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-clip, tiny-siglip) "
+        "or a local checkpoint folder; only its vision weights are read.",
+    )
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
+        "auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA."
+    )
+    device: str = Field("auto", description="torch device (cpu, cuda, cuda:1); auto = cuda if available.")
+    max_pixels: int | None = Field(
+        None, gt=0, description="Override the tower's max pixels after resize (variable-resolution towers)."
+    )
+    torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's).")
+
+    # --- index --------------------------------------------------------------
+    namespace: str = Field(
+        "default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Default key namespace (tenant)."
+    )
+    cache_bytes: int = Field(1024 * MiB, ge=0, description="Byte budget of the in-process LRU (L1).")
+    redis_url: SecretStr | None = Field(
+        None, description="redis:// or rediss:// URL of the shared index (L2); unset = in-process only."
+    )
+    cache_ttl_s: int = Field(7 * 86400, gt=0, description="TTL of Redis entries, seconds.")
+
+    # --- engine -------------------------------------------------------------
+    max_batch_tokens: int = Field(
+        16384, gt=0, description="Most input patch tokens in one forward (a single larger image still runs)."
+    )
+    max_batch_images: int = Field(64, gt=0, description="Most images in one forward.")
+    max_wait_ms: float = Field(
+        2.0, ge=0, description="How long an idle worker waits for a batch to fill before running it."
+    )
+    preprocess_workers: int = Field(
+        default_factory=lambda: max(1, os.cpu_count() or 1),
+        gt=0,
+        description="Threads that decode and preprocess images.",
+    )
+    max_queue_images: int = Field(
+        4096, gt=0, description="Images waiting for the encoder before new work is refused with 429."
+    )
+
+    # --- limits and deadlines ----------------------------------------------
+    request_timeout_s: float = Field(120.0, gt=0, description="Deadline of an encode request with wait.")
+    fetch_timeout_s: float = Field(60.0, gt=0, description="How long a fetch waits for a pending image.")
+    max_body_bytes: int = Field(256 * MiB, gt=0, description="Largest request body.")
+    max_items: int = Field(512, gt=0, description="Most items in one encode or fetch request.")
+    max_image_bytes: int = Field(64 * MiB, gt=0, description="Largest single encoded image.")
+    max_image_pixels: int = Field(
+        64_000_000, gt=0, description="Most pixels of a decoded image (decompression-bomb guard)."
+    )
+
+    @field_validator("redis_url")
+    @classmethod
+    def _check_redis_url(cls, v: SecretStr | None) -> SecretStr | None:
+        if v is not None and not v.get_secret_value().startswith(("redis://", "rediss://", "unix://")):
+            raise ValueError("redis_url must start with redis://, rediss:// or unix://")
+        return v
+
+    def redacted(self) -> dict[str, object]:
+        """Settings safe to log: secrets masked (SecretStr prints as '**********')."""
+        return {k: (str(v) if isinstance(v, SecretStr) else v) for k, v in self.__dict__.items()}

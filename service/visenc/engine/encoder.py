@@ -1,0 +1,316 @@
+"""The engine's front door: index lookups, single-flight, admission, waiting.
+
+``Encoder.encode`` turns a request's items into handles:
+
+* the image hash is checked (or computed) from uploaded bytes off the event
+  loop, and a mismatch is rejected, so no request can write an entry under a
+  hash its bytes do not have; a hash-only item can only *hit*, never create;
+* lookups go in-flight map → the index tiers, one round trip for the whole
+  request;
+* a miss with bytes becomes one ``Job`` per distinct key (**single-flight**:
+  concurrent requests for the same new image join the job in flight);
+* the job is finished on the event loop thread: its entry is stored in the
+  local tier *before* it leaves the in-flight map, so a later lookup always
+  finds one or the other and an image is never encoded twice.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from visenc.config import Settings
+from visenc.engine.job import Job
+from visenc.engine.scheduler import Scheduler
+from visenc.engine.worker import DeviceWorker
+from visenc.errors import (
+    BadRequest,
+    DeadlineExceeded,
+    HashMismatch,
+    NotFound,
+    NotReady,
+    Overloaded,
+    PayloadTooLarge,
+    VisencError,
+)
+from visenc.imaging.decode import decode, probe
+from visenc.imaging.hashing import image_hash, is_valid_hash
+from visenc.index.base import Index
+from visenc.index.format import Entry
+from visenc.index.keys import entry_key
+from visenc.metrics import Metrics
+from visenc.models.base import Prepared, TokenLayout, VisionTower
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class EncodeItem:
+    hash: str | None = None
+    data: bytes | None = None
+
+
+@dataclass(slots=True)
+class Handle:
+    """What a caller learns about one image: enough to lay out its prompt."""
+
+    hash: str
+    status: str  # ready | pending | missing | error
+    num_tokens: int | None = None
+    hidden_size: int | None = None
+    dtype: str | None = None
+    grid_thw: tuple[int, int, int] | None = None
+    error: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "hash": self.hash, "status": self.status, "num_tokens": self.num_tokens,
+            "hidden_size": self.hidden_size, "dtype": self.dtype,
+            "grid_thw": list(self.grid_thw) if self.grid_thw else None,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+        return out
+
+
+def _retrieve(fut: asyncio.Future[Any]) -> None:
+    # a failed job nobody waits for must not log "exception was never retrieved"
+    if not fut.cancelled():
+        fut.exception()
+
+
+class Encoder:
+    def __init__(self, tower: VisionTower, index: Index, settings: Settings, metrics: Metrics) -> None:
+        self.tower = tower
+        self.index = index
+        self.settings = settings
+        self.metrics = metrics
+        self.fingerprint = tower.fingerprint
+        self.dtype = str(tower.dtype).removeprefix("torch.")
+        self.inflight: dict[str, Job] = {}
+        self._requests = itertools.count()
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self.pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="visenc-pre")
+        self.scheduler = Scheduler(
+            preprocess=self._preprocess,
+            pool=self.pool,
+            fail=self._fail,
+            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_images=settings.max_batch_images,
+            packable=tower.packable,
+            on_prepared=lambda job, s: metrics.preprocess_seconds.observe(s),
+        )
+        self.worker = DeviceWorker(
+            tower, self.scheduler, complete=self._complete, fail=self._fail, metrics=metrics,
+            max_wait_s=settings.max_wait_ms / 1000,
+        )
+        self._closing = False
+
+    # --- lifecycle -------------------------------------------------------------
+    async def start(self) -> None:
+        self.worker.start()
+        self.metrics.worker_alive.set(1)
+
+    async def stop(self) -> None:
+        self._closing = True
+        self.scheduler.cancel_all(NotReady("the service is shutting down"))
+        await self.worker.stop()
+        for t in list(self._tasks):
+            t.cancel()
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        self.metrics.worker_alive.set(0)
+
+    @property
+    def ready(self) -> bool:
+        return not self._closing and self.worker.alive
+
+    # --- CPU-side helpers (pool threads) ---------------------------------------
+    def _inspect(self, item: EncodeItem, position: int) -> tuple[str, TokenLayout]:
+        """Hash (and check) uploaded bytes and read the image size from its header."""
+        assert item.data is not None
+        digest = image_hash(item.data)
+        if item.hash is not None and item.hash != digest:
+            raise HashMismatch(
+                f"item {position}: the uploaded bytes hash to {digest}, not to the given {item.hash}"
+            )
+        try:
+            width, height = probe(item.data, max_pixels=self.settings.max_image_pixels)
+        except VisencError as e:
+            e.message = f"item {position}: {e.message}"
+            e.args = (e.message,)
+            raise
+        return digest, self.tower.layout(width, height)
+
+    def _preprocess(self, data: bytes) -> Prepared:
+        image = decode(data, max_pixels=self.settings.max_image_pixels)
+        return self.tower.preprocess(image)
+
+    # --- job completion (event loop thread) ------------------------------------
+    def _complete(self, job: Job, entry: Entry) -> None:
+        self.index.store_local(job.key, entry)
+        self._spawn(self.index.write_remote(job.key, entry))
+        if self.inflight.get(job.key) is job:
+            del self.inflight[job.key]
+        if not job.future.done():
+            job.future.set_result(entry)
+        self.metrics.inflight.set(len(self.inflight))
+
+    def _fail(self, job: Job, error: BaseException) -> None:
+        if self.inflight.get(job.key) is job:
+            del self.inflight[job.key]
+        if not job.future.done():
+            if not isinstance(error, VisencError):
+                log.error("encode of %s failed: %r", job.image_hash, error)
+                self.metrics.encode_failures.labels(type(error).__name__).inc()
+                error = VisencError(f"encoding failed: {type(error).__name__}")
+            job.future.set_exception(error)
+        self.metrics.inflight.set(len(self.inflight))
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _handle(self, image_hash: str, status: str, layout: TokenLayout | None = None,
+                error: str | None = None) -> Handle:
+        if layout is None:
+            return Handle(image_hash, status, error=error)
+        return Handle(image_hash, status, layout.num_tokens, self.tower.hidden_size, self.dtype,
+                      layout.grid_thw, error)
+
+    @staticmethod
+    def _entry_layout(entry: Entry) -> TokenLayout:
+        return TokenLayout(entry.rows, entry.grid_thw, entry.grid_thw)
+
+    # --- the request path -------------------------------------------------------
+    async def encode(self, items: Sequence[EncodeItem], namespace: str, *, wait: bool) -> list[Handle]:
+        if not self.ready:
+            raise NotReady("the encoder is not running")
+        if len(items) > self.settings.max_items:
+            raise PayloadTooLarge(f"{len(items)} items exceed the limit of max_items={self.settings.max_items}")
+        loop = asyncio.get_running_loop()
+        hashes: list[str] = []
+        for i, item in enumerate(items):
+            if item.data is None:
+                if item.hash is None or not is_valid_hash(item.hash):
+                    raise BadRequest(f"item {i}: 'hash' must be 64 lowercase hex digits (SHA-256 of the bytes)")
+            elif len(item.data) > self.settings.max_image_bytes:
+                raise PayloadTooLarge(
+                    f"item {i}: {len(item.data)} bytes exceed max_image_bytes={self.settings.max_image_bytes}"
+                )
+            elif item.hash is not None and not is_valid_hash(item.hash):
+                raise BadRequest(f"item {i}: 'hash' must be 64 lowercase hex digits (SHA-256 of the bytes)")
+            hashes.append(item.hash or "")
+
+        inspected: dict[int, TokenLayout] = {}
+        with_data = [i for i, it in enumerate(items) if it.data is not None]
+        if with_data:
+            results = await asyncio.gather(
+                *(loop.run_in_executor(self.pool, self._inspect, items[i], i) for i in with_data)
+            )
+            for i, (digest, layout) in zip(with_data, results):
+                hashes[i] = digest
+                inspected[i] = layout
+
+        keys = [entry_key(namespace, self.fingerprint, h) for h in hashes]
+        found: list[Entry | None] = [None] * len(keys)
+        lookup = [i for i, k in enumerate(keys) if k not in self.inflight]
+        if lookup:  # every tier, one round trip for the whole request
+            for i, entry in zip(lookup, await self.index.get_many([keys[i] for i in lookup])):
+                found[i] = entry
+
+        new = {keys[i] for i in inspected if found[i] is None and keys[i] not in self.inflight}
+        if self.scheduler.depth + len(new) > self.settings.max_queue_images:
+            raise Overloaded(
+                f"encoder queue is full (max_queue_images={self.settings.max_queue_images})", retry_after_s=1.0
+            )
+
+        order = next(self._requests)
+        now = time.monotonic()
+        handles: list[Handle] = []
+        joined: dict[int, Job] = {}
+        for i, (h, key) in enumerate(zip(hashes, keys)):
+            entry = found[i]
+            if entry is None:
+                entry = self.index.peek(key)  # finished while we looked elsewhere
+            if entry is not None:
+                handles.append(self._handle(h, "ready", self._entry_layout(entry)))
+                continue
+            job = self.inflight.get(key)
+            if job is not None:
+                self.metrics.singleflight_joins.inc()
+            elif i in inspected:
+                layout = inspected[i]
+                job = Job(key=key, image_hash=h, layout=layout, cost=self.tower.input_tokens(layout),
+                          order=(order, i), future=loop.create_future(), admitted_at=now,
+                          data=items[i].data)
+                job.future.add_done_callback(_retrieve)
+                self.inflight[key] = job
+                self.scheduler.submit(job)
+            else:
+                handles.append(self._handle(h, "missing"))
+                continue
+            job.interest += 1
+            joined[i] = job
+            handles.append(self._handle(h, "pending", job.layout))
+        self.metrics.inflight.set(len(self.inflight))
+        self.metrics.queue_depth.set(self.scheduler.depth)
+
+        if not wait or not joined:
+            return handles  # wait=false: the interest taken above stays until the job ends
+        try:
+            _, not_done = await asyncio.wait(
+                {j.future for j in joined.values()}, timeout=self.settings.request_timeout_s
+            )
+            if not_done:
+                raise DeadlineExceeded(
+                    f"{len(not_done)} images were not encoded within request_timeout_s="
+                    f"{self.settings.request_timeout_s}"
+                )
+        finally:
+            for job in joined.values():
+                job.interest -= 1
+        for i, job in joined.items():
+            error = job.future.exception()
+            if error is not None:
+                handles[i] = self._handle(hashes[i], "error", error=str(error))
+            else:
+                handles[i].status = "ready"
+        return handles
+
+    async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
+        """The entry of an image, waiting (and raising its priority) if it is being encoded."""
+        if not is_valid_hash(image_hash):
+            raise BadRequest("hash must be 64 lowercase hex digits (SHA-256 of the image bytes)")
+        key = entry_key(namespace, self.fingerprint, image_hash)
+        entry = self.index.peek(key)
+        if entry is not None:
+            return entry
+        job = self.inflight.get(key)
+        if job is None:
+            (entry,) = await self.index.get_many([key])
+            if entry is not None:
+                return entry
+            entry, job = self.index.peek(key), self.inflight.get(key)
+            if entry is not None:
+                return entry
+            if job is None:
+                raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
+        timeout_s = self.settings.fetch_timeout_s if timeout_s is None else timeout_s
+        self.scheduler.bump(job)
+        job.interest += 1
+        self.metrics.singleflight_waits.inc()
+        try:
+            done, _ = await asyncio.wait({job.future}, timeout=timeout_s)
+        finally:
+            job.interest -= 1
+            self.metrics.singleflight_waits.dec()
+        if not done:
+            raise DeadlineExceeded(f"image {image_hash} was not encoded within {timeout_s} s")
+        return job.future.result()

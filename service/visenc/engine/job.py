@@ -1,0 +1,44 @@
+"""One image's trip through the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+from dataclasses import dataclass, field
+
+from visenc.index.format import Entry
+from visenc.models.base import Prepared, TokenLayout
+
+_arrivals = itertools.count()
+
+
+@dataclass(eq=False)
+class Job:
+    """A distinct image being encoded (single-flight: one Job per index key).
+
+    ``order`` is (request arrival, position in the request): jobs run in
+    arrival order and, within a request, in prompt order, so the first chunk's
+    images are ready first. ``urgent`` (set by a fetch that waits on it) moves
+    a job ahead of every non-urgent one.
+
+    ``interest`` counts who still wants the result: each waiting request or
+    fetch, plus one for a ``wait=false`` encode (the caller will fetch later).
+    A job whose interest drops to zero before its forward is dropped.
+    """
+
+    key: str
+    image_hash: str
+    layout: TokenLayout
+    cost: int
+    order: tuple[int, int]
+    future: asyncio.Future[Entry]
+    admitted_at: float
+    data: bytes | None = None
+    prepared: Prepared | None = None
+    urgent: bool = False
+    interest: int = 0
+    seq: int = field(default_factory=lambda: next(_arrivals))
+
+    @property
+    def priority(self) -> tuple[bool, tuple[int, int], int]:
+        return (not self.urgent, self.order, self.seq)

@@ -1,0 +1,182 @@
+"""Scheduler: which images are preprocessed next, and which run together.
+
+Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
+``ready`` (tower input) → a batch on the device. Both choices follow priority
+(urgent first, then arrival, then prompt order):
+
+* preprocessing is *gated* by ``prefetch_tokens``: only about two batches'
+  worth of tower input exists at a time, so memory stays bounded however many
+  images are queued, and a fetch that raises a job's priority gets it
+  preprocessed next, not after everything admitted before it;
+* a batch takes the highest-priority ready job and fills up with ready jobs of
+  the **same bucket** (equal input shape: one launch, no padding), or of any
+  bucket for a packable tower, under ``max_batch_tokens`` / ``max_batch_images``.
+  A single job larger than the token budget still runs, alone.
+
+Everything here runs on the event loop thread; nothing blocks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import Executor
+
+from visenc.engine.job import Job
+from visenc.errors import VisencError
+from visenc.models.base import Prepared
+
+log = logging.getLogger(__name__)
+
+Preprocess = Callable[[bytes], Prepared]
+Finish = Callable[[Job, BaseException], None]
+
+
+class Cancelled(VisencError):
+    status_code = 499
+    kind = "cancelled"
+    public = True
+
+
+class Scheduler:
+    def __init__(
+        self,
+        *,
+        preprocess: Preprocess,
+        pool: Executor,
+        fail: Finish,
+        max_batch_tokens: int,
+        max_batch_images: int,
+        packable: bool,
+        prefetch_tokens: int | None = None,
+        on_prepared: Callable[[Job, float], None] | None = None,
+    ) -> None:
+        self._preprocess = preprocess
+        self._pool = pool
+        self._fail = fail
+        self.max_batch_tokens = max_batch_tokens
+        self.max_batch_images = max_batch_images
+        self.packable = packable
+        self.prefetch_tokens = prefetch_tokens or 2 * max_batch_tokens
+        self._on_prepared = on_prepared
+        self._waiting: list[Job] = []
+        self._ready: list[Job] = []
+        self._preparing: set[asyncio.Task[None]] = set()
+        #: tower-input tokens preprocessed or being preprocessed, not yet forwarded
+        self.staged_tokens = 0
+        self._changed = asyncio.Event()
+
+    # --- state ---------------------------------------------------------------
+    @property
+    def depth(self) -> int:
+        """Jobs admitted and not yet handed to the device."""
+        return len(self._waiting) + len(self._preparing) + len(self._ready)
+
+    @property
+    def idle(self) -> bool:
+        return self.depth == 0
+
+    # --- intake ----------------------------------------------------------------
+    def submit(self, job: Job) -> None:
+        self._waiting.append(job)
+        self._dispatch()
+
+    def bump(self, job: Job) -> None:
+        """Move a job ahead of all non-urgent work (a fetch is waiting on it)."""
+        if not job.urgent:
+            job.urgent = True
+            self._dispatch()
+            self._changed.set()
+
+    def _drop_if_unwanted(self, job: Job) -> bool:
+        if job.interest > 0:
+            return False
+        self._fail(job, Cancelled("every request waiting for this image went away"))
+        return True
+
+    def _dispatch(self) -> None:
+        """Start preprocessing the most urgent waiting jobs while the prefetch budget allows."""
+        while self._waiting and (self.staged_tokens < self.prefetch_tokens or self.staged_tokens == 0):
+            job = min(self._waiting, key=lambda j: j.priority)
+            self._waiting.remove(job)
+            if self._drop_if_unwanted(job):
+                continue
+            self.staged_tokens += job.cost
+            task = asyncio.get_running_loop().create_task(self._prepare(job))
+            self._preparing.add(task)
+            task.add_done_callback(self._preparing.discard)
+
+    async def _prepare(self, job: Job) -> None:
+        data, job.data = job.data, None
+        assert data is not None
+        t0 = time.perf_counter()
+        try:
+            job.prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
+        except BaseException as e:  # noqa: BLE001 - every failure fails the job, the loop lives on
+            self.staged_tokens -= job.cost
+            self._fail(job, e)
+            self._dispatch()
+            if isinstance(e, asyncio.CancelledError):
+                raise
+            return
+        if self._on_prepared is not None:
+            self._on_prepared(job, time.perf_counter() - t0)
+        self._ready.append(job)
+        self._changed.set()
+
+    # --- batches -----------------------------------------------------------------
+    def take_batch(self) -> list[Job]:
+        """The next batch by priority and bucket (empty if nothing is ready)."""
+        kept = []
+        for job in self._ready:
+            if self._drop_if_unwanted(job):
+                self.staged_tokens -= job.cost
+            else:
+                kept.append(job)
+        self._ready = kept
+        if not kept:
+            self._dispatch()
+            return []
+        self._ready.sort(key=lambda j: j.priority)
+        head = self._ready[0]
+        batch, tokens = [head], head.cost
+        for job in self._ready[1:]:
+            if len(batch) >= self.max_batch_images:
+                break
+            if not self.packable and job.layout.bucket != head.layout.bucket:
+                continue
+            if tokens + job.cost > self.max_batch_tokens:
+                continue
+            batch.append(job)
+            tokens += job.cost
+        taken = set(map(id, batch))
+        self._ready = [j for j in self._ready if id(j) not in taken]
+        return batch
+
+    def done(self, batch: list[Job]) -> None:
+        """The device has finished with ``batch``: free its budget, preprocess more."""
+        self.staged_tokens -= sum(j.cost for j in batch)
+        self._dispatch()
+
+    async def next_batch(self, max_wait_s: float, timeout_s: float | None = None) -> list[Job]:
+        """Wait for ready work; if the device was idle, give a batch ``max_wait_s`` to fill."""
+        while not self._ready:
+            self._changed.clear()
+            try:
+                await asyncio.wait_for(self._changed.wait(), timeout_s)
+            except asyncio.TimeoutError:
+                return []
+        if max_wait_s > 0 and len(self._ready) < self.max_batch_images and (self._waiting or self._preparing):
+            await asyncio.sleep(max_wait_s)
+        return self.take_batch()
+
+    def cancel_all(self, error: BaseException) -> None:
+        """Fail every job not yet on the device (shutdown)."""
+        for job in self._waiting + self._ready:
+            self._fail(job, error)
+        self._waiting.clear()
+        self._ready.clear()
+        for task in list(self._preparing):
+            task.cancel()

@@ -1,0 +1,139 @@
+"""The device worker: one loop per device that feeds the tower batch after batch.
+
+The loop itself is an asyncio task (batch formation and future resolution stay
+on the event loop thread); the forward and the copy of its output into stored
+values run on a single dedicated thread, so device work is serialised and the
+event loop never blocks. A batch that raises fails only its own jobs; the loop
+lives on. ``heartbeat`` advances every time the loop makes progress, so a
+stalled forward is visible to readiness checks.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from visenc.engine.job import Job
+from visenc.engine.scheduler import Scheduler
+from visenc.errors import EncodeFailed
+from visenc.index.format import Entry, pack_entry
+from visenc.metrics import Metrics
+from visenc.models.base import VisionTower
+
+log = logging.getLogger(__name__)
+
+Complete = Callable[[Job, Entry], None]
+Fail = Callable[[Job, BaseException], None]
+
+
+def _raw_rows(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as numpy without a copy (bfloat16 as its 16-bit words)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
+class DeviceWorker:
+    def __init__(
+        self,
+        tower: VisionTower,
+        scheduler: Scheduler,
+        *,
+        complete: Complete,
+        fail: Fail,
+        metrics: Metrics,
+        max_wait_s: float,
+    ) -> None:
+        self.tower = tower
+        self.scheduler = scheduler
+        self._complete = complete
+        self._fail = fail
+        self.metrics = metrics
+        self.max_wait_s = max_wait_s
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="visenc-device")
+        self._task: asyncio.Task[None] | None = None
+        self._dtype = str(tower.dtype).removeprefix("torch.")
+        #: monotonic time of the last sign of life; ``busy_since`` is set while a forward runs
+        self.heartbeat = time.monotonic()
+        self.busy_since: float | None = None
+
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="visenc-device-worker")
+
+    @property
+    def alive(self) -> bool:
+        return self._task is not None and not self._task.done()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            try:
+                await self._task
+            except asyncio.CancelledError:
+                pass
+        self._thread.shutdown(wait=True, cancel_futures=True)
+
+    async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            self.heartbeat = time.monotonic()
+            batch = await self.scheduler.next_batch(self.max_wait_s, timeout_s=1.0)
+            if not batch:
+                continue
+            started = time.monotonic()
+            for job in batch:
+                self.metrics.queue_wait_seconds.observe(started - job.admitted_at)
+            self.busy_since = started
+            try:
+                entries = await loop.run_in_executor(self._thread, self._forward, batch)
+            except asyncio.CancelledError:
+                for job in batch:
+                    self._fail(job, EncodeFailed("the encoder shut down"))
+                raise
+            except Exception as e:
+                log.exception("forward of %d images failed", len(batch))
+                self.metrics.encode_failures.labels(type(e).__name__).inc(len(batch))
+                err = EncodeFailed(f"encoding failed: {type(e).__name__}")
+                for job in batch:
+                    self._fail(job, err)
+            else:
+                elapsed = time.monotonic() - started
+                self.metrics.forward_seconds.observe(elapsed)
+                self.metrics.forwards.inc()
+                self.metrics.batch_images.observe(len(batch))
+                self.metrics.batch_tokens.observe(sum(j.cost for j in batch))
+                self.metrics.encoded_images.inc(len(batch))
+                self.metrics.encoded_tokens.inc(sum(e.rows for e in entries))
+                for job, entry in zip(batch, entries):
+                    self._complete(job, entry)
+            finally:
+                self.busy_since = None
+                self.scheduler.done(batch)
+
+    def _forward(self, batch: list[Job]) -> list[Entry]:
+        """Device thread: one forward for the batch, then each image's rows into its stored value."""
+        prepared = [job.prepared for job in batch]
+        assert all(p is not None for p in prepared)
+        outputs = self.tower.forward(prepared)  # type: ignore[arg-type]
+        if len(outputs) != len(batch):
+            raise RuntimeError(f"tower returned {len(outputs)} outputs for {len(batch)} images")
+        entries = []
+        for job, out in zip(batch, outputs):
+            if tuple(out.shape) != (job.layout.num_tokens, self.tower.hidden_size):
+                raise RuntimeError(
+                    f"encoder produced {tuple(out.shape)}, expected ({job.layout.num_tokens}, "
+                    f"{self.tower.hidden_size})"
+                )
+            entries.append(
+                pack_entry(_raw_rows(out), dtype=self._dtype, grid_thw=job.layout.grid_thw,
+                           fingerprint=self.tower.fingerprint, hash=job.image_hash)
+            )
+            job.prepared = None  # free the pixels now, not when the request ends
+        return entries

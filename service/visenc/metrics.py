@@ -1,0 +1,90 @@
+"""Prometheus metrics, named once.
+
+Each app gets its own ``CollectorRegistry`` (several apps can live in one test
+process). Names are ``visenc_*``; durations are ``*_seconds`` with geometric
+buckets; batch sizes use powers of two.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+#: 0.5 ms .. ~65 s, doubling
+SECONDS_BUCKETS = tuple(0.0005 * 2**i for i in range(18))
+#: 1 .. 1024 images
+IMAGE_BUCKETS = tuple(float(2**i) for i in range(11))
+#: 16 .. 1M tokens
+TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 21))
+
+
+class Metrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        r = self.registry = registry or CollectorRegistry()
+        self.requests = Counter(
+            "visenc_requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=r
+        )
+        self.request_seconds = Histogram(
+            "visenc_request_duration_seconds", "HTTP request duration.", ["endpoint"],
+            buckets=SECONDS_BUCKETS, registry=r,
+        )
+        self.queue_wait_seconds = Histogram(
+            "visenc_queue_wait_seconds", "Time an image waited from admission to the start of its forward.",
+            buckets=SECONDS_BUCKETS, registry=r,
+        )
+        self.preprocess_seconds = Histogram(
+            "visenc_preprocess_seconds", "Decode + preprocess time of one image.",
+            buckets=SECONDS_BUCKETS, registry=r,
+        )
+        self.forward_seconds = Histogram(
+            "visenc_forward_seconds", "Duration of one batched forward (device work + copy out).",
+            buckets=SECONDS_BUCKETS, registry=r,
+        )
+        self.batch_images = Histogram(
+            "visenc_batch_size_images", "Images per forward.", buckets=IMAGE_BUCKETS, registry=r
+        )
+        self.batch_tokens = Histogram(
+            "visenc_batch_size_tokens", "Input patch tokens per forward.", buckets=TOKEN_BUCKETS, registry=r
+        )
+        self.queue_depth = Gauge(
+            "visenc_queue_depth", "Images admitted and not yet encoded (preprocessing or queued).", registry=r
+        )
+        self.inflight = Gauge(
+            "visenc_inflight_images", "Distinct images being encoded (single-flight map size).", registry=r
+        )
+        self.singleflight_joins = Counter(
+            "visenc_singleflight_joins", "Requests that joined an encode already in flight.", registry=r
+        )
+        self.singleflight_waits = Gauge(
+            "visenc_singleflight_waiting", "Waiters currently blocked on an in-flight encode.", registry=r
+        )
+        self.cache_lookups = Counter(
+            "visenc_cache_lookups", "Index lookups by tier and result.", ["tier", "result"], registry=r
+        )
+        self.cache_evictions = Counter(
+            "visenc_cache_evictions", "Entries evicted from a tier.", ["tier"], registry=r
+        )
+        self.cache_bytes = Gauge("visenc_cache_bytes", "Bytes held by a tier.", ["tier"], registry=r)
+        self.cache_entries = Gauge("visenc_cache_entries", "Entries held by a tier.", ["tier"], registry=r)
+        self.encoded_images = Counter("visenc_encoded_images", "Images encoded by a forward.", registry=r)
+        self.encoded_tokens = Counter("visenc_encoded_tokens", "Output token rows encoded.", registry=r)
+        self.forwards = Counter("visenc_forwards", "Forward calls (batches) run.", registry=r)
+        self.bytes_served = Counter(
+            "visenc_bytes_served", "Embedding bytes served, by transport.", ["transport"], registry=r
+        )
+        self.bytes_index = Counter(
+            "visenc_index_bytes", "Bytes read from / written to a tier.", ["tier", "op"], registry=r
+        )
+        self.redis_errors = Counter(
+            "visenc_redis_errors", "Redis operations that failed, by operation.", ["op"], registry=r
+        )
+        self.encode_failures = Counter(
+            "visenc_encode_failures", "Images whose encode failed, by kind.", ["kind"], registry=r
+        )
+        self.errors = Counter("visenc_errors", "Errors answered, by kind.", ["kind"], registry=r)
+        self.model_info = Gauge(
+            "visenc_model_info", "The served tower (value 1).",
+            ["name", "fingerprint", "dtype", "device", "hidden_size"], registry=r,
+        )
+        self.worker_alive = Gauge(
+            "visenc_worker_alive", "1 while the device worker is healthy, 0 when stalled or dead.", registry=r
+        )

@@ -1,0 +1,121 @@
+"""Shared fixtures: one loaded tiny tower, in-process apps, real servers on free ports."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from visenc.api.app import create_app
+from visenc.config import Settings
+from visenc.models.base import VisionTower
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.fixture(scope="session")
+def tiny_tower() -> VisionTower:
+    from visenc.models.registry import load_tower
+
+    return load_tower("tiny-qwen2-vl")
+
+
+@contextlib.asynccontextmanager
+async def running_app(tower: VisionTower, **overrides: object) -> AsyncIterator[httpx.AsyncClient]:
+    """The real app (engine, index, tower) in-process, lifespan included, behind an httpx client."""
+    settings = Settings(**{"max_wait_ms": 1.0, **overrides})  # type: ignore[arg-type]
+    app = create_app(settings, tower=tower)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://visenc") as client:
+            client.app = app  # type: ignore[attr-defined]
+            yield client
+
+
+@pytest.fixture
+async def service(tiny_tower: VisionTower) -> AsyncIterator[httpx.AsyncClient]:
+    async with running_app(tiny_tower) as client:
+        yield client
+
+
+def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 120.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        time.sleep(0.2)
+    raise TimeoutError(f"{url} not ready within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[str]:
+    """A real ``visenc serve`` subprocess on a free loopback port; terminated (then killed) after."""
+    port = free_port()
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "visenc", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients")]),
+             **(env or {})},
+        stdout=out, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def redis_process(port: int | None = None, *extra: str) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real redis-server on a free loopback port, no persistence."""
+    exe = shutil.which("redis-server")
+    if exe is None:
+        pytest.fail("redis-server is not installed (make test installs it)")
+    port = port or free_port()
+    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
+                             "--appendonly", "no", *extra],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            break
+        time.sleep(0.05)
+    try:
+        yield f"redis://127.0.0.1:{port}/0", proc
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def redis_url() -> Iterator[str]:
+    with redis_process() as (url, _):
+        yield url

@@ -1,0 +1,109 @@
+"""Batching policy: priority, buckets, budgets, prefetch gating, dropping unwanted work."""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from visenc.engine.job import Job
+from visenc.engine.scheduler import Scheduler
+from visenc.models.base import Prepared, TokenLayout
+
+
+def make_scheduler(packable=False, max_tokens=100, max_images=8, prefetch=None, failed=None):
+    def preprocess(data: bytes) -> Prepared:
+        n = len(data)
+        return Prepared(np.zeros((n, 1), np.float32), TokenLayout(n, (1, 1, n), n))
+
+    return Scheduler(preprocess=preprocess, pool=ThreadPoolExecutor(2),
+                     fail=lambda job, e: (failed if failed is not None else []).append((job, e)),
+                     max_batch_tokens=max_tokens, max_batch_images=max_images, packable=packable,
+                     prefetch_tokens=prefetch)
+
+
+def job(cost: int, order: tuple[int, int], bucket=None) -> Job:
+    loop = asyncio.get_running_loop()
+    j = Job(key=f"k{order}", image_hash="h", layout=TokenLayout(cost, (1, 1, cost), bucket or cost), cost=cost,
+            order=order, future=loop.create_future(), admitted_at=0.0, data=b"x" * cost)
+    j.interest = 1
+    return j
+
+
+async def drain_ready(s: Scheduler, n: int):
+    for _ in range(200):
+        if len(s._ready) == n:
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"{len(s._ready)} ready, expected {n}")
+
+
+async def test_same_bucket_batches_in_priority_order():
+    s = make_scheduler()
+    jobs = [job(10, (0, 0), "A"), job(20, (0, 1), "B"), job(10, (0, 2), "A"), job(10, (1, 0), "A")]
+    for j in jobs:
+        s.submit(j)
+    await drain_ready(s, 4)
+    assert s.take_batch() == [jobs[0], jobs[2], jobs[3]]
+    assert s.take_batch() == [jobs[1]]
+    assert s.take_batch() == []
+
+
+async def test_packable_mixes_buckets_under_token_budget():
+    s = make_scheduler(packable=True, max_tokens=35)
+    jobs = [job(10, (0, i), f"b{i}") for i in range(5)]
+    for j in jobs:
+        s.submit(j)
+    await drain_ready(s, 5)
+    assert s.take_batch() == jobs[:3]
+    assert s.take_batch() == jobs[3:]
+
+
+async def test_oversized_image_runs_alone():
+    s = make_scheduler(max_tokens=10)
+    big = job(50, (0, 0))
+    s.submit(big)
+    await drain_ready(s, 1)
+    assert s.take_batch() == [big]
+
+
+async def test_urgent_job_jumps_the_queue():
+    s = make_scheduler(max_images=1)
+    jobs = [job(5, (0, i), "A") for i in range(3)]
+    for j in jobs:
+        s.submit(j)
+    await drain_ready(s, 3)
+    s.bump(jobs[2])
+    assert s.take_batch() == [jobs[2]]
+    assert s.take_batch() == [jobs[0]]
+
+
+async def test_prefetch_budget_bounds_preprocessed_work():
+    s = make_scheduler(prefetch=25)
+    jobs = [job(10, (0, i), "A") for i in range(6)]
+    for j in jobs:
+        s.submit(j)
+    await drain_ready(s, 3)  # 10 + 10 + 10 crosses 25: the rest wait with their bytes
+    assert len(s._waiting) == 3 and s.staged_tokens == 30
+    batch = s.take_batch()
+    s.done(batch)
+    await drain_ready(s, 3)
+    assert s.depth == 3 and s.staged_tokens == 30
+
+
+async def test_unwanted_jobs_are_dropped_before_preprocess_and_forward():
+    failed: list = []
+    s = make_scheduler(prefetch=10, failed=failed)
+    a, b, c = job(10, (0, 0), "A"), job(10, (0, 1), "A"), job(10, (0, 2), "A")
+    for j in (a, b, c):
+        s.submit(j)
+    await drain_ready(s, 1)
+    a.interest = 0  # ready, about to be batched
+    b.interest = 0  # still waiting for preprocessing
+    assert s.take_batch() == []
+    await drain_ready(s, 1)
+    assert s.take_batch() == [c]
+    assert {id(j) for j, _ in failed} == {id(a), id(b)}
+    s.done([c])
+    assert s.staged_tokens == 0 and s.idle

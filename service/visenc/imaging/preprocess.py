@@ -1,0 +1,177 @@
+"""Fast numpy preprocessing shared by the towers, equal to transformers' PIL processors.
+
+The transformers PIL backend (``image_processing_backends.PilBackend``) does,
+per image: RGB uint8 → CHW array → back to PIL → ``Image.resize`` → CHW uint8
+→ ``float64 * rescale_factor → float32`` → ``(x - mean) / std`` in float32 →
+(Qwen) a float32 transpose into patches. We keep every step that decides a
+value and drop the round trips:
+
+- resize: the same ``PIL.Image.resize`` call, same filter, same target size
+  (same rounding), applied to the RGB image directly, so resized pixels are
+  identical;
+- rescale + normalise: a uint8 value can only take 256 values per channel,
+  so we precompute a ``[C, 256]`` float32 lookup table with *exactly*
+  transformers' arithmetic (float64 multiply, float32 cast, float32 subtract
+  and divide). One gather per element replaces three full passes and the
+  result is bit-identical (max abs diff 0.0), which a fused multiply-add
+  (``x * 1/(255 std) - mean/std``) is not (≈1e-7 relative);
+- layout moves (crop, patchify transpose) are done on uint8 data (4x fewer
+  bytes to move than float32) before the gather.
+
+All arrays here are HWC uint8 in, float32 out. Units: pixels.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+from PIL import Image
+
+from visenc.errors import InvalidImage
+
+#: transformers' constants (``image_utils``), repeated so imaging does not import transformers
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
+IMAGENET_STANDARD_STD = (0.5, 0.5, 0.5)
+BICUBIC = int(Image.Resampling.BICUBIC)
+MAX_ASPECT_RATIO = 200
+
+
+def smart_resize(
+    height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen2-VL target ``(height, width)``: both multiples of ``factor``, area within
+    ``[min_pixels, max_pixels]``, aspect ratio kept as closely as possible.
+
+    Same arithmetic as ``transformers.models.qwen2_vl...smart_resize`` (Python
+    ``round``, i.e. banker's rounding, included). Raises ``InvalidImage`` where
+    transformers raises ``ValueError`` (aspect ratio over 200).
+    """
+    if height <= 0 or width <= 0:
+        raise InvalidImage(f"image has an empty size {width}x{height}")
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidImage(
+            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the limit "
+            f"{MAX_ASPECT_RATIO}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def shortest_edge_size(height: int, width: int, shortest_edge: int) -> tuple[int, int]:
+    """``(height, width)`` with the short side set to ``shortest_edge`` and the long
+    side scaled and truncated with ``int()``, as ``get_resize_output_image_size``
+    (``default_to_square=False``, no ``max_size``) computes it."""
+    short, long = (width, height) if width <= height else (height, width)
+    new_short, new_long = shortest_edge, int(shortest_edge * long / short)
+    return (new_long, new_short) if width <= height else (new_short, new_long)
+
+
+def resize(image: Image.Image, height: int, width: int, resample: int = BICUBIC) -> np.ndarray:
+    """``Image.resize`` to ``(height, width)`` → HWC uint8 array (RGB input)."""
+    if image.size != (width, height):
+        image = image.resize((width, height), resample=resample)
+    return np.asarray(image)
+
+
+def center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
+    """Center crop an HWC array to ``(height, width)``, zero-padding where the image
+    is smaller, with transformers' ``center_crop`` offsets (floor for the crop,
+    ceil for the pad). Returns a view when no padding is needed."""
+    orig_h, orig_w = array.shape[:2]
+    top = (orig_h - height) // 2
+    left = (orig_w - width) // 2
+    if top >= 0 and left >= 0:
+        return array[top : top + height, left : left + width]
+    new_h, new_w = max(height, orig_h), max(width, orig_w)
+    padded = np.zeros((new_h, new_w, *array.shape[2:]), dtype=array.dtype)
+    top_pad = math.ceil((new_h - orig_h) / 2)
+    left_pad = math.ceil((new_w - orig_w) / 2)
+    padded[top_pad : top_pad + orig_h, left_pad : left_pad + orig_w] = array
+    top += top_pad
+    left += left_pad
+    return padded[max(0, top) : min(new_h, top + height), max(0, left) : min(new_w, left + width)]
+
+
+class Normalizer:
+    """uint8 → float32 ``(x * rescale_factor - mean) / std`` per channel, as a lookup table.
+
+    ``rescale_factor=None`` skips the rescale, ``mean``/``std`` ``None`` skip the
+    normalisation (the processors' ``do_rescale``/``do_normalize`` flags).
+    Immutable after construction, so one instance is shared by every thread.
+    """
+
+    __slots__ = ("lut",)
+
+    def __init__(
+        self,
+        rescale_factor: float | None,
+        mean: Sequence[float] | None,
+        std: Sequence[float] | None,
+        channels: int = 3,
+    ) -> None:
+        # transformers' exact op order, so table entries are bit-identical to its outputs
+        values = np.arange(256, dtype=np.float64)
+        if rescale_factor is not None:
+            values = values * rescale_factor
+        table = np.repeat(values.astype(np.float32)[None, :], channels, axis=0)
+        if mean is not None and std is not None:
+            table = (table - np.asarray(mean, dtype=np.float32)[:, None]) / np.asarray(std, dtype=np.float32)[
+                :, None
+            ]
+        self.lut: np.ndarray = np.ascontiguousarray(table, dtype=np.float32)  # [channels, 256]
+        self.lut.setflags(write=False)
+
+    def channels_first(self, array: np.ndarray) -> np.ndarray:
+        """HWC uint8 → CHW float32 (a new contiguous array)."""
+        height, width, channels = array.shape
+        out = np.empty((channels, height, width), dtype=np.float32)
+        for c in range(channels):
+            # mode="wrap": no bounds-check buffering; uint8 indices are always in range
+            np.take(self.lut[c], array[:, :, c], out=out[c], mode="wrap")
+        return out
+
+
+def qwen_patchify(
+    array: np.ndarray, norm: Normalizer, *, patch_size: int, merge_size: int, temporal_patch_size: int
+) -> np.ndarray:
+    """HWC uint8 (sides multiples of ``patch_size * merge_size``) → Qwen2-VL ``pixel_values``
+    ``[grid_h * grid_w, C * T * P * P]`` float32.
+
+    Row order is merge-block-major (``gh/m, gw/m, m, m``) and each row is
+    ``(C, T, P, P)``, the still frame repeated ``T`` times, exactly as
+    ``Qwen2VLImageProcessorPil.patchify``.
+    """
+    height, width, channels = array.shape
+    p, m, t = patch_size, merge_size, temporal_patch_size
+    grid_h, grid_w = height // p, width // p
+    if grid_h * p != height or grid_w * p != width or grid_h % m or grid_w % m:
+        raise ValueError(f"image {width}x{height} is not a multiple of patch {p} x merge {m}")
+    # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, p, p): uint8 moves are cheap
+    blocks = array.reshape(grid_h // m, m, p, grid_w // m, m, p, channels).transpose(0, 3, 1, 4, 6, 2, 5)
+    blocks = np.ascontiguousarray(blocks).reshape(grid_h * grid_w, channels, p, p)
+    values = np.empty((grid_h * grid_w, channels, p, p), dtype=np.float32)
+    for c in range(channels):
+        np.take(norm.lut[c], blocks[:, c], out=values[:, c], mode="wrap")
+    out = np.empty((grid_h * grid_w, channels, t, p, p), dtype=np.float32)
+    out[:] = values[:, :, None]
+    return out.reshape(grid_h * grid_w, channels * t * p * p)
+
+
+def as_tuple(values: float | Sequence[float], channels: int = 3) -> tuple[float, ...]:
+    """A processor's mean/std (scalar or list) as a per-channel tuple."""
+    if isinstance(values, (int, float)):
+        return (float(values),) * channels
+    return tuple(float(v) for v in values)

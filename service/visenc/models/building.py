@@ -1,0 +1,73 @@
+"""Small helpers the tower builders share: dtype names, seeded init, config fields."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import torch
+from transformers.initialization import no_init_weights
+
+M = TypeVar("M", bound=torch.nn.Module)
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+
+#: config keys that never change a vision tower's output (bookkeeping, output flags)
+_NOISE_KEYS = {
+    "transformers_version",
+    "architectures",
+    "output_hidden_states",
+    "output_attentions",
+    "return_dict",
+    "id2label",
+    "label2id",
+    "problem_type",
+    "chunk_size_feed_forward",
+    "is_encoder_decoder",
+    "dtype",
+    "torch_dtype",
+}
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    """``"float32" | "bfloat16" | "float16"`` → ``torch.dtype``; ``ValueError`` otherwise."""
+    try:
+        return DTYPES[name.removeprefix("torch.")]
+    except KeyError:
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+
+
+def config_fields(config: Any) -> dict[str, Any]:
+    """A transformers config as a JSON-able dict of the fields that define the model."""
+    fields = config.to_dict()
+    return {k: v for k, v in sorted(fields.items()) if k not in _NOISE_KEYS and not k.startswith("_")}
+
+
+def set_attention(config: Any, implementation: str = "sdpa") -> None:
+    """Pick the attention kernel before building. On CPU both eager and sdpa split
+    packed images per image (only flash-attn uses ``cu_seqlens`` varlen);
+    sdpa is the faster of the two and runs everywhere."""
+    config._attn_implementation = implementation
+
+
+def build_seeded(factory: Callable[[], M], seed: int) -> M:
+    """Build a module with random weights drawn from ``torch.manual_seed(seed)``,
+    without touching the caller's global RNG state (``fork_rng``). Same torch
+    version and seed → bit-identical weights in every process."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        module = factory()
+    return module.eval()
+
+
+def build_empty(factory: Callable[[], M]) -> M:
+    """Build a module whose parameters will all be overwritten by a checkpoint:
+    random init is skipped (``no_init_weights``), buffers computed in
+    ``__init__`` (rotary frequencies, position ids) are kept."""
+    with no_init_weights():
+        module = factory()
+    return module.eval()

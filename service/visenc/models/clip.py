@@ -1,0 +1,238 @@
+"""Fixed-resolution towers: CLIP and SigLIP image embeddings (one row per image).
+
+Every image is resized (CLIP: short side, then center crop; SigLIP: straight
+to height x width) to the model's input size, so all images share one bucket
+and batch by stacking. The output is the model's image embedding as
+``CLIPModel.get_image_features`` / ``SiglipModel.get_image_features`` define
+it: ``[1, projection_dim]`` (CLIP) or ``[1, hidden_size]`` (SigLIP pooled).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers import (
+    CLIPVisionConfig,
+    CLIPVisionModelWithProjection,
+    SiglipVisionConfig,
+    SiglipVisionModel,
+)
+
+from visenc.imaging.decode import to_rgb
+from visenc.imaging.preprocess import (
+    BICUBIC,
+    IMAGENET_STANDARD_MEAN,
+    IMAGENET_STANDARD_STD,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    Normalizer,
+    as_tuple,
+    center_crop,
+    resize,
+    shortest_edge_size,
+)
+from visenc.models.base import Prepared, TokenLayout, VisionTower
+from visenc.models.building import config_fields
+
+
+@dataclass(frozen=True)
+class FixedPreprocess:
+    """CLIP/SigLIP image processor settings (units: pixels).
+
+    Resize: ``shortest_edge`` set → short side to it (CLIP), else to
+    ``height x width`` (SigLIP). Then an optional ``crop_height x crop_width``
+    center crop, rescale, normalise.
+    """
+
+    shortest_edge: int | None
+    height: int | None
+    width: int | None
+    crop_height: int | None
+    crop_width: int | None
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    rescale_factor: float | None = 1 / 255
+    do_normalize: bool = True
+    resample: int = BICUBIC
+
+    @property
+    def output_size(self) -> tuple[int, int]:
+        """``(height, width)`` of the model input."""
+        if self.crop_height is not None and self.crop_width is not None:
+            return self.crop_height, self.crop_width
+        if self.height is None or self.width is None:
+            raise ValueError("a shortest-edge resize needs a center crop to give a fixed size")
+        return self.height, self.width
+
+    @classmethod
+    def clip_default(cls) -> FixedPreprocess:
+        """``CLIPImageProcessorPil`` defaults (224 short side, 224 crop, bicubic, OpenAI mean/std)."""
+        return cls(224, None, None, 224, 224, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD)
+
+    @classmethod
+    def siglip_default(cls) -> FixedPreprocess:
+        """``SiglipImageProcessorPil`` defaults (224x224, bicubic, mean/std 0.5)."""
+        return cls(None, 224, 224, None, None, IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD)
+
+    def with_processor_config(self, cfg: dict[str, Any]) -> FixedPreprocess:
+        """Override from a ``preprocessor_config.json`` dict (keys it lacks keep ours)."""
+        size = cfg.get("size")
+        out = self
+        if isinstance(size, dict):
+            if "shortest_edge" in size:
+                out = replace(out, shortest_edge=int(size["shortest_edge"]), height=None, width=None)
+            elif "height" in size and "width" in size:
+                out = replace(out, shortest_edge=None, height=int(size["height"]), width=int(size["width"]))
+        elif isinstance(size, int):
+            out = replace(out, shortest_edge=size, height=None, width=None)
+        crop = cfg.get("crop_size")
+        if cfg.get("do_center_crop", out.crop_height is not None) and crop is not None:
+            if isinstance(crop, int):
+                crop = {"height": crop, "width": crop}
+            out = replace(out, crop_height=int(crop["height"]), crop_width=int(crop["width"]))
+        elif cfg.get("do_center_crop") is False:
+            out = replace(out, crop_height=None, crop_width=None)
+        return replace(
+            out,
+            image_mean=as_tuple(cfg.get("image_mean", out.image_mean)),
+            image_std=as_tuple(cfg.get("image_std", out.image_std)),
+            rescale_factor=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            do_normalize=bool(cfg.get("do_normalize", out.do_normalize)),
+            resample=int(cfg.get("resample", out.resample)),
+        )
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments that make ``CLIPImageProcessorPil`` / ``SiglipImageProcessorPil`` do the same."""
+        size = (
+            {"shortest_edge": self.shortest_edge}
+            if self.shortest_edge is not None
+            else {"height": self.height, "width": self.width}
+        )
+        crop = self.crop_height is not None
+        return {
+            "size": size,
+            "do_center_crop": crop,
+            **({"crop_size": {"height": self.crop_height, "width": self.crop_width}} if crop else {}),
+            "image_mean": list(self.image_mean),
+            "image_std": list(self.image_std),
+            "do_rescale": self.rescale_factor is not None,
+            "rescale_factor": self.rescale_factor or 1 / 255,
+            "do_normalize": self.do_normalize,
+            "resample": self.resample,
+        }
+
+
+class FixedResolutionTower(VisionTower):
+    """CLIP (``vision_model`` + ``visual_projection``) or SigLIP (``vision_model``,
+    pooled by its attention head) as one embedding row per image."""
+
+    packable = False
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        model: CLIPVisionModelWithProjection | SiglipVisionModel,
+        preprocess: FixedPreprocess,
+        source: dict[str, Any],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        image_size = model.config.image_size
+        if preprocess.output_size != (image_size, image_size):
+            raise ValueError(
+                f"preprocessing gives {preprocess.output_size} inputs, "
+                f"the model expects {image_size}x{image_size}"
+            )
+        self.name = name
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.settings = preprocess
+        self.source = source
+        self.dtype = dtype
+        self.device = device
+        self._is_clip = isinstance(model, CLIPVisionModelWithProjection)
+        self.hidden_size = int(model.config.projection_dim if self._is_clip else model.config.hidden_size)
+        self._layout = TokenLayout(num_tokens=1, grid_thw=(1, 1, 1), bucket=preprocess.output_size)
+        self._norm = Normalizer(
+            preprocess.rescale_factor,
+            preprocess.image_mean if preprocess.do_normalize else None,
+            preprocess.image_std if preprocess.do_normalize else None,
+        )
+        patches = (image_size // model.config.patch_size) ** 2 + 1
+        self._tokens_per_image = patches
+
+    def layout(self, width: int, height: int) -> TokenLayout:
+        if width <= 0 or height <= 0:
+            raise ValueError(f"empty image size {width}x{height}")
+        return self._layout
+
+    def preprocess(self, image: Image.Image) -> Prepared:
+        """RGB image → ``[C, H, W]`` float32, equal to the processor's ``pixel_values[0]``."""
+        image = to_rgb(image)
+        s = self.settings
+        width, height = image.size
+        if s.shortest_edge is not None:
+            target_h, target_w = shortest_edge_size(height, width, s.shortest_edge)
+        else:
+            assert s.height is not None and s.width is not None
+            target_h, target_w = s.height, s.width
+        array = resize(image, target_h, target_w, s.resample)
+        if s.crop_height is not None and s.crop_width is not None:
+            array = center_crop(array, s.crop_height, s.crop_width)
+        return Prepared(pixels=self._norm.channels_first(array), layout=self._layout)
+
+    def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
+        """Stacked forward; one ``[1, hidden_size]`` view per image."""
+        if not batch:
+            return []
+        pixels = torch.from_numpy(np.stack([p.pixels for p in batch]))
+        with torch.inference_mode():
+            outputs = self.model(pixel_values=pixels.to(self.device, self.dtype))
+            embeds = outputs.image_embeds if self._is_clip else outputs.pooler_output
+            embeds = embeds.to("cpu").contiguous()
+        return [embeds[i : i + 1] for i in range(len(batch))]
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {
+            "family": "clip" if self._is_clip else "siglip",
+            "source": self.source,
+            "config": config_fields(self.model.config),
+            "dtype": str(self.dtype),
+            "preprocess": asdict(self.settings),
+        }
+
+    def activation_bytes_per_token(self) -> int:
+        # one output row stands for (image/patch)^2 + 1 encoder positions
+        width = self.model.config.hidden_size
+        return 16 * width * self._tokens_per_image * max(1, self.dtype.itemsize)
+
+
+def tiny_clip_config() -> CLIPVisionConfig:
+    """The peer benchmark's tiny CLIP vision side (infinity ``make_tiny_clip.py``):
+    224 px, patch 16, hidden 384, intermediate 1536, 6 layers, 6 heads, projection 256."""
+    return CLIPVisionConfig(
+        image_size=224,
+        patch_size=16,
+        hidden_size=384,
+        intermediate_size=1536,
+        num_hidden_layers=6,
+        num_attention_heads=6,
+        projection_dim=256,
+    )
+
+
+def tiny_siglip_config() -> SiglipVisionConfig:
+    """A small SigLIP: 224 px, patch 16, hidden 256, intermediate 1024, 4 layers, 4 heads."""
+    return SiglipVisionConfig(
+        image_size=224,
+        patch_size=16,
+        hidden_size=256,
+        intermediate_size=1024,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+    )

@@ -1,0 +1,196 @@
+"""``load_tower``: a built-in tower by name, or the vision tower of a local checkpoint.
+
+From a checkpoint folder only the vision tower is built and only its tensors
+are read: the shard index (``model.safetensors.index.json``) says which shards
+hold them, ``safe_open`` reads those tensors alone (the file is memory-mapped,
+so language-model bytes are never touched), and the language model is never
+instantiated.
+
+Supported folders (``config.json`` ``model_type``):
+
+- ``qwen2_vl`` / ``qwen2_5_vl``: full VLMs; vision tensors under ``visual.``
+  (what the original checkpoints and transformers 5.x ``save_pretrained``
+  write) or ``model.visual.`` (transformers 4.5x saves);
+- ``clip``: ``CLIPModel``; ``vision_model.*`` and ``visual_projection.*``;
+- ``siglip``: ``SiglipModel``; ``vision_model.*``.
+
+The weights fingerprint digests the safetensors header entries of the vision
+tensors (name, dtype, shape, offsets), the shard file sizes, and the vision
+tensor bytes as they are read (no extra pass over the language model: a
+header-only digest cannot tell two fine-tunes of one architecture apart).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+from transformers import AutoConfig, CLIPVisionModelWithProjection, SiglipVisionModel
+
+from visenc.models.base import VisionTower
+from visenc.models.building import build_empty, resolve_dtype, set_attention
+from visenc.models.clip import FixedPreprocess, FixedResolutionTower
+from visenc.models.qwen2vl import ARCHITECTURES, QwenPreprocess, QwenVisionTower
+from visenc.models.registry import REGISTRY, build_registered
+
+#: prefixes of Qwen vision tensors in a full-VLM checkpoint, most specific first
+_QWEN_PREFIXES = ("model.visual.", "visual.")
+
+
+def load_tower(
+    spec: str,
+    *,
+    dtype: str = "float32",
+    device: str = "cpu",
+    max_pixels: int | None = None,
+    seed: int = 0,
+) -> VisionTower:
+    """Build a tower from a registry name (``REGISTRY``) or a local checkpoint folder.
+
+    ``dtype``: ``float32`` (CPU) or ``bfloat16``/``float16`` (GPU hosts);
+    ``device``: any torch device string; ``max_pixels``: Qwen resize ceiling
+    (overrides the checkpoint's preprocessor config); ``seed``: weights of
+    registry towers. Raises ``ValueError`` for unknown specs, unsupported
+    model types, or checkpoints without vision weights.
+    """
+    torch_dtype = resolve_dtype(dtype)
+    torch_device = torch.device(device)
+    if spec in REGISTRY:
+        return build_registered(
+            spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed
+        )
+    path = Path(spec)
+    if not (path / "config.json").is_file():
+        raise ValueError(
+            f"unknown tower {spec!r}: neither a built-in name ({sorted(REGISTRY)}) "
+            "nor a folder with config.json"
+        )
+    return _load_checkpoint(path, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels)
+
+
+def _load_checkpoint(
+    path: Path, *, dtype: torch.dtype, device: torch.device, max_pixels: int | None
+) -> VisionTower:
+    model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    processor_cfg = _read_json(path / "preprocessor_config.json")
+    if model_type in ARCHITECTURES:
+        config = AutoConfig.from_pretrained(path).vision_config
+        set_attention(config)
+        model_class = ARCHITECTURES[model_type][1]
+        model = build_empty(lambda: model_class(config))
+        digest = _load_vision_weights(model, path, _QWEN_PREFIXES)
+        settings = QwenPreprocess.from_processor_config(
+            {
+                "patch_size": config.patch_size,
+                "merge_size": config.spatial_merge_size,
+                "temporal_patch_size": config.temporal_patch_size,
+                **processor_cfg,
+            }
+        )
+        if max_pixels is not None:
+            settings = replace(settings, max_pixels=max_pixels)
+        source = {"checkpoint": model_type, "weights": digest}
+        return QwenVisionTower(
+            name=str(path), model=model, preprocess=settings, source=source, dtype=dtype, device=device
+        )
+    if model_type in ("clip", "siglip"):
+        full = AutoConfig.from_pretrained(path)
+        config = full.vision_config
+        set_attention(config)
+        if model_type == "clip":
+            # CLIPModel projects with the top-level projection_dim, not the vision config's
+            config.projection_dim = full.projection_dim
+            model = build_empty(lambda: CLIPVisionModelWithProjection(config))
+            defaults = FixedPreprocess.clip_default()
+        else:
+            model = build_empty(lambda: SiglipVisionModel(config))
+            defaults = FixedPreprocess.siglip_default()
+        digest = _load_vision_weights(model, path, ("vision_model.", "visual_projection."), strip=False)
+        return FixedResolutionTower(
+            name=str(path),
+            model=model,
+            preprocess=defaults.with_processor_config(processor_cfg),
+            source={"checkpoint": model_type, "weights": digest},
+            dtype=dtype,
+            device=device,
+        )
+    raise ValueError(
+        f"unsupported model_type {model_type!r} in {path}; supported: {[*ARCHITECTURES, 'clip', 'siglip']}"
+    )
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+def _shards(path: Path) -> dict[str, list[str]] | None:
+    """shard file → tensor names, from the index; ``None`` for a single-file checkpoint."""
+    index = path / "model.safetensors.index.json"
+    if not index.is_file():
+        return None
+    by_file: dict[str, list[str]] = {}
+    for name, filename in json.loads(index.read_text())["weight_map"].items():
+        by_file.setdefault(filename, []).append(name)
+    return by_file
+
+
+def _header(file: Path) -> dict[str, Any]:
+    """The safetensors JSON header (8-byte little-endian length, then JSON): no tensor data read."""
+    with file.open("rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def _rename(names: list[str], prefixes: tuple[str, ...], strip: bool) -> dict[str, str]:
+    """checkpoint name → module state-dict name for the vision tensors.
+
+    ``strip``: keep names under the first prefix that any name uses (so
+    ``model.visual.`` and ``visual.`` are never mixed) and drop it; otherwise
+    keep every name under any of the prefixes as is.
+    """
+    if not strip:
+        return {n: n for n in names if n.startswith(prefixes)}
+    for prefix in prefixes:
+        chosen = {n: n[len(prefix) :] for n in names if n.startswith(prefix)}
+        if chosen:
+            return chosen
+    return {}
+
+
+def _load_vision_weights(
+    model: torch.nn.Module, path: Path, prefixes: tuple[str, ...], *, strip: bool = True
+) -> str:
+    """Read only the vision tensors into ``model`` (``strict=True``); returns the weights digest."""
+    shards = _shards(path)
+    if shards is None:
+        single = path / "model.safetensors"
+        if not single.is_file():
+            raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
+        shards = {single.name: list(_header(single).keys())}
+    renames = _rename([n for names in shards.values() for n in names], prefixes, strip)
+    if not renames:
+        raise ValueError(f"no vision tensors (prefixes {list(prefixes)}) in {path}")
+    # shards holding no vision tensor are never opened
+    wanted = {f: {n: renames[n] for n in names if n in renames} for f, names in shards.items()}
+    wanted = {f: selection for f, selection in wanted.items() if selection}
+    hasher = hashlib.sha256()
+    state: dict[str, torch.Tensor] = {}
+    for filename in sorted(wanted):
+        file = path / filename
+        header = _header(file)
+        selection = wanted[filename]
+        entries = {name: header[name] for name in sorted(selection)}
+        hasher.update(json.dumps([filename, file.stat().st_size, entries], sort_keys=True).encode())
+        with safe_open(str(file), framework="pt", device="cpu") as f:
+            for name in sorted(selection):
+                tensor = f.get_tensor(name)
+                hasher.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
+                state[selection[name]] = tensor
+    model.load_state_dict(state, strict=True)
+    return hasher.hexdigest()

@@ -1,0 +1,243 @@
+"""Qwen2-VL / Qwen2.5-VL vision towers: variable resolution, packable.
+
+An image is resized (``smart_resize``) to multiples of ``patch * merge``
+pixels, cut into ``grid_h * grid_w`` patches of ``C * T * P * P`` values (a
+still image is its frame repeated ``T`` times), encoded by the ViT and merged
+``merge x merge`` → ``grid_h * grid_w // merge**2`` LLM-ready token rows of
+``hidden_size`` (the merger's output width = the LLM's hidden size).
+
+Many images share one forward: their patches are concatenated and
+``grid_thw`` tells the model where each image starts, so attention never
+crosses images (``cu_seqlens``; on the sdpa/eager path transformers splits
+the sequence per image, with flash-attn it uses varlen kernels).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, replace
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
+
+from visenc.imaging.decode import to_rgb
+from visenc.imaging.preprocess import (
+    BICUBIC,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    Normalizer,
+    as_tuple,
+    qwen_patchify,
+    resize,
+    smart_resize,
+)
+from visenc.models.base import Prepared, TokenLayout, VisionTower
+from visenc.models.building import config_fields
+
+#: default resize ceiling for the service: 1280 merged tokens (≈1.0 Mpx), as Qwen2-VL's processor
+DEFAULT_MAX_PIXELS = 1280 * 28 * 28
+DEFAULT_MIN_PIXELS = 56 * 56
+
+#: full-VLM ``model_type`` → (vision config class, vision model class)
+ARCHITECTURES: dict[str, tuple[type, type[torch.nn.Module]]] = {
+    "qwen2_vl": (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel),
+    "qwen2_5_vl": (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel),
+}
+
+
+@dataclass(frozen=True)
+class QwenPreprocess:
+    """The ``Qwen2VLImageProcessor`` settings that change the pixels (units: pixels)."""
+
+    min_pixels: int = DEFAULT_MIN_PIXELS
+    max_pixels: int = DEFAULT_MAX_PIXELS
+    patch_size: int = 14
+    merge_size: int = 2
+    temporal_patch_size: int = 2
+    image_mean: tuple[float, ...] = OPENAI_CLIP_MEAN
+    image_std: tuple[float, ...] = OPENAI_CLIP_STD
+    rescale_factor: float | None = 1 / 255
+    do_normalize: bool = True
+    resample: int = BICUBIC
+
+    @classmethod
+    def from_processor_config(cls, cfg: dict[str, Any]) -> QwenPreprocess:
+        """From a ``preprocessor_config.json`` dict; missing keys take the processor's
+        defaults. Top-level ``min_pixels``/``max_pixels`` win over ``size``, as in
+        ``Qwen2VLImageProcessorPil.__init__``."""
+        size = cfg.get("size") or {}
+        base = cls(max_pixels=28 * 28 * 1280)  # the processor's own default, not the service's
+        min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
+        max_pixels = cfg.get("max_pixels") or size.get("longest_edge") or size.get("max_pixels")
+        return replace(
+            base,
+            min_pixels=int(min_pixels or base.min_pixels),
+            max_pixels=int(max_pixels or base.max_pixels),
+            patch_size=int(cfg.get("patch_size", base.patch_size)),
+            merge_size=int(cfg.get("merge_size", base.merge_size)),
+            temporal_patch_size=int(cfg.get("temporal_patch_size", base.temporal_patch_size)),
+            image_mean=as_tuple(cfg.get("image_mean", base.image_mean)),
+            image_std=as_tuple(cfg.get("image_std", base.image_std)),
+            rescale_factor=float(cfg.get("rescale_factor", 1 / 255)) if cfg.get("do_rescale", True) else None,
+            do_normalize=bool(cfg.get("do_normalize", True)),
+            resample=int(cfg.get("resample", base.resample)),
+        )
+
+    def processor_kwargs(self) -> dict[str, Any]:
+        """Keyword arguments that make ``Qwen2VLImageProcessorPil`` do the same."""
+        return {
+            "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
+            "patch_size": self.patch_size,
+            "merge_size": self.merge_size,
+            "temporal_patch_size": self.temporal_patch_size,
+            "image_mean": list(self.image_mean),
+            "image_std": list(self.image_std),
+            "do_rescale": self.rescale_factor is not None,
+            "rescale_factor": self.rescale_factor or 1 / 255,
+            "do_normalize": self.do_normalize,
+            "resample": self.resample,
+        }
+
+
+class QwenVisionTower(VisionTower):
+    """A Qwen2-VL / Qwen2.5-VL vision transformer with its patch merger.
+
+    Output rows are the merger's ``pooler_output``: what
+    ``Qwen2VLModel.get_image_features`` returns per image.
+    """
+
+    packable = True
+
+    def __init__(
+        self,
+        *,
+        name: str,
+        model: torch.nn.Module,
+        preprocess: QwenPreprocess,
+        source: dict[str, Any],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        config = model.config
+        if preprocess.patch_size != config.patch_size or preprocess.merge_size != config.spatial_merge_size:
+            raise ValueError(
+                f"preprocessing patch/merge {preprocess.patch_size}/{preprocess.merge_size} do not match the "
+                f"model's {config.patch_size}/{config.spatial_merge_size}"
+            )
+        if preprocess.temporal_patch_size != config.temporal_patch_size:
+            raise ValueError("preprocessing temporal_patch_size does not match the model's")
+        self.name = name
+        self.model = model.to(device=device, dtype=dtype).eval()
+        self.settings = preprocess
+        self.source = source
+        self.dtype = dtype
+        self.device = device
+        # Qwen2-VL: merger width is ``hidden_size``; Qwen2.5-VL: ``out_hidden_size``
+        self.hidden_size = int(getattr(config, "out_hidden_size", None) or config.hidden_size)
+        self._embed_dim = int(getattr(config, "embed_dim", None) or config.hidden_size)
+        self._factor = preprocess.patch_size * preprocess.merge_size
+        self._norm = Normalizer(
+            preprocess.rescale_factor,
+            preprocess.image_mean if preprocess.do_normalize else None,
+            preprocess.image_std if preprocess.do_normalize else None,
+        )
+
+    def _resized(self, width: int, height: int) -> tuple[int, int]:
+        s = self.settings
+        return smart_resize(
+            height, width, factor=self._factor, min_pixels=s.min_pixels, max_pixels=s.max_pixels
+        )
+
+    def layout(self, width: int, height: int) -> TokenLayout:
+        resized_h, resized_w = self._resized(width, height)
+        p, m = self.settings.patch_size, self.settings.merge_size
+        grid = (1, resized_h // p, resized_w // p)
+        return TokenLayout(num_tokens=grid[1] * grid[2] // (m * m), grid_thw=grid, bucket=grid)
+
+    def preprocess(self, image: Image.Image) -> Prepared:
+        """RGB image → ``[grid_h * grid_w, C * T * P * P]`` float32, equal to the
+        processor's ``pixel_values`` for this image."""
+        image = to_rgb(image)
+        width, height = image.size
+        layout = self.layout(width, height)
+        s = self.settings
+        _, grid_h, grid_w = layout.grid_thw
+        array = resize(image, grid_h * s.patch_size, grid_w * s.patch_size, s.resample)
+        pixels = qwen_patchify(
+            array,
+            self._norm,
+            patch_size=s.patch_size,
+            merge_size=s.merge_size,
+            temporal_patch_size=s.temporal_patch_size,
+        )
+        return Prepared(pixels=pixels, layout=layout)
+
+    def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
+        """One packed forward for all images, whatever their sizes; outputs are
+        views into one contiguous CPU tensor, one ``[num_tokens, hidden]`` per image."""
+        if not batch:
+            return []
+        arrays = [p.pixels for p in batch]
+        pixels = torch.from_numpy(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
+        grid_thw = torch.tensor([p.layout.grid_thw for p in batch], dtype=torch.long, device=self.device)
+        with torch.inference_mode():
+            out = self.model(pixels.to(self.device, self.dtype), grid_thw=grid_thw).pooler_output
+            out = out.to("cpu").contiguous()
+        return list(torch.split(out, [p.layout.num_tokens for p in batch]))
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {
+            "family": "qwen2-vl",
+            "source": self.source,
+            "config": config_fields(self.model.config),
+            "dtype": str(self.dtype),
+            "preprocess": asdict(self.settings),
+        }
+
+    def activation_bytes_per_token(self) -> int:
+        # per patch: residual + qkv (3x) + attention out + MLP hidden (mlp_ratio x,
+        # ~4x for Qwen2.5's gated MLP), a few live at once; attention scores are
+        # per image (split path) and bounded separately by max_pixels
+        return 16 * self._embed_dim * max(1, self.dtype.itemsize)
+
+
+def tiny_qwen2_vl_config() -> Qwen2VLVisionConfig:
+    """The built-in default: Qwen2-VL's vision architecture, downsized for CPU.
+
+    depth 4, embed_dim 128, 4 heads (head_dim 32), mlp_ratio 4, patch 14,
+    merge 2, temporal patch 2, merger → hidden_size 256.
+    """
+    return Qwen2VLVisionConfig(
+        depth=4,
+        embed_dim=128,
+        hidden_size=256,
+        mlp_ratio=4,
+        num_heads=4,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+    )
+
+
+def tiny_qwen2_5_vl_config() -> Qwen2_5_VLVisionConfig:
+    """Qwen2.5-VL's vision architecture (windowed attention, RMSNorm, gated SiLU MLP),
+    downsized: depth 4 (full attention in blocks 1 and 3), width 128, 4 heads,
+    intermediate 512, window 112 px, merger → out_hidden_size 256."""
+    return Qwen2_5_VLVisionConfig(
+        depth=4,
+        hidden_size=128,
+        intermediate_size=512,
+        num_heads=4,
+        out_hidden_size=256,
+        patch_size=14,
+        spatial_merge_size=2,
+        temporal_patch_size=2,
+        window_size=112,
+        fullatt_block_indexes=[1, 3],
+    )

@@ -30,7 +30,7 @@ def free_port() -> int:
 
 @pytest.fixture(scope="session")
 def tiny_tower() -> VisionTower:
-    from visenc.models.registry import load_tower
+    from visenc.models.loading import load_tower
 
     return load_tower("tiny-qwen2-vl")
 

@@ -27,7 +27,7 @@ ImageInput = bytes | bytearray | memoryview | str | os.PathLike[str]
 MSGPACK = "application/msgpack"
 ROWS_MEDIA_TYPE = "application/x-visenc-rows"
 #: wire dtype -> numpy dtype of the returned array (bfloat16 comes as raw 16-bit words)
-NUMPY_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
 
 
 def read_image(image: ImageInput) -> bytes:
@@ -44,7 +44,7 @@ def raise_for_status(resp: httpx.Response) -> None:
     try:
         err = json.loads(resp.content)["error"]
         kind, message = err["kind"], err["message"]
-    except Exception:  # noqa: BLE001 - a non-JSON error body still maps by status
+    except Exception:
         pass
     raise error_for(resp.status_code, kind, message, resp.headers.get("retry-after"))
 
@@ -87,7 +87,8 @@ def encode_flow(client: httpx.Client | httpx.AsyncClient, images: Sequence[Image
 def _as_array(buf: bytes | memoryview, dtype: str, rows: int, hidden: int) -> np.ndarray:
     if dtype not in NUMPY_DTYPES:
         raise ProtocolError(f"unknown dtype {dtype!r}")
-    return np.frombuffer(buf, dtype=NUMPY_DTYPES[dtype]).reshape(rows, hidden)
+    array: np.ndarray = np.frombuffer(buf, dtype=NUMPY_DTYPES[dtype])
+    return array.reshape(rows, hidden)
 
 
 def fetch_flow(client: httpx.Client | httpx.AsyncClient, image: str | Handle, start: int | None,

@@ -11,9 +11,9 @@ import msgpack
 import numpy as np
 import pytest
 import torch
-
 from tests.conftest import running_app
 from tests.images import png_bytes
+
 from visenc.imaging.decode import decode
 from visenc.models.base import VisionTower
 

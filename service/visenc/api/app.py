@@ -66,7 +66,7 @@ def build_index(settings: Settings, metrics: Metrics) -> Index:
 def load_tower(settings: Settings) -> VisionTower:
     import torch
 
-    from visenc.models.registry import load_tower as _load
+    from visenc.models.loading import load_tower as _load
 
     device = settings.device
     if device == "auto":
@@ -86,7 +86,7 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loaded = tower or await asyncio.to_thread(load_tower, settings)
+        loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
         index = build_index(settings, metrics)
         encoder = Encoder(loaded, index, settings, metrics)
         d = loaded.describe()

@@ -243,20 +243,20 @@ class Encoder:
                 handles.append(self._handle(h, "ready", self._entry_layout(entry)))
                 continue
             job = self.inflight.get(key)
-            if job is not None:
-                self.metrics.singleflight_joins.inc()
-            elif i in inspected:
+            if job is None and i not in inspected:
+                handles.append(self._handle(h, "missing"))  # hash-only: may hit, never create
+                continue
+            if job is None:
                 layout = inspected[i]
                 job = Job(key=key, image_hash=h, layout=layout, cost=self.tower.input_tokens(layout),
                           order=(order, i), future=loop.create_future(), admitted_at=now,
-                          data=items[i].data)
+                          data=items[i].data, interest=1)
                 job.future.add_done_callback(_retrieve)
                 self.inflight[key] = job
                 self.scheduler.submit(job)
             else:
-                handles.append(self._handle(h, "missing"))
-                continue
-            job.interest += 1
+                self.metrics.singleflight_joins.inc()
+                job.interest += 1
             joined[i] = job
             handles.append(self._handle(h, "pending", job.layout))
         self.metrics.inflight.set(len(self.inflight))

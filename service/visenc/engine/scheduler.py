@@ -114,7 +114,7 @@ class Scheduler:
         t0 = time.perf_counter()
         try:
             job.prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
-        except BaseException as e:  # noqa: BLE001 - every failure fails the job, the loop lives on
+        except BaseException as e:
             self.staged_tokens -= job.cost
             self._fail(job, e)
             self._dispatch()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 import types
 import typing
@@ -42,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _stopped(signum: int, frame: types.FrameType | None) -> None:
+    logging.getLogger("visenc").info("stopped by signal %d after a graceful shutdown", signum)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
@@ -57,6 +62,10 @@ def main(argv: list[str] | None = None) -> int:
 
         logging.basicConfig(level=settings.log_level.upper(),
                             format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+        # uvicorn handles SIGTERM/SIGINT gracefully (stops accepting, lets in-flight requests
+        # finish, runs the lifespan shutdown) and then re-raises the signal to the handler that
+        # was installed before it; with this one, a graceful stop exits 0 instead of dying by it.
+        signal.signal(signal.SIGTERM, _stopped)
         uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
                     log_level=settings.log_level, timeout_graceful_shutdown=30)
     return 0

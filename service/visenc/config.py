@@ -8,6 +8,7 @@ Secrets (the Redis URL's password, API keys) are ``SecretStr`` and never logged.
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -75,6 +76,36 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(
         64_000_000, gt=0, description="Most pixels of a decoded image (decompression-bomb guard)."
     )
+
+    # --- reliability and security -------------------------------------------
+    stall_timeout_s: float = Field(
+        300.0, gt=0,
+        description="A forward running longer than this marks the device worker stalled: readiness turns "
+        "false, queued work fails with 503 and new work is refused with 503 until the forward returns.",
+    )
+    api_keys: SecretStr | None = Field(
+        None,
+        description="API keys as 'key:tenant,key:tenant'. When set (or api_keys_file), every /v1 request "
+        "needs 'Authorization: Bearer <key>' and its namespace is the key's tenant. Prefer the env var or "
+        "the file to the flag (flags show in the process list).",
+    )
+    api_keys_file: Path | None = Field(
+        None, description="File of 'key:tenant' lines ('#' starts a comment), merged with api_keys."
+    )
+    # fault injection: TEST AND DRILL ONLY, off by default (see visenc/engine/faults.py)
+    fault_forward_fail_rate: float = Field(
+        0.0, ge=0, le=1, description="TEST ONLY: probability that a forward raises (its batch fails)."
+    )
+    fault_forward_delay_s: float = Field(
+        0.0, ge=0, description="TEST ONLY: seconds every forward sleeps first (a slow or stalled device)."
+    )
+    fault_index_delay_s: float = Field(
+        0.0, ge=0, description="TEST ONLY: seconds added to every index round trip (a slow Redis)."
+    )
+    fault_index_corrupt_rate: float = Field(
+        0.0, ge=0, le=1, description="TEST ONLY: probability that an entry read from the index comes back truncated."
+    )
+    fault_seed: int = Field(0, description="TEST ONLY: seed of the fault injector's random choices.")
 
     @field_validator("redis_url")
     @classmethod

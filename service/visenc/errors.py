@@ -9,6 +9,7 @@
     ├── PayloadTooLarge         413  body, item count, image bytes or pixels over a limit
     ├── UnsupportedMediaType    415  content type we do not speak
     ├── Overloaded              429  admission queue full (``retry_after_s``)
+    ├── ClientClosed            499  the client went away before the answer (nothing is sent)
     ├── EncodeFailed            500  the forward raised; only that batch's images fail
     ├── NotReady                503  model not loaded, worker stalled, shutting down
     └── DeadlineExceeded        504  the result was not ready within the deadline
@@ -77,6 +78,14 @@ class Overloaded(VisencError):
 
     def __init__(self, message: str, retry_after_s: float = 1.0) -> None:
         super().__init__(message, **{"Retry-After": str(max(1, round(retry_after_s)))})
+
+
+class ClientClosed(VisencError):
+    """The client closed its connection while its request waited; its queued work is dropped."""
+
+    status_code = 499
+    kind = "client_closed"
+    public = True
 
 
 class EncodeFailed(VisencError):

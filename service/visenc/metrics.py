@@ -85,6 +85,17 @@ class Metrics:
             "visenc_model_info", "The served tower (value 1).",
             ["name", "fingerprint", "dtype", "device", "hidden_size"], registry=r,
         )
+        self.cancelled_images = Counter(
+            "visenc_cancelled_images",
+            "Images dropped before their forward because every request waiting for them went away.", registry=r,
+        )
+        self.corrupt_entries = Counter(
+            "visenc_corrupt_entries", "Index entries that failed their integrity check (treated as misses).",
+            registry=r,
+        )
+        self.worker_stalls = Counter(
+            "visenc_worker_stalls", "Times a forward ran past stall_timeout_s.", registry=r
+        )
         self.worker_alive = Gauge(
             "visenc_worker_alive", "1 while the device worker is healthy, 0 when stalled or dead.", registry=r
         )

@@ -14,9 +14,12 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from visenc.api.auth import AuthMiddleware, load_api_keys
+from visenc.api.openapi import install_openapi
 from visenc.api.routes import router
 from visenc.config import Settings
 from visenc.engine.encoder import Encoder
+from visenc.engine.faults import with_faults
 from visenc.errors import VisencError
 from visenc.index.base import Index
 from visenc.index.memory import MemoryIndex
@@ -83,11 +86,13 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
     """Build the service. ``tower`` may be passed in (tests share one loaded tower)."""
     settings = settings or Settings()
     metrics = Metrics()
+    api_keys = load_api_keys(settings)  # fails fast on a malformed key list
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
         index = build_index(settings, metrics)
+        loaded, index = with_faults(settings, loaded, index)  # unchanged unless a fault_* setting is on
         encoder = Encoder(loaded, index, settings, metrics)
         d = loaded.describe()
         metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"],
@@ -108,7 +113,11 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
     app.state.settings = settings
     app.state.metrics = metrics
     app.include_router(router)
-    app.add_middleware(MetricsMiddleware, metrics=metrics)
+    if api_keys:
+        log.info("API keys on: %d keys, tenants %s", len(api_keys), sorted(set(api_keys.values())))
+        app.add_middleware(AuthMiddleware, keys=api_keys, metrics=metrics)
+    app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 401s too
+    install_openapi(app, auth=bool(api_keys))
 
     @app.exception_handler(VisencError)
     async def _visenc_error(request: Request, exc: VisencError) -> JSONResponse:

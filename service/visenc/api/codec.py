@@ -40,7 +40,8 @@ def wants_msgpack(request: Request) -> bool:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing (413) past ``limit`` bytes before reading them all."""
+    """The whole body, refusing (413) past ``limit`` bytes before reading them all
+    (from ``Content-Length`` when declared, else while a chunked body streams in)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -70,23 +71,73 @@ class InvalidBody(BadRequest):
     kind = "invalid_body"
 
 
-async def parse(request: Request, model: type[M], limit: int) -> M:
-    """Parse a JSON or msgpack body into ``model`` (4xx on anything malformed)."""
+class _TooManyValues(Exception):
+    pass
+
+
+def _unpack_msgpack(body: bytes, max_items: int) -> Any:
+    """msgpack → Python with the work bounded by ``max_items``, not by the body size.
+
+    A body of one-byte empty maps would otherwise become tens of millions of
+    dicts (~60x the body in memory) before validation could refuse it. Every
+    array is capped at ``max_items`` elements and the total of arrays + maps at
+    ``max_items + 8`` (a valid request has one map per item plus a few), so
+    at most (containers x max_items) values are ever built."""
+    budget = max_items + 8
+    seen = 0
+
+    def count(value: Any) -> Any:
+        nonlocal seen
+        seen += 1
+        if seen > budget:
+            raise _TooManyValues
+        return value
+
+    try:
+        return msgpack.unpackb(body, raw=False, strict_map_key=True, max_array_len=max_items,
+                               object_hook=count, list_hook=count)
+    except _TooManyValues as e:
+        raise PayloadTooLarge(f"the body holds more maps and arrays than max_items={max_items} allows") from e
+    except ValueError as e:
+        if "max_array_len" in str(e):
+            raise PayloadTooLarge(f"an array in the body has more than max_items={max_items} elements") from e
+        raise BadRequest(f"malformed msgpack body: {type(e).__name__}") from e
+    except Exception as e:
+        raise BadRequest(f"malformed msgpack body: {type(e).__name__}") from e
+
+
+def _check_json_size(body: bytes, max_items: int) -> None:
+    """Refuse a JSON body whose value count alone exceeds what ``max_items`` allows.
+
+    Validation builds every value before it can count them (a 14 MB body of
+    ``{}`` took 0.8 GB), so count first: every array element or object member
+    after the first follows a comma, and a valid body has at most 3 per item
+    (base64 and hex strings hold none), so past ``4 * max_items + 16`` commas
+    the body cannot be valid. ``bytes.count`` scans at memory speed."""
+    commas = body.count(b",")
+    if commas > 4 * max_items + 16:
+        raise PayloadTooLarge(f"the body holds {commas + 1} or more JSON values, more than max_items={max_items} "
+                              "items can have")
+
+
+async def parse(request: Request, model: type[M], limit: int, max_items: int) -> M:
+    """Parse a JSON or msgpack body into ``model`` (4xx on anything malformed).
+
+    Limits: ``limit`` bytes of body (413), ``max_items`` items (413, checked
+    before the values are built); the media type must be JSON or msgpack (415,
+    checked before the body is read)."""
     media = _media_type(request.headers.get("content-type"))
+    if media not in MSGPACK_TYPES and media not in ("application/json", ""):
+        raise UnsupportedMediaType(f"Content-Type {media!r} is not supported; use application/json or "
+                                   "application/msgpack")
     body = await read_body(request, limit)
     try:
         if media in MSGPACK_TYPES:
-            try:
-                obj = msgpack.unpackb(body, raw=False, strict_map_key=True)
-            except Exception as e:
-                raise BadRequest(f"malformed msgpack body: {type(e).__name__}") from e
-            return model.model_validate(obj)
-        if media in ("application/json", ""):
-            return model.model_validate_json(body)
+            return model.model_validate(_unpack_msgpack(body, max_items))
+        _check_json_size(body, max_items)
+        return model.model_validate_json(body)
     except ValidationError as e:
         raise InvalidBody(f"invalid request: {_validation_message(e)}") from e
-    raise UnsupportedMediaType(f"Content-Type {media!r} is not supported; use application/json or "
-                               "application/msgpack")
 
 
 def render(request: Request, payload: dict[str, Any], status_code: int = 200,

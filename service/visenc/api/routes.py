@@ -6,6 +6,7 @@ CPU-heavy work on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -14,6 +15,7 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response
+from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import EncodeRequest, EncodeResponse, ErrorResponse, FetchRequest
 from visenc.engine.encoder import EncodeItem, Encoder
 from visenc.errors import BadRequest, NotReady, PayloadTooLarge, VisencError
@@ -69,10 +71,18 @@ async def encode(request: Request) -> Response:
     ``wait=false`` the answer comes at once with ``pending`` handles that already
     carry ``num_tokens``; fetch the rows later."""
     settings = request.app.state.settings
-    body = await parse(request, EncodeRequest, settings.max_body_bytes)
+    limit = f"request_timeout_s={settings.request_timeout_s}"
+    deadline = asyncio.get_running_loop().time() + settings.request_timeout_s
+    ns = namespace_of(request)
+    body = await within(parse(request, EncodeRequest, settings.max_body_bytes, settings.max_items), deadline,
+                        f"the request body did not arrive within {limit}")
     encoder = _encoder(request)
-    handles = await encoder.encode(
-        [EncodeItem(it.hash, it.data) for it in body.items], namespace_of(request), wait=body.wait
+    items = [EncodeItem(it.hash, it.data) for it in body.items]
+    # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
+    # cancels the wait if the client goes away first
+    handles = await guarded(
+        request, encoder.encode(items, ns, wait=body.wait, timeout_s=remaining(deadline)), deadline + 1.0,
+        f"the request was not answered within {limit}",
     )
     return render(request, {"model": encoder.fingerprint, "items": [h.to_wire() for h in handles]})
 
@@ -90,7 +100,10 @@ async def get_embedding(
     end: int | None = Query(None, ge=0, description="One past the last token row."),
 ) -> Response:
     """Token rows ``[start, end)`` of one image as raw bytes, waiting while it is pending."""
-    entry = await _encoder(request).lookup(image_hash, namespace_of(request))
+    settings = request.app.state.settings
+    deadline = asyncio.get_running_loop().time() + settings.fetch_timeout_s
+    entry = await guarded(request, _encoder(request).lookup(image_hash, namespace_of(request)), deadline + 1.0,
+                          f"image {image_hash} was not ready within fetch_timeout_s={settings.fetch_timeout_s}")
     s, e = check_range(entry, start, end)
     view = entry.rows_view(s, e)
     request.app.state.metrics.bytes_served.labels("http").inc(len(view))
@@ -111,17 +124,26 @@ async def get_embedding(
 async def fetch(request: Request) -> Response:
     """Several ``(hash, start, end)`` ranges in one round trip (one response, rows back to back)."""
     settings = request.app.state.settings
-    body = await parse(request, FetchRequest, settings.max_body_bytes)
+    limit = f"fetch_timeout_s={settings.fetch_timeout_s}"
+    deadline = asyncio.get_running_loop().time() + settings.fetch_timeout_s
+    ns = namespace_of(request)
+    body = await within(parse(request, FetchRequest, settings.max_body_bytes, settings.max_items), deadline,
+                        f"the request body did not arrive within {limit}")
     if len(body.ranges) > settings.max_items:
         raise PayloadTooLarge(f"{len(body.ranges)} ranges exceed max_items={settings.max_items}")
+    return await guarded(request, _fetch_ranges(request, body, ns, deadline), deadline + 1.0,
+                         f"the ranges were not ready within {limit}")
+
+
+async def _fetch_ranges(request: Request, body: FetchRequest, ns: str, deadline: float) -> Response:
+    """The rows of every range; the whole request shares one deadline (not one per range)."""
     encoder = _encoder(request)
-    ns = namespace_of(request)
     meta: list[dict[str, Any]] = []
     views: list[memoryview] = []
     offset = 0
     for r in body.ranges:
         try:
-            entry = await encoder.lookup(r.hash, ns, timeout_s=None if body.wait else 0.0)
+            entry = await encoder.lookup(r.hash, ns, timeout_s=remaining(deadline) if body.wait else 0.0)
             s, e = check_range(entry, r.start, r.end)
         except VisencError as err:
             if not err.public:

@@ -1,11 +1,14 @@
 """Wire schemas, shared by the JSON and msgpack encodings of every endpoint.
 
 Bytes travel as raw ``bin`` in msgpack and as base64 strings in JSON.
+Validation is strict (no coercion: ``"true"`` is not a boolean, ``1.0`` not an
+integer, a msgpack ``str`` not image bytes), so what the schema says is what
+the service accepts.
 """
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -13,11 +16,16 @@ HASH_PATTERN = r"^[0-9a-f]{64}$"
 
 
 class _Wire(BaseModel):
-    model_config = ConfigDict(extra="forbid", val_json_bytes="base64", ser_json_bytes="base64")
+    model_config = ConfigDict(extra="forbid", val_json_bytes="base64", ser_json_bytes="base64", strict=True)
+
+
+# the hash pattern is documented here and checked by the engine (a 400 that names the item)
+_HASH_DOC: dict[str, Any] = {"pattern": HASH_PATTERN}
 
 
 class EncodeItemIn(_Wire):
-    hash: str | None = Field(None, description="SHA-256 of the image bytes, 64 lowercase hex digits.")
+    hash: str | None = Field(None, description="SHA-256 of the image bytes, 64 lowercase hex digits.",
+                             json_schema_extra=_HASH_DOC)
     data: bytes | None = Field(None, description="The encoded image (JPEG, PNG, WebP, ...).")
 
 
@@ -42,7 +50,7 @@ class EncodeResponse(_Wire):
 
 
 class FetchRange(_Wire):
-    hash: str = Field(..., description="Image hash.")
+    hash: str = Field(..., description="Image hash.", json_schema_extra=_HASH_DOC)
     start: int | None = Field(None, ge=0, description="First token row (default 0).")
     end: int | None = Field(None, ge=0, description="One past the last token row (default: all rows).")
 
@@ -53,9 +61,24 @@ class FetchRequest(_Wire):
 
 
 class ErrorOut(_Wire):
-    kind: str
-    message: str
+    kind: str = Field(..., description="Failure kind (the label of visenc_errors_total).")
+    message: str = Field(..., description="What went wrong; a limit is named with its value.")
 
 
 class ErrorResponse(_Wire):
     error: ErrorOut
+
+
+class ModelInfo(BaseModel):
+    name: str
+    fingerprint: str = Field(..., description="Goes into every index key.")
+    hidden_size: int
+    dtype: str
+    device: str
+    packable: bool
+
+
+class ReadyOut(BaseModel):
+    status: Literal["ready"]
+    index: dict[str, Any] = Field(..., description="Health of the index tiers.")
+    queue_depth: int

@@ -11,7 +11,15 @@
   concurrent requests for the same new image join the job in flight);
 * the job is finished on the event loop thread: its entry is stored in the
   local tier *before* it leaves the in-flight map, so a later lookup always
-  finds one or the other and an image is never encoded twice.
+  finds one or the other and an image is never encoded twice;
+* every entry read from any tier is checked against its header and its key
+  (length, shape, dtype, fingerprint, image hash) before it is used: a corrupt
+  or truncated one is a miss (re-encoded when bytes came), never served;
+* a waiter that goes away (deadline, client disconnect) releases its
+  interest; a queued job nobody wants any more is dropped before its forward;
+* a forward running past ``stall_timeout_s`` marks the worker stalled: queued
+  jobs fail with 503 at once and new work is refused with 503 (cache hits are
+  still answered) until the forward returns.
 """
 
 from __future__ import annotations
@@ -27,7 +35,7 @@ from typing import Any
 
 from visenc.config import Settings
 from visenc.engine.job import Job
-from visenc.engine.scheduler import Scheduler
+from visenc.engine.scheduler import Cancelled, Scheduler
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import (
     BadRequest,
@@ -42,7 +50,7 @@ from visenc.errors import (
 from visenc.imaging.decode import decode, probe
 from visenc.imaging.hashing import image_hash, is_valid_hash
 from visenc.index.base import Index
-from visenc.index.format import Entry
+from visenc.index.format import CorruptEntry, Entry, unpack_entry
 from visenc.index.keys import entry_key
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout, VisionTower
@@ -108,17 +116,21 @@ class Encoder:
         )
         self.worker = DeviceWorker(
             tower, self.scheduler, complete=self._complete, fail=self._fail, metrics=metrics,
-            max_wait_s=settings.max_wait_ms / 1000,
+            max_wait_s=settings.max_wait_ms / 1000, stall_timeout_s=settings.stall_timeout_s,
         )
         self._closing = False
+        self._watchdog: asyncio.Task[None] | None = None
 
     # --- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
         self.worker.start()
         self.metrics.worker_alive.set(1)
+        self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="visenc-stall-watchdog")
 
     async def stop(self) -> None:
         self._closing = True
+        if self._watchdog is not None:
+            self._watchdog.cancel()
         self.scheduler.cancel_all(NotReady("the service is shutting down"))
         await self.worker.stop()
         for t in list(self._tasks):
@@ -128,7 +140,31 @@ class Encoder:
 
     @property
     def ready(self) -> bool:
-        return not self._closing and self.worker.alive
+        return not self._closing and self.worker.alive and not self.worker.stalled
+
+    def _stall_error(self) -> NotReady:
+        return NotReady(f"the device worker is stalled: a forward has run longer than stall_timeout_s="
+                        f"{self.settings.stall_timeout_s}", **{"Retry-After": "5"})
+
+    async def _watch(self) -> None:
+        """Every ~quarter of ``stall_timeout_s`` (at most 1 s): while the worker is stalled, fail
+        whatever is queued behind it so its waiters are answered now, not at their deadline."""
+        interval = min(1.0, self.settings.stall_timeout_s / 4)
+        was_stalled = False
+        while True:
+            await asyncio.sleep(interval)
+            stalled = self.worker.stalled
+            if stalled and not was_stalled:
+                log.error("device worker stalled: forward running for more than %s s",
+                          self.settings.stall_timeout_s)
+                self.metrics.worker_stalls.inc()
+            elif was_stalled and not stalled:
+                log.warning("device worker recovered from a stall")
+            was_stalled = stalled
+            self.metrics.worker_alive.set(0 if stalled or not self.worker.alive else 1)
+            if stalled:
+                self.scheduler.fail_queued(self._stall_error())
+                self.metrics.queue_depth.set(self.scheduler.depth)
 
     # --- CPU-side helpers (pool threads) ---------------------------------------
     def _inspect(self, item: EncodeItem, position: int) -> tuple[str, TokenLayout]:
@@ -164,6 +200,8 @@ class Encoder:
     def _fail(self, job: Job, error: BaseException) -> None:
         if self.inflight.get(job.key) is job:
             del self.inflight[job.key]
+        if isinstance(error, Cancelled):
+            self.metrics.cancelled_images.inc()
         if not job.future.done():
             if not isinstance(error, VisencError):
                 log.error("encode of %s failed: %r", job.image_hash, error)
@@ -188,9 +226,43 @@ class Encoder:
     def _entry_layout(entry: Entry) -> TokenLayout:
         return TokenLayout(entry.rows, entry.grid_thw, entry.grid_thw)
 
+    def _checked(self, key: str, image_hash: str, entry: Entry | None) -> Entry | None:
+        """``entry`` if its stored value matches its header and this key, else ``None`` (a miss).
+
+        O(1): parses the ~200-byte header, checks the length; the rows are not read."""
+        if entry is None:
+            return None
+        try:
+            stored = unpack_entry(entry.blob, fingerprint=self.fingerprint, hash=image_hash)
+            if (stored.rows, stored.hidden, stored.dtype, stored.grid_thw) != (
+                entry.rows, entry.hidden, entry.dtype, entry.grid_thw
+            ):
+                raise CorruptEntry("entry fields differ from its stored header")
+            if stored.hidden != self.tower.hidden_size or stored.dtype != self.dtype:
+                raise CorruptEntry(f"entry is [{stored.rows}, {stored.hidden}] {stored.dtype}, the tower "
+                                   f"makes rows of {self.tower.hidden_size} {self.dtype}")
+        except CorruptEntry as e:
+            log.warning("corrupt index entry for image %s treated as a miss: %s", image_hash, e)
+            self.metrics.corrupt_entries.inc()
+            self.index.discard_local(key)
+            return None
+        return entry
+
+    def _peek(self, key: str, image_hash: str) -> Entry | None:
+        return self._checked(key, image_hash, self.index.peek(key))
+
+    def _release(self, job: Job) -> None:
+        """One waiter is done with ``job``; drop it if it is queued and nobody else wants it."""
+        job.interest -= 1
+        if job.interest <= 0 and not job.future.done():
+            self.scheduler.release(job)
+
     # --- the request path -------------------------------------------------------
-    async def encode(self, items: Sequence[EncodeItem], namespace: str, *, wait: bool) -> list[Handle]:
-        if not self.ready:
+    async def encode(self, items: Sequence[EncodeItem], namespace: str, *, wait: bool,
+                     timeout_s: float | None = None) -> list[Handle]:
+        """Handles for ``items``; with ``wait``, waits up to ``timeout_s`` (default
+        ``request_timeout_s``) for every image it submitted or joined."""
+        if self._closing or not self.worker.alive:
             raise NotReady("the encoder is not running")
         if len(items) > self.settings.max_items:
             raise PayloadTooLarge(f"{len(items)} items exceed the limit of max_items={self.settings.max_items}")
@@ -223,9 +295,12 @@ class Encoder:
         lookup = [i for i, k in enumerate(keys) if k not in self.inflight]
         if lookup:  # every tier, one round trip for the whole request
             for i, entry in zip(lookup, await self.index.get_many([keys[i] for i in lookup])):
-                found[i] = entry
+                found[i] = self._checked(keys[i], hashes[i], entry)
 
         new = {keys[i] for i in inspected if found[i] is None and keys[i] not in self.inflight}
+        joins = any(found[i] is None and keys[i] in self.inflight for i in range(len(keys)))
+        if (new or joins) and self.worker.stalled:
+            raise self._stall_error()
         if self.scheduler.depth + len(new) > self.settings.max_queue_images:
             raise Overloaded(
                 f"encoder queue is full (max_queue_images={self.settings.max_queue_images})", retry_after_s=1.0
@@ -238,7 +313,7 @@ class Encoder:
         for i, (h, key) in enumerate(zip(hashes, keys)):
             entry = found[i]
             if entry is None:
-                entry = self.index.peek(key)  # finished while we looked elsewhere
+                entry = self._peek(key, h)  # finished while we looked elsewhere
             if entry is not None:
                 handles.append(self._handle(h, "ready", self._entry_layout(entry)))
                 continue
@@ -264,20 +339,21 @@ class Encoder:
 
         if not wait or not joined:
             return handles  # wait=false: the interest taken above stays until the job ends
+        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
         try:
-            _, not_done = await asyncio.wait(
-                {j.future for j in joined.values()}, timeout=self.settings.request_timeout_s
-            )
+            _, not_done = await asyncio.wait({j.future for j in joined.values()}, timeout=max(0.0, timeout_s))
             if not_done:
                 raise DeadlineExceeded(
                     f"{len(not_done)} images were not encoded within request_timeout_s="
                     f"{self.settings.request_timeout_s}"
                 )
         finally:
-            for job in joined.values():
-                job.interest -= 1
+            for job in joined.values():  # also on cancellation (the client went away)
+                self._release(job)
         for i, job in joined.items():
             error = job.future.exception()
+            if isinstance(error, NotReady):
+                raise error  # stalled or shutting down: retry elsewhere (503), not a per-image failure
             if error is not None:
                 handles[i] = self._handle(hashes[i], "error", error=str(error))
             else:
@@ -289,15 +365,16 @@ class Encoder:
         if not is_valid_hash(image_hash):
             raise BadRequest("hash must be 64 lowercase hex digits (SHA-256 of the image bytes)")
         key = entry_key(namespace, self.fingerprint, image_hash)
-        entry = self.index.peek(key)
+        entry = self._peek(key, image_hash)
         if entry is not None:
             return entry
         job = self.inflight.get(key)
         if job is None:
             (entry,) = await self.index.get_many([key])
+            entry = self._checked(key, image_hash, entry)
             if entry is not None:
                 return entry
-            entry, job = self.index.peek(key), self.inflight.get(key)
+            entry, job = self._peek(key, image_hash), self.inflight.get(key)
             if entry is not None:
                 return entry
             if job is None:
@@ -307,9 +384,9 @@ class Encoder:
         job.interest += 1
         self.metrics.singleflight_waits.inc()
         try:
-            done, _ = await asyncio.wait({job.future}, timeout=timeout_s)
+            done, _ = await asyncio.wait({job.future}, timeout=max(0.0, timeout_s))
         finally:
-            job.interest -= 1
+            self._release(job)
             self.metrics.singleflight_waits.dec()
         if not done:
             raise DeadlineExceeded(f"image {image_hash} was not encoded within {timeout_s} s")

@@ -90,6 +90,31 @@ class Scheduler:
             self._dispatch()
             self._changed.set()
 
+    def release(self, job: Job) -> None:
+        """A waiter went away: if nobody else wants ``job`` and it is still queued, drop it now
+        (a job already preprocessing is dropped when it becomes ready; one on the device finishes)."""
+        if job.interest > 0:
+            return
+        if job in self._waiting:
+            self._waiting.remove(job)
+            self._drop_if_unwanted(job)
+        elif job in self._ready:
+            self._ready.remove(job)
+            self.staged_tokens -= job.cost
+            self._drop_if_unwanted(job)
+            self._dispatch()
+
+    def fail_queued(self, error: BaseException) -> int:
+        """Fail every job waiting or ready, not those preprocessing or on the device (a stalled
+        worker: their waiters are told at once rather than at their deadline). Returns how many."""
+        jobs = self._waiting + self._ready
+        self.staged_tokens -= sum(j.cost for j in self._ready)
+        self._waiting.clear()
+        self._ready.clear()
+        for job in jobs:
+            self._fail(job, error)
+        return len(jobs)
+
     def _drop_if_unwanted(self, job: Job) -> bool:
         if job.interest > 0:
             return False

@@ -50,6 +50,7 @@ class DeviceWorker:
         fail: Fail,
         metrics: Metrics,
         max_wait_s: float,
+        stall_timeout_s: float = float("inf"),
     ) -> None:
         self.tower = tower
         self.scheduler = scheduler
@@ -57,6 +58,7 @@ class DeviceWorker:
         self._fail = fail
         self.metrics = metrics
         self.max_wait_s = max_wait_s
+        self.stall_timeout_s = stall_timeout_s
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="visenc-device")
         self._task: asyncio.Task[None] | None = None
         self._dtype = str(tower.dtype).removeprefix("torch.")
@@ -70,6 +72,13 @@ class DeviceWorker:
     @property
     def alive(self) -> bool:
         return self._task is not None and not self._task.done()
+
+    @property
+    def stalled(self) -> bool:
+        """A forward has run longer than ``stall_timeout_s`` (it cannot be interrupted: the
+        device thread is stuck in it; the flag clears when it returns)."""
+        busy = self.busy_since
+        return busy is not None and time.monotonic() - busy > self.stall_timeout_s
 
     async def stop(self) -> None:
         if self._task is not None:

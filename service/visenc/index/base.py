@@ -27,6 +27,9 @@ class Index(ABC):
     def store_local(self, key: str, entry: Entry) -> None:
         """Synchronous store into the in-process tier (visible to ``peek`` at once)."""
 
+    def discard_local(self, key: str) -> None:  # noqa: B027 - tiers without local state keep nothing
+        """Drop a key from the in-process tier (an entry that failed its integrity check)."""
+
     async def write_remote(self, key: str, entry: Entry) -> None:  # noqa: B027 - no remote tier
         """Write through to the shared tiers (no-op without one); failures are counted, not raised."""
 

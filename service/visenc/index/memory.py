@@ -74,6 +74,14 @@ class MemoryIndex(Index):
     def store_local(self, key: str, entry: Entry) -> None:
         self.store(key, entry)
 
+    def discard_local(self, key: str) -> None:
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.bytes -= old.nbytes
+            if self._metrics is not None:
+                self._metrics.cache_bytes.labels(self.tier).set(self.bytes)
+                self._metrics.cache_entries.labels(self.tier).set(len(self._entries))
+
     def health(self) -> dict[str, object]:
         return {"tier": self.tier, "ok": True, "entries": len(self._entries), "bytes": self.bytes,
                 "max_bytes": self.max_bytes}

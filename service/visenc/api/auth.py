@@ -1,0 +1,120 @@
+"""Optional API keys: bearer tokens, each mapped to a tenant namespace.
+
+Keys come from ``api_keys`` (``key:tenant,key:tenant``) and/or ``api_keys_file``
+(one ``key:tenant`` per line, ``#`` comments). With none configured auth is off
+and the namespace comes from ``X-Visenc-Namespace`` (or the default).
+
+With auth on, every ``/v1/...`` request needs ``Authorization: Bearer <key>``
+(401 otherwise) and its namespace is the key's tenant: ``X-Visenc-Namespace``
+is ignored, so one tenant can never read, probe or time another's entries.
+``/healthz``, ``/readyz``, ``/metrics`` and the OpenAPI document stay open
+(probes and scrapers carry no key; none of them reveals an entry).
+
+Keys are compared in constant time: the presented key and every configured
+key are hashed (SHA-256) and every digest is compared with
+``hmac.compare_digest``, without stopping at the first match. Keys are never
+logged; only their count and the tenants are.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import re
+from pathlib import Path
+
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from visenc.config import Settings
+from visenc.metrics import Metrics
+
+_TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+#: routes that need a key when auth is on
+PROTECTED_PREFIX = "/v1/"
+
+
+class ApiKeyError(ValueError):
+    """The configured keys do not parse (the message never contains a key)."""
+
+
+def _parse(text: str, where: str, separator: str) -> list[tuple[str, str]]:
+    pairs = []
+    for n, raw in enumerate(text.split(separator), 1):
+        line = raw.split("#", 1)[0].strip() if separator == "\n" else raw.strip()
+        if not line:
+            continue
+        key, sep, tenant = line.rpartition(":")
+        key, tenant = key.strip(), tenant.strip()
+        if not sep or not key:
+            raise ApiKeyError(f"{where}, entry {n}: expected 'key:tenant'")
+        if len(key) < 16:
+            raise ApiKeyError(f"{where}, entry {n}: keys must be at least 16 characters")
+        if not _TENANT_RE.fullmatch(tenant):
+            raise ApiKeyError(f"{where}, entry {n}: tenant must be 1-64 characters of [A-Za-z0-9_.-]")
+        pairs.append((key, tenant))
+    return pairs
+
+
+def load_api_keys(settings: Settings) -> dict[bytes, str]:
+    """SHA-256 digest of each key → its tenant (empty: auth off). Raises ``ApiKeyError``."""
+    pairs: list[tuple[str, str]] = []
+    if settings.api_keys is not None:
+        pairs += _parse(settings.api_keys.get_secret_value(), "api_keys", ",")
+    if settings.api_keys_file is not None:
+        try:
+            text = Path(settings.api_keys_file).read_text()
+        except OSError as e:
+            raise ApiKeyError(f"api_keys_file {settings.api_keys_file}: {e.strerror}") from e
+        pairs += _parse(text, f"api_keys_file {settings.api_keys_file}", "\n")
+    keys: dict[bytes, str] = {}
+    for key, tenant in pairs:
+        digest = hashlib.sha256(key.encode()).digest()
+        if keys.get(digest, tenant) != tenant:
+            raise ApiKeyError("the same key is given for two tenants")
+        keys[digest] = tenant
+    if (settings.api_keys is not None or settings.api_keys_file is not None) and not keys:
+        raise ApiKeyError("api_keys / api_keys_file are set but hold no key")
+    return keys
+
+
+def tenant_of(keys: dict[bytes, str], presented: str) -> str | None:
+    """The tenant of ``presented``, or None; the time taken does not depend on which key matched."""
+    digest = hashlib.sha256(presented.encode()).digest()
+    found = None
+    for known, tenant in keys.items():
+        if hmac.compare_digest(digest, known):  # no early exit: every key is compared
+            found = tenant
+    return found
+
+
+class AuthMiddleware:
+    """Checks the bearer key of ``/v1/`` requests and sets ``scope['state']['namespace']``."""
+
+    def __init__(self, app: ASGIApp, keys: dict[bytes, str], metrics: Metrics) -> None:
+        self.app = app
+        self.keys = keys
+        self.metrics = metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or not scope["path"].startswith(PROTECTED_PREFIX):
+            await self.app(scope, receive, send)
+            return
+        tenant = None
+        for name, value in scope["headers"]:
+            if name == b"authorization":
+                scheme, _, token = value.decode("latin-1").partition(" ")
+                if scheme.lower() == "bearer" and token.strip():
+                    tenant = tenant_of(self.keys, token.strip())
+                break
+        if tenant is None:
+            self.metrics.errors.labels("unauthorized").inc()
+            body = json.dumps({"error": {"kind": "unauthorized", "message":
+                               "a valid API key is required: Authorization: Bearer <key>"}}).encode()
+            await send({"type": "http.response.start", "status": 401, "headers": [
+                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                (b"www-authenticate", b'Bearer realm="visenc"')]})
+            await send({"type": "http.response.body", "body": body})
+            return
+        scope.setdefault("state", {})["namespace"] = tenant
+        await self.app(scope, receive, send)

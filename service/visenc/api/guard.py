@@ -1,0 +1,77 @@
+"""Deadlines and client disconnects for handlers that wait.
+
+uvicorn does not cancel a handler when its client goes away: a request waiting
+for an encode would keep its images queued until the deadline. ``guarded``
+runs the handler's wait as a task and, beside it, listens on the ASGI receive
+channel, which (once the body has been read) only yields ``http.disconnect``
+when the connection closes. Whichever comes first wins:
+
+* the work finishes: its result (or error) is returned (or raised);
+* the client disconnects: the work is cancelled (its waiters release their
+  interest, so queued images nobody else wants are dropped) and
+  ``ClientClosed`` is raised (nothing reaches the client any more);
+* the deadline passes: the work is cancelled and ``DeadlineExceeded`` (504).
+
+Only call it after the body has been read: the listener consumes receive
+messages, so nothing else may read the body concurrently.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Coroutine
+from typing import Any, TypeVar
+
+from starlette.requests import Request
+
+from visenc.errors import ClientClosed, DeadlineExceeded
+
+T = TypeVar("T")
+
+
+async def _until_disconnected(request: Request) -> None:
+    while True:
+        message = await request.receive()
+        if message["type"] == "http.disconnect":
+            return
+
+
+async def _cancel(task: asyncio.Task[Any]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError, Exception):
+        await task
+
+
+def remaining(deadline: float) -> float:
+    """Seconds left until ``deadline`` (a ``loop.time()`` value), never negative."""
+    return max(0.0, deadline - asyncio.get_running_loop().time())
+
+
+async def within(coro: Coroutine[Any, Any, T], deadline: float, what: str) -> T:
+    """``await coro`` with a deadline (for reading the body, before ``guarded`` may listen)."""
+    try:
+        return await asyncio.wait_for(coro, remaining(deadline))
+    except asyncio.TimeoutError as e:
+        raise DeadlineExceeded(f"{what}") from e
+
+
+async def guarded(request: Request, coro: Coroutine[Any, Any, T], deadline: float, what: str) -> T:
+    """Run ``coro`` until it finishes, the client disconnects, or ``deadline`` passes (``what``
+    names the limit in the 504 message)."""
+    work = asyncio.ensure_future(coro)
+    watcher = asyncio.ensure_future(_until_disconnected(request))
+    try:
+        done, _ = await asyncio.wait({work, watcher}, timeout=remaining(deadline),
+                                     return_when=asyncio.FIRST_COMPLETED)
+    except asyncio.CancelledError:
+        await _cancel(work)
+        raise
+    finally:
+        await _cancel(watcher)
+    if work in done:
+        return work.result()
+    await _cancel(work)
+    if watcher in done:
+        raise ClientClosed("the client closed the connection")
+    raise DeadlineExceeded(what)

@@ -117,7 +117,7 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
         log.info("API keys on: %d keys, tenants %s", len(api_keys), sorted(set(api_keys.values())))
         app.add_middleware(AuthMiddleware, keys=api_keys, metrics=metrics)
     app.add_middleware(MetricsMiddleware, metrics=metrics)  # outermost: counts 401s too
-    install_openapi(app, auth=bool(api_keys))
+    install_openapi(app, auth=bool(api_keys), max_items=settings.max_items)
 
     @app.exception_handler(VisencError)
     async def _visenc_error(request: Request, exc: VisencError) -> JSONResponse:

@@ -86,9 +86,12 @@ def _add_schemas(doc: dict[str, Any], *models: type[BaseModel]) -> None:
         schemas[model.__name__] = schema
 
 
-def build_openapi(app: FastAPI, *, auth: bool) -> dict[str, Any]:
+def build_openapi(app: FastAPI, *, auth: bool, max_items: int) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
     _add_schemas(doc, EncodeRequest, FetchRequest, EncodeResponse, ErrorResponse, ModelInfo, ReadyOut)
+    schemas = doc["components"]["schemas"]
+    schemas["EncodeRequest"]["properties"]["items"]["maxItems"] = max_items  # the served limit
+    schemas["FetchRequest"]["properties"]["ranges"]["maxItems"] = max_items
     doc["components"]["schemas"].pop("HTTPValidationError", None)  # our 422 body is ErrorResponse
     doc["components"]["schemas"].pop("ValidationError", None)
     for path, (body, out, errors) in _V1.items():
@@ -123,12 +126,12 @@ def build_openapi(app: FastAPI, *, auth: bool) -> dict[str, Any]:
     return doc
 
 
-def install_openapi(app: FastAPI, *, auth: bool) -> None:
+def install_openapi(app: FastAPI, *, auth: bool, max_items: int) -> None:
     """Serve the completed document at ``/openapi.json`` (built once, on first use)."""
 
     def openapi() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = build_openapi(app, auth=auth)
+            app.openapi_schema = build_openapi(app, auth=auth, max_items=max_items)
         return app.openapi_schema
 
     app.openapi = openapi  # type: ignore[method-assign]

@@ -16,7 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response
 from visenc.api.guard import guarded, remaining, within
-from visenc.api.schemas import EncodeRequest, EncodeResponse, ErrorResponse, FetchRequest
+from visenc.api.schemas import MAX_ROW, EncodeRequest, EncodeResponse, ErrorResponse, FetchRequest
 from visenc.engine.encoder import EncodeItem, Encoder
 from visenc.errors import BadRequest, NotReady, PayloadTooLarge, VisencError
 from visenc.index.format import Entry
@@ -47,7 +47,9 @@ def namespace_of(request: Request) -> str:
     ns = getattr(request.state, "namespace", None)
     if ns is not None:
         return str(ns)
-    ns = request.headers.get("x-visenc-namespace") or request.app.state.settings.namespace
+    ns = request.headers.get("x-visenc-namespace")
+    if ns is None:  # present but empty is malformed, not the default
+        ns = request.app.state.settings.namespace
     if not _NAMESPACE_RE.fullmatch(ns):
         raise BadRequest("X-Visenc-Namespace must be 1-64 characters of [A-Za-z0-9_.-]")
     return ns
@@ -96,8 +98,8 @@ async def encode(request: Request) -> Response:
 async def get_embedding(
     request: Request,
     image_hash: str,
-    start: int | None = Query(None, ge=0, description="First token row."),
-    end: int | None = Query(None, ge=0, description="One past the last token row."),
+    start: int | None = Query(None, ge=0, le=MAX_ROW, description="First token row."),
+    end: int | None = Query(None, ge=0, le=MAX_ROW, description="One past the last token row."),
 ) -> Response:
     """Token rows ``[start, end)`` of one image as raw bytes, waiting while it is pending."""
     settings = request.app.state.settings

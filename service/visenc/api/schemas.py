@@ -13,6 +13,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 HASH_PATTERN = r"^[0-9a-f]{64}$"
+#: bound of a token-row index (no image comes near it; keeps every integer a fixed-width msgpack int)
+MAX_ROW = 2**31 - 1
 
 
 class _Wire(BaseModel):
@@ -50,9 +52,9 @@ class EncodeResponse(_Wire):
 
 
 class FetchRange(_Wire):
-    hash: str = Field(..., description="Image hash.", json_schema_extra=_HASH_DOC)
-    start: int | None = Field(None, ge=0, description="First token row (default 0).")
-    end: int | None = Field(None, ge=0, description="One past the last token row (default: all rows).")
+    hash: str = Field(..., description="Image hash, 64 lowercase hex digits.", pattern=HASH_PATTERN)
+    start: int | None = Field(None, ge=0, le=MAX_ROW, description="First token row (default 0).")
+    end: int | None = Field(None, ge=0, le=MAX_ROW, description="One past the last token row (default: all rows).")
 
 
 class FetchRequest(_Wire):

@@ -60,7 +60,7 @@ def server(tmp_path_factory):
     with serve_process("--max-wait-ms", "1", "--max-items", "8", "--max-body-bytes", "65536",
                        "--request-timeout-s", "5", "--fetch-timeout-s", "2", "--preprocess-workers", "1",
                        log=log) as url:
-        # one known image, so some generated hashes... and the explicit cases below hit real entries
+        # one stored image: the server has state to answer from (not only misses)
         r = httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(png_bytes(7, 64, 64))}]}, timeout=30)
         assert r.status_code == 200, r.text
         yield url

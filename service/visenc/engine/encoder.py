@@ -389,5 +389,6 @@ class Encoder:
             self._release(job)
             self.metrics.singleflight_waits.dec()
         if not done:
-            raise DeadlineExceeded(f"image {image_hash} was not encoded within {timeout_s} s")
+            raise DeadlineExceeded(f"image {image_hash} was not encoded within fetch_timeout_s="
+                                   f"{self.settings.fetch_timeout_s}")
         return job.future.result()

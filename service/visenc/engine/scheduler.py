@@ -148,6 +148,10 @@ class Scheduler:
             return
         if self._on_prepared is not None:
             self._on_prepared(job, time.perf_counter() - t0)
+        if self._drop_if_unwanted(job):  # every waiter left while it was preprocessed: free it now
+            self.staged_tokens -= job.cost
+            self._dispatch()
+            return
         self._ready.append(job)
         self._changed.set()
 

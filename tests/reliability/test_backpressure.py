@@ -1,0 +1,164 @@
+"""Bounded queue (429 + Retry-After), deadlines (504), and cancellation that leaves nothing behind."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+
+import httpx
+import pytest
+from tests.conftest import running_app
+from tests.images import png_bytes
+from tests.reliability.conftest import server_process
+from tests.service.test_api import encode_json, metric, sha
+
+
+@contextlib.contextmanager
+def held_device(encoder, monkeypatch):
+    """The device takes no batch until the returned event is set (images queue up, already admitted)."""
+    gate = asyncio.Event()
+    real = encoder.scheduler.next_batch
+
+    async def held(*a, **kw):
+        await gate.wait()
+        return await real(*a, **kw)
+
+    monkeypatch.setattr(encoder.scheduler, "next_batch", held)
+    try:
+        yield gate
+    finally:
+        gate.set()
+
+
+async def until(predicate, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.01)
+
+
+def assert_no_leaks(encoder) -> None:
+    assert encoder.inflight == {}
+    assert encoder.scheduler.depth == 0 and encoder.scheduler.staged_tokens == 0
+    assert not encoder._tasks  # write-behind tasks all finished
+
+
+async def test_full_queue_answers_429_with_retry_after(tiny_tower, monkeypatch):
+    async with running_app(tiny_tower, max_queue_images=2) as client:
+        encoder = client.app.state.encoder
+        with held_device(encoder, monkeypatch) as gate:
+            a, b, c = (png_bytes(300 + i, 28, 28) for i in range(3))
+            r = await encode_json(client, [{"data": a}, {"data": b}], wait=False)
+            assert [it["status"] for it in r.json()["items"]] == ["pending", "pending"]
+            r = await encode_json(client, [{"data": c}], wait=False)
+            assert r.status_code == 429
+            assert r.headers["retry-after"] == "1"
+            assert "max_queue_images=2" in r.json()["error"]["message"]
+            # joining work already queued, or a hash-only lookup, adds nothing: still admitted
+            r = await encode_json(client, [{"data": a}, {"hash": sha(c)}], wait=False)
+            assert [it["status"] for it in r.json()["items"]] == ["pending", "missing"]
+            assert encoder.scheduler.depth == 2  # memory stayed bounded: the refused image was not queued
+            gate.set()
+            rows = await client.get(f"/v1/embeddings/{sha(a)}")
+            assert rows.status_code == 200
+        await until(lambda: not encoder.inflight)
+        r = await encode_json(client, [{"data": c}])
+        assert r.json()["items"][0]["status"] == "ready"
+
+
+async def test_encode_deadline_504_and_the_work_is_released(tiny_tower, monkeypatch):
+    async with running_app(tiny_tower, request_timeout_s=0.3, fetch_timeout_s=0.3) as client:
+        encoder = client.app.state.encoder
+        with held_device(encoder, monkeypatch):
+            data = png_bytes(310, 28, 28)
+            t0 = time.monotonic()
+            r = await encode_json(client, [{"data": data}])
+            assert r.status_code == 504 and "request_timeout_s=0.3" in r.json()["error"]["message"]
+            assert time.monotonic() - t0 < 3
+            # nobody waits any more: the queued image is dropped, not left for the device
+            await until(lambda: not encoder.inflight)
+            assert encoder.scheduler.depth == 0
+            # a fetch of a pending image has its own deadline
+            await encode_json(client, [{"data": data}], wait=False)
+            r = await client.get(f"/v1/embeddings/{sha(data)}")
+            assert r.status_code == 504 and "fetch_timeout_s=0.3" in r.json()["error"]["message"]
+        m = (await client.get("/metrics")).text
+        assert metric(m, "visenc_cancelled_images_total") == 1
+        assert metric(m, 'visenc_requests_total{endpoint="/v1/encode",status="504"}') == 1
+
+
+async def test_many_concurrent_requests_cancel_half_rest_succeed_nothing_leaks(tiny_tower, monkeypatch):
+    """30 requests of [own image, one of 5 shared images]; the even ones are cancelled while queued.
+
+    The odd ones all succeed; each shared image is encoded once for everyone still waiting; the
+    images only cancelled requests wanted are never encoded; the single-flight map, the queue,
+    the staged budget, the waiters gauge and the background tasks all drain to empty."""
+    async with running_app(tiny_tower, max_batch_images=8, request_timeout_s=30) as client:
+        encoder = client.app.state.encoder
+        own = [png_bytes(400 + k, 28, 28) for k in range(30)]
+        shared = [png_bytes(500 + j, 56, 28) for j in range(5)]
+        with held_device(encoder, monkeypatch) as gate:
+            tasks = [asyncio.create_task(encode_json(client, [{"data": own[k]}, {"data": shared[k % 5]}]))
+                     for k in range(30)]
+            await until(lambda: len(encoder.inflight) == 35)
+            for t in tasks[::2]:
+                t.cancel()
+            cancelled = await asyncio.gather(*tasks[::2], return_exceptions=True)
+            assert all(isinstance(r, asyncio.CancelledError) for r in cancelled)
+            # every image only the cancelled requests wanted is gone before any forward ran
+            await until(lambda: len(encoder.inflight) == 20)
+            gate.set()
+            survivors = await asyncio.gather(*tasks[1::2])
+        for r in survivors:
+            assert r.status_code == 200 and [it["status"] for it in r.json()["items"]] == ["ready", "ready"]
+        await until(lambda: not encoder.inflight and not encoder._tasks)
+        assert_no_leaks(encoder)
+        m = (await client.get("/metrics")).text
+        assert metric(m, "visenc_encoded_images_total") == 15 + 5
+        assert metric(m, "visenc_cancelled_images_total") == 15
+        assert metric(m, "visenc_singleflight_waiting") == 0
+        for k in range(0, 30, 2):  # what was dropped is not cached: a later request encodes it
+            r = await encode_json(client, [{"hash": sha(own[k])}])
+            assert r.json()["items"][0]["status"] == "missing"
+
+
+def test_client_disconnect_cancels_its_queued_work(tmp_path):
+    """With a real uvicorn: a client that closes its connection mid-wait has its queued image dropped.
+
+    The device is busy for ~2 s with image X (injected delay, one image per forward); image Y's
+    request is queued behind it and its client gives up after 0.5 s. Without disconnect detection
+    Y would stay wanted until request_timeout_s and be encoded when the device frees up."""
+    with server_process("--fault-forward-delay-s", "2", "--max-batch-images", "1", "--max-wait-ms", "1",
+                        log=tmp_path / "serve.log") as (url, _):
+        x, y = png_bytes(600, 28, 28), png_bytes(601, 28, 28)
+        with httpx.Client(base_url=url, timeout=30) as http:
+            import threading
+
+            result: dict[str, httpx.Response] = {}
+            first = threading.Thread(target=lambda: result.setdefault(
+                "x", http.post("/v1/encode", json={"items": [{"data": _b64(x)}]})))
+            first.start()
+            time.sleep(0.3)
+            with pytest.raises(httpx.ReadTimeout):
+                httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(y)}]}, timeout=0.5)
+            first.join(30)
+            assert result["x"].status_code == 200
+            deadline = time.monotonic() + 10
+            while True:
+                m = http.get("/metrics").text
+                if metric(m, "visenc_inflight_images") == 0 and metric(m, "visenc_queue_depth") == 0:
+                    break
+                assert time.monotonic() < deadline, m
+                time.sleep(0.1)
+            assert metric(m, "visenc_encoded_images_total") == 1  # only X
+            assert metric(m, "visenc_cancelled_images_total") == 1  # Y, dropped before its forward
+            assert metric(m, 'visenc_requests_total{endpoint="/v1/encode",status="499"}') == 1
+            r = http.post("/v1/encode", json={"items": [{"hash": sha(y)}]})
+            assert r.json()["items"][0]["status"] == "missing"
+
+
+def _b64(data: bytes) -> str:
+    import base64
+
+    return base64.b64encode(data).decode()

@@ -178,8 +178,11 @@ async def healthz() -> str:
 async def readyz(request: Request) -> Response:
     """Readiness: model loaded and device worker alive (503 otherwise)."""
     encoder: Encoder | None = getattr(request.app.state, "encoder", None)
-    if encoder is None or not encoder.ready:
-        raise NotReady("encoder not ready")
+    if encoder is None:
+        raise NotReady("the model is loading")
+    reason = encoder.not_ready_reason()
+    if reason is not None:
+        raise NotReady(reason, **{"Retry-After": "5"})
     return render(request, {"status": "ready", "index": encoder.index.health(),
                             "queue_depth": encoder.scheduler.depth})
 

@@ -142,6 +142,16 @@ class Encoder:
     def ready(self) -> bool:
         return not self._closing and self.worker.alive and not self.worker.stalled
 
+    def not_ready_reason(self) -> str | None:
+        """Why readiness is false (None when ready)."""
+        if self._closing:
+            return "the service is shutting down"
+        if not self.worker.alive:
+            return "the device worker is not running"
+        if self.worker.stalled:
+            return self._stall_error().message
+        return None
+
     def _stall_error(self) -> NotReady:
         return NotReady(f"the device worker is stalled: a forward has run longer than stall_timeout_s="
                         f"{self.settings.stall_timeout_s}", **{"Retry-After": "5"})

@@ -1,0 +1,118 @@
+"""No cache poisoning, hash-only never creates, and no corrupt entry is ever served.
+
+Corruption is injected through the ``Index`` interface (the tier the encoder reads from), so the
+same checks hold for any tier behind it: the in-process LRU here, Redis behind the same interface.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+from tests.conftest import running_app
+from tests.images import png_bytes
+from tests.service.test_api import encode_json, fetch_rows, metric, reference, sha
+
+from visenc.index.format import Entry, pack_entry
+from visenc.index.keys import entry_key
+
+
+def key_of(encoder, data: bytes, namespace: str = "default") -> str:
+    return entry_key(namespace, encoder.fingerprint, sha(data))
+
+
+async def test_wrong_hash_creates_no_entry_under_either_hash(service):
+    encoder = service.app.state.encoder
+    claimed, sent = png_bytes(800, 28, 28), png_bytes(801, 28, 28)
+    r = await encode_json(service, [{"hash": sha(claimed), "data": sent}])
+    assert r.status_code == 400 and r.json()["error"]["kind"] == "hash_mismatch"
+    assert encoder.index.peek(key_of(encoder, claimed)) is None
+    assert encoder.index.peek(key_of(encoder, sent)) is None
+    assert encoder.inflight == {}
+    # a batch with one bad item refuses the whole request: nothing of it is admitted
+    r = await encode_json(service, [{"data": sent}, {"hash": sha(claimed), "data": sent}])
+    assert r.status_code == 400 and "item 1" in r.json()["error"]["message"]
+    assert encoder.index.peek(key_of(encoder, sent)) is None
+
+
+async def test_hash_only_can_read_but_never_create(service):
+    encoder = service.app.state.encoder
+    data = png_bytes(802, 28, 28)
+    for wait in (True, False):
+        r = await encode_json(service, [{"hash": sha(data)}], wait=wait)
+        assert r.json()["items"][0]["status"] == "missing"
+    assert encoder.inflight == {} and encoder.scheduler.depth == 0
+    assert (await service.get(f"/v1/embeddings/{sha(data)}")).status_code == 404
+    m = (await service.get("/metrics")).text
+    assert metric(m, "visenc_encoded_images_total") == 0
+
+
+def truncated(e: Entry) -> Entry:
+    return dataclasses.replace(e, blob=bytes(e.blob[:-4]))
+
+
+def bad_magic(e: Entry) -> Entry:
+    blob = bytearray(e.blob)
+    blob[0:4] = b"XXXX"
+    return dataclasses.replace(e, blob=blob)
+
+
+def other_image(e: Entry) -> Entry:
+    """A well-formed value stored under the wrong key (its header names another image)."""
+    rows = np.frombuffer(e.rows_view(), dtype="<f4").reshape(e.rows, e.hidden) + 1
+    return pack_entry(rows, dtype=e.dtype, grid_thw=e.grid_thw, fingerprint=e.fingerprint, hash="f" * 64)
+
+
+def other_model(e: Entry) -> Entry:
+    rows = np.frombuffer(e.rows_view(), dtype="<f4").reshape(e.rows, e.hidden)
+    return pack_entry(rows, dtype=e.dtype, grid_thw=e.grid_thw, fingerprint="0" * 32, hash=e.hash)
+
+
+def header_lies(e: Entry) -> Entry:
+    """The Entry object claims more rows than its stored value holds."""
+    return dataclasses.replace(e, rows=e.rows + 1)
+
+
+def wrong_width(e: Entry) -> Entry:
+    rows = np.zeros((e.rows, e.hidden * 2), dtype="<f4")
+    return pack_entry(rows, dtype=e.dtype, grid_thw=e.grid_thw, fingerprint=e.fingerprint, hash=e.hash)
+
+
+@pytest.mark.parametrize("damage", [truncated, bad_magic, other_image, other_model, header_lies, wrong_width])
+async def test_corrupt_entry_is_a_miss_reencoded_never_served(tiny_tower, damage):
+    async with running_app(tiny_tower) as client:
+        encoder = client.app.state.encoder
+        data = png_bytes(810, 56, 28)
+        await encode_json(client, [{"data": data}])
+        key = key_of(encoder, data)
+        good = encoder.index.peek(key)
+        # a fetch never serves it (404), and the damaged value is dropped from the tier
+        encoder.index.store_local(key, damage(good))
+        assert (await client.get(f"/v1/embeddings/{sha(data)}")).status_code == 404
+        assert encoder.index.peek(key) is None
+        # a hash-only lookup says "missing" (upload the bytes)
+        encoder.index.store_local(key, damage(good))
+        r = await encode_json(client, [{"hash": sha(data)}])
+        assert r.json()["items"][0]["status"] == "missing"
+        # with the bytes it is encoded again, and the right rows are served afterwards
+        encoder.index.store_local(key, damage(good))
+        r = await encode_json(client, [{"data": data}])
+        assert r.json()["items"][0]["status"] == "ready"
+        np.testing.assert_allclose(await fetch_rows(client, sha(data)), reference(tiny_tower, data), atol=1e-5,
+                                   rtol=0)
+        m = (await client.get("/metrics")).text
+        assert metric(m, "visenc_corrupt_entries_total") == 3
+        assert metric(m, "visenc_encoded_images_total") == 2  # the first encode and the re-encode
+
+
+async def test_index_returning_damaged_values_never_serves_them(tiny_tower):
+    """A tier that hands back truncated values (fault injector) is answered with misses, not garbage."""
+    async with running_app(tiny_tower, fault_index_corrupt_rate=1.0) as client:
+        data = png_bytes(820, 28, 28)
+        assert (await encode_json(client, [{"data": data}])).json()["items"][0]["status"] == "ready"
+        r = await encode_json(client, [{"hash": sha(data)}])
+        assert r.json()["items"][0]["status"] == "missing"
+        assert (await client.get(f"/v1/embeddings/{sha(data)}")).status_code == 404
+        m = (await client.get("/metrics")).text
+        assert metric(m, "visenc_corrupt_entries_total") == 1

@@ -37,7 +37,7 @@ run: install
 	$(BIN)/visenc serve --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.test
-	$(BIN)/ruff check service clients tests bench loadtest
+	$(BIN)/ruff check $(wildcard service clients tests bench loadtest)
 	$(BIN)/mypy service/visenc clients/visenc_client
 
 test: install-test lint

@@ -27,7 +27,9 @@ ImageInput = bytes | bytearray | memoryview | str | os.PathLike[str]
 MSGPACK = "application/msgpack"
 ROWS_MEDIA_TYPE = "application/x-visenc-rows"
 #: wire dtype -> numpy dtype of the returned array (bfloat16 comes as raw 16-bit words)
-NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+}
 
 
 def read_image(image: ImageInput) -> bytes:

@@ -25,9 +25,9 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 
 from visenc.imaging import preprocess as pp
 from visenc.imaging.decode import decode
-from visenc.models.clip import FixedResolutionTower
+from visenc.models.clip import FixedPreprocess, FixedResolutionTower
 from visenc.models.loading import load_tower
-from visenc.models.qwen2vl import QwenVisionTower
+from visenc.models.qwen2vl import QwenPreprocess, QwenVisionTower
 
 TOL = 1e-6
 LIMIT = 10_000_000
@@ -141,9 +141,6 @@ def test_siglip_equals_processor(siglip: FixedResolutionTower, case: tuple) -> N
 
 def test_processor_config_round_trip(qwen: QwenVisionTower, clip: FixedResolutionTower) -> None:
     """Settings parsed from a processor's own ``to_dict()`` are the settings it was built with."""
-    from visenc.models.clip import FixedPreprocess
-    from visenc.models.qwen2vl import QwenPreprocess
-
     q = replace(qwen.settings, max_pixels=300_000, min_pixels=10_000)
     saved = Qwen2VLImageProcessorPil(**q.processor_kwargs()).to_dict()
     assert QwenPreprocess.from_processor_config(saved) == q

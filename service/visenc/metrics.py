@@ -7,6 +7,8 @@ buckets; batch sizes use powers of two.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: 0.5 ms .. ~65 s, doubling
@@ -48,6 +50,10 @@ class Metrics:
         self.queue_depth = Gauge(
             "visenc_queue_depth", "Images admitted and not yet encoded (preprocessing or queued).", registry=r
         )
+        self.queue_capacity = Gauge(
+            "visenc_queue_capacity_images", "Admission bound (max_queue_images): past it, encodes get 429.",
+            registry=r,
+        )
         self.inflight = Gauge(
             "visenc_inflight_images", "Distinct images being encoded (single-flight map size).", registry=r
         )
@@ -62,6 +68,10 @@ class Metrics:
         )
         self.cache_evictions = Counter(
             "visenc_cache_evictions", "Entries evicted from a tier.", ["tier"], registry=r
+        )
+        self.index_up = Gauge(
+            "visenc_index_up", "1 while a tier answers (its last health report), 0 while it is down.",
+            ["tier"], registry=r,
         )
         self.cache_bytes = Gauge("visenc_cache_bytes", "Bytes held by a tier.", ["tier"], registry=r)
         self.cache_entries = Gauge("visenc_cache_entries", "Entries held by a tier.", ["tier"], registry=r)
@@ -88,3 +98,13 @@ class Metrics:
         self.worker_alive = Gauge(
             "visenc_worker_alive", "1 while the device worker is healthy, 0 when stalled or dead.", registry=r
         )
+
+    def export_index_health(self, health: Mapping[str, object]) -> None:
+        """Set ``visenc_index_up`` from ``Index.health()``: every mapping in it (nested ones
+        included, for tiered indexes) that has a ``tier`` and an ``ok`` reports one tier."""
+        if "tier" in health and "ok" in health:
+            self.index_up.labels(str(health["tier"])).set(1 if health["ok"] else 0)
+        for value in health.values():
+            for child in value if isinstance(value, list | tuple) else [value]:
+                if isinstance(child, Mapping):
+                    self.export_index_health(child)

@@ -16,6 +16,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response
 from visenc.api.schemas import EncodeRequest, EncodeResponse, ErrorResponse, FetchRequest
 from visenc.engine.encoder import EncodeItem, Encoder
+from visenc.engine.job import Timing
 from visenc.errors import BadRequest, NotReady, PayloadTooLarge, VisencError
 from visenc.index.format import Entry
 
@@ -67,14 +68,21 @@ async def encode(request: Request) -> Response:
     Each item is ``{"hash"}``, ``{"data"}`` or both. A hash-only item that is not
     in the index answers ``missing`` (upload its bytes next: hash-first). With
     ``wait=false`` the answer comes at once with ``pending`` handles that already
-    carry ``num_tokens``; fetch the rows later."""
+    carry ``num_tokens``; fetch the rows later.
+
+    ``X-Visenc-Queue-Time`` / ``X-Visenc-Encode-Time`` (seconds) say how long the
+    images this response waited for queued and how long their forwards took."""
     settings = request.app.state.settings
     body = await parse(request, EncodeRequest, settings.max_body_bytes)
     encoder = _encoder(request)
+    timing = Timing()
     handles = await encoder.encode(
-        [EncodeItem(it.hash, it.data) for it in body.items], namespace_of(request), wait=body.wait
+        [EncodeItem(it.hash, it.data) for it in body.items], namespace_of(request), wait=body.wait,
+        timing=timing,
     )
-    return render(request, {"model": encoder.fingerprint, "items": [h.to_wire() for h in handles]})
+    return render(request, {"model": encoder.fingerprint, "items": [h.to_wire() for h in handles]},
+                  headers={"X-Visenc-Queue-Time": f"{timing.queue_s:.6f}",
+                           "X-Visenc-Encode-Time": f"{timing.encode_s:.6f}"})
 
 
 @router.get(
@@ -164,5 +172,8 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus exposition."""
     m = request.app.state.metrics
-    m.queue_depth.set(request.app.state.encoder.scheduler.depth)
+    encoder = request.app.state.encoder
+    m.queue_depth.set(encoder.scheduler.depth)
+    m.worker_alive.set(1 if encoder.ready else 0)  # a worker task that died reads 0 at the next scrape
+    m.export_index_health(encoder.index.health())
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from visenc.config import Settings
-from visenc.engine.job import Job
+from visenc.engine.job import Job, Timing
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import (
@@ -116,6 +116,7 @@ class Encoder:
     async def start(self) -> None:
         self.worker.start()
         self.metrics.worker_alive.set(1)
+        self.metrics.queue_capacity.set(self.settings.max_queue_images)
 
     async def stop(self) -> None:
         self._closing = True
@@ -189,7 +190,12 @@ class Encoder:
         return TokenLayout(entry.rows, entry.grid_thw, entry.grid_thw)
 
     # --- the request path -------------------------------------------------------
-    async def encode(self, items: Sequence[EncodeItem], namespace: str, *, wait: bool) -> list[Handle]:
+    async def encode(self, items: Sequence[EncodeItem], namespace: str, *, wait: bool,
+                     timing: Timing | None = None) -> list[Handle]:
+        """Handles for ``items`` in order; with ``wait``, every admitted image is finished first.
+
+        ``timing``, when given, is filled with where this request's time went
+        (see ``Timing``; it stays zero for hits and for ``wait=false``)."""
         if not self.ready:
             raise NotReady("the encoder is not running")
         if len(items) > self.settings.max_items:
@@ -276,6 +282,9 @@ class Encoder:
         finally:
             for job in joined.values():
                 job.interest -= 1
+        if timing is not None:
+            measured = Timing.of(now, list(joined.values()))
+            timing.queue_s, timing.encode_s = measured.queue_s, measured.encode_s
         for i, job in joined.items():
             error = job.future.exception()
             if error is not None:

@@ -12,7 +12,9 @@ name on the command line)::
     hot     every image already cached (a shared pool warmed at start)
     mixed   each image from the hot pool with probability ``--hit-ratio``
 
-Every request goes hash-first (hashes only; upload bytes only for the items
+Chunks are fetched with one ``POST /v1/embeddings/fetch`` each (``--fetch-mode
+get``: one ``GET /v1/embeddings/{hash}?start=&end=`` per image range). Every
+request goes hash-first (hashes only; upload bytes only for the items
 answered ``missing``) unless ``--upload bytes``; encodes use ``wait=false`` so
 the first chunk's fetch waits only for the images it covers. A 200 whose body
 does not answer the request is reported as a failure (see ``payloads``).
@@ -48,6 +50,7 @@ from loadtest.payloads import (
     PayloadError,
     check_handles,
     check_rows_body,
+    check_rows_get,
     derive_seed,
     encode_body,
     fetch_body,
@@ -71,6 +74,8 @@ def _add_arguments(parser: Any) -> None:
                        help="WIDTHxHEIGHT of generated screenshots (CPU runs: e.g. 320x180).")
     parser.add_argument("--chunk-tokens", type=int, default=512, include_in_web_ui=True,
                        help="Token rows per prefill chunk (one fetch request each).")
+    parser.add_argument("--fetch-mode", choices=("batch", "get"), default="batch", include_in_web_ui=True,
+                        help="Fetch a chunk with one POST /v1/embeddings/fetch, or one GET per image range.")
     parser.add_argument("--agent-turns", type=int, default=8, include_in_web_ui=True,
                        help="Turns of one agent conversation before it starts a new one.")
     parser.add_argument("--agent-fetch", choices=("all", "new"), default="all", include_in_web_ui=True,
@@ -97,13 +102,18 @@ def _add_arguments(parser: Any) -> None:
 
 @events.init.add_listener
 def _select_users(environment: Any, **_: Any) -> None:
-    """Keep the user class ``--scenario`` names, or drop the classes ``--tags`` left without tasks."""
+    """Keep the user class ``--scenario`` names, else those ``--tags`` / ``--exclude-tags`` select.
+
+    Each class's one task is tagged with its scenario; Locust filters tasks by
+    tag only later and would still start (and crash) users left without one."""
     options = environment.parsed_options
     if options is None:
         return
     scenario = getattr(options, "scenario", None)
+    tags, excluded = set(options.tags or ()), set(options.exclude_tags or ())
     keep = [u for u in environment.user_classes
-            if (u.scenario == scenario if scenario else u.tasks)]
+            if (u.scenario == scenario if scenario else (not tags or u.scenario in tags))
+            and u.scenario not in excluded]
     if not keep:
         raise SystemExit(f"no user class left for scenario={scenario!r} tags={options.tags!r}")
     environment.user_classes[:] = keep
@@ -214,19 +224,43 @@ class VisencUser(FastHttpUser):
         label = f"n={len(images):02d}"
         for k, chunk in enumerate(plan_chunks([h["num_tokens"] for h in fetched], self.opts.chunk_tokens)):
             ranges = [(fetched[r.index]["hash"], r.start, r.end) for r in chunk]
-            with self.client.post("/v1/embeddings/fetch", data=fetch_body(ranges), headers=HEADERS,
-                                  name="/v1/embeddings/fetch [chunk]", catch_response=True) as resp:
-                if resp.status_code != 200:
-                    resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
-                    return False
-                try:
-                    check_rows_body(resp.content, ranges, [fetched[r.index] for r in chunk])
-                except PayloadError as e:
-                    resp.failure(str(e))
-                    return False
+            chunk_handles = [fetched[r.index] for r in chunk]
+            if not (self.fetch_batch(ranges, chunk_handles) if self.opts.fetch_mode == "batch"
+                    else all(self.fetch_get(rng, h) for rng, h in zip(ranges, chunk_handles))):
+                return False
             if k == 0:
                 _record(self.environment, "TTFC", label, (time.perf_counter() - t0) * 1000.0)
         _record(self.environment, "TTA", label, (time.perf_counter() - t0) * 1000.0)
+        return True
+
+
+    def fetch_batch(self, ranges: list[tuple[str, int, int]], handles: list[dict]) -> bool:
+        """One chunk's ranges in one ``POST /v1/embeddings/fetch``."""
+        with self.client.post("/v1/embeddings/fetch", data=fetch_body(ranges), headers=HEADERS,
+                              name="/v1/embeddings/fetch [chunk]", catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
+                return False
+            try:
+                check_rows_body(resp.content, ranges, handles)
+            except PayloadError as e:
+                resp.failure(str(e))
+                return False
+        return True
+
+    def fetch_get(self, rng: tuple[str, int, int], handle: dict) -> bool:
+        """One image's part of a chunk with ``GET /v1/embeddings/{hash}?start=&end=``."""
+        h, start, end = rng
+        with self.client.get(f"/v1/embeddings/{h}?start={start}&end={end}", name="/v1/embeddings/{hash}",
+                             catch_response=True) as resp:
+            if resp.status_code != 200:
+                resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
+                return False
+            try:
+                check_rows_get(resp.headers, resp.content, start, end, handle)
+            except PayloadError as e:
+                resp.failure(str(e))
+                return False
         return True
 
 

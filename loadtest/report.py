@@ -144,6 +144,13 @@ def _smooth_ratio(hits: dict[float, float], misses: dict[float, float], window_s
 # --- the four plots -------------------------------------------------------------
 
 
+def _legend(ax: Axes, **kwargs: Any) -> None:
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(**kwargs)
+    else:
+        ax.text(0.5, 0.5, "no data", transform=ax.transAxes, ha="center", color="grey")
+
+
 def plot_latency(run: Run, ax: Axes) -> None:
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     steady = [e for e in run.entries(HTTP_TYPES) if "[warm pool]" not in e["Name"]]  # start-up only
@@ -162,7 +169,7 @@ def plot_latency(run: Run, ax: Axes) -> None:
         twin.step(users_x, users, where="post", color="grey", alpha=0.5, label="users")
         twin.set_ylabel("users")
         twin.set_ylim(0, max(users) * 1.3 + 1)
-    ax.legend(fontsize=6, loc="best")
+    _legend(ax, fontsize=6, loc="best")
 
 
 def plot_throughput(run: Run, ax: Axes) -> None:
@@ -178,7 +185,7 @@ def plot_throughput(run: Run, ax: Axes) -> None:
     if xs:
         ax.plot(xs, ys, color="C2", lw=0.8, label="forwards/s (server)")
     ax.set(title="Throughput", xlabel="s since start", ylabel="per second")
-    ax.legend(fontsize=7, loc="upper left")
+    _legend(ax, fontsize=7, loc="upper left")
 
 
 def _smooth_window(xs: list[float], ys: list[float], window_s: float = 5.0) -> tuple[list[float], list[float]]:
@@ -205,7 +212,7 @@ def plot_ttfc(run: Run, ax: Axes) -> None:
     ax.set(title="Time to first chunk / to all rows vs images per request", xlabel="images in the request",
            ylabel="ms")
     ax.set_ylim(bottom=0)
-    ax.legend(fontsize=7)
+    _legend(ax, fontsize=7)
 
 
 def plot_hit_ratio(run: Run, ax: Axes) -> None:
@@ -221,7 +228,7 @@ def plot_hit_ratio(run: Run, ax: Axes) -> None:
         if x:
             ax.plot(x, y, color=f"C{i + 1}", label=f"server: {tier} tier lookups (5 s window)")
     ax.set(title="Hit ratio over the run", xlabel="s since start", ylabel="hits / lookups", ylim=(-0.02, 1.02))
-    ax.legend(fontsize=7, loc="lower right")
+    _legend(ax, fontsize=7, loc="lower right")
 
 
 def _deltas(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:

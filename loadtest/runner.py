@@ -52,7 +52,8 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--url", help="Service to load (default: start `visenc serve` on a free loopback port).")
-    p.add_argument("--scenario", default="agent", choices=("agent", "probe", "cold", "hot", "mixed"))
+    p.add_argument("--scenario", choices=("agent", "probe", "cold", "hot", "mixed"),
+                   help="Scenario to run (default: agent, unless Locust's --tags picks the users).")
     p.add_argument("-u", "--users", type=int, default=2, help="Concurrent users.")
     p.add_argument("-r", "--spawn-rate", type=float, default=1.0, help="Users started per second.")
     p.add_argument("-t", "--run-time", default="30s", help="How long Locust runs (Locust syntax: 30s, 2m).")
@@ -151,7 +152,9 @@ def locust_command(args: argparse.Namespace, url: str, extra: list[str]) -> list
     files = "loadtest/locustfile.py" + (",loadtest/shapes.py" if args.ramp else "")
     cmd = [sys.executable, "-m", "locust", "-f", files, "--headless", "--host", url,
            "--csv", str(args.out / "locust"), "--csv-full-history", "--stop-timeout", f"{args.stop_timeout:g}s",
-           "--only-summary", "--loglevel", "WARNING", "--scenario", args.scenario]
+           "--only-summary", "--loglevel", "WARNING"]
+    if args.scenario:
+        cmd += ["--scenario", args.scenario]
     if not args.ramp:
         cmd += ["-u", str(args.users), "-r", str(args.spawn_rate), "--run-time", args.run_time]
     return cmd + extra
@@ -170,6 +173,8 @@ def locust_deadline_s(args: argparse.Namespace, extra: list[str]) -> float:
 
 def main(argv: list[str]) -> int:
     args, extra = parse_args(argv)
+    if args.scenario is None and not {"-T", "--tags"} & {e.split("=")[0] for e in extra}:
+        args.scenario = "agent"
     args.out = args.out.resolve()
     args.out.mkdir(parents=True, exist_ok=True)
     for old in args.out.glob("locust_*.csv"):
@@ -188,10 +193,10 @@ def main(argv: list[str]) -> int:
         duration = time.time() - started
         scraper.stopping.set()
         scraper.join(timeout=10)
-    info = {"scenario": args.scenario, "url": url, "server": server, "server_pid": server_pid,
+    info = {"scenario": args.scenario or "by tags", "url": url, "server": server, "server_pid": server_pid,
             "locust_rc": rc, "duration_s": duration,
             "locust_command": shlex.join(["locust", *cmd[3:]]), "scrape_errors": scraper.errors,
-            "title": f"visenc load test: {args.scenario}, "
+            "title": f"visenc load test: {args.scenario or 'by tags'}, "
                      + ("staged ramp" if args.ramp else f"{args.users} users, {args.run_time}")
                      + (f" ({' '.join(extra)})" if extra else "")}
     (args.out / "run.json").write_text(json.dumps(info, indent=2))

@@ -88,12 +88,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 def test_staged_mixed_run_against_a_given_url(server: str, tmp_path: Path) -> None:
     out = tmp_path / "mixed"
     proc = run_loadtest(out, "--url", server, "--scenario", "mixed", "--ramp", "--stages", "3:1:1,7:2:2",
-                        "--hit-ratio", "0.5", "--hot-pool", "4", *SMALL)
+                        "--hit-ratio", "0.5", "--hot-pool", "4", "--fetch-mode", "get", *SMALL)
     assert proc.returncode == 0, proc.stdout + proc.stderr + (out / "locust.log").read_text()[-3000:]
     rows = stats(out)
     assert all(r["Failure Count"] == "0" for r in rows), rows
     count = {(r["Type"], r["Name"]): int(r["Request Count"]) for r in rows}
     assert count[("images", "hit")] > 0 and count[("images", "miss")] > 0
+    assert count[("GET", "/v1/embeddings/{hash}")] > 0 and ("POST", "/v1/embeddings/fetch [chunk]") not in count
     users = {int(r["User Count"]) for r in stats(out, "locust_stats_history.csv")}
     assert {1, 2} <= users  # the shape stepped from one user to two
     assert json.loads((out / "run.json").read_text())["server_pid"] is None  # not ours to stop

@@ -109,8 +109,10 @@ HIDDEN, TOKENS = 8, 4
 class _WrongRows(BaseHTTPRequestHandler):
     """Encode answers are right; every fetched range is one row short of what its header claims."""
 
-    def _send(self, body: bytes, ctype: str) -> None:
+    def _send(self, body: bytes, ctype: str, headers: dict[str, str] | None = None) -> None:
         self.send_response(200)
+        for k, v in (headers or {}).items():
+            self.send_header(k, v)
         self.send_header("content-type", ctype)
         self.send_header("content-length", str(len(body)))
         self.end_headers()
@@ -124,7 +126,8 @@ class _WrongRows(BaseHTTPRequestHandler):
         if self.path == "/v1/encode":
             items = [{"hash": it["hash"], "status": "ready", "num_tokens": TOKENS, "hidden_size": HIDDEN,
                       "dtype": "float32", "grid_thw": [1, 4, 4]} for it in body["items"]]
-            self._send(msgpack.packb({"model": "fake", "items": items}), "application/msgpack")
+            self._send(msgpack.packb({"model": "fake", "items": items}), "application/msgpack",
+                       {"X-Visenc-Queue-Time": "0.004000", "X-Visenc-Encode-Time": "0.250000"})
             return
         meta, rows, offset = [], b"", 0
         for r in body["ranges"]:
@@ -158,6 +161,10 @@ def test_a_200_with_wrong_rows_is_a_failure(tmp_path: Path) -> None:
     assert fetches >= 1 and failed == fetches
     assert count[("POST", "/v1/encode [hashes]")][1] == 0  # the right answers passed
     assert ("TTFC", "n=01") not in count  # a failed chunk is not a first chunk
+    # the server timing headers became stats entries, in ms
+    assert count[("server", "queue")][0] >= 1 and count[("server", "encode")][0] >= 1
+    timing = {r["Name"]: r for r in stats(out) if r["Type"] == "server"}
+    assert timing["queue"]["Median Response Time"] == "4" and timing["encode"]["Median Response Time"] == "250"
     errors = " ".join(f["Error"] for f in stats(out, "locust_failures.csv"))
     assert f"bytes for {min(16, TOKENS)} rows x {HIDDEN} x float32" in errors
     assert "## Failures" in (out / "report.md").read_text()

@@ -48,3 +48,10 @@ bench: install-test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Load test: a bounded headless Locust run against a `visenc serve` it starts (or LOADTEST_ARGS='--url URL');
+# CSVs, PNG plots and report.md land in loadtest/out/ (loadtest/run --help lists every option).
+LOADTEST_ARGS ?= --scenario agent -u 2 -r 1 -t 60s --image-size 640x360
+.PHONY: loadtest
+loadtest: install-test
+	LOADTEST_PYTHON=$(BIN)/python loadtest/run $(LOADTEST_ARGS)

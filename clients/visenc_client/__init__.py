@@ -21,11 +21,13 @@ from visenc_client._exceptions import (
     TransportError,
     VisencClientError,
 )
+from visenc_client._redis import AsyncRedisRows, RedisRows, RowsInfo
 from visenc_client._types import Handle, RowRange, image_hash
 
 __all__ = [
     "APIError",
     "AsyncClient",
+    "AsyncRedisRows",
     "BadRequestError",
     "Client",
     "DeadlineError",
@@ -33,7 +35,9 @@ __all__ = [
     "NotFoundError",
     "OverloadedError",
     "ProtocolError",
+    "RedisRows",
     "RowRange",
+    "RowsInfo",
     "ServerError",
     "TransportError",
     "VisencClientError",

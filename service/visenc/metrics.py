@@ -87,6 +87,18 @@ class Metrics:
         self.redis_errors = Counter(
             "visenc_redis_errors", "Redis operations that failed, by operation.", ["op"], registry=r
         )
+        self.redis_up = Gauge(
+            "visenc_redis_up", "1 while the shared Redis index answers, 0 while it is skipped after a failure.",
+            registry=r,
+        )
+        self.claims = Counter(
+            "visenc_claims", "Cross-replica encode claims by outcome: owned (encode here), held (another "
+            "replica encodes; wait), ready (found while claiming), takeover (the owner went away), timeout "
+            "(waited claim_wait_s), unavailable (Redis down: encode here).", ["outcome"], registry=r,
+        )
+        self.claim_waiting = Gauge(
+            "visenc_claim_waiting_images", "Images this replica waits for another replica to encode.", registry=r
+        )
         self.encode_failures = Counter(
             "visenc_encode_failures", "Images whose encode failed, by kind.", ["kind"], registry=r
         )

@@ -60,7 +60,16 @@ class MetricsMiddleware:
 
 
 def build_index(settings: Settings, metrics: Metrics) -> Index:
-    return MemoryIndex(settings.cache_bytes, metrics)
+    """The in-process LRU; with ``redis_url``, the LRU in front of the shared Redis tier."""
+    local = MemoryIndex(settings.cache_bytes, metrics)
+    if settings.redis_url is None:
+        return local
+    from visenc.index.redis import RedisIndex
+    from visenc.index.tiered import TieredIndex
+
+    remote = RedisIndex.from_settings(settings, metrics)
+    log.info("shared index: redis %s (%s)", remote.location, settings.redis_mode)
+    return TieredIndex(local, remote)
 
 
 def load_tower(settings: Settings) -> VisionTower:
@@ -88,7 +97,8 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
         index = build_index(settings, metrics)
-        encoder = Encoder(loaded, index, settings, metrics)
+        claims = getattr(index, "remote", None)  # the Redis tier also holds cross-replica claims
+        encoder = Encoder(loaded, index, settings, metrics, claims=claims)
         d = loaded.describe()
         metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"],
                                   str(d["hidden_size"])).set(1)

@@ -160,11 +160,15 @@ async def healthz() -> str:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    """Readiness: model loaded and device worker alive (503 otherwise)."""
+    """Readiness: model loaded and device worker alive (503 otherwise).
+
+    ``status`` is ``degraded`` (still 200: the replica serves from its own LRU and
+    by encoding) while the shared Redis index is unreachable, else ``ready``."""
     encoder: Encoder | None = getattr(request.app.state, "encoder", None)
     if encoder is None or not encoder.ready:
         raise NotReady("encoder not ready")
-    return render(request, {"status": "ready", "index": encoder.index.health(),
+    index = encoder.index.health()
+    return render(request, {"status": "ready" if index.get("ok", True) else "degraded", "index": index,
                             "queue_depth": encoder.scheduler.depth})
 
 

@@ -11,7 +11,10 @@
   concurrent requests for the same new image join the job in flight);
 * the job is finished on the event loop thread: its entry is stored in the
   local tier *before* it leaves the in-flight map, so a later lookup always
-  finds one or the other and an image is never encoded twice.
+  finds one or the other and an image is never encoded twice;
+* with a shared index, new images are also claimed across replicas
+  (``engine/claims.py``): an image another replica is encoding is waited for,
+  not encoded again.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from visenc.config import Settings
+from visenc.engine.claims import ClaimBoard, ClaimStore
 from visenc.engine.job import Job, Timing
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
@@ -86,7 +90,8 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
 
 
 class Encoder:
-    def __init__(self, tower: VisionTower, index: Index, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, tower: VisionTower, index: Index, settings: Settings, metrics: Metrics,
+                 claims: ClaimStore | None = None) -> None:
         self.tower = tower
         self.index = index
         self.settings = settings
@@ -111,10 +116,17 @@ class Encoder:
             max_wait_s=settings.max_wait_ms / 1000,
         )
         self._closing = False
+        self.claims = None if claims is None else ClaimBoard(
+            claims, ttl_ms=settings.claim_ttl_ms, poll_max_s=settings.claim_poll_ms / 1000,
+            wait_s=settings.claim_wait_s, metrics=metrics, ready=self._complete_remote, takeover=self._queue,
+            fail=self._fail,
+        )
 
     # --- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
         self.worker.start()
+        if self.claims is not None:
+            self.claims.start()
         self.metrics.worker_alive.set(1)
         self.metrics.queue_capacity.set(self.settings.max_queue_images)
 
@@ -122,6 +134,8 @@ class Encoder:
         self._closing = True
         self.scheduler.cancel_all(NotReady("the service is shutting down"))
         await self.worker.stop()
+        if self.claims is not None:
+            await self.claims.stop()
         for t in list(self._tasks):
             t.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -153,18 +167,35 @@ class Encoder:
         return self.tower.preprocess(image)
 
     # --- job completion (event loop thread) ------------------------------------
-    def _complete(self, job: Job, entry: Entry) -> None:
+    def _complete(self, job: Job, entry: Entry, *, remote: bool = False) -> None:
         self.index.store_local(job.key, entry)
-        self._spawn(self.index.write_remote(job.key, entry))
+        if not remote:
+            self._spawn(self._write_through(job.key, entry))
         if self.inflight.get(job.key) is job:
             del self.inflight[job.key]
         if not job.future.done():
             job.future.set_result(entry)
         self.metrics.inflight.set(len(self.inflight))
 
+    def _complete_remote(self, job: Job, entry: Entry) -> None:
+        """Another replica encoded a watched job: take its entry, run no forward."""
+        self._complete(job, entry, remote=True)
+
+    async def _write_through(self, key: str, entry: Entry) -> None:
+        await self.index.write_remote(key, entry)
+        if self.claims is not None:  # entry first, then the claim: a waiter never sees neither
+            await self.claims.release(key)
+
+    def _queue(self, job: Job) -> None:
+        """Queue a job for the device here (a watched job whose owner went away)."""
+        self.scheduler.submit(job)
+        self.metrics.queue_depth.set(self.scheduler.depth)
+
     def _fail(self, job: Job, error: BaseException) -> None:
         if self.inflight.get(job.key) is job:
             del self.inflight[job.key]
+        if self.claims is not None and not self._closing:
+            self._spawn(self.claims.release(job.key))
         if not job.future.done():
             if not isinstance(error, VisencError):
                 log.error("encode of %s failed: %r", job.image_hash, error)
@@ -237,6 +268,15 @@ class Encoder:
                 f"encoder queue is full (max_queue_images={self.settings.max_queue_images})", retry_after_s=1.0
             )
 
+        claimed: dict[str, Entry | bool] = {}
+        if self.claims is not None and new:  # one round trip: entry written meanwhile, or claim, or wait
+            claimed = await self.claims.claim(sorted(new))
+            for i in inspected:
+                got = claimed.get(keys[i])
+                if isinstance(got, Entry):
+                    found[i] = got
+                    self.index.store_local(keys[i], got)
+
         order = next(self._requests)
         now = time.monotonic()
         handles: list[Handle] = []
@@ -259,7 +299,13 @@ class Encoder:
                           data=items[i].data, interest=1)
                 job.future.add_done_callback(_retrieve)
                 self.inflight[key] = job
-                self.scheduler.submit(job)
+                if claimed.get(key, True) is False:
+                    assert self.claims is not None
+                    self.claims.watch(job)  # another replica encodes it
+                else:
+                    self.scheduler.submit(job)
+                    if self.claims is not None:
+                        self.claims.own(job)
             else:
                 self.metrics.singleflight_joins.inc()
                 job.interest += 1

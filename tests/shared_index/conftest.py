@@ -38,13 +38,28 @@ def _wait_port(port: int, timeout_s: float = 10.0) -> None:
     raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
 
 
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
 @contextlib.contextmanager
 def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[list[int]]:
     """``nodes`` masters (``--cluster-enabled yes``) joined by ``redis-cli --cluster create``; their ports."""
     server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if server is None or cli is None:
         pytest.fail("redis-server / redis-cli are not installed (make test installs them)")
-    ports = [free_port() for _ in range(nodes)]
+    ports = [_cluster_port() for _ in range(nodes)]
     procs = []
     try:
         for port in ports:

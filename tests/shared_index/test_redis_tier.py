@@ -165,3 +165,32 @@ def test_redacted_location():
     assert redacted_location("rediss://user:pw@host.example:6380/2") == "rediss://host.example:6380/2"
     assert redacted_location("redis://localhost") == "redis://localhost:6379"
     assert DATA_OFFSET == 256
+
+
+def test_shipped_redis_conf_is_a_valid_cache_config(tmp_path):
+    import subprocess
+    import time
+
+    import redis as syncredis
+    from tests.conftest import ROOT
+
+    port = free_port()
+    conf = str(ROOT / "deploy" / "redis" / "redis.conf")
+    # the file as shipped; only the address and working folder are changed for the test
+    proc = subprocess.Popen(["redis-server", conf, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        r = syncredis.Redis(port=port)
+        for _ in range(100):
+            try:
+                cfg = r.config_get("*")
+                break
+            except syncredis.ConnectionError:
+                assert proc.poll() is None, "redis-server refused the shipped config"
+                time.sleep(0.05)
+        assert cfg["maxmemory-policy"] == "allkeys-lru" and int(cfg["maxmemory"]) > 0
+        assert cfg["save"] == "" and cfg["appendonly"] == "no"
+        r.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -55,3 +55,8 @@ LOADTEST_ARGS ?= --scenario agent -u 2 -r 1 -t 60s --image-size 640x360
 .PHONY: loadtest
 loadtest: install-test
 	LOADTEST_PYTHON=$(BIN)/python loadtest/run $(LOADTEST_ARGS)
+
+# Redis tier: fetch throughput vs a raw GET, hit-path encode latency (starts its own redis-server)
+.PHONY: bench-redis
+bench-redis: install-test
+	$(BIN)/python bench/bench_redis.py

@@ -87,10 +87,6 @@ class Metrics:
         self.redis_errors = Counter(
             "visenc_redis_errors", "Redis operations that failed, by operation.", ["op"], registry=r
         )
-        self.redis_up = Gauge(
-            "visenc_redis_up", "1 while the shared Redis index answers, 0 while it is skipped after a failure.",
-            registry=r,
-        )
         self.claims = Counter(
             "visenc_claims", "Cross-replica encode claims by outcome: owned (encode here), held (another "
             "replica encodes; wait), ready (found while claiming), takeover (the owner went away), timeout "

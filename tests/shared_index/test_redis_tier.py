@@ -121,7 +121,6 @@ async def test_unreachable_redis_answers_misses_counts_and_recovers(tmp_path):
     assert not idx.up and idx.health()["ok"] is False
     t = text(m)
     assert metric(t, "visenc_redis_errors_total", op="get") == 1
-    assert metric(t, "visenc_redis_up") == 0
     with redis_process(port, "--requirepass", "s3cret"):
         import asyncio
 
@@ -130,7 +129,7 @@ async def test_unreachable_redis_answers_misses_counts_and_recovers(tmp_path):
         assert idx.up
         (back,) = await idx.get_many([key])
         assert back is not None and back.rows == 6
-        assert metric(text(m), "visenc_redis_up") == 1
+        assert idx.health()["ok"] is True
         await idx.close()
 
 

@@ -146,5 +146,5 @@ async def test_without_redis_the_service_answers_and_reports_degraded(tiny_tower
         assert ready.status_code == 200 and ready.json()["status"] == "degraded"
         assert ready.json()["index"]["redis"]["ok"] is False
         m = await metrics_of(a)
-        assert metric(m, "visenc_redis_up") == 0
+        assert metric(m, "visenc_index_up", tier="redis") == 0
         assert metric(m, "visenc_redis_errors_total", op="get") >= 1

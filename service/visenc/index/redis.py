@@ -13,7 +13,8 @@ rows from ``DATA_OFFSET``), so a client can read a chunk's rows with one
 * **One round trip per lookup.** ``get_many`` is one ``MGET`` (standalone) or one
   ``MGET`` per slot, pipelined to every node at once (cluster).
 * **Outages degrade, never fail.** A connection error or timeout is counted
-  (``visenc_redis_errors{op}``), turns ``visenc_redis_up`` to 0 and makes Redis
+  (``visenc_redis_errors{op}``), turns ``health()["ok"]`` (``visenc_index_up{tier="redis"}``)
+  to false and makes Redis
   be *skipped* for ``redis_retry_s``: lookups miss at once, writes are dropped,
   so no request waits on a dead server. The next call after that tries again,
   so a restarted Redis is used again without restarting the service. Each
@@ -106,8 +107,6 @@ class RedisIndex(Index):
         self._down_until = 0.0
         self._up = True
         self.errors = 0
-        if metrics is not None:
-            metrics.redis_up.set(1)
 
     @classmethod
     def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> RedisIndex:
@@ -152,16 +151,12 @@ class RedisIndex(Index):
                     log.warning("redis %s unavailable (%s: %s); skipping it for %.1f s", self.location,
                                 type(e).__name__, e, self.retry_after_s)
                     self._up = False
-                    if self._metrics is not None:
-                        self._metrics.redis_up.set(0)
             else:
                 log.warning("redis %s failed on %s: %s: %s", self.location, op, type(e).__name__, e)
             return None
         if not self._up:
             log.warning("redis %s is back", self.location)
             self._up = True
-            if self._metrics is not None:
-                self._metrics.redis_up.set(1)
         return result
 
     # --- values ----------------------------------------------------------------------

@@ -68,3 +68,21 @@ def test_direct_redis_reads_equal_http_fetch_from_either_replica(replicas):
                         assert rows.fetch_bytes(h, start, end) == http
                         assert rows.fetch_bytes(h.hash, start, end) == http
                 np.testing.assert_array_equal(rows.fetch(h, 0, 4), cb.fetch(h, 0, 4))
+
+
+def test_fetch_on_another_replica_waits_for_the_encode_in_flight(replicas, tiny_tower):
+    """A pending handle from replica A can be fetched from replica B: B waits on A's claim."""
+    from tests.service.test_api import reference
+
+    _, a, b = replicas
+    images = [png_bytes(470 + i, 448, 336) for i in range(6)]
+    before_b = encoded(b)
+    with Client(a) as ca, Client(b) as cb:
+        handles = ca.encode(images, wait=False, hash_first=False)
+        assert any(h.status == "pending" for h in handles)
+        rows = cb.fetch(handles[-1])  # still being encoded on A
+        np.testing.assert_allclose(rows, reference(tiny_tower, images[-1]), atol=1e-5, rtol=0)
+        (h,) = cb.encode([images[-2]], hash_first=True)  # hash-only on B: joins or hits, never missing
+        assert h.status == "ready" and h.num_tokens == handles[-2].num_tokens
+    assert encoded(b) == before_b, "replica B encoded an image replica A was encoding"
+    assert metric(httpx.get(f"{b}/metrics").text, "visenc_claims_total", outcome="fetch_wait") >= 1

@@ -64,6 +64,8 @@ class ClaimStore(Protocol):
 
     async def release_claims(self, keys: Sequence[str], token: str) -> None: ...
 
+    async def claims_held(self, keys: Sequence[str]) -> list[bool] | None: ...
+
 
 @dataclass(eq=False, slots=True)
 class _Watch:
@@ -107,6 +109,11 @@ class ClaimBoard:
             outcome = "owned" if reply is True else "held" if reply is False else "ready"
             self.metrics.claims.labels(outcome).inc()
         return dict(zip(keys, replies))
+
+    async def held(self, key: str) -> bool:
+        """Whether another replica is encoding ``key`` right now (its claim is held)."""
+        replies = await self.store.claims_held([key])
+        return bool(replies and replies[0])
 
     def own(self, job: Job) -> None:
         """``job`` is queued here under our claim: keep the claim alive until ``release``."""

@@ -53,6 +53,9 @@ from visenc.models.base import Prepared, TokenLayout, VisionTower
 
 log = logging.getLogger(__name__)
 
+#: layout of a job known only by its hash (a fetch waiting for another replica's encode)
+UNKNOWN_LAYOUT = TokenLayout(0, (0, 0, 0), None)
+
 
 @dataclass(slots=True)
 class EncodeItem:
@@ -188,6 +191,10 @@ class Encoder:
 
     def _queue(self, job: Job) -> None:
         """Queue a job for the device here (a watched job whose owner went away)."""
+        if job.data is None:  # a fetch watched another replica's encode: no bytes to encode it here
+            self._fail(job, NotFound(f"image {job.image_hash} was being encoded by another replica that did "
+                                     "not finish; encode it again with its bytes"))
+            return
         self.scheduler.submit(job)
         self.metrics.queue_depth.set(self.scheduler.depth)
 
@@ -309,8 +316,11 @@ class Encoder:
             else:
                 self.metrics.singleflight_joins.inc()
                 job.interest += 1
+                if job.layout is UNKNOWN_LAYOUT and i in inspected:  # adopt a fetch's remote wait
+                    job.layout, job.data = inspected[i], items[i].data
+                    job.cost = self.tower.input_tokens(job.layout)
             joined[i] = job
-            handles.append(self._handle(h, "pending", job.layout))
+            handles.append(self._handle(h, "pending", None if job.layout is UNKNOWN_LAYOUT else job.layout))
         self.metrics.inflight.set(len(self.inflight))
         self.metrics.queue_depth.set(self.scheduler.depth)
 
@@ -336,8 +346,26 @@ class Encoder:
             if error is not None:
                 handles[i] = self._handle(hashes[i], "error", error=str(error))
             else:
-                handles[i].status = "ready"
+                handles[i] = self._handle(hashes[i], "ready", self._entry_layout(job.future.result()))
         return handles
+
+    async def _watch_remote(self, key: str, image_hash: str) -> Job | None:
+        """A job waiting for another replica's encode of ``key`` (its claim is held), or ``None``.
+
+        The job has no bytes and no layout yet (``UNKNOWN_LAYOUT``); it sits in the in-flight map so
+        later local requests join it, and a local encode that brings the bytes adopts it."""
+        if self.claims is None or not await self.claims.held(key):
+            return None
+        job = self.inflight.get(key)  # a local encode may have started while we asked
+        if job is None:
+            job = Job(key=key, image_hash=image_hash, layout=UNKNOWN_LAYOUT, cost=0,
+                      order=(next(self._requests), 0), future=asyncio.get_running_loop().create_future(),
+                      admitted_at=time.monotonic())
+            job.future.add_done_callback(_retrieve)
+            self.inflight[key] = job
+            self.claims.watch(job)
+            self.metrics.claims.labels("fetch_wait").inc()
+        return job
 
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
         """The entry of an image, waiting (and raising its priority) if it is being encoded."""
@@ -355,6 +383,8 @@ class Encoder:
             entry, job = self.index.peek(key), self.inflight.get(key)
             if entry is not None:
                 return entry
+            if job is None:
+                job = await self._watch_remote(key, image_hash)
             if job is None:
                 raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
         timeout_s = self.settings.fetch_timeout_s if timeout_s is None else timeout_s

@@ -233,6 +233,17 @@ class RedisIndex(Index):
                 out.append(bool(reply))
         return out
 
+    async def claims_held(self, keys: Sequence[str]) -> list[bool] | None:
+        """Whether some replica holds the claim on each key (read-only; ``None`` if Redis is unavailable)."""
+        async def call() -> list[Any]:
+            pipe = self.client.pipeline(transaction=False)
+            for k in keys:
+                pipe.exists(claim_key(k))
+            return list(await pipe.execute())
+
+        replies = await self._run("claims_held", call) if keys else []
+        return None if replies is None else [bool(r) for r in replies]
+
     async def renew_claims(self, keys: Sequence[str], token: str, ttl_ms: int) -> None:
         """Extend the claims on ``keys`` that are still held by ``token``."""
         await self._scripts("renew", RENEW_SCRIPT, [(claim_key(k),) for k in keys], (token, ttl_ms))

@@ -72,9 +72,14 @@ async def test_budget_is_never_met_by_breaking_a_lease(tmp_path):
     assert len(os.listdir(tmp_path)) == 1 and p.bytes == one
 
 
-async def test_start_sweeps_segments_of_dead_services_only(tmp_path):
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    dead_pid = int(dead.stdout)
+@pytest.fixture
+def dead_pid() -> int:
+    """The pid of a process that has exited."""
+    done = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(done.stdout)
+
+
+async def test_start_sweeps_segments_of_dead_services_only(tmp_path, dead_pid):
     stale = tmp_path / f"visenc-{dead_pid}-0123abcd-7"
     live = tmp_path / f"visenc-{os.getppid()}-0123abcd-1"
     other = tmp_path / "someone-elses-file"

@@ -13,6 +13,7 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+import msgpack
 import pytest
 from tests.conftest import running_app
 from tests.images import png_bytes
@@ -113,9 +114,9 @@ async def check_prompt_and_arrival_order(client, probe: Probe) -> None:
     assert batches == sorted(batches) and len(set(batches)) > 2, batches  # several forwards, in order
 
 
-async def test_fetch_of_a_late_image_moves_it_into_the_next_forward(tiny_tower, monkeypatch):
-    # 100 input patches per forward (a few small images), prefetch gate at 200
-    async with held_app(tiny_tower, monkeypatch, max_batch_tokens=100) as (client, probe):
+async def test_fetch_of_late_images_moves_them_all_into_the_next_forward(tiny_tower, monkeypatch):
+    # 200 input patches per forward (a few small images), prefetch gate at 400
+    async with held_app(tiny_tower, monkeypatch, max_batch_tokens=200) as (client, probe):
         await check_fetch_priority(client, probe)
 
 
@@ -124,17 +125,19 @@ async def check_fetch_priority(client, probe: Probe) -> None:
     scheduler = client.app.state.encoder.scheduler  # type: ignore[attr-defined]
     images = [png_bytes(960 + i, *SIZES[i % len(SIZES)]) for i in range(16)]
     hashes = hashes_of(await encode_json(client, [{"data": d} for d in images], wait=False))
-    # the prefetch gate admits only the first few images into preprocessing; the last one waits
+    # the prefetch gate admits only the first few images into preprocessing; the last ones wait
     await wait_until(lambda: len(scheduler._ready) >= 2 and not scheduler._preparing, "the staged work is ready")
-    last = hashes[-1]
-    assert any(j.image_hash == last for j in scheduler._waiting), "the last image should be behind the gate"
-    fetch = asyncio.create_task(client.get(f"/v1/embeddings/{last}"))
-    # the waiting fetch bumps the job: it is preprocessed at once, past the gate
-    await wait_until(lambda: any(j.image_hash == last for j in scheduler._ready), "the bumped image is ready")
+    late = hashes[-3:]
+    assert set(late) <= {j.image_hash for j in scheduler._waiting}, "the last images should be behind the gate"
+    # one fetch for the three (one prefill chunk): all of them are bumped at once, not one after the other
+    body = msgpack.packb({"ranges": [{"hash": h} for h in late]})
+    fetch = asyncio.create_task(client.post("/v1/embeddings/fetch", content=body,
+                                            headers={"content-type": "application/msgpack"}))
+    await wait_until(lambda: set(late) <= {j.image_hash for j in scheduler._ready}, "the fetched images are ready")
     probe.gate.set()
     await blocker
     r = await asyncio.wait_for(fetch, 30)
     assert r.status_code == 200
-    assert probe.batch_of[last] == 2, f"fetched image ran in forward {probe.batch_of[last]}, not the next one"
+    assert [probe.batch_of[h] for h in late] == [2, 2, 2], "the fetched images did not run in the next forward"
     await wait_until(lambda: set(hashes) <= set(probe.batch_of), "every image is encoded")
-    assert min(probe.batch_of[h] for h in hashes[:-1]) >= 2
+    assert min(probe.batch_of[h] for h in hashes[:-3]) >= 3  # an urgent forward is not padded with the rest

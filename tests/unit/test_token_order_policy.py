@@ -27,3 +27,15 @@ async def test_bump_starts_preprocessing_past_the_prefetch_gate():
     assert s.staged_tokens == 30
     assert s.take_batch() == [jobs[4]]
     assert s.take_batch() == [jobs[0]]
+
+
+async def test_an_urgent_batch_is_not_padded_with_work_nobody_waits_for():
+    s = make_scheduler(packable=True, max_tokens=1000)
+    jobs = [job(10, (0, i), f"b{i}") for i in range(6)]
+    for j in jobs:
+        s.submit(j)
+    await drain_ready(s, 6)
+    s.bump(jobs[3])
+    s.bump(jobs[1])
+    assert s.take_batch() == [jobs[1], jobs[3]]
+    assert s.take_batch() == [jobs[0], jobs[2], jobs[4], jobs[5]]

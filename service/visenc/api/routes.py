@@ -6,6 +6,7 @@ CPU-heavy work on the event loop.
 
 from __future__ import annotations
 
+import asyncio
 import re
 from typing import Any
 
@@ -109,6 +110,23 @@ async def get_embedding(
     })
 
 
+async def lookup_ranges(request: Request, body: FetchRequest) -> list[Entry | VisencError]:
+    """The entry of every range, looked up (and, if pending, bumped) all at once.
+
+    Waiting on the ranges one after the other would raise the priority of the
+    second image only once the first is done: a chunk's images must all move to
+    the front of the queue together."""
+    encoder = _encoder(request)
+    ns = namespace_of(request)
+    timeout_s = None if body.wait else 0.0
+    found = await asyncio.gather(*(encoder.lookup(r.hash, ns, timeout_s=timeout_s) for r in body.ranges),
+                                 return_exceptions=True)
+    for f in found:
+        if isinstance(f, BaseException) and not isinstance(f, VisencError):
+            raise f
+    return found  # type: ignore[return-value]
+
+
 @router.post(
     "/v1/embeddings/fetch",
     responses={200: {"content": {ROWS_MEDIA_TYPE: {}},
@@ -122,14 +140,14 @@ async def fetch(request: Request) -> Response:
     body = await parse(request, FetchRequest, settings.max_body_bytes)
     if len(body.ranges) > settings.max_items:
         raise PayloadTooLarge(f"{len(body.ranges)} ranges exceed max_items={settings.max_items}")
-    encoder = _encoder(request)
-    ns = namespace_of(request)
     meta: list[dict[str, Any]] = []
     views: list[memoryview] = []
     offset = 0
-    for r in body.ranges:
+    for r, found in zip(body.ranges, await lookup_ranges(request, body)):
         try:
-            entry = await encoder.lookup(r.hash, ns, timeout_s=None if body.wait else 0.0)
+            if isinstance(found, VisencError):
+                raise found
+            entry = found
             s, e = check_range(entry, r.start, r.end)
         except VisencError as err:
             if not err.public:

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from visenc.api.codec import parse, render
-from visenc.api.routes import _ERRORS, _body_schema, _encoder, check_range, namespace_of
+from visenc.api.routes import _ERRORS, _body_schema, _encoder, check_range, lookup_ranges, namespace_of
 from visenc.api.schemas import FetchRequest
 from visenc.config import Settings
 from visenc.errors import PayloadTooLarge, TransportDisabled, VisencError
@@ -57,9 +57,11 @@ async def fetch_shm(request: Request) -> Response:
     ns = namespace_of(request)
     items: list[dict[str, Any]] = []
     served = 0
-    for r in body.ranges:
+    for r, found in zip(body.ranges, await lookup_ranges(request, body)):
         try:
-            entry = await encoder.lookup(r.hash, ns, timeout_s=None if body.wait else 0.0)
+            if isinstance(found, VisencError):
+                raise found
+            entry = found
             s, e = check_range(entry, r.start, r.end)
         except VisencError as err:
             if not err.public:

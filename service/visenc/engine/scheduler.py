@@ -16,7 +16,10 @@ Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
   or ``max_batch_images`` would be exceeded. Filling stops at the first job that
   does not fit rather than skipping to smaller ones behind it, so a packable
   tower encodes a request's ready images strictly in prompt order (token
-  order). A single job larger than the token budget still runs, alone.
+  order). A batch headed by an urgent job takes only urgent jobs: someone is
+  blocked on them, and padding their forward with work nobody waits for yet
+  would only delay them. A single job larger than the token budget still
+  runs, alone.
 
 Everything here runs on the event loop thread; nothing blocks.
 """
@@ -160,8 +163,8 @@ class Scheduler:
         head = self._ready[0]
         batch, tokens = [head], head.cost
         for job in self._ready[1:]:
-            if len(batch) >= self.max_batch_images:
-                break
+            if len(batch) >= self.max_batch_images or (head.urgent and not job.urgent):
+                break  # sorted by priority: the urgent jobs come first
             if not self.packable and job.layout.bucket != head.layout.bucket:
                 continue
             if tokens + job.cost > self.max_batch_tokens:

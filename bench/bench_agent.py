@@ -11,7 +11,7 @@ conversation; a per-request cache would re-encode everything every turn.
 Prints, per turn, the forwards the service ran (``visenc_forwards_total``
 delta; must be 1) and the median encode latency, then turn 8 / turn 1.
 
-    python bench/bench_agent.py [--turns 8] [--conversations 5] [--size 448x448]
+    python bench/bench_agent.py [--turns 8] [--conversations 9] [--size 448x448]
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ def counter(url: str, name: str) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--turns", type=int, default=8)
-    ap.add_argument("--conversations", type=int, default=5)
+    ap.add_argument("--conversations", type=int, default=9)
     ap.add_argument("--size", default="448x448", help="WxH of every screenshot")
     args = ap.parse_args()
     width, height = (int(x) for x in args.size.split("x"))
@@ -61,6 +61,13 @@ def main() -> None:
                 latency[turn].append(time.perf_counter() - t0)
                 assert [h.status for h in handles] == ["ready"] * len(screenshots)
                 forwards[turn].append(int(counter(url, "visenc_forwards_total") - before))
+        # the part of a turn that grows with the conversation: resending earlier screenshots by hash
+        resend = {}
+        for n in (1, args.turns):
+            t0 = time.perf_counter()
+            for _ in range(20):
+                vc.encode(screenshots[:n])
+            resend[n] = (time.perf_counter() - t0) / 20
 
     print(f"{args.conversations} conversations x {args.turns} turns, one new {args.size} screenshot per turn, "
           "earlier ones resent by hash")
@@ -71,6 +78,8 @@ def main() -> None:
     first, last = statistics.median(latency[0]), statistics.median(latency[-1])
     print(f"forwards per turn: {sorted({f for fs in forwards for f in fs})} (must be [1])")
     print(f"latency turn {args.turns} / turn 1: {last / first:.2f} (goal <= 1.5)")
+    print(f"hash-only resend (all hits, client hashing included): {1000 * resend[1]:.1f} ms for 1 image, "
+          f"{1000 * resend[args.turns]:.1f} ms for {args.turns}")
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Shared-memory segments are owned by the service: nothing leaks when clients exit or crash.
 
-A real ``visenc serve`` with a 3 s lease; client subprocesses map segments
+A real ``visenc serve`` with a 6 s lease; client subprocesses map segments
 (seen in their ``/proc/self/maps``), one exits, one is killed with SIGKILL.
 Every segment the service created is gone once its lease runs out, and all of
 them are gone when the service shuts down.
@@ -42,14 +42,18 @@ def segments(prefix: str) -> list[str]:
     return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
-def run_client(url: str, mode: str, hashes: list[str]) -> tuple[subprocess.Popen[str], list[str]]:
+def start_client(url: str, mode: str, hashes: list[str]) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "clients"), str(ROOT / "service")])}
-    proc = subprocess.Popen([sys.executable, "-c", CLIENT, url, mode, *hashes], env=env, text=True,
+    return subprocess.Popen([sys.executable, "-c", CLIENT, url, mode, *hashes], env=env, text=True,
                             stdout=subprocess.PIPE)
+
+
+def mapped_by(proc: subprocess.Popen[str]) -> list[str]:
+    """The segment names the client process had mapped (it prints them once it has)."""
     assert proc.stdout is not None
     line = proc.stdout.readline()
     assert line, f"client exited with {proc.wait()} before mapping anything"
-    return proc, [os.path.basename(p) for p in line.split()]
+    return [os.path.basename(p) for p in line.split()]
 
 
 def wait_for(predicate, timeout_s: float) -> bool:
@@ -62,13 +66,14 @@ def wait_for(predicate, timeout_s: float) -> bool:
 
 
 def test_no_segment_outlives_its_lease_or_the_service_when_clients_exit_or_crash(tmp_path):
-    with serve_process("--shm-enabled", "true", "--shm-lease-s", "3", log=tmp_path / "serve.log") as url:
+    with serve_process("--shm-enabled", "true", "--shm-lease-s", "6", log=tmp_path / "serve.log") as url:
         with Client(url) as vc:
             hs = vc.encode([png_bytes(600 + i, 96 + 20 * i, 64) for i in range(3)])
         hashes = [h.hash for h in hs]
 
-        crashed, mapped_a = run_client(url, "hang", hashes[:2])
-        exited, mapped_b = run_client(url, "exit", hashes[1:])
+        # both start together, so their segments were handed out at about the same time
+        crashed, exited = start_client(url, "hang", hashes[:2]), start_client(url, "exit", hashes[1:])
+        mapped_a, mapped_b = mapped_by(crashed), mapped_by(exited)
         assert exited.wait(timeout=30) == 0
         os.kill(crashed.pid, signal.SIGKILL)
         crashed.wait(timeout=10)
@@ -76,7 +81,7 @@ def test_no_segment_outlives_its_lease_or_the_service_when_clients_exit_or_crash
         assert len(mapped_a) == 2 and len(mapped_b) == 2  # one segment per image, shared by both clients
         prefix = mapped_a[0].rsplit("-", 1)[0] + "-"
         assert set(mapped_a) | set(mapped_b) == set(segments(prefix)), "the segments live under the lease"
-        assert wait_for(lambda: not segments(prefix), timeout_s=10), f"leaked: {segments(prefix)}"
+        assert wait_for(lambda: not segments(prefix), timeout_s=15), f"leaked: {segments(prefix)}"
 
         with Client(url, shared_memory=True) as vc:  # new handles, new segments
             vc.fetch_many([RowRange(h) for h in hashes])

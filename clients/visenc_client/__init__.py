@@ -2,11 +2,12 @@
 
 Example::
 
-    from visenc_client import Client, RowRange
+    from visenc_client import Client, ImagePlacement, RowRange
 
     with Client("http://127.0.0.1:8000") as vc:
         h = vc.encode([png_bytes], wait=False)[0]   # pending handle, num_tokens known
         first = vc.fetch(h, 0, 16)                    # waits until encoded
+        rows = vc.fetch_chunk([ImagePlacement.of(h, offset=7)], 0, 512)  # one prefill chunk's rows
 """
 
 from visenc_client._client import AsyncClient, Client
@@ -22,14 +23,18 @@ from visenc_client._exceptions import (
     VisencClientError,
 )
 from visenc_client._types import Handle, RowRange, image_hash
+from visenc_client.chunks import ChunkPiece, ChunkPlan, ImagePlacement, plan_chunk
 
 __all__ = [
     "APIError",
     "AsyncClient",
     "BadRequestError",
+    "ChunkPiece",
+    "ChunkPlan",
     "Client",
     "DeadlineError",
     "Handle",
+    "ImagePlacement",
     "NotFoundError",
     "OverloadedError",
     "ProtocolError",
@@ -38,4 +43,5 @@ __all__ = [
     "TransportError",
     "VisencClientError",
     "image_hash",
+    "plan_chunk",
 ]

@@ -76,6 +76,19 @@ class Settings(BaseSettings):
         64_000_000, gt=0, description="Most pixels of a decoded image (decompression-bomb guard)."
     )
 
+    # --- shared memory (same-host transport) ---------------------------------
+    shm_enabled: bool = Field(
+        False, description="Serve POST /v1/embeddings/shm: rows handed out as shared-memory segments "
+        "to clients on the same host, running as the same user."
+    )
+    shm_dir: str = Field("/dev/shm", description="Directory of the shared-memory segments (a tmpfs).")
+    shm_lease_s: float = Field(
+        30.0, gt=0, description="A segment stays openable at least this long after the last handle naming it."
+    )
+    shm_max_bytes: int = Field(
+        1024 * MiB, gt=0, description="Most bytes held in segments; past it (no lease expired) shm fetches get 429."
+    )
+
     @field_validator("redis_url")
     @classmethod
     def _check_redis_url(cls, v: SecretStr | None) -> SecretStr | None:

@@ -85,6 +85,10 @@ class Metrics:
             "visenc_model_info", "The served tower (value 1).",
             ["name", "fingerprint", "dtype", "device", "hidden_size"], registry=r,
         )
+        # --- shared memory
+        self.shm_segments = Gauge("visenc_shm_segments", "Shared-memory segments held (leased to clients).",
+                                  registry=r)
+        self.shm_bytes = Gauge("visenc_shm_bytes", "Bytes held in shared-memory segments.", registry=r)
         self.worker_alive = Gauge(
             "visenc_worker_alive", "1 while the device worker is healthy, 0 when stalled or dead.", registry=r
         )

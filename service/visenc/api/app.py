@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from visenc.api import shm as shm_api
 from visenc.api.routes import router
 from visenc.config import Settings
 from visenc.engine.encoder import Encoder
@@ -92,6 +93,7 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
         d = loaded.describe()
         metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"],
                                   str(d["hidden_size"])).set(1)
+        app.state.shm = await shm_api.start_pool(settings, metrics)  # None unless shm_enabled
         await encoder.start()
         app.state.encoder = encoder
         log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"],
@@ -100,6 +102,7 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
             yield
         finally:
             await encoder.stop()
+            await shm_api.stop_pool(app.state.shm)
             await index.close()
 
     app = FastAPI(title="visenc", version="0.1.0", lifespan=lifespan,
@@ -108,6 +111,7 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
     app.state.settings = settings
     app.state.metrics = metrics
     app.include_router(router)
+    app.include_router(shm_api.router)
     app.add_middleware(MetricsMiddleware, metrics=metrics)
 
     @app.exception_handler(VisencError)

@@ -15,6 +15,7 @@ from visenc_client._exceptions import (
     APIError,
     BadRequestError,
     DeadlineError,
+    ImageEncodeError,
     NotFoundError,
     OverloadedError,
     ProtocolError,
@@ -24,6 +25,7 @@ from visenc_client._exceptions import (
 )
 from visenc_client._types import Handle, RowRange, image_hash
 from visenc_client.chunks import ChunkPiece, ChunkPlan, ImagePlacement, plan_chunk
+from visenc_client.prefill import PromptLayout, VisencPrefill, expand_placeholders
 
 __all__ = [
     "APIError",
@@ -34,14 +36,18 @@ __all__ = [
     "Client",
     "DeadlineError",
     "Handle",
+    "ImageEncodeError",
     "ImagePlacement",
     "NotFoundError",
     "OverloadedError",
+    "PromptLayout",
     "ProtocolError",
     "RowRange",
     "ServerError",
     "TransportError",
     "VisencClientError",
+    "VisencPrefill",
+    "expand_placeholders",
     "image_hash",
     "plan_chunk",
 ]

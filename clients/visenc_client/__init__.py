@@ -15,6 +15,7 @@ from visenc_client._exceptions import (
     APIError,
     BadRequestError,
     DeadlineError,
+    ImageEncodeError,
     NotFoundError,
     OverloadedError,
     ProtocolError,
@@ -25,6 +26,7 @@ from visenc_client._exceptions import (
 from visenc_client._redis import AsyncRedisRows, RedisRows, RowsInfo
 from visenc_client._types import Handle, RowRange, image_hash
 from visenc_client.chunks import ChunkPiece, ChunkPlan, ImagePlacement, plan_chunk
+from visenc_client.prefill import PromptLayout, VisencPrefill, expand_placeholders
 
 __all__ = [
     "APIError",
@@ -36,9 +38,11 @@ __all__ = [
     "Client",
     "DeadlineError",
     "Handle",
+    "ImageEncodeError",
     "ImagePlacement",
     "NotFoundError",
     "OverloadedError",
+    "PromptLayout",
     "ProtocolError",
     "RedisRows",
     "RowRange",
@@ -46,6 +50,8 @@ __all__ = [
     "ServerError",
     "TransportError",
     "VisencClientError",
+    "VisencPrefill",
+    "expand_placeholders",
     "image_hash",
     "plan_chunk",
 ]

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from tests.conftest import ROOT, free_port, wait_ready
+from tests.conftest import ROOT, free_port, stop_process, wait_ready
 
 DEPLOY = ROOT / "deploy"
 
@@ -176,12 +176,7 @@ def test_image_start_command_and_healthcheck_run(dockerfile, tmp_path):
             done = subprocess.run([sys.executable, *check[1:]], env=env, capture_output=True, timeout=30)
             assert done.returncode == 0, done.stderr
         finally:
-            proc.terminate()
-            try:
-                proc.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+            stop_process(proc)
     # and the healthcheck fails once the server is gone
     done = subprocess.run([sys.executable, *check[1:]], env=env, capture_output=True, timeout=30)
     assert done.returncode != 0

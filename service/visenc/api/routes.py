@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -110,21 +111,43 @@ async def get_embedding(
     })
 
 
-async def lookup_ranges(request: Request, body: FetchRequest) -> list[Entry | VisencError]:
-    """The entry of every range, looked up (and, if pending, bumped) all at once.
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """One requested range, found: its entry and checked bounds ``[start, end)``."""
+
+    hash: str
+    entry: Entry
+    start: int
+    end: int
+
+
+async def resolve_ranges(request: Request) -> list[Resolved | dict[str, Any]]:
+    """Parse a fetch body and find every range's entry, looked up (and, if pending, bumped) all at once.
 
     Waiting on the ranges one after the other would raise the priority of the
     second image only once the first is done: a chunk's images must all move to
-    the front of the queue together."""
+    the front of the queue together. A range that fails with a public error
+    answers ``{"hash", "status", "error"}`` in its place; any other error raises."""
+    settings = request.app.state.settings
+    body = await parse(request, FetchRequest, settings.max_body_bytes)
+    if len(body.ranges) > settings.max_items:
+        raise PayloadTooLarge(f"{len(body.ranges)} ranges exceed max_items={settings.max_items}")
     encoder = _encoder(request)
     ns = namespace_of(request)
     timeout_s = None if body.wait else 0.0
     found = await asyncio.gather(*(encoder.lookup(r.hash, ns, timeout_s=timeout_s) for r in body.ranges),
                                  return_exceptions=True)
-    for f in found:
-        if isinstance(f, BaseException) and not isinstance(f, VisencError):
-            raise f
-    return found  # type: ignore[return-value]
+    out: list[Resolved | dict[str, Any]] = []
+    for r, f in zip(body.ranges, found):
+        try:
+            if isinstance(f, BaseException):
+                raise f
+            out.append(Resolved(r.hash, f, *check_range(f, r.start, r.end)))
+        except VisencError as err:
+            if not err.public:
+                raise
+            out.append({"hash": r.hash, "status": err.status_code, "error": err.message})
+    return out
 
 
 @router.post(
@@ -136,27 +159,16 @@ async def lookup_ranges(request: Request, body: FetchRequest) -> list[Entry | Vi
 )
 async def fetch(request: Request) -> Response:
     """Several ``(hash, start, end)`` ranges in one round trip (one response, rows back to back)."""
-    settings = request.app.state.settings
-    body = await parse(request, FetchRequest, settings.max_body_bytes)
-    if len(body.ranges) > settings.max_items:
-        raise PayloadTooLarge(f"{len(body.ranges)} ranges exceed max_items={settings.max_items}")
     meta: list[dict[str, Any]] = []
     views: list[memoryview] = []
     offset = 0
-    for r, found in zip(body.ranges, await lookup_ranges(request, body)):
-        try:
-            if isinstance(found, VisencError):
-                raise found
-            entry = found
-            s, e = check_range(entry, r.start, r.end)
-        except VisencError as err:
-            if not err.public:
-                raise
-            meta.append({"hash": r.hash, "status": err.status_code, "error": err.message})
+    for r in await resolve_ranges(request):
+        if isinstance(r, dict):
+            meta.append(r)
             continue
-        view = entry.rows_view(s, e)
-        meta.append({"hash": r.hash, "start": s, "end": e, "shape": [e - s, entry.hidden],
-                     "dtype": entry.dtype, "offset": offset, "nbytes": len(view)})
+        view = r.entry.rows_view(r.start, r.end)
+        meta.append({"hash": r.hash, "start": r.start, "end": r.end, "shape": [r.end - r.start, r.entry.hidden],
+                     "dtype": r.entry.dtype, "offset": offset, "nbytes": len(view)})
         views.append(view)
         offset += len(view)
     request.app.state.metrics.bytes_served.labels("http").inc(offset)

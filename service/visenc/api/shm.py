@@ -11,11 +11,11 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from visenc.api.codec import parse, render
-from visenc.api.routes import _ERRORS, _body_schema, _encoder, check_range, lookup_ranges, namespace_of
+from visenc.api.codec import render
+from visenc.api.routes import _ERRORS, _body_schema, _encoder, namespace_of, resolve_ranges
 from visenc.api.schemas import FetchRequest
 from visenc.config import Settings
-from visenc.errors import PayloadTooLarge, TransportDisabled, VisencError
+from visenc.errors import TransportDisabled
 from visenc.index.format import DATA_OFFSET
 from visenc.index.keys import entry_key
 from visenc.metrics import Metrics
@@ -49,29 +49,19 @@ async def fetch_shm(request: Request) -> Response:
     pool: SegmentPool | None = getattr(request.app.state, "shm", None)
     if pool is None:
         raise TransportDisabled("the shared-memory transport is off (start the service with --shm-enabled true)")
-    settings = request.app.state.settings
-    body = await parse(request, FetchRequest, settings.max_body_bytes)
-    if len(body.ranges) > settings.max_items:
-        raise PayloadTooLarge(f"{len(body.ranges)} ranges exceed max_items={settings.max_items}")
     encoder = _encoder(request)
     ns = namespace_of(request)
     items: list[dict[str, Any]] = []
     served = 0
-    for r, found in zip(body.ranges, await lookup_ranges(request, body)):
-        try:
-            if isinstance(found, VisencError):
-                raise found
-            entry = found
-            s, e = check_range(entry, r.start, r.end)
-        except VisencError as err:
-            if not err.public:
-                raise
-            items.append({"hash": r.hash, "status": err.status_code, "error": err.message})
+    for r in await resolve_ranges(request):
+        if isinstance(r, dict):
+            items.append(r)
             continue
-        segment = await pool.export(entry_key(ns, encoder.fingerprint, r.hash), entry)
-        nbytes = (e - s) * entry.row_bytes
-        items.append({"hash": r.hash, "start": s, "end": e, "shape": [e - s, entry.hidden], "dtype": entry.dtype,
-                      "segment": segment.name, "offset": DATA_OFFSET + s * entry.row_bytes, "nbytes": nbytes})
+        segment = await pool.export(entry_key(ns, encoder.fingerprint, r.hash), r.entry)
+        nbytes = (r.end - r.start) * r.entry.row_bytes
+        items.append({"hash": r.hash, "start": r.start, "end": r.end, "shape": [r.end - r.start, r.entry.hidden],
+                      "dtype": r.entry.dtype, "segment": segment.name,
+                      "offset": DATA_OFFSET + r.start * r.entry.row_bytes, "nbytes": nbytes})
         served += nbytes
     request.app.state.metrics.bytes_served.labels("shm").inc(served)
     return render(request, {"dir": pool.directory, "lease_s": pool.lease_s, "items": items})

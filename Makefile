@@ -37,7 +37,7 @@ run: install
 	$(BIN)/visenc serve --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.test
-	$(BIN)/ruff check service clients tests bench loadtest
+	$(BIN)/ruff check $(wildcard service clients tests bench loadtest)
 	$(BIN)/mypy service/visenc clients/visenc_client
 
 test: install-test lint
@@ -48,3 +48,15 @@ bench: install-test
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# Load test: a bounded headless Locust run against a `visenc serve` it starts (or LOADTEST_ARGS='--url URL');
+# CSVs, PNG plots and report.md land in loadtest/out/ (loadtest/run --help lists every option).
+LOADTEST_ARGS ?= --scenario agent -u 2 -r 1 -t 60s --image-size 640x360
+.PHONY: loadtest
+loadtest: install-test
+	LOADTEST_PYTHON=$(BIN)/python loadtest/run $(LOADTEST_ARGS)
+
+# Redis tier: fetch throughput vs a raw GET, hit-path encode latency (starts its own redis-server)
+.PHONY: bench-redis
+bench-redis: install-test
+	$(BIN)/python bench/bench_redis.py

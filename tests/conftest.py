@@ -67,6 +67,16 @@ def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s:
     raise TimeoutError(f"{url} not ready within {timeout_s} s")
 
 
+def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
+    """Terminate a process we started, then kill it if it does not exit in time."""
+    proc.terminate()
+    try:
+        proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 @contextlib.contextmanager
 def serve_process(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[str]:
     """A real ``visenc serve`` subprocess on a free loopback port; terminated (then killed) after."""
@@ -83,12 +93,7 @@ def serve_process(*args: str, env: dict[str, str] | None = None, log: Path | Non
         wait_ready(url, proc)
         yield url
     finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_process(proc)
         if log:
             out.close()  # type: ignore[union-attr]
 

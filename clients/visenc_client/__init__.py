@@ -2,11 +2,12 @@
 
 Example::
 
-    from visenc_client import Client, RowRange
+    from visenc_client import Client, ImagePlacement, RowRange
 
     with Client("http://127.0.0.1:8000") as vc:
         h = vc.encode([png_bytes], wait=False)[0]   # pending handle, num_tokens known
         first = vc.fetch(h, 0, 16)                    # waits until encoded
+        rows = vc.fetch_chunk([ImagePlacement.of(h, offset=7)], 0, 512)  # one prefill chunk's rows
 """
 
 from visenc_client._client import AsyncClient, Client
@@ -14,6 +15,7 @@ from visenc_client._exceptions import (
     APIError,
     BadRequestError,
     DeadlineError,
+    ImageEncodeError,
     NotFoundError,
     OverloadedError,
     ProtocolError,
@@ -21,21 +23,35 @@ from visenc_client._exceptions import (
     TransportError,
     VisencClientError,
 )
+from visenc_client._redis import AsyncRedisRows, RedisRows, RowsInfo
 from visenc_client._types import Handle, RowRange, image_hash
+from visenc_client.chunks import ChunkPiece, ChunkPlan, ImagePlacement, plan_chunk
+from visenc_client.prefill import PromptLayout, VisencPrefill, expand_placeholders
 
 __all__ = [
     "APIError",
     "AsyncClient",
+    "AsyncRedisRows",
     "BadRequestError",
+    "ChunkPiece",
+    "ChunkPlan",
     "Client",
     "DeadlineError",
     "Handle",
+    "ImageEncodeError",
+    "ImagePlacement",
     "NotFoundError",
     "OverloadedError",
+    "PromptLayout",
     "ProtocolError",
+    "RedisRows",
     "RowRange",
+    "RowsInfo",
     "ServerError",
     "TransportError",
     "VisencClientError",
+    "VisencPrefill",
+    "expand_placeholders",
     "image_hash",
+    "plan_chunk",
 ]

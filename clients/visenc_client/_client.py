@@ -10,26 +10,38 @@ Example::
 
 Both are pooled (one httpx client, keep-alive) and safe to share across
 threads (``Client``) or tasks (``AsyncClient``).
+
+``fetch_chunk(placements, start, end)`` fetches exactly the rows prefill chunk
+``[start, end)`` needs (see ``visenc_client.chunks``) in one round trip, into
+one buffer. With ``shared_memory=True`` (client and service on one host, the
+service started with ``--shm-enabled true``) rows come from shared-memory
+segments instead of HTTP bodies: ``fetch`` / ``fetch_many`` return read-only
+views of them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, TypeVar
+from typing import Any, TypeVar, overload
 
 import httpx
 import numpy as np
 
 from visenc_client import _protocol as p
 from visenc_client._exceptions import TransportError
+from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
 from visenc_client._types import Handle, RowRange
+from visenc_client.chunks import ImagePlacement, plan_chunk
 
 T = TypeVar("T")
+#: a caller's preallocated buffer (numpy array or CPU torch tensor), handed back filled
+Out = TypeVar("Out")
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=60.0, pool=60.0)
 
 
 class _Base:
-    def __init__(self, namespace: str | None, api_key: str | None) -> None:
+    def __init__(self, namespace: str | None, api_key: str | None, shared_memory: bool) -> None:
+        self.shared_memory = shared_memory
         self.headers: dict[str, str] = {}
         if namespace is not None:
             self.headers["x-visenc-namespace"] = namespace
@@ -42,34 +54,72 @@ class Client(_Base):
 
     ``encode(images, wait=True, hash_first=True)`` → handles;
     ``fetch(handle, start, end)`` → ``[rows, hidden]`` numpy view;
-    ``fetch_many(ranges)`` → one array per range, one round trip."""
+    ``fetch_many(ranges)`` → one array per range, one round trip;
+    ``fetch_chunk(placements, start, end, out=None)`` → the chunk's rows in one buffer."""
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, namespace: str | None = None,
                  api_key: str | None = None, timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
-                 transport: httpx.BaseTransport | None = None) -> None:
-        super().__init__(namespace, api_key)
+                 transport: httpx.BaseTransport | None = None, shared_memory: bool = False) -> None:
+        super().__init__(namespace, api_key, shared_memory)
         self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
 
-    def _drive(self, flow: p.Flow[T]) -> T:
+    def _drive(self, flow: p.AnyFlow[T]) -> T:
+        streamed: httpx.Response | None = None
+        chunks: Any = None
         try:
-            request = next(flow)
+            step = next(flow)
             while True:
                 try:
-                    response = self._http.send(request)
+                    if step is p.READ:
+                        reply: Any = next(chunks, b"")
+                    elif isinstance(step, p.Stream):
+                        if streamed is not None:
+                            streamed.close()
+                        reply = streamed = self._http.send(step.request, stream=True)
+                        chunks = streamed.iter_bytes()
+                    else:
+                        reply = self._http.send(step)
                 except httpx.TransportError as e:
                     raise TransportError(str(e) or type(e).__name__) from e
-                request = flow.send(response)
+                step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        finally:
+            flow.close()
+            if streamed is not None:
+                streamed.close()
 
     def encode(self, images: Sequence[p.ImageInput], *, wait: bool = True, hash_first: bool = True) -> list[Handle]:
         return self._drive(p.encode_flow(self._http, images, wait=wait, hash_first=hash_first, headers=self.headers))
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
+        if self.shared_memory:
+            return self.fetch_many([RowRange(image.hash if isinstance(image, Handle) else image, start, end)])[0]
         return self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
+        if self.shared_memory:
+            return self._drive(shm_fetch_flow(self._http, ranges, wait=wait, headers=self.headers))
         return self._drive(p.fetch_many_flow(self._http, ranges, wait=wait, headers=self.headers))
+
+    @overload
+    def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *, out: None = None,
+                    dense: bool = False, wait: bool = True) -> np.ndarray: ...
+    @overload
+    def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *, out: Out,
+                    dense: bool = False, wait: bool = True) -> Out: ...
+
+    def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *, out: Any = None,
+                    dense: bool = False, wait: bool = True) -> Any:
+        """The rows prefill chunk ``[start, end)`` needs, in one round trip, into one buffer.
+
+        ``out``: a preallocated ``[rows, hidden]`` numpy array or CPU torch tensor
+        (``rows`` from ``plan_chunk``), filled and returned; ``None`` allocates one.
+        Images wholly outside the chunk are not fetched; pending ones are waited
+        for (and moved to the front of the service's queue)."""
+        plan = plan_chunk(placements, start, end, dense=dense)
+        return self._drive(fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self.shared_memory,
+                                            headers=self.headers))
 
     def model(self) -> dict[str, Any]:
         return self._drive(p.simple_flow(self._http, "GET", "/v1/model", self.headers))  # type: ignore[no-any-return]
@@ -89,21 +139,38 @@ class AsyncClient(_Base):
 
     def __init__(self, base_url: str = "http://127.0.0.1:8000", *, namespace: str | None = None,
                  api_key: str | None = None, timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
-                 transport: httpx.AsyncBaseTransport | None = None) -> None:
-        super().__init__(namespace, api_key)
+                 transport: httpx.AsyncBaseTransport | None = None, shared_memory: bool = False) -> None:
+        super().__init__(namespace, api_key, shared_memory)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
 
-    async def _drive(self, flow: p.Flow[T]) -> T:
+    async def _drive(self, flow: p.AnyFlow[T]) -> T:
+        streamed: httpx.Response | None = None
+        chunks: Any = None
         try:
-            request = next(flow)
+            step = next(flow)
             while True:
                 try:
-                    response = await self._http.send(request)
+                    if step is p.READ:
+                        try:
+                            reply: Any = await chunks.__anext__()
+                        except StopAsyncIteration:
+                            reply = b""
+                    elif isinstance(step, p.Stream):
+                        if streamed is not None:
+                            await streamed.aclose()
+                        reply = streamed = await self._http.send(step.request, stream=True)
+                        chunks = streamed.aiter_bytes()
+                    else:
+                        reply = await self._http.send(step)
                 except httpx.TransportError as e:
                     raise TransportError(str(e) or type(e).__name__) from e
-                request = flow.send(response)
+                step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+        finally:
+            flow.close()
+            if streamed is not None:
+                await streamed.aclose()
 
     async def encode(self, images: Sequence[p.ImageInput], *, wait: bool = True,
                      hash_first: bool = True) -> list[Handle]:
@@ -111,10 +178,29 @@ class AsyncClient(_Base):
                                                headers=self.headers))
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
+        if self.shared_memory:
+            h = image.hash if isinstance(image, Handle) else image
+            return (await self.fetch_many([RowRange(h, start, end)]))[0]
         return await self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     async def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
+        if self.shared_memory:
+            return await self._drive(shm_fetch_flow(self._http, ranges, wait=wait, headers=self.headers))
         return await self._drive(p.fetch_many_flow(self._http, ranges, wait=wait, headers=self.headers))
+
+    @overload
+    async def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *,
+                          out: None = None, dense: bool = False, wait: bool = True) -> np.ndarray: ...
+    @overload
+    async def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *, out: Out,
+                          dense: bool = False, wait: bool = True) -> Out: ...
+
+    async def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *,
+                          out: Any = None, dense: bool = False, wait: bool = True) -> Any:
+        """The awaitable twin of ``Client.fetch_chunk``."""
+        plan = plan_chunk(placements, start, end, dense=dense)
+        return await self._drive(fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self.shared_memory,
+                                                  headers=self.headers))
 
     async def model(self) -> dict[str, Any]:
         return await self._drive(p.simple_flow(self._http, "GET", "/v1/model", self.headers))  # type: ignore[no-any-return]

@@ -3,6 +3,7 @@
     VisencClientError
     ├── TransportError        the service could not be reached (connect, read, timeout)
     ├── ProtocolError         the service answered something this client cannot read
+├── ImageEncodeError      the service could not decode or encode one image (``hash``, ``message``)
     └── APIError              the service answered an error (``status_code``, ``kind``, ``message``)
         ├── BadRequestError   400 / 413 / 415 / 422: fix the request, do not retry
         ├── NotFoundError     404: unknown image (upload its bytes again)
@@ -24,6 +25,15 @@ class TransportError(VisencClientError):
 
 class ProtocolError(VisencClientError):
     pass
+
+
+class ImageEncodeError(VisencClientError):
+    """An ``error`` handle: this image cannot be encoded (bad bytes, over a pixel limit); do not retry."""
+
+    def __init__(self, image_hash: str, message: str) -> None:
+        super().__init__(f"image {image_hash}: {message}")
+        self.hash = image_hash
+        self.message = message
 
 
 class APIError(VisencClientError):

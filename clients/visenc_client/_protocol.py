@@ -1,8 +1,15 @@
 """What the client says and how it reads the answers, independent of I/O.
 
-Each operation is a generator that yields ``httpx.Request`` objects and is sent
-back the ``httpx.Response``; ``Client`` drives it with blocking calls,
-``AsyncClient`` with awaits. One implementation of the protocol, two drivers.
+Each operation is a generator that yields steps and is sent back their
+results; ``Client`` drives it with blocking calls, ``AsyncClient`` with awaits.
+One implementation of the protocol, two drivers. Steps:
+
+* an ``httpx.Request``: send it, read the whole body, send back the response;
+* ``Stream(request)``: send it and send back the response *unread*; the flow
+  then reads the body itself with
+* ``READ``: send back the next chunk of the streamed body (``b""`` at the end),
+  so a flow can copy rows from the network chunks straight into their
+  destination (one copy, no body-sized intermediate).
 """
 
 from __future__ import annotations
@@ -11,7 +18,8 @@ import json
 import os
 import struct
 from collections.abc import Generator, Sequence
-from typing import Any, TypeVar
+from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 import httpx
 import msgpack
@@ -22,12 +30,48 @@ from visenc_client._types import Handle, RowRange, image_hash
 
 T = TypeVar("T")
 Flow = Generator[httpx.Request, httpx.Response, T]
+
+
+@dataclass(frozen=True, slots=True)
+class Stream:
+    """Step: send ``request``; the response comes back with its body unread (read it with ``READ``)."""
+
+    request: httpx.Request
+
+
+class Read:
+    """Step: the next chunk of the streamed body, ``b""`` once it is exhausted."""
+
+
+READ = Read()
+#: a flow that may also stream: yields ``httpx.Request | Stream | Read``
+AnyFlow = Generator[Any, Any, T]
+
+
+def send_streamed(request: httpx.Request) -> Generator[Stream, Any, httpx.Response]:
+    response = yield Stream(request)
+    return cast(httpx.Response, response)
+
+
+def read_chunk() -> Generator[Read, Any, bytes]:
+    chunk = yield READ
+    return cast(bytes, chunk)
+
+
+def read_all() -> Generator[Read, Any, bytes]:
+    """The rest of a streamed body (for small bodies: error answers)."""
+    parts = []
+    while chunk := (yield from read_chunk()):
+        parts.append(chunk)
+    return b"".join(parts)
 ImageInput = bytes | bytearray | memoryview | str | os.PathLike[str]
 
 MSGPACK = "application/msgpack"
 ROWS_MEDIA_TYPE = "application/x-visenc-rows"
 #: wire dtype -> numpy dtype of the returned array (bfloat16 comes as raw 16-bit words)
-NUMPY_DTYPES: dict[str, np.dtype] = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2")}
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+}
 
 
 def read_image(image: ImageInput) -> bytes:
@@ -37,19 +81,20 @@ def read_image(image: ImageInput) -> bytes:
         return f.read()
 
 
-def raise_for_status(resp: httpx.Response) -> None:
+def raise_for_status(resp: httpx.Response, content: bytes | None = None) -> None:
+    """Raise the client exception of an error answer (``content``: its body, if it was streamed)."""
     if resp.status_code < 400:
         return
     kind, message = "http_error", resp.reason_phrase
     try:
-        err = json.loads(resp.content)["error"]
+        err = json.loads(resp.content if content is None else content)["error"]
         kind, message = err["kind"], err["message"]
     except Exception:
         pass
     raise error_for(resp.status_code, kind, message, resp.headers.get("retry-after"))
 
 
-def _msgpack_request(client: httpx.Client | httpx.AsyncClient, path: str, payload: dict[str, Any],
+def msgpack_request(client: httpx.Client | httpx.AsyncClient, path: str, payload: dict[str, Any],
                      headers: dict[str, str] | None = None) -> httpx.Request:
     return client.build_request("POST", path, content=msgpack.packb(payload),
                                 headers={"content-type": MSGPACK, "accept": MSGPACK, **(headers or {})})
@@ -71,20 +116,20 @@ def encode_flow(client: httpx.Client | httpx.AsyncClient, images: Sequence[Image
     hashes = [image_hash(d) for d in datas]
     if not hash_first:
         items = [{"hash": h, "data": d} for h, d in zip(hashes, datas)]
-        return _handles((yield _msgpack_request(client, "/v1/encode", {"items": items, "wait": wait}, headers)))
+        return _handles((yield msgpack_request(client, "/v1/encode", {"items": items, "wait": wait}, headers)))
     payload = {"items": [{"hash": h} for h in hashes], "wait": wait}
-    handles = _handles((yield _msgpack_request(client, "/v1/encode", payload, headers)))
+    handles = _handles((yield msgpack_request(client, "/v1/encode", payload, headers)))
     missing = [i for i, h in enumerate(handles) if h.status == "missing"]
     if missing:
         items = [{"hash": hashes[i], "data": datas[i]} for i in missing]
-        uploaded = _handles((yield _msgpack_request(client, "/v1/encode", {"items": items, "wait": wait},
+        uploaded = _handles((yield msgpack_request(client, "/v1/encode", {"items": items, "wait": wait},
                                                     headers)))
         for i, h in zip(missing, uploaded):
             handles[i] = h
     return handles
 
 
-def _as_array(buf: bytes | memoryview, dtype: str, rows: int, hidden: int) -> np.ndarray:
+def as_array(buf: bytes | memoryview, dtype: str, rows: int, hidden: int) -> np.ndarray:
     if dtype not in NUMPY_DTYPES:
         raise ProtocolError(f"unknown dtype {dtype!r}")
     array: np.ndarray = np.frombuffer(buf, dtype=NUMPY_DTYPES[dtype])
@@ -100,7 +145,7 @@ def fetch_flow(client: httpx.Client | httpx.AsyncClient, image: str | Handle, st
     raise_for_status(resp)
     try:
         rows, hidden = (int(x) for x in resp.headers["x-visenc-shape"].split(","))
-        return _as_array(resp.content, resp.headers["x-visenc-dtype"], rows, hidden)
+        return as_array(resp.content, resp.headers["x-visenc-dtype"], rows, hidden)
     except (KeyError, ValueError) as e:
         raise ProtocolError(f"unreadable embedding response: {e}") from e
 
@@ -127,7 +172,7 @@ def fetch_many_flow(client: httpx.Client | httpx.AsyncClient, ranges: Sequence[R
                     headers: dict[str, str] | None) -> Flow[list[np.ndarray]]:
     """Several ranges in one round trip; each result is a read-only view of the one response body."""
     payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
-    resp = yield _msgpack_request(client, "/v1/embeddings/fetch", payload, headers)
+    resp = yield msgpack_request(client, "/v1/embeddings/fetch", payload, headers)
     raise_for_status(resp)
     arrays = []
     for item, rows in parse_rows(resp.content):
@@ -135,7 +180,7 @@ def fetch_many_flow(client: httpx.Client | httpx.AsyncClient, ranges: Sequence[R
             raise error_for(int(item.get("status", 500)), "fetch_failed",
                             f"{item.get('hash')}: {item.get('error')}")
         n, hidden = item["shape"]
-        arrays.append(_as_array(rows, item["dtype"], n, hidden))
+        arrays.append(as_array(rows, item["dtype"], n, hidden))
     return arrays
 
 

@@ -50,6 +50,30 @@ class Settings(BaseSettings):
     )
     cache_ttl_s: int = Field(7 * 86400, gt=0, description="TTL of Redis entries, seconds.")
 
+    # --- shared index (Redis) ------------------------------------------------
+    redis_mode: Literal["standalone", "cluster"] = Field(
+        "standalone", description="How to reach redis_url: one server (standalone) or a Redis Cluster "
+        "(cluster: the URL names any one node; the others are discovered)."
+    )
+    redis_timeout_s: float = Field(
+        1.0, gt=0, description="Socket connect and read timeout of one Redis command, seconds."
+    )
+    redis_retry_s: float = Field(
+        1.0, gt=0, description="After a Redis failure, how long Redis is skipped (lookups miss, writes are "
+        "dropped) before it is tried again, seconds."
+    )
+    claim_ttl_ms: int = Field(
+        5000, gt=0, description="Lifetime of a cross-replica encode claim; the owner renews it every third "
+        "of it while the image is queued or encoding, so it only lapses when the owner dies."
+    )
+    claim_poll_ms: float = Field(
+        20.0, gt=0, description="Longest pause between checks of an image another replica is encoding "
+        "(checks start at 1 ms and back off to this)."
+    )
+    claim_wait_s: float = Field(
+        30.0, gt=0, description="Longest wait for another replica's encode before encoding here anyway."
+    )
+
     # --- engine -------------------------------------------------------------
     max_batch_tokens: int = Field(
         16384, gt=0, description="Most input patch tokens in one forward (a single larger image still runs)."
@@ -106,6 +130,18 @@ class Settings(BaseSettings):
         0.0, ge=0, le=1, description="TEST ONLY: probability that an entry read from the index comes back truncated."
     )
     fault_seed: int = Field(0, description="TEST ONLY: seed of the fault injector's random choices.")
+    # --- shared memory (same-host transport) ---------------------------------
+    shm_enabled: bool = Field(
+        False, description="Serve POST /v1/embeddings/shm: rows handed out as shared-memory segments "
+        "to clients on the same host, running as the same user."
+    )
+    shm_dir: str = Field("/dev/shm", description="Directory of the shared-memory segments (a tmpfs).")
+    shm_lease_s: float = Field(
+        30.0, gt=0, description="A segment stays openable at least this long after the last handle naming it."
+    )
+    shm_max_bytes: int = Field(
+        1024 * MiB, gt=0, description="Most bytes held in segments; past it (no lease expired) shm fetches get 429."
+    )
 
     @field_validator("redis_url")
     @classmethod

@@ -6,6 +6,7 @@
     │   └── HashMismatch        400  uploaded bytes do not hash to the given hash
     ├── Unauthorized            401  missing or unknown API key
     ├── NotFound                404  no such embedding (never encoded, or evicted)
+    │   └── TransportDisabled   404  an optional transport (shared memory) is switched off
     ├── PayloadTooLarge         413  body, item count, image bytes or pixels over a limit
     ├── UnsupportedMediaType    415  content type we do not speak
     ├── Overloaded              429  admission queue full (``retry_after_s``)
@@ -57,6 +58,10 @@ class NotFound(VisencError):
     status_code = 404
     kind = "not_found"
     public = True
+
+
+class TransportDisabled(NotFound):
+    kind = "transport_disabled"
 
 
 class PayloadTooLarge(VisencError):

@@ -7,6 +7,8 @@ buckets; batch sizes use powers of two.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 #: 0.5 ms .. ~65 s, doubling
@@ -48,6 +50,10 @@ class Metrics:
         self.queue_depth = Gauge(
             "visenc_queue_depth", "Images admitted and not yet encoded (preprocessing or queued).", registry=r
         )
+        self.queue_capacity = Gauge(
+            "visenc_queue_capacity_images", "Admission bound (max_queue_images): past it, encodes get 429.",
+            registry=r,
+        )
         self.inflight = Gauge(
             "visenc_inflight_images", "Distinct images being encoded (single-flight map size).", registry=r
         )
@@ -63,6 +69,10 @@ class Metrics:
         self.cache_evictions = Counter(
             "visenc_cache_evictions", "Entries evicted from a tier.", ["tier"], registry=r
         )
+        self.index_up = Gauge(
+            "visenc_index_up", "1 while a tier answers (its last health report), 0 while it is down.",
+            ["tier"], registry=r,
+        )
         self.cache_bytes = Gauge("visenc_cache_bytes", "Bytes held by a tier.", ["tier"], registry=r)
         self.cache_entries = Gauge("visenc_cache_entries", "Entries held by a tier.", ["tier"], registry=r)
         self.encoded_images = Counter("visenc_encoded_images", "Images encoded by a forward.", registry=r)
@@ -76,6 +86,14 @@ class Metrics:
         )
         self.redis_errors = Counter(
             "visenc_redis_errors", "Redis operations that failed, by operation.", ["op"], registry=r
+        )
+        self.claims = Counter(
+            "visenc_claims", "Cross-replica encode claims by outcome: owned (encode here), held (another "
+            "replica encodes; wait), ready (found while claiming), takeover (the owner went away), timeout "
+            "(waited claim_wait_s), unavailable (Redis down: encode here).", ["outcome"], registry=r,
+        )
+        self.claim_waiting = Gauge(
+            "visenc_claim_waiting_images", "Images this replica waits for another replica to encode.", registry=r
         )
         self.encode_failures = Counter(
             "visenc_encode_failures", "Images whose encode failed, by kind.", ["kind"], registry=r
@@ -96,6 +114,20 @@ class Metrics:
         self.worker_stalls = Counter(
             "visenc_worker_stalls", "Times a forward ran past stall_timeout_s.", registry=r
         )
+        # --- shared memory
+        self.shm_segments = Gauge("visenc_shm_segments", "Shared-memory segments held (leased to clients).",
+                                  registry=r)
+        self.shm_bytes = Gauge("visenc_shm_bytes", "Bytes held in shared-memory segments.", registry=r)
         self.worker_alive = Gauge(
             "visenc_worker_alive", "1 while the device worker is healthy, 0 when stalled or dead.", registry=r
         )
+
+    def export_index_health(self, health: Mapping[str, object]) -> None:
+        """Set ``visenc_index_up`` from ``Index.health()``: every mapping in it (nested ones
+        included, for tiered indexes) that has a ``tier`` and an ``ok`` reports one tier."""
+        if "tier" in health and "ok" in health:
+            self.index_up.labels(str(health["tier"])).set(1 if health["ok"] else 0)
+        for value in health.values():
+            for child in value if isinstance(value, list | tuple) else [value]:
+                if isinstance(child, Mapping):
+                    self.export_index_health(child)

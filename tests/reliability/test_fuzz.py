@@ -83,13 +83,13 @@ def api_schema(server):
 
 CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
           response_schema_conformance]
-OPERATIONS = ["POST /v1/encode", "GET /v1/embeddings/{image_hash}", "POST /v1/embeddings/fetch", "GET /v1/model",
-              "GET /healthz", "GET /readyz", "GET /metrics"]
+OPERATIONS = ["POST /v1/encode", "GET /v1/embeddings/{image_hash}", "POST /v1/embeddings/fetch",
+              "POST /v1/embeddings/shm", "GET /v1/model", "GET /healthz", "GET /readyz", "GET /metrics"]
 
 
 # schemathesis' own pytest plugin (``from_fixture``/``parametrize``) does not run on this pytest
 # version, so each operation's strategy is driven by hypothesis directly: the same generation and checks
-WITH_INPUT = OPERATIONS[:3]  # the others take no parameters or body: nothing to make invalid
+WITH_INPUT = OPERATIONS[:4]  # the others take no parameters or body: nothing to make invalid
 
 
 @pytest.mark.parametrize(("label", "mode"), [(op, GenerationMode.POSITIVE) for op in OPERATIONS]

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from visenc.api import shm as shm_api
 from visenc.api.auth import AuthMiddleware, load_api_keys
 from visenc.api.openapi import install_openapi
 from visenc.api.routes import router
@@ -63,7 +64,16 @@ class MetricsMiddleware:
 
 
 def build_index(settings: Settings, metrics: Metrics) -> Index:
-    return MemoryIndex(settings.cache_bytes, metrics)
+    """The in-process LRU; with ``redis_url``, the LRU in front of the shared Redis tier."""
+    local = MemoryIndex(settings.cache_bytes, metrics)
+    if settings.redis_url is None:
+        return local
+    from visenc.index.redis import RedisIndex
+    from visenc.index.tiered import TieredIndex
+
+    remote = RedisIndex.from_settings(settings, metrics)
+    log.info("shared index: redis %s (%s)", remote.location, settings.redis_mode)
+    return TieredIndex(local, remote)
 
 
 def load_tower(settings: Settings) -> VisionTower:
@@ -92,11 +102,13 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
         index = build_index(settings, metrics)
+        claims = getattr(index, "remote", None)  # the Redis tier also holds cross-replica claims
         loaded, index = with_faults(settings, loaded, index)  # unchanged unless a fault_* setting is on
-        encoder = Encoder(loaded, index, settings, metrics)
+        encoder = Encoder(loaded, index, settings, metrics, claims=claims)
         d = loaded.describe()
         metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"],
                                   str(d["hidden_size"])).set(1)
+        app.state.shm = await shm_api.start_pool(settings, metrics)  # None unless shm_enabled
         await encoder.start()
         app.state.encoder = encoder
         log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"],
@@ -105,6 +117,7 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
             yield
         finally:
             await encoder.stop()
+            await shm_api.stop_pool(app.state.shm)
             await index.close()
 
     app = FastAPI(title="visenc", version="0.1.0", lifespan=lifespan,
@@ -113,6 +126,7 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
     app.state.settings = settings
     app.state.metrics = metrics
     app.include_router(router)
+    app.include_router(shm_api.router)
     if api_keys:
         log.info("API keys on: %d keys, tenants %s", len(api_keys), sorted(set(api_keys.values())))
         app.add_middleware(AuthMiddleware, keys=api_keys, metrics=metrics)

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine
+from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -48,7 +48,7 @@ def remaining(deadline: float) -> float:
     return max(0.0, deadline - asyncio.get_running_loop().time())
 
 
-async def within(coro: Coroutine[Any, Any, T], deadline: float, what: str) -> T:
+async def within(coro: Awaitable[T], deadline: float, what: str) -> T:
     """``await coro`` with a deadline (for reading the body, before ``guarded`` may listen)."""
     try:
         return await asyncio.wait_for(coro, remaining(deadline))
@@ -56,7 +56,7 @@ async def within(coro: Coroutine[Any, Any, T], deadline: float, what: str) -> T:
         raise DeadlineExceeded(f"{what}") from e
 
 
-async def guarded(request: Request, coro: Coroutine[Any, Any, T], deadline: float, what: str) -> T:
+async def guarded(request: Request, coro: Awaitable[T], deadline: float, what: str) -> T:
     """Run ``coro`` until it finishes, the client disconnects, or ``deadline`` passes (``what``
     names the limit in the 504 message)."""
     work = asyncio.ensure_future(coro)

@@ -31,11 +31,11 @@ JSON, MSGPACK = "application/json", "application/msgpack"
 _REASONS = {
     400: "Bad input: malformed body, bad hash, bad range, corrupt or unsupported image, hash mismatch",
     401: "Missing or unknown API key",
-    404: "Unknown image (never encoded, or evicted)",
+    404: "Unknown image (never encoded, or evicted), or a transport that is switched off",
     413: "Over a limit (body bytes, items, image bytes, image pixels); the message names it",
     415: "Content-Type is not JSON or msgpack",
     422: "Body or parameters do not match the schema",
-    429: "Encoder queue full: retry after Retry-After seconds",
+    429: "Encoder queue (or shared-memory budget) full: retry after Retry-After seconds",
     503: "Not ready: starting, shutting down, or the device worker is stalled",
     504: "Deadline exceeded (request_timeout_s / fetch_timeout_s)",
 }
@@ -58,8 +58,17 @@ _V1: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, tuple[int, 
     "/v1/encode": (EncodeRequest, EncodeResponse, (400, 413, 415, 422, 429, 503, 504)),
     "/v1/embeddings/{image_hash}": (None, None, (400, 404, 422, 503, 504)),
     "/v1/embeddings/fetch": (FetchRequest, None, (400, 413, 415, 422, 503, 504)),
+    "/v1/embeddings/shm": (FetchRequest, None, (400, 404, 413, 415, 422, 429, 503, 504)),
     "/v1/model": (None, ModelInfo, ()),
 }
+_TIMING_HEADERS = {
+    name: {"description": text, "required": True, "schema": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+$"}}
+    for name, text in [("X-Visenc-Queue-Time", "seconds the images of this response waited in the queue"),
+                       ("X-Visenc-Encode-Time", "seconds their forwards took")]
+}
+_SHM_OUT = {"type": "object", "required": ["dir", "lease_s", "items"], "properties": {
+    "dir": {"type": "string"}, "lease_s": {"type": "number"},
+    "items": {"type": "array", "items": {"type": "object", "required": ["hash"]}}}}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -107,6 +116,11 @@ def build_openapi(app: FastAPI, *, auth: bool, max_items: int) -> dict[str, Any]
             responses = {"200": op["responses"]["200"]}
             if out is not None:
                 responses["200"] = _both(out, responses["200"].get("description") or "OK")
+            if path == "/v1/encode":
+                responses["200"]["headers"] = _TIMING_HEADERS
+            if path == "/v1/embeddings/shm":
+                responses["200"] = {"description": "Shared-memory handles of the ranges", "content": {
+                    JSON: {"schema": _SHM_OUT}, MSGPACK: {"schema": _SHM_OUT}}}
             if path == "/v1/embeddings/{image_hash}":
                 responses["200"]["headers"] = _ROW_HEADERS
                 responses["200"]["content"] = {"application/octet-stream": {

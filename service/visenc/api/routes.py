@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from fastapi import APIRouter, Query, Request
@@ -18,6 +19,7 @@ from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response
 from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import MAX_ROW, EncodeRequest, EncodeResponse, ErrorResponse, FetchRequest
 from visenc.engine.encoder import EncodeItem, Encoder
+from visenc.engine.job import Timing
 from visenc.errors import BadRequest, NotReady, PayloadTooLarge, VisencError
 from visenc.index.format import Entry
 
@@ -71,7 +73,10 @@ async def encode(request: Request) -> Response:
     Each item is ``{"hash"}``, ``{"data"}`` or both. A hash-only item that is not
     in the index answers ``missing`` (upload its bytes next: hash-first). With
     ``wait=false`` the answer comes at once with ``pending`` handles that already
-    carry ``num_tokens``; fetch the rows later."""
+    carry ``num_tokens``; fetch the rows later.
+
+    ``X-Visenc-Queue-Time`` / ``X-Visenc-Encode-Time`` (seconds) say how long the
+    images this response waited for queued and how long their forwards took."""
     settings = request.app.state.settings
     limit = f"request_timeout_s={settings.request_timeout_s}"
     deadline = asyncio.get_running_loop().time() + settings.request_timeout_s
@@ -80,13 +85,16 @@ async def encode(request: Request) -> Response:
                         f"the request body did not arrive within {limit}")
     encoder = _encoder(request)
     items = [EncodeItem(it.hash, it.data) for it in body.items]
+    timing = Timing()
     # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
     # cancels the wait if the client goes away first
     handles = await guarded(
-        request, encoder.encode(items, ns, wait=body.wait, timeout_s=remaining(deadline)), deadline + 1.0,
-        f"the request was not answered within {limit}",
+        request, encoder.encode(items, ns, wait=body.wait, timing=timing, timeout_s=remaining(deadline)),
+        deadline + 1.0, f"the request was not answered within {limit}",
     )
-    return render(request, {"model": encoder.fingerprint, "items": [h.to_wire() for h in handles]})
+    return render(request, {"model": encoder.fingerprint, "items": [h.to_wire() for h in handles]},
+                  headers={"X-Visenc-Queue-Time": f"{timing.queue_s:.6f}",
+                           "X-Visenc-Encode-Time": f"{timing.encode_s:.6f}"})
 
 
 @router.get(
@@ -116,6 +124,49 @@ async def get_embedding(
     })
 
 
+@dataclass(frozen=True, slots=True)
+class Resolved:
+    """One requested range, found: its entry and checked bounds ``[start, end)``."""
+
+    hash: str
+    entry: Entry
+    start: int
+    end: int
+
+
+async def resolve_ranges(request: Request) -> list[Resolved | dict[str, Any]]:
+    """Parse a fetch body and find every range's entry, looked up (and, if pending, bumped) all at once.
+
+    Waiting on the ranges one after the other would raise the priority of the
+    second image only once the first is done: a chunk's images must all move to
+    the front of the queue together. A range that fails with a public error
+    answers ``{"hash", "status", "error"}`` in its place; any other error raises."""
+    settings = request.app.state.settings
+    limit = f"fetch_timeout_s={settings.fetch_timeout_s}"
+    deadline = asyncio.get_running_loop().time() + settings.fetch_timeout_s  # one for the whole request
+    ns = namespace_of(request)
+    body = await within(parse(request, FetchRequest, settings.max_body_bytes, settings.max_items), deadline,
+                        f"the request body did not arrive within {limit}")
+    if len(body.ranges) > settings.max_items:
+        raise PayloadTooLarge(f"{len(body.ranges)} ranges exceed max_items={settings.max_items}")
+    encoder = _encoder(request)
+    timeout_s = remaining(deadline) if body.wait else 0.0
+    lookups = asyncio.gather(*(encoder.lookup(r.hash, ns, timeout_s=timeout_s) for r in body.ranges),
+                             return_exceptions=True)
+    found = await guarded(request, lookups, deadline + 1.0, f"the ranges were not ready within {limit}")
+    out: list[Resolved | dict[str, Any]] = []
+    for r, f in zip(body.ranges, found):
+        try:
+            if isinstance(f, BaseException):
+                raise f
+            out.append(Resolved(r.hash, f, *check_range(f, r.start, r.end)))
+        except VisencError as err:
+            if not err.public:
+                raise
+            out.append({"hash": r.hash, "status": err.status_code, "error": err.message})
+    return out
+
+
 @router.post(
     "/v1/embeddings/fetch",
     responses={200: {"content": {ROWS_MEDIA_TYPE: {}},
@@ -125,36 +176,16 @@ async def get_embedding(
 )
 async def fetch(request: Request) -> Response:
     """Several ``(hash, start, end)`` ranges in one round trip (one response, rows back to back)."""
-    settings = request.app.state.settings
-    limit = f"fetch_timeout_s={settings.fetch_timeout_s}"
-    deadline = asyncio.get_running_loop().time() + settings.fetch_timeout_s
-    ns = namespace_of(request)
-    body = await within(parse(request, FetchRequest, settings.max_body_bytes, settings.max_items), deadline,
-                        f"the request body did not arrive within {limit}")
-    if len(body.ranges) > settings.max_items:
-        raise PayloadTooLarge(f"{len(body.ranges)} ranges exceed max_items={settings.max_items}")
-    return await guarded(request, _fetch_ranges(request, body, ns, deadline), deadline + 1.0,
-                         f"the ranges were not ready within {limit}")
-
-
-async def _fetch_ranges(request: Request, body: FetchRequest, ns: str, deadline: float) -> Response:
-    """The rows of every range; the whole request shares one deadline (not one per range)."""
-    encoder = _encoder(request)
     meta: list[dict[str, Any]] = []
     views: list[memoryview] = []
     offset = 0
-    for r in body.ranges:
-        try:
-            entry = await encoder.lookup(r.hash, ns, timeout_s=remaining(deadline) if body.wait else 0.0)
-            s, e = check_range(entry, r.start, r.end)
-        except VisencError as err:
-            if not err.public:
-                raise
-            meta.append({"hash": r.hash, "status": err.status_code, "error": err.message})
+    for r in await resolve_ranges(request):
+        if isinstance(r, dict):
+            meta.append(r)
             continue
-        view = entry.rows_view(s, e)
-        meta.append({"hash": r.hash, "start": s, "end": e, "shape": [e - s, entry.hidden],
-                     "dtype": entry.dtype, "offset": offset, "nbytes": len(view)})
+        view = r.entry.rows_view(r.start, r.end)
+        meta.append({"hash": r.hash, "start": r.start, "end": r.end, "shape": [r.end - r.start, r.entry.hidden],
+                     "dtype": r.entry.dtype, "offset": offset, "nbytes": len(view)})
         views.append(view)
         offset += len(view)
     request.app.state.metrics.bytes_served.labels("http").inc(offset)
@@ -176,14 +207,18 @@ async def healthz() -> str:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    """Readiness: model loaded and device worker alive (503 otherwise)."""
+    """Readiness: model loaded and device worker alive (503 otherwise).
+
+    ``status`` is ``degraded`` (still 200: the replica serves from its own LRU and
+    by encoding) while the shared Redis index is unreachable, else ``ready``."""
     encoder: Encoder | None = getattr(request.app.state, "encoder", None)
     if encoder is None:
         raise NotReady("the model is loading")
     reason = encoder.not_ready_reason()
     if reason is not None:
         raise NotReady(reason, **{"Retry-After": "5"})
-    return render(request, {"status": "ready", "index": encoder.index.health(),
+    index = encoder.index.health()
+    return render(request, {"status": "ready" if index.get("ok", True) else "degraded", "index": index,
                             "queue_depth": encoder.scheduler.depth})
 
 
@@ -191,5 +226,8 @@ async def readyz(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     """Prometheus exposition."""
     m = request.app.state.metrics
-    m.queue_depth.set(request.app.state.encoder.scheduler.depth)
+    encoder = request.app.state.encoder
+    m.queue_depth.set(encoder.scheduler.depth)
+    m.worker_alive.set(1 if encoder.ready else 0)  # a worker task that died reads 0 at the next scrape
+    m.export_index_health(encoder.index.health())
     return Response(generate_latest(m.registry), media_type=CONTENT_TYPE_LATEST)

@@ -20,6 +20,9 @@
 * a forward running past ``stall_timeout_s`` marks the worker stalled: queued
   jobs fail with 503 at once and new work is refused with 503 (cache hits are
   still answered) until the forward returns.
+* with a shared index, new images are also claimed across replicas
+  (``engine/claims.py``): an image another replica is encoding is waited for,
+  not encoded again.
 """
 
 from __future__ import annotations
@@ -34,7 +37,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from visenc.config import Settings
-from visenc.engine.job import Job
+from visenc.engine.claims import ClaimBoard, ClaimStore
+from visenc.engine.job import Job, Timing
 from visenc.engine.scheduler import Cancelled, Scheduler
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import (
@@ -56,6 +60,9 @@ from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout, VisionTower
 
 log = logging.getLogger(__name__)
+
+#: layout of a job known only by its hash (a fetch waiting for another replica's encode)
+UNKNOWN_LAYOUT = TokenLayout(0, (0, 0, 0), None)
 
 
 @dataclass(slots=True)
@@ -94,7 +101,8 @@ def _retrieve(fut: asyncio.Future[Any]) -> None:
 
 
 class Encoder:
-    def __init__(self, tower: VisionTower, index: Index, settings: Settings, metrics: Metrics) -> None:
+    def __init__(self, tower: VisionTower, index: Index, settings: Settings, metrics: Metrics,
+                 claims: ClaimStore | None = None) -> None:
         self.tower = tower
         self.index = index
         self.settings = settings
@@ -120,12 +128,20 @@ class Encoder:
         )
         self._closing = False
         self._watchdog: asyncio.Task[None] | None = None
+        self.claims = None if claims is None else ClaimBoard(
+            claims, ttl_ms=settings.claim_ttl_ms, poll_max_s=settings.claim_poll_ms / 1000,
+            wait_s=settings.claim_wait_s, metrics=metrics, ready=self._complete_remote, takeover=self._queue,
+            fail=self._fail,
+        )
 
     # --- lifecycle -------------------------------------------------------------
     async def start(self) -> None:
         self.worker.start()
+        if self.claims is not None:
+            self.claims.start()
         self.metrics.worker_alive.set(1)
         self._watchdog = asyncio.get_running_loop().create_task(self._watch(), name="visenc-stall-watchdog")
+        self.metrics.queue_capacity.set(self.settings.max_queue_images)
 
     async def stop(self) -> None:
         self._closing = True
@@ -133,6 +149,8 @@ class Encoder:
             self._watchdog.cancel()
         self.scheduler.cancel_all(NotReady("the service is shutting down"))
         await self.worker.stop()
+        if self.claims is not None:
+            await self.claims.stop()
         for t in list(self._tasks):
             t.cancel()
         self.pool.shutdown(wait=True, cancel_futures=True)
@@ -198,20 +216,41 @@ class Encoder:
         return self.tower.preprocess(image)
 
     # --- job completion (event loop thread) ------------------------------------
-    def _complete(self, job: Job, entry: Entry) -> None:
+    def _complete(self, job: Job, entry: Entry, *, remote: bool = False) -> None:
         self.index.store_local(job.key, entry)
-        self._spawn(self.index.write_remote(job.key, entry))
+        if not remote:
+            self._spawn(self._write_through(job.key, entry))
         if self.inflight.get(job.key) is job:
             del self.inflight[job.key]
         if not job.future.done():
             job.future.set_result(entry)
         self.metrics.inflight.set(len(self.inflight))
 
+    def _complete_remote(self, job: Job, entry: Entry) -> None:
+        """Another replica encoded a watched job: take its entry, run no forward."""
+        self._complete(job, entry, remote=True)
+
+    async def _write_through(self, key: str, entry: Entry) -> None:
+        await self.index.write_remote(key, entry)
+        if self.claims is not None:  # entry first, then the claim: a waiter never sees neither
+            await self.claims.release(key)
+
+    def _queue(self, job: Job) -> None:
+        """Queue a job for the device here (a watched job whose owner went away)."""
+        if job.data is None:  # a fetch watched another replica's encode: no bytes to encode it here
+            self._fail(job, NotFound(f"image {job.image_hash} was being encoded by another replica that did "
+                                     "not finish; encode it again with its bytes"))
+            return
+        self.scheduler.submit(job)
+        self.metrics.queue_depth.set(self.scheduler.depth)
+
     def _fail(self, job: Job, error: BaseException) -> None:
         if self.inflight.get(job.key) is job:
             del self.inflight[job.key]
         if isinstance(error, Cancelled):
             self.metrics.cancelled_images.inc()
+        if self.claims is not None and not self._closing:
+            self._spawn(self.claims.release(job.key))
         if not job.future.done():
             if not isinstance(error, VisencError):
                 log.error("encode of %s failed: %r", job.image_hash, error)
@@ -269,9 +308,12 @@ class Encoder:
 
     # --- the request path -------------------------------------------------------
     async def encode(self, items: Sequence[EncodeItem], namespace: str, *, wait: bool,
-                     timeout_s: float | None = None) -> list[Handle]:
-        """Handles for ``items``; with ``wait``, waits up to ``timeout_s`` (default
-        ``request_timeout_s``) for every image it submitted or joined."""
+                     timing: Timing | None = None, timeout_s: float | None = None) -> list[Handle]:
+        """Handles for ``items`` in order; with ``wait``, every admitted image is finished first,
+        waiting up to ``timeout_s`` (default ``request_timeout_s``).
+
+        ``timing``, when given, is filled with where this request's time went
+        (see ``Timing``; it stays zero for hits and for ``wait=false``)."""
         if self._closing or not self.worker.alive:
             raise NotReady("the encoder is not running")
         if len(items) > self.settings.max_items:
@@ -316,6 +358,15 @@ class Encoder:
                 f"encoder queue is full (max_queue_images={self.settings.max_queue_images})", retry_after_s=1.0
             )
 
+        claimed: dict[str, Entry | bool] = {}
+        if self.claims is not None and new:  # one round trip: entry written meanwhile, or claim, or wait
+            claimed = await self.claims.claim(sorted(new))
+            for i in inspected:
+                got = claimed.get(keys[i])
+                if isinstance(got, Entry) and self._checked(keys[i], hashes[i], got) is not None:
+                    found[i] = got
+                    self.index.store_local(keys[i], got)
+
         order = next(self._requests)
         now = time.monotonic()
         handles: list[Handle] = []
@@ -338,12 +389,21 @@ class Encoder:
                           data=items[i].data, interest=1)
                 job.future.add_done_callback(_retrieve)
                 self.inflight[key] = job
-                self.scheduler.submit(job)
+                if claimed.get(key, True) is False:
+                    assert self.claims is not None
+                    self.claims.watch(job)  # another replica encodes it
+                else:
+                    self.scheduler.submit(job)
+                    if self.claims is not None:
+                        self.claims.own(job)
             else:
                 self.metrics.singleflight_joins.inc()
                 job.interest += 1
+                if job.layout is UNKNOWN_LAYOUT and i in inspected:  # adopt a fetch's remote wait
+                    job.layout, job.data = inspected[i], items[i].data
+                    job.cost = self.tower.input_tokens(job.layout)
             joined[i] = job
-            handles.append(self._handle(h, "pending", job.layout))
+            handles.append(self._handle(h, "pending", None if job.layout is UNKNOWN_LAYOUT else job.layout))
         self.metrics.inflight.set(len(self.inflight))
         self.metrics.queue_depth.set(self.scheduler.depth)
 
@@ -360,6 +420,9 @@ class Encoder:
         finally:
             for job in joined.values():  # also on cancellation (the client went away)
                 self._release(job)
+        if timing is not None:
+            measured = Timing.of(now, list(joined.values()))
+            timing.queue_s, timing.encode_s = measured.queue_s, measured.encode_s
         for i, job in joined.items():
             error = job.future.exception()
             if isinstance(error, NotReady):
@@ -367,8 +430,26 @@ class Encoder:
             if error is not None:
                 handles[i] = self._handle(hashes[i], "error", error=str(error))
             else:
-                handles[i].status = "ready"
+                handles[i] = self._handle(hashes[i], "ready", self._entry_layout(job.future.result()))
         return handles
+
+    async def _watch_remote(self, key: str, image_hash: str) -> Job | None:
+        """A job waiting for another replica's encode of ``key`` (its claim is held), or ``None``.
+
+        The job has no bytes and no layout yet (``UNKNOWN_LAYOUT``); it sits in the in-flight map so
+        later local requests join it, and a local encode that brings the bytes adopts it."""
+        if self.claims is None or not await self.claims.held(key):
+            return None
+        job = self.inflight.get(key)  # a local encode may have started while we asked
+        if job is None:
+            job = Job(key=key, image_hash=image_hash, layout=UNKNOWN_LAYOUT, cost=0,
+                      order=(next(self._requests), 0), future=asyncio.get_running_loop().create_future(),
+                      admitted_at=time.monotonic())
+            job.future.add_done_callback(_retrieve)
+            self.inflight[key] = job
+            self.claims.watch(job)
+            self.metrics.claims.labels("fetch_wait").inc()
+        return job
 
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
         """The entry of an image, waiting (and raising its priority) if it is being encoded."""
@@ -387,6 +468,8 @@ class Encoder:
             entry, job = self._peek(key, image_hash), self.inflight.get(key)
             if entry is not None:
                 return entry
+            if job is None:
+                job = await self._watch_remote(key, image_hash)
             if job is None:
                 raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
         timeout_s = self.settings.fetch_timeout_s if timeout_s is None else timeout_s

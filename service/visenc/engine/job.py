@@ -37,8 +37,32 @@ class Job:
     prepared: Prepared | None = None
     urgent: bool = False
     interest: int = 0
+    #: set by the worker: monotonic start of the forward that ran this job, and its duration (s)
+    started_at: float | None = None
+    forward_s: float | None = None
     seq: int = field(default_factory=lambda: next(_arrivals))
 
     @property
     def priority(self) -> tuple[bool, tuple[int, int], int]:
         return (not self.urgent, self.order, self.seq)
+
+
+@dataclass(slots=True)
+class Timing:
+    """Where one encode request's time went (seconds), for the response's timing headers.
+
+    ``queue_s``: from the request's admission to the start of the last forward it
+    waited for (preprocessing included; 0 when it waited for none).
+    ``encode_s``: total duration of the distinct forwards that encoded the images
+    it waited for (a batch shared with other requests counts once).
+    Both stay 0 for an all-hit request and for ``wait=false``.
+    """
+
+    queue_s: float = 0.0
+    encode_s: float = 0.0
+
+    @classmethod
+    def of(cls, admitted_at: float, jobs: list[Job]) -> Timing:
+        started = [j.started_at for j in jobs if j.started_at is not None]
+        forwards = {j.started_at: j.forward_s for j in jobs if j.forward_s is not None}
+        return cls(max((max(0.0, s - admitted_at) for s in started), default=0.0), sum(forwards.values()))

@@ -6,12 +6,20 @@ Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
 
 * preprocessing is *gated* by ``prefetch_tokens``: only about two batches'
   worth of tower input exists at a time, so memory stays bounded however many
-  images are queued, and a fetch that raises a job's priority gets it
-  preprocessed next, not after everything admitted before it;
-* a batch takes the highest-priority ready job and fills up with ready jobs of
-  the **same bucket** (equal input shape: one launch, no padding), or of any
-  bucket for a packable tower, under ``max_batch_tokens`` / ``max_batch_images``.
-  A single job larger than the token budget still runs, alone.
+  images are queued. A fetch that raises a job's priority (``bump``) starts its
+  preprocessing at once, past the gate, so it is ready for the very next batch
+  instead of waiting for the staged work ahead of it to drain (the overshoot is
+  bounded by the images some fetch is blocked on);
+* a batch takes the highest-priority ready job and fills up, in priority
+  order, with ready jobs of the **same bucket** (equal input shape: one launch,
+  no padding), or of any bucket for a packable tower, until ``max_batch_tokens``
+  or ``max_batch_images`` would be exceeded. Filling stops at the first job that
+  does not fit rather than skipping to smaller ones behind it, so a packable
+  tower encodes a request's ready images strictly in prompt order (token
+  order). A batch headed by an urgent job takes only urgent jobs: someone is
+  blocked on them, and padding their forward with work nobody waits for yet
+  would only delay them. A single job larger than the token budget still
+  runs, alone.
 
 Everything here runs on the event loop thread; nothing blocks.
 """
@@ -84,11 +92,20 @@ class Scheduler:
         self._dispatch()
 
     def bump(self, job: Job) -> None:
-        """Move a job ahead of all non-urgent work (a fetch is waiting on it)."""
-        if not job.urgent:
-            job.urgent = True
-            self._dispatch()
-            self._changed.set()
+        """Move a job ahead of all non-urgent work (a fetch is waiting on it).
+
+        A job still waiting for preprocessing starts it now, past the prefetch
+        gate: the staged work ahead of it is all lower priority, and waiting for
+        it to drain would put the urgent job one or more batches back."""
+        if job.urgent:
+            return
+        job.urgent = True
+        for i, waiting in enumerate(self._waiting):
+            if waiting is job:
+                del self._waiting[i]
+                self._start(job)
+                break
+        self._changed.set()
 
     def release(self, job: Job) -> None:
         """A waiter went away: if nobody else wants ``job`` and it is still queued, drop it now
@@ -126,12 +143,15 @@ class Scheduler:
         while self._waiting and (self.staged_tokens < self.prefetch_tokens or self.staged_tokens == 0):
             job = min(self._waiting, key=lambda j: j.priority)
             self._waiting.remove(job)
-            if self._drop_if_unwanted(job):
-                continue
-            self.staged_tokens += job.cost
-            task = asyncio.get_running_loop().create_task(self._prepare(job))
-            self._preparing.add(task)
-            task.add_done_callback(self._preparing.discard)
+            self._start(job)
+
+    def _start(self, job: Job) -> None:
+        if self._drop_if_unwanted(job):
+            return
+        self.staged_tokens += job.cost
+        task = asyncio.get_running_loop().create_task(self._prepare(job))
+        self._preparing.add(task)
+        task.add_done_callback(self._preparing.discard)
 
     async def _prepare(self, job: Job) -> None:
         data, job.data = job.data, None
@@ -172,12 +192,12 @@ class Scheduler:
         head = self._ready[0]
         batch, tokens = [head], head.cost
         for job in self._ready[1:]:
-            if len(batch) >= self.max_batch_images:
-                break
+            if len(batch) >= self.max_batch_images or (head.urgent and not job.urgent):
+                break  # sorted by priority: the urgent jobs come first
             if not self.packable and job.layout.bucket != head.layout.bucket:
                 continue
             if tokens + job.cost > self.max_batch_tokens:
-                continue
+                break  # never let a smaller job behind it overtake the one that did not fit
             batch.append(job)
             tokens += job.cost
         taken = set(map(id, batch))

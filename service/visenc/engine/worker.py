@@ -98,6 +98,7 @@ class DeviceWorker:
                 continue
             started = time.monotonic()
             for job in batch:
+                job.started_at = started
                 self.metrics.queue_wait_seconds.observe(started - job.admitted_at)
             self.busy_since = started
             try:
@@ -121,6 +122,7 @@ class DeviceWorker:
                 self.metrics.encoded_images.inc(len(batch))
                 self.metrics.encoded_tokens.inc(sum(e.rows for e in entries))
                 for job, entry in zip(batch, entries):
+                    job.forward_s = elapsed
                     self._complete(job, entry)
             finally:
                 self.busy_since = None

@@ -16,7 +16,8 @@ value and drop the round trips:
   result is bit-identical (max abs diff 0.0), which a fused multiply-add
   (``x * 1/(255 std) - mean/std``) is not (≈1e-7 relative);
 - layout moves (crop, patchify transpose) are done on uint8 data (4x fewer
-  bytes to move than float32) before the gather.
+  bytes to move than float32) before the gather; the gather reads pixel
+  pairs (one uint16 index → two float32), halving the lookups.
 
 All arrays here are HWC uint8 in, float32 out. Units: pixels.
 """
@@ -113,7 +114,7 @@ class Normalizer:
     Immutable after construction, so one instance is shared by every thread.
     """
 
-    __slots__ = ("lut",)
+    __slots__ = ("lut", "pairs")
 
     def __init__(
         self,
@@ -133,15 +134,33 @@ class Normalizer:
             ]
         self.lut: np.ndarray = np.ascontiguousarray(table, dtype=np.float32)  # [channels, 256]
         self.lut.setflags(write=False)
+        # Pair table: two adjacent uint8 pixels (read as one uint16) → their two float32
+        # values (written as one 8-byte word). Half the gathers of ``lut``, same values;
+        # 512 KiB per channel. Bytes are taken in memory order, so endianness cancels.
+        first, second = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(-1, 2).T
+        pairs = np.stack([self.lut[:, first], self.lut[:, second]], axis=-1)  # [C, 65536, 2]
+        self.pairs: np.ndarray = np.ascontiguousarray(pairs).view(np.uint64)[..., 0]  # [C, 65536]
+        self.pairs.setflags(write=False)
+
+    def map_into(self, src: np.ndarray, out: np.ndarray) -> None:
+        """``out[:, c] = lut[c][src[:, c]]`` for C-contiguous ``src`` uint8 / ``out``
+        float32 of equal shape ``[N, C, ...]``."""
+        if src.shape != out.shape or not (src.flags.c_contiguous and out.flags.c_contiguous):
+            raise ValueError("map_into needs C-contiguous arrays of equal shape")
+        if src.shape[-1] % 2 == 0:
+            src, out, table = src.view(np.uint16), out.view(np.uint64), self.pairs
+        else:
+            table = self.lut
+        for c in range(src.shape[1]):
+            # mode="wrap": no bounds checks or output buffering; indices are always in range
+            np.take(table[c], src[:, c], out=out[:, c], mode="wrap")
 
     def channels_first(self, array: np.ndarray) -> np.ndarray:
         """HWC uint8 → CHW float32 (a new contiguous array)."""
-        height, width, channels = array.shape
-        out = np.empty((channels, height, width), dtype=np.float32)
-        for c in range(channels):
-            # mode="wrap": no bounds-check buffering; uint8 indices are always in range
-            np.take(self.lut[c], array[:, :, c], out=out[c], mode="wrap")
-        return out
+        planes = np.ascontiguousarray(array.transpose(2, 0, 1))[None]
+        out = np.empty(planes.shape, dtype=np.float32)
+        self.map_into(planes, out)
+        return out[0]
 
 
 def qwen_patchify(
@@ -163,8 +182,8 @@ def qwen_patchify(
     blocks = array.reshape(grid_h // m, m, p, grid_w // m, m, p, channels).transpose(0, 3, 1, 4, 6, 2, 5)
     blocks = np.ascontiguousarray(blocks).reshape(grid_h * grid_w, channels, p, p)
     values = np.empty((grid_h * grid_w, channels, p, p), dtype=np.float32)
-    for c in range(channels):
-        np.take(norm.lut[c], blocks[:, c], out=values[:, c], mode="wrap")
+    norm.map_into(blocks, values)
+    # the T copies of a still frame: one broadcast copy (transformers does the same)
     out = np.empty((grid_h * grid_w, channels, t, p, p), dtype=np.float32)
     out[:] = values[:, :, None]
     return out.reshape(grid_h * grid_w, channels * t * p * p)

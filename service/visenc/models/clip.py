@@ -23,6 +23,7 @@ from transformers import (
     SiglipVisionModel,
 )
 
+from visenc.errors import InvalidImage
 from visenc.imaging.decode import to_rgb
 from visenc.imaging.preprocess import (
     BICUBIC,
@@ -143,32 +144,35 @@ class FixedResolutionTower(VisionTower):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        image_size = model.config.image_size
+        config: Any = model.config
+        image_size = config.image_size
         if preprocess.output_size != (image_size, image_size):
             raise ValueError(
                 f"preprocessing gives {preprocess.output_size} inputs, "
                 f"the model expects {image_size}x{image_size}"
             )
         self.name = name
-        self.model = model.to(device=device, dtype=dtype).eval()
+        module: torch.nn.Module = model  # PreTrainedModel.to's wrapper confuses type checkers
+        self.model = module.to(device=device, dtype=dtype).eval()
         self.settings = preprocess
         self.source = source
         self.dtype = dtype
         self.device = device
         self._is_clip = isinstance(model, CLIPVisionModelWithProjection)
-        self.hidden_size = int(model.config.projection_dim if self._is_clip else model.config.hidden_size)
+        self.hidden_size = int(config.projection_dim if self._is_clip else config.hidden_size)
         self._layout = TokenLayout(num_tokens=1, grid_thw=(1, 1, 1), bucket=preprocess.output_size)
         self._norm = Normalizer(
             preprocess.rescale_factor,
             preprocess.image_mean if preprocess.do_normalize else None,
             preprocess.image_std if preprocess.do_normalize else None,
         )
-        patches = (image_size // model.config.patch_size) ** 2 + 1
-        self._tokens_per_image = patches
+        # encoder positions behind the one output row: patches + class token
+        self._positions_per_image = (image_size // config.patch_size) ** 2 + 1
+        self._width = int(config.hidden_size)
 
     def layout(self, width: int, height: int) -> TokenLayout:
         if width <= 0 or height <= 0:
-            raise ValueError(f"empty image size {width}x{height}")
+            raise InvalidImage(f"image has an empty size {width}x{height}")
         return self._layout
 
     def preprocess(self, image: Image.Image) -> Prepared:
@@ -208,8 +212,7 @@ class FixedResolutionTower(VisionTower):
 
     def activation_bytes_per_token(self) -> int:
         # one output row stands for (image/patch)^2 + 1 encoder positions
-        width = self.model.config.hidden_size
-        return 16 * width * self._tokens_per_image * max(1, self.dtype.itemsize)
+        return 16 * self._width * self._positions_per_image * max(1, self.dtype.itemsize)
 
 
 def tiny_clip_config() -> CLIPVisionConfig:

@@ -39,8 +39,13 @@ from visenc.models.clip import FixedPreprocess, FixedResolutionTower
 from visenc.models.qwen2vl import ARCHITECTURES, QwenPreprocess, QwenVisionTower
 from visenc.models.registry import REGISTRY, build_registered
 
-#: prefixes of Qwen vision tensors in a full-VLM checkpoint, most specific first
-_QWEN_PREFIXES = ("model.visual.", "visual.")
+# Where vision tensors sit in each checkpoint kind, as (prefix to strip, *prefixes kept as is):
+# Qwen: ``visual.`` (original checkpoints, transformers 5.x saves) or ``model.visual.`` (4.5x);
+# CLIP: CLIPVisionModelWithProjection's keys equal CLIPModel's; SigLIP: SiglipVisionModel
+# keeps ``vision_model.`` in some transformers versions and drops it in others (5.x).
+_QWEN_LAYOUTS = (("model.visual.",), ("visual.",))
+_CLIP_LAYOUTS = (("", "vision_model.", "visual_projection."),)
+_SIGLIP_LAYOUTS = (("vision_model.",), ("", "vision_model."))
 
 
 def load_tower(
@@ -84,7 +89,7 @@ def _load_checkpoint(
         set_attention(config)
         model_class = ARCHITECTURES[model_type][1]
         model = build_empty(lambda: model_class(config))
-        digest = _load_vision_weights(model, path, _QWEN_PREFIXES)
+        digest = _load_vision_weights(model, path, _QWEN_LAYOUTS)
         settings = QwenPreprocess.from_processor_config(
             {
                 "patch_size": config.patch_size,
@@ -111,7 +116,7 @@ def _load_checkpoint(
         else:
             model = build_empty(lambda: SiglipVisionModel(config))
             defaults = FixedPreprocess.siglip_default()
-        digest = _load_vision_weights(model, path, ("vision_model.", "visual_projection."), strip=False)
+        digest = _load_vision_weights(model, path, _CLIP_LAYOUTS if model_type == "clip" else _SIGLIP_LAYOUTS)
         return FixedResolutionTower(
             name=str(path),
             model=model,
@@ -147,25 +152,32 @@ def _header(file: Path) -> dict[str, Any]:
         return json.loads(f.read(length))
 
 
-def _rename(names: list[str], prefixes: tuple[str, ...], strip: bool) -> dict[str, str]:
+def _rename(names: list[str], layouts: tuple[tuple[str, ...], ...], expected: set[str]) -> dict[str, str]:
     """checkpoint name → module state-dict name for the vision tensors.
 
-    ``strip``: keep names under the first prefix that any name uses (so
-    ``model.visual.`` and ``visual.`` are never mixed) and drop it; otherwise
-    keep every name under any of the prefixes as is.
+    ``layouts``: candidate prefix sets, each ``(strip, *keep)``: names under
+    ``strip`` lose it, names under ``keep`` stay as they are. The first
+    candidate whose renamed names are exactly the module's state-dict keys
+    wins (so ``model.visual.`` and ``visual.`` are never mixed, and a
+    mismatch is reported before any tensor is read).
     """
-    if not strip:
-        return {n: n for n in names if n.startswith(prefixes)}
-    for prefix in prefixes:
-        chosen = {n: n[len(prefix) :] for n in names if n.startswith(prefix)}
-        if chosen:
-            return chosen
-    return {}
+    best: dict[str, str] = {}
+    for strip, *keep in layouts:
+        mapping = {n: n[len(strip) :] for n in names if strip and n.startswith(strip)}
+        mapping.update({n: n for n in names if keep and n.startswith(tuple(keep))})
+        if set(mapping.values()) == expected:
+            return mapping
+        if len(mapping) > len(best):
+            best = mapping
+    found = set(best.values())
+    raise ValueError(
+        f"checkpoint vision tensors do not match the model: {len(expected - found)} missing "
+        f"(e.g. {sorted(expected - found)[:3]}), {len(found - expected)} unexpected "
+        f"(e.g. {sorted(found - expected)[:3]})"
+    )
 
 
-def _load_vision_weights(
-    model: torch.nn.Module, path: Path, prefixes: tuple[str, ...], *, strip: bool = True
-) -> str:
+def _load_vision_weights(model: torch.nn.Module, path: Path, layouts: tuple[tuple[str, ...], ...]) -> str:
     """Read only the vision tensors into ``model`` (``strict=True``); returns the weights digest."""
     shards = _shards(path)
     if shards is None:
@@ -173,9 +185,7 @@ def _load_vision_weights(
         if not single.is_file():
             raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
         shards = {single.name: list(_header(single).keys())}
-    renames = _rename([n for names in shards.values() for n in names], prefixes, strip)
-    if not renames:
-        raise ValueError(f"no vision tensors (prefixes {list(prefixes)}) in {path}")
+    renames = _rename([n for names in shards.values() for n in names], layouts, set(model.state_dict()))
     # shards holding no vision tensor are never opened
     wanted = {f: {n: renames[n] for n in names if n in renames} for f, names in shards.items()}
     wanted = {f: selection for f, selection in wanted.items() if selection}

@@ -124,7 +124,7 @@ class QwenVisionTower(VisionTower):
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        config = model.config
+        config: Any = model.config
         if preprocess.patch_size != config.patch_size or preprocess.merge_size != config.spatial_merge_size:
             raise ValueError(
                 f"preprocessing patch/merge {preprocess.patch_size}/{preprocess.merge_size} do not match the "
@@ -133,7 +133,7 @@ class QwenVisionTower(VisionTower):
         if preprocess.temporal_patch_size != config.temporal_patch_size:
             raise ValueError("preprocessing temporal_patch_size does not match the model's")
         self.name = name
-        self.model = model.to(device=device, dtype=dtype).eval()
+        self.model: torch.nn.Module = model.to(device=device, dtype=dtype).eval()
         self.settings = preprocess
         self.source = source
         self.dtype = dtype

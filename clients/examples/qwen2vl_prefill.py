@@ -1,0 +1,246 @@
+"""A reference prefill worker: Qwen2-VL chunked prefill with image embeddings from visenc.
+
+The worker holds the language model only (token embeddings, decoder layers,
+``lm_head``); its vision tower is replaced by ``NoVisionTower``, which raises
+if anything calls it. Image rows come from visenc, chunk by chunk:
+
+1. ``VisencPrefill.prepare`` encodes the images hash-first without waiting and
+   expands each image placeholder into ``num_tokens`` pad tokens, from the
+   handles (the embeddings may still be pending);
+2. the 3-D M-RoPE position ids of the whole prompt come from the model's own
+   ``get_rope_index`` and the handles' ``grid_thw`` (no pixels needed);
+3. per chunk ``[start, end)``: text rows from the embedding table, image rows
+   fetched into the same ``inputs_embeds`` at the placeholder positions, one
+   forward of the language model over the chunk, the KV cache
+   (``DynamicCache``) carried to the next chunk.
+
+The logits equal the full model's single forward over ``input_ids`` +
+``pixel_values`` (tests/prefill). Run it against a server::
+
+    python clients/examples/qwen2vl_prefill.py save-tiny /tmp/tiny-vlm
+    visenc serve --model /tmp/tiny-vlm &
+    python clients/examples/qwen2vl_prefill.py run --model /tmp/tiny-vlm --chunk 32 --check
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from PIL import Image
+from safetensors import safe_open
+from transformers import DynamicCache, Qwen2VLConfig, Qwen2VLForConditionalGeneration
+from transformers.initialization import no_init_weights
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+from visenc_client import Client
+from visenc_client.prefill import PromptLayout, VisencPrefill
+
+#: token ids of the tiny model's specials (a 512-token vocabulary; Qwen2-VL's real ids are 151652-151656)
+IMAGE_TOKEN_ID = 500
+VIDEO_TOKEN_ID = 501
+VISION_START_TOKEN_ID = 502
+VISION_END_TOKEN_ID = 503
+VOCAB_SIZE = 512
+
+
+def tiny_vlm_config(vision_config: dict[str, Any]) -> Qwen2VLConfig:
+    """A Qwen2-VL config with a tiny text model around ``vision_config``.
+
+    Text model: 2 layers, hidden 256 (= the merger's output width), 4 heads of
+    64 (M-RoPE sections 8/12/12 over the 32 rotary frequencies), 2 KV heads,
+    512-token vocabulary. sdpa attention everywhere, as visenc's towers."""
+    config = Qwen2VLConfig(
+        vision_config=vision_config,
+        text_config={
+            "vocab_size": VOCAB_SIZE, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+            "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
+            "bos_token_id": 1, "eos_token_id": 2,
+        },
+        image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_TOKEN_ID, vision_end_token_id=VISION_END_TOKEN_ID,
+    )
+    config._attn_implementation = "sdpa"
+    return config
+
+
+def build_tiny_vlm(vision_config: dict[str, Any], seed: int) -> Qwen2VLForConditionalGeneration:
+    """The full tiny VLM with random weights drawn from ``torch.manual_seed(seed)`` (caller's RNG untouched)."""
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2VLForConditionalGeneration(tiny_vlm_config(vision_config))
+    return model.eval()
+
+
+def save_tiny_vlm(model: Qwen2VLForConditionalGeneration, path: Path,
+                  processor_kwargs: dict[str, Any] | None = None) -> None:
+    """``save_pretrained`` plus the image processor's ``preprocessor_config.json``
+    (visenc reads its resize and normalisation settings from there)."""
+    model.save_pretrained(path)
+    Qwen2VLImageProcessorPil(**(processor_kwargs or {})).save_pretrained(path)
+
+
+class NoVisionTower(torch.nn.Module):
+    """Stands in for ``model.visual`` in a worker that takes its image rows from visenc: no weights, never runs."""
+
+    def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
+        raise RuntimeError("this prefill worker has no vision tower: image embeddings come from visenc")
+
+
+def _language_model_names(names: Sequence[str]) -> dict[str, str]:
+    """checkpoint tensor name → module state-dict name, vision tensors left out.
+
+    Qwen2-VL checkpoints (and transformers 5.x ``save_pretrained``) name the
+    text model ``model.*`` and the tower ``visual.*``; transformers 4.5x saves
+    ``model.language_model.*`` and ``model.visual.*``."""
+    out = {}
+    for name in names:
+        if name.startswith(("visual.", "model.visual.")):
+            continue
+        if name.startswith("model.language_model.") or name.startswith("lm_head."):
+            out[name] = name
+        elif name.startswith("model."):
+            out[name] = "model.language_model." + name.removeprefix("model.")
+        else:
+            raise ValueError(f"unexpected tensor {name!r} in a Qwen2-VL checkpoint")
+    return out
+
+
+def load_language_model(path: Path) -> Qwen2VLForConditionalGeneration:
+    """The language model of a Qwen2-VL checkpoint, without its vision tower.
+
+    Only the text tensors are read (``safe_open`` per tensor; vision tensors are
+    never touched) and loaded with ``strict=True`` into a model whose
+    ``visual`` is a ``NoVisionTower``, so every language-model weight is
+    accounted for and no vision weight exists in this process."""
+    config = Qwen2VLConfig.from_pretrained(path)
+    config._attn_implementation = "sdpa"
+    with no_init_weights():
+        model = Qwen2VLForConditionalGeneration(config)
+    model.model.visual = NoVisionTower()
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    else:
+        with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+            weight_map = {name: "model.safetensors" for name in f.keys()}
+    renames = _language_model_names(list(weight_map))
+    state: dict[str, torch.Tensor] = {}
+    for filename in sorted({weight_map[n] for n in renames}):
+        with safe_open(str(path / filename), framework="pt") as f:
+            for name in (n for n in renames if weight_map[n] == filename):
+                state[renames[name]] = f.get_tensor(name)
+    if config.tie_word_embeddings and "lm_head.weight" not in state:
+        state["lm_head.weight"] = state["model.language_model.embed_tokens.weight"]
+    model.load_state_dict(state, strict=True)
+    return model.eval()
+
+
+def rope_positions(model: Qwen2VLForConditionalGeneration, layout: PromptLayout) -> torch.Tensor:
+    """``[3, 1, L]`` M-RoPE position ids of the whole prompt, from its token ids and the images' grids
+    (known from the handles before any embedding is ready)."""
+    input_ids = torch.from_numpy(layout.input_ids)[None]
+    grid = torch.tensor(layout.image_grid_thw, dtype=torch.long) if layout.placements else None
+    mm_token_type_ids = (input_ids == layout.image_token_id).to(torch.int)
+    positions, _ = model.model.get_rope_index(input_ids, mm_token_type_ids, image_grid_thw=grid)
+    return positions
+
+
+def chunked_prefill(model: Qwen2VLForConditionalGeneration, prefill: VisencPrefill, layout: PromptLayout,
+                    chunk_size: int) -> torch.Tensor:
+    """Prefill the prompt ``chunk_size`` positions at a time; returns the ``[L, vocab]`` logits (fp32 on CPU).
+
+    Each chunk runs one language-model forward over ``inputs_embeds`` whose
+    image rows were fetched from visenc, attending to the earlier chunks
+    through the KV cache."""
+    if chunk_size < 1:
+        raise ValueError("chunk_size must be >= 1")
+    positions = rope_positions(model, layout)
+    input_ids = torch.from_numpy(layout.input_ids)[None]
+    embed = model.get_input_embeddings()
+    cache = DynamicCache(config=model.config)
+    logits = []
+    with torch.inference_mode():
+        for start in range(0, layout.num_positions, chunk_size):
+            end = min(start + chunk_size, layout.num_positions)
+            inputs_embeds = embed(input_ids[:, start:end])
+            prefill.fill_chunk(layout, start, end, inputs_embeds[0])
+            out = model(inputs_embeds=inputs_embeds, position_ids=positions[:, :, start:end],
+                        past_key_values=cache, use_cache=True)
+            logits.append(out.logits[0].float())
+    return torch.cat(logits)
+
+
+def demo_prompt(images: int, seed: int = 0) -> list[int]:
+    """Random text around ``images`` blocks of ``<vision_start> <image_pad> <vision_end>``."""
+    rng = np.random.default_rng(seed)
+    ids: list[int] = []
+    for _ in range(images):
+        ids += rng.integers(3, 400, int(rng.integers(3, 9))).tolist()
+        ids += [VISION_START_TOKEN_ID, IMAGE_TOKEN_ID, VISION_END_TOKEN_ID]
+    return ids + rng.integers(3, 400, 6).tolist()
+
+
+def demo_images(seed: int = 0) -> list[bytes]:
+    """Three PNGs of different sizes (noise over gradients)."""
+    rng = np.random.default_rng(seed)
+    out = []
+    for width, height in ((64, 96), (224, 140), (150, 300)):
+        pixels = rng.integers(0, 256, (height, width, 3), dtype=np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(pixels, "RGB").save(buf, format="PNG")
+        out.append(buf.getvalue())
+    return out
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    save = sub.add_parser("save-tiny", help="save a tiny Qwen2-VL (random weights) for `visenc serve --model`")
+    save.add_argument("path", type=Path)
+    save.add_argument("--seed", type=int, default=0)
+    run = sub.add_parser("run", help="chunked prefill of a 3-image prompt with embeddings from visenc")
+    run.add_argument("--model", type=Path, required=True, help="the folder visenc serves with --model")
+    run.add_argument("--url", default="http://127.0.0.1:8000")
+    run.add_argument("--chunk", type=int, default=32)
+    run.add_argument("--check", action="store_true", help="compare with the full model's own forward")
+    args = parser.parse_args(argv)
+    if args.command == "save-tiny":
+        from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
+
+        vision = Qwen2VLVisionConfig(depth=4, embed_dim=128, hidden_size=256, num_heads=4).to_dict()
+        save_tiny_vlm(build_tiny_vlm(vision, args.seed), args.path)
+        print(f"saved to {args.path}")
+        return 0
+    model = load_language_model(args.model)
+    images = demo_images()
+    with Client(args.url) as client:
+        prefill = VisencPrefill(client, image_token_id=IMAGE_TOKEN_ID,
+                                merge_size=model.config.vision_config.spatial_merge_size)
+        layout = prefill.prepare(demo_prompt(len(images)), images)
+        logits = chunked_prefill(model, prefill, layout, args.chunk)
+    print(f"prompt {layout.num_positions} positions, images at {[(p.offset, p.num_tokens) for p in layout.placements]}")
+    print(f"next token: {int(logits[-1].argmax())}")
+    if args.check:
+        full = Qwen2VLForConditionalGeneration.from_pretrained(args.model).eval()
+        processor = Qwen2VLImageProcessorPil.from_pretrained(args.model)
+        pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
+        input_ids = torch.from_numpy(layout.input_ids)[None]
+        with torch.inference_mode():
+            reference = full(input_ids=input_ids, pixel_values=pixels["pixel_values"],
+                             image_grid_thw=pixels["image_grid_thw"],
+                             mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int()).logits[0]
+        print(f"max |logits - full model's| = {float((logits - reference).abs().max()):.3g}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

@@ -1,0 +1,248 @@
+"""Direct per-chunk reads from the shared Redis index: no hop through the service.
+
+A prefill worker that can reach the Redis the service writes to reads the
+token rows ``[start, end)`` of an image with ``GETRANGE`` (byte offsets from
+the value's header), and gets exactly the bytes ``GET
+/v1/embeddings/{hash}?start=&end=`` would answer. Only *ready* images can be
+read this way; a pending one (or one evicted from Redis) raises
+``NotFoundError``: fall back to ``Client.fetch``, which waits.
+
+Example::
+
+    from visenc_client import Client, RedisRows
+
+    with Client("http://visenc:8000") as vc:
+        fingerprint = vc.model()["fingerprint"]
+        (h,) = vc.encode([png])
+    rows = RedisRows.from_url("redis://cache:6379/0", fingerprint=fingerprint)
+    chunk = rows.fetch(h, 0, 64)          # numpy [64, hidden], == vc.fetch(h, 0, 64)
+
+Given a ``Handle`` (which knows the shape), a read is *one* round trip: the
+header and the rows are two ``GETRANGE`` commands pipelined together, and the
+header is checked against the handle, the key's fingerprint and the image
+hash. Given a bare hash it is two (header first, then the rows).
+
+Redis Cluster: pass ``cluster=True`` (or a ``RedisCluster`` client); every
+read touches one key, so it goes to the node owning that key's slot.
+
+The value format is the service's ``visenc/index/format.py``, version 1; its
+few constants are repeated here on purpose so the client does not import the
+service package::
+
+    0    4  magic b"VENC"      4  1  version (1)      5  3  reserved
+    8    4  header_len (u32 little-endian)            12 n  msgpack header
+            {"shape": [rows, hidden], "dtype", "grid_thw", "fingerprint", "hash"}
+    256  …  rows, C-contiguous, little-endian, row_bytes = hidden * itemsize
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Generator
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import numpy as np
+import redis
+import redis.asyncio
+from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
+from redis.cluster import RedisCluster
+
+from visenc_client._exceptions import BadRequestError, NotFoundError, ProtocolError, TransportError
+from visenc_client._protocol import NUMPY_DTYPES
+from visenc_client._types import Handle
+
+#: repeated from visenc/index/format.py (version 1): see the module docstring
+MAGIC = b"VENC"
+VERSION = 1
+DATA_OFFSET = 256
+_PREFIX = struct.Struct("<4sB3xI")
+ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+
+
+def entry_key(namespace: str, fingerprint: str, image_hash: str) -> str:
+    """The service's index key of one image (``visenc/index/keys.py``)."""
+    return f"visenc:{namespace}:{fingerprint}:{image_hash}"
+
+
+@dataclass(frozen=True, slots=True)
+class RowsInfo:
+    """The header of one stored value."""
+
+    rows: int
+    hidden: int
+    dtype: str
+    grid_thw: tuple[int, int, int]
+    fingerprint: str
+    hash: str
+
+    @property
+    def row_bytes(self) -> int:
+        return self.hidden * ITEMSIZE[self.dtype]
+
+
+def parse_header(prefix: bytes, *, fingerprint: str, image_hash: str) -> RowsInfo:
+    """The header of a value from its first ``DATA_OFFSET`` bytes; ``NotFoundError`` if there is none."""
+    if not prefix:
+        raise NotFoundError(404, "not_found", f"no embedding for image {image_hash} in redis")
+    try:
+        magic, version, header_len = _PREFIX.unpack_from(prefix, 0)
+        if magic != MAGIC or version != VERSION or _PREFIX.size + header_len > len(prefix):
+            raise ValueError("bad magic, version or header length")
+        h = msgpack.unpackb(prefix[_PREFIX.size : _PREFIX.size + header_len])
+        rows, hidden = (int(x) for x in h["shape"])
+        info = RowsInfo(rows, hidden, str(h["dtype"]), tuple(h["grid_thw"]),  # type: ignore[arg-type]
+                        str(h["fingerprint"]), str(h["hash"]))
+        if info.dtype not in ITEMSIZE:
+            raise ValueError(f"unknown dtype {info.dtype!r}")
+    except Exception as e:
+        raise ProtocolError(f"unreadable stored value for image {image_hash}: {e}") from e
+    if info.fingerprint != fingerprint or info.hash != image_hash:
+        raise ProtocolError(f"stored value for image {image_hash} belongs to another model or image")
+    return info
+
+
+def _range(info: RowsInfo, start: int | None, end: int | None) -> tuple[int, int]:
+    s = 0 if start is None else start
+    e = info.rows if end is None else end
+    if not 0 <= s <= e <= info.rows:
+        raise BadRequestError(400, "bad_request", f"range [{s}, {e}) is outside the image's {info.rows} token rows")
+    return s, e
+
+
+#: inclusive ``GETRANGE`` byte bounds, one per command of a pipeline
+Bounds = tuple[int, int]
+ReadFlow = Generator[list[Bounds], list[bytes], tuple[RowsInfo, bytes]]
+_HEADER: Bounds = (0, DATA_OFFSET - 1)
+
+
+def _rows_bounds(row_bytes: int, s: int, e: int) -> Bounds:
+    return DATA_OFFSET + s * row_bytes, DATA_OFFSET + e * row_bytes - 1
+
+
+def read_flow(image: str | Handle, start: int | None, end: int | None, *, fingerprint: str) -> ReadFlow:
+    """What one read sends (lists of ``GETRANGE`` bounds, each list one pipelined round trip) and how it
+    reads the replies, independent of I/O; ``RedisRows`` / ``AsyncRedisRows`` drive it."""
+    h = image.hash if isinstance(image, Handle) else image
+    batch = [_HEADER]
+    if isinstance(image, Handle) and image.num_tokens and image.hidden_size and image.dtype in ITEMSIZE:
+        # the handle tells the shape: read the header and the rows in the same round trip
+        known = RowsInfo(image.num_tokens, image.hidden_size, str(image.dtype), (0, 0, 0), "", h)
+        s, e = _range(known, start, end)
+        if e > s:
+            batch.append(_rows_bounds(known.row_bytes, s, e))
+    replies = yield batch
+    info = parse_header(replies[0], fingerprint=fingerprint, image_hash=h)
+    s, e = _range(info, start, end)
+    if e == s:
+        return info, b""
+    want = _rows_bounds(info.row_bytes, s, e)
+    if len(batch) == 2 and batch[1] == want:
+        data = replies[1]
+    else:
+        (data,) = yield [want]
+    if len(data) != (e - s) * info.row_bytes:  # evicted between the reads, or gone since the header
+        raise NotFoundError(404, "not_found", f"embedding for image {h} left redis during the read")
+    return info, data
+
+
+def _array(info: RowsInfo, data: bytes) -> np.ndarray:
+    out: np.ndarray = np.frombuffer(data, dtype=NUMPY_DTYPES[info.dtype])
+    return out.reshape(len(data) // info.row_bytes, info.hidden)
+
+
+class _Rows:
+    def __init__(self, client: Any, *, fingerprint: str, namespace: str = "default") -> None:
+        self.redis = client
+        self.fingerprint = fingerprint
+        self.namespace = namespace
+
+    def key(self, image: str | Handle) -> str:
+        return entry_key(self.namespace, self.fingerprint, image.hash if isinstance(image, Handle) else image)
+
+
+class RedisRows(_Rows):
+    """Blocking reads of token rows straight from Redis (a ``redis.Redis`` or ``redis.cluster.RedisCluster``)."""
+
+    @classmethod
+    def from_url(cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False,
+                 **options: Any) -> RedisRows:
+        client = (RedisCluster if cluster else redis.Redis).from_url(url, **options)
+        return cls(client, fingerprint=fingerprint, namespace=namespace)
+
+    def _drive(self, image: str | Handle, flow: ReadFlow) -> tuple[RowsInfo, bytes]:
+        key = self.key(image)
+        try:
+            batch = next(flow)
+            while True:
+                pipe = self.redis.pipeline(transaction=False)
+                for lo, hi in batch:
+                    pipe.getrange(key, lo, hi)
+                batch = flow.send(list(pipe.execute()))
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except redis.RedisError as e:
+            raise TransportError(f"redis: {e}") from e
+
+    def fetch_bytes(self, image: str | Handle, start: int | None = None, end: int | None = None) -> bytes:
+        """Rows ``[start, end)`` as raw little-endian bytes: the body ``GET /v1/embeddings/{hash}`` answers."""
+        return self._drive(image, read_flow(image, start, end, fingerprint=self.fingerprint))[1]
+
+    def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
+        """Rows ``[start, end)`` as a read-only numpy ``[rows, hidden]`` array (raw uint16 for bfloat16)."""
+        return _array(*self._drive(image, read_flow(image, start, end, fingerprint=self.fingerprint)))
+
+    def info(self, image: str | Handle) -> RowsInfo:
+        return self._drive(image, read_flow(image, 0, 0, fingerprint=self.fingerprint))[0]
+
+    def close(self) -> None:
+        self.redis.close()
+
+    def __enter__(self) -> RedisRows:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class AsyncRedisRows(_Rows):
+    """The awaitable twin of ``RedisRows`` (``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``)."""
+
+    @classmethod
+    def from_url(cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False,
+                 **options: Any) -> AsyncRedisRows:
+        client = (AsyncRedisCluster if cluster else redis.asyncio.Redis).from_url(url, **options)
+        return cls(client, fingerprint=fingerprint, namespace=namespace)
+
+    async def _drive(self, image: str | Handle, flow: ReadFlow) -> tuple[RowsInfo, bytes]:
+        key = self.key(image)
+        try:
+            batch = next(flow)
+            while True:
+                pipe = self.redis.pipeline(transaction=False)
+                for lo, hi in batch:
+                    pipe.getrange(key, lo, hi)
+                batch = flow.send(list(await pipe.execute()))
+        except StopIteration as stop:
+            return stop.value  # type: ignore[no-any-return]
+        except redis.RedisError as e:
+            raise TransportError(f"redis: {e}") from e
+
+    async def fetch_bytes(self, image: str | Handle, start: int | None = None, end: int | None = None) -> bytes:
+        return (await self._drive(image, read_flow(image, start, end, fingerprint=self.fingerprint)))[1]
+
+    async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
+        return _array(*await self._drive(image, read_flow(image, start, end, fingerprint=self.fingerprint)))
+
+    async def info(self, image: str | Handle) -> RowsInfo:
+        return (await self._drive(image, read_flow(image, 0, 0, fingerprint=self.fingerprint)))[0]
+
+    async def aclose(self) -> None:
+        await self.redis.aclose()
+
+    async def __aenter__(self) -> AsyncRedisRows:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.aclose()

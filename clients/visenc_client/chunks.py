@@ -1,0 +1,123 @@
+"""Chunk planner: which token rows of which images a prefill chunk needs.
+
+A prompt of ``L`` positions holds images at known places: image ``k`` covers
+positions ``[offset_k, offset_k + num_tokens_k)`` (its token rows in order).
+A prefill chunk computes positions ``[start, end)``; it needs, from each image
+that overlaps the chunk, exactly the overlapping rows, and nothing from images
+wholly before or after it.
+
+``plan_chunk`` is pure arithmetic (no I/O); ``Client.fetch_chunk`` /
+``AsyncClient.fetch_chunk`` fetch a plan's rows in one round trip straight
+into one ``[rows, hidden]`` buffer.
+
+Two buffer layouts:
+
+* packed (default): the chunk's image rows only, back to back in prompt
+  order (``rows`` = the number of image positions in the chunk) -- what an
+  engine scatters into the positions of its image placeholder tokens;
+* dense: one row per chunk position (``rows = end - start``); image rows land
+  at ``position - start`` and text positions are left as they are.
+
+Example::
+
+    from visenc_client import Client, ImagePlacement
+
+    with Client() as vc:
+        a, b = vc.encode([png_a, png_b], wait=False)             # pending handles, num_tokens known
+        placements = [ImagePlacement.of(a, offset=5), ImagePlacement.of(b, offset=5 + a.num_tokens + 9)]
+        rows = vc.fetch_chunk(placements, 0, 512)                # only what chunk [0, 512) needs
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from visenc_client._types import Handle
+
+
+@dataclass(frozen=True, slots=True)
+class ImagePlacement:
+    """One image in a prompt: its rows sit at positions ``[offset, offset + num_tokens)``."""
+
+    image: str | Handle
+    offset: int
+    num_tokens: int
+
+    def __post_init__(self) -> None:
+        if self.offset < 0 or self.num_tokens < 0:
+            raise ValueError(f"offset ({self.offset}) and num_tokens ({self.num_tokens}) must be >= 0")
+
+    @classmethod
+    def of(cls, handle: Handle, offset: int) -> ImagePlacement:
+        """Place a handle (its ``num_tokens`` is known even while it is pending)."""
+        if handle.num_tokens is None:
+            raise ValueError(f"handle {handle.hash} has no num_tokens (status {handle.status})")
+        return cls(handle, offset, handle.num_tokens)
+
+    @property
+    def hash(self) -> str:
+        return self.image.hash if isinstance(self.image, Handle) else self.image
+
+    @property
+    def end(self) -> int:
+        return self.offset + self.num_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPiece:
+    """Rows ``[start, end)`` of one image, written to buffer rows ``[dest, dest + end - start)``."""
+
+    hash: str
+    start: int
+    end: int
+    dest: int
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkPlan:
+    """What chunk ``[start, end)`` needs: pieces in prompt order and the buffer's row count.
+
+    ``hidden`` / ``dtype`` come from the placements' handles when they carry them
+    (needed only to allocate a buffer when nothing has to be fetched)."""
+
+    start: int
+    end: int
+    dense: bool
+    rows: int
+    pieces: tuple[ChunkPiece, ...]
+    hidden: int | None = None
+    dtype: str | None = None
+
+
+def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, dense: bool = False) -> ChunkPlan:
+    """The rows chunk ``[start, end)`` needs from ``placements`` (any order; they must not overlap).
+
+    Invariants: pieces are in prompt order; each is non-empty; in packed layout
+    their ``dest`` ranges tile ``[0, rows)``; in dense layout piece rows land at
+    ``position - start``. Images with no position in ``[start, end)`` get no piece."""
+    if not 0 <= start <= end:
+        raise ValueError(f"chunk [{start}, {end}) is not a range of prompt positions")
+    ordered = sorted((p for p in placements if p.num_tokens > 0), key=lambda p: p.offset)
+    for before, after in itertools.pairwise(ordered):
+        if before.end > after.offset:
+            raise ValueError(
+                f"images overlap: {before.hash} covers [{before.offset}, {before.end}), "
+                f"{after.hash} starts at {after.offset}"
+            )
+    pieces: list[ChunkPiece] = []
+    packed = 0
+    for p in ordered:
+        lo, hi = max(start, p.offset), min(end, p.end)
+        if lo >= hi:
+            continue
+        pieces.append(ChunkPiece(p.hash, lo - p.offset, hi - p.offset, lo - start if dense else packed))
+        packed += hi - lo
+    handles = [p.image for p in placements if isinstance(p.image, Handle) and p.image.hidden_size]
+    return ChunkPlan(start, end, dense, end - start if dense else packed, tuple(pieces),
+                     handles[0].hidden_size if handles else None, handles[0].dtype if handles else None)

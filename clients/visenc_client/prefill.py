@@ -1,0 +1,252 @@
+"""Prefill integration: lay a multimodal prompt out from visenc handles, fill each chunk's image rows.
+
+A prefill worker that takes its image embeddings from visenc does, per request:
+
+1. ``prepare(token_ids, images)``: the prompt's token ids hold ONE image
+   placeholder (``image_token_id``) per image, images in prompt order. The
+   images are encoded hash-first with ``wait=False`` (the service answers at
+   once; only images it does not know are uploaded), and each placeholder is
+   expanded into ``num_tokens`` placeholders, as the Qwen2-VL processor
+   expands ``<|image_pad|>`` into ``grid_t * grid_h * grid_w // merge_size**2``
+   copies. The handles carry ``num_tokens`` and ``grid_thw`` while the images
+   are still ``pending``, so the prompt layout, its position ids (e.g. M-RoPE)
+   and the scheduler's token budget are known before any embedding exists.
+2. ``fill_chunk(layout, start, end, inputs_embeds)`` per prefill chunk
+   ``[start, end)``: the rows of the images that overlap the chunk are fetched
+   in one round trip (``Client.fetch_chunk``: images wholly outside the chunk
+   are not touched; a pending image is waited for and moved to the front of
+   the service's queue) and written into ``inputs_embeds`` at the
+   placeholder positions; text rows are left as they are.
+
+Failures: an image the service cannot decode or encode comes back as an
+``error`` handle and ``prepare`` raises ``ImageEncodeError`` (fail the
+request, do not retry). A fetch that finds an image evicted
+(``NotFoundError``) re-encodes it from the bytes the layout kept, once per
+attempt; a fetch past the service's deadline (``DeadlineError``) or a full
+queue (``OverloadedError``, after its ``Retry-After``) is retried, up to
+``attempts`` tries; anything else propagates.
+
+Example::
+
+    from visenc_client import Client
+    from visenc_client.prefill import VisencPrefill
+
+    with Client("http://127.0.0.1:8000") as vc:
+        prefill = VisencPrefill(vc, image_token_id=151655, merge_size=2)
+        layout = prefill.prepare(token_ids, [png_a, png_b])   # returns at once
+        for start in range(0, layout.num_positions, 512):
+            end = min(start + 512, layout.num_positions)
+            embeds = embed_tokens(layout.input_ids[start:end])  # [end - start, hidden]
+            prefill.fill_chunk(layout, start, end, embeds)      # image rows written in place
+            run_layers(embeds, positions[..., start:end], kv_cache)
+
+The layer is model-agnostic: the placeholder id and merge size are
+parameters, and ``PromptLayout`` gives what a model needs to build its own
+positions (``image_grid_thw``, ``mm_token_type_ids``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from visenc_client._client import Client
+from visenc_client._exceptions import (
+    DeadlineError,
+    ImageEncodeError,
+    NotFoundError,
+    OverloadedError,
+    ProtocolError,
+)
+from visenc_client._protocol import NUMPY_DTYPES, ImageInput, read_image
+from visenc_client._types import Handle
+from visenc_client.chunks import ImagePlacement
+
+T = TypeVar("T")
+
+#: torch dtype name → wire dtype of embeddings that can be written into it without a conversion
+_TORCH_WIRE = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+
+
+def expand_placeholders(token_ids: Sequence[int] | np.ndarray, image_token_id: int,
+                        num_tokens: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+    """Expand image ``k``'s single placeholder into ``num_tokens[k]`` placeholders.
+
+    Returns the expanded ids (int64) and each image's first position in them.
+    ``token_ids`` must hold exactly ``len(num_tokens)`` placeholders, one per
+    image in prompt order (``ValueError`` otherwise)."""
+    ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
+    where = np.flatnonzero(ids == image_token_id)
+    if len(where) != len(num_tokens):
+        raise ValueError(f"the prompt has {len(where)} image placeholders for {len(num_tokens)} images")
+    counts = np.ones(len(ids), dtype=np.int64)
+    counts[where] = np.asarray(num_tokens, dtype=np.int64)
+    if (counts < 0).any():
+        raise ValueError("num_tokens must be >= 0")
+    expanded = np.repeat(ids, counts)
+    offsets = (np.cumsum(counts) - counts)[where]
+    return expanded, [int(x) for x in offsets]
+
+
+def tokens_for_grid(grid_thw: Sequence[int], merge_size: int) -> int:
+    """Placeholder count of an image of patch grid ``(t, h, w)`` merged ``merge_size x merge_size``."""
+    t, h, w = grid_thw
+    return int(t * h * w) // (merge_size * merge_size)
+
+
+@dataclass(frozen=True)
+class PromptLayout:
+    """A prompt whose image placeholders are expanded: what every chunk of its prefill needs.
+
+    Invariants: ``placements`` are in prompt order, each covers
+    ``[offset, offset + num_tokens)`` of ``input_ids``, all of it
+    ``image_token_id``; no other position holds ``image_token_id``."""
+
+    input_ids: np.ndarray
+    placements: tuple[ImagePlacement, ...]
+    image_token_id: int
+    #: the images' bytes, kept to re-upload one the service evicted before its rows were fetched
+    images: tuple[bytes, ...] = field(repr=False)
+
+    @property
+    def num_positions(self) -> int:
+        return len(self.input_ids)
+
+    @property
+    def handles(self) -> list[Handle]:
+        return [p.image for p in self.placements if isinstance(p.image, Handle)]
+
+    @property
+    def image_grid_thw(self) -> list[tuple[int, int, int]]:
+        """Each image's ``(t, h, w)`` patch grid (``[]`` when the service's tower has none)."""
+        return [h.grid_thw for h in self.handles if h.grid_thw is not None]
+
+    @property
+    def mm_token_type_ids(self) -> np.ndarray:
+        """``0`` for text, ``1`` for image positions (int32, as transformers' processors return)."""
+        return (self.input_ids == self.image_token_id).astype(np.int32)
+
+    def image_positions(self, start: int, end: int) -> np.ndarray:
+        """Image positions in ``[start, end)``, relative to ``start``, in prompt order (= fetched row order)."""
+        return np.flatnonzero(self.input_ids[start:end] == self.image_token_id)
+
+
+class VisencPrefill:
+    """Integration of one visenc ``Client`` into a prefill worker (see the module docstring).
+
+    ``image_token_id``: the placeholder token id; ``merge_size``: when given,
+    each handle's ``num_tokens`` is checked against its ``grid_thw`` (the
+    service's tower must merge patches as the LLM expects); ``attempts``: tries
+    per encode / fetch before a retryable error propagates."""
+
+    def __init__(self, client: Client, *, image_token_id: int, merge_size: int | None = None,
+                 attempts: int = 3) -> None:
+        if attempts < 1:
+            raise ValueError("attempts must be >= 1")
+        self.client = client
+        self.image_token_id = image_token_id
+        self.merge_size = merge_size
+        self.attempts = attempts
+
+    def prepare(self, token_ids: Sequence[int] | np.ndarray, images: Sequence[ImageInput]) -> PromptLayout:
+        """Encode ``images`` (hash-first, ``wait=False``) and lay the prompt out from their handles.
+
+        Returns without waiting for any embedding. Raises ``ImageEncodeError``
+        for an image the service rejected, ``ValueError`` when the prompt's
+        placeholders do not match ``images``."""
+        datas = tuple(read_image(im) for im in images)
+        handles = self._encode(datas)
+        expanded, offsets = expand_placeholders(token_ids, self.image_token_id,
+                                                [h.num_tokens or 0 for h in handles])
+        placements = tuple(ImagePlacement.of(h, off) for h, off in zip(handles, offsets))
+        return PromptLayout(expanded, placements, self.image_token_id, datas)
+
+    def fill_chunk(self, layout: PromptLayout, start: int, end: int, inputs_embeds: Any) -> None:
+        """Write the image rows of chunk ``[start, end)`` into ``inputs_embeds`` (``[end - start, hidden]``).
+
+        ``inputs_embeds``: a numpy array or torch tensor (any device/dtype)
+        already holding the chunk's text embeddings; only image positions
+        are written. A CPU buffer in the embeddings' dtype is filled in place
+        by the fetch (one copy from the network); any other is filled from a
+        staging buffer (fetch, then one scatter with dtype/device conversion)."""
+        if not 0 <= start <= end <= layout.num_positions:
+            raise ValueError(f"chunk [{start}, {end}) is outside the prompt's {layout.num_positions} positions")
+        if len(inputs_embeds) != end - start:
+            raise ValueError(f"inputs_embeds has {len(inputs_embeds)} rows for chunk [{start}, {end})")
+        if not layout.image_positions(start, end).size:
+            return
+        if self._fetches_in_place(layout, inputs_embeds):
+            self._retrying(layout, lambda: self.client.fetch_chunk(
+                layout.placements, start, end, out=inputs_embeds, dense=True))
+            return
+        rows = self._retrying(layout, lambda: self.client.fetch_chunk(layout.placements, start, end))
+        _scatter(inputs_embeds, layout.image_positions(start, end), rows, layout.handles[0].dtype or "float32")
+
+    # --- internals
+
+    def _encode(self, datas: Sequence[bytes]) -> list[Handle]:
+        handles = self._retrying(None, lambda: self.client.encode(datas, wait=False))
+        for h in handles:
+            if h.status == "error":
+                raise ImageEncodeError(h.hash, h.error or "encode failed")
+            if h.status not in ("ready", "pending") or h.num_tokens is None:
+                raise ProtocolError(f"{h.hash}: unusable handle (status {h.status}, num_tokens {h.num_tokens})")
+            if self.merge_size is not None and h.grid_thw is not None:
+                expected = tokens_for_grid(h.grid_thw, self.merge_size)
+                if h.num_tokens != expected:
+                    raise ProtocolError(f"{h.hash}: {h.num_tokens} tokens for grid {h.grid_thw}, the model "
+                                        f"expects {expected} (merge {self.merge_size}): is visenc serving its tower?")
+        return handles
+
+    def _retrying(self, layout: PromptLayout | None, call: Callable[[], T]) -> T:
+        for attempt in range(1, self.attempts + 1):
+            try:
+                return call()
+            except OverloadedError as e:
+                if attempt == self.attempts:
+                    raise
+                time.sleep(min(e.retry_after_s, 10.0))
+            except DeadlineError:
+                if attempt == self.attempts:
+                    raise
+            except NotFoundError:
+                if layout is None or attempt == self.attempts:
+                    raise
+                self._reupload(layout)
+        raise AssertionError("unreachable")
+
+    def _reupload(self, layout: PromptLayout) -> None:
+        """Encode the layout's images again (hash-first: only the evicted ones are uploaded);
+        their layout must not have changed."""
+        for before, after in zip(layout.handles, self._encode(layout.images)):
+            if (before.num_tokens, before.hidden_size) != (after.num_tokens, after.hidden_size):
+                raise ProtocolError(f"{before.hash}: re-encoded with a different shape; the service's model changed")
+
+    @staticmethod
+    def _fetches_in_place(layout: PromptLayout, out: Any) -> bool:
+        wire = layout.handles[0].dtype if layout.handles else None
+        if isinstance(out, np.ndarray):
+            return wire in NUMPY_DTYPES and out.dtype == NUMPY_DTYPES[wire] and out.flags.c_contiguous
+        device = getattr(out, "device", None)
+        return (getattr(device, "type", None) == "cpu" and _TORCH_WIRE.get(str(out.dtype)) == wire
+                and bool(out.is_contiguous()))
+
+
+def _scatter(out: Any, positions: np.ndarray, rows: np.ndarray, wire_dtype: str) -> None:
+    """``out[positions] = rows``, converting dtype (bfloat16 rows arrive as 16-bit words) and device."""
+    if isinstance(out, np.ndarray):
+        if wire_dtype == "bfloat16":
+            rows = (rows.astype(np.uint32) << 16).view(np.float32)
+        out[positions] = rows
+        return
+    import torch
+
+    src = torch.from_numpy(np.ascontiguousarray(rows))
+    if wire_dtype == "bfloat16":
+        src = src.view(torch.bfloat16)
+    index = torch.from_numpy(positions).to(out.device)
+    out.index_copy_(0, index, src.to(device=out.device, dtype=out.dtype, non_blocking=True))

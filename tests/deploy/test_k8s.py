@@ -1,0 +1,129 @@
+"""deploy/k8s: every manifest parses, and probes, ports, labels, selectors and secrets agree."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import pytest
+import yaml
+from tests.conftest import ROOT
+
+K8S = ROOT / "deploy" / "k8s"
+
+
+@pytest.fixture(scope="module")
+def docs() -> dict[tuple[str, str], dict]:
+    out: dict[tuple[str, str], dict] = {}
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc is None:
+                continue
+            assert {"apiVersion", "kind"} <= set(doc), path.name
+            if doc["kind"] == "Kustomization":
+                continue
+            key = (doc["kind"], doc["metadata"]["name"])
+            assert key not in out, f"duplicate {key}"
+            out[key] = doc
+    return out
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return bool(selector) and all(labels.get(k) == v for k, v in selector.items())
+
+
+def container_ports(deploy: dict) -> dict[str, int]:
+    (c, *_) = deploy["spec"]["template"]["spec"]["containers"]
+    return {p["name"]: p["containerPort"] for p in c["ports"]}
+
+
+def test_kustomization_lists_every_manifest():
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    files = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert set(kust["resources"]) == files
+
+
+def test_deployments_select_their_pods_and_services_select_deployments(docs):
+    deployments = {n: d for (k, n), d in docs.items() if k == "Deployment"}
+    assert {"visenc", "visenc-redis"} <= set(deployments)
+    for name, d in deployments.items():
+        pod_labels = d["spec"]["template"]["metadata"]["labels"]
+        assert selects(d["spec"]["selector"]["matchLabels"], pod_labels), name
+    for (kind, name), svc in docs.items():
+        if kind != "Service":
+            continue
+        targets = [d for d in deployments.values()
+                   if selects(svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+        assert len(targets) == 1, f"Service {name} selects {len(targets)} deployments"
+        ports = container_ports(targets[0])
+        for p in svc["spec"]["ports"]:
+            assert p["targetPort"] in ports, f"Service {name}: targetPort {p['targetPort']} is not a container port"
+
+
+def test_visenc_probes_resources_and_gpu_note(docs):
+    d = docs[("Deployment", "visenc")]
+    spec = d["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    ports = container_ports(d)
+    assert ports == {"http": 8000}
+    env = {e["name"]: e for e in c["env"]}
+    assert env["VISENC_PORT"]["value"] == str(ports["http"])  # the server listens on the probed port
+    assert c["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "http"}
+    assert c["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "http"}
+    assert c["startupProbe"]["httpGet"]["path"] == "/healthz"
+    # the image runs as uid 10001 (Dockerfile USER); the pod insists on a non-root user
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    user = [line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("USER ")]
+    assert user == [f"{spec['securityContext']['runAsUser']}:{spec['securityContext']['runAsGroup']}"]
+    assert "command" not in c and "args" not in c  # the image's own CMD runs
+    res = c["resources"]
+    assert res["requests"]["cpu"] and res["requests"]["memory"] and res["limits"]["memory"]
+    text = (K8S / "deployment.yaml").read_text()
+    assert "# nvidia.com/gpu: 1" in text and "device plugin" in text
+    assert d["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    # drained by uvicorn's 30 s graceful shutdown before the kubelet kills it
+    assert spec["terminationGracePeriodSeconds"] > 30
+
+
+def test_redis_url_secret_points_at_the_redis_service(docs):
+    (c,) = docs[("Deployment", "visenc")]["spec"]["template"]["spec"]["containers"]
+    ref = {e["name"]: e for e in c["env"]}["VISENC_REDIS_URL"]["valueFrom"]["secretKeyRef"]
+    secret = docs[("Secret", ref["name"])]
+    url = secret["stringData"][ref["key"]]
+    host, port = url.removeprefix("redis://").split("/")[0].split(":")
+    svc = docs[("Service", host)]
+    assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
+    (redis,) = docs[("Deployment", "visenc-redis")]["spec"]["template"]["spec"]["containers"]
+    flags = dict(zip(redis["args"][::2], redis["args"][1::2]))
+    assert flags["--maxmemory-policy"] == "allkeys-lru" and flags["--save"] == ""
+
+
+def test_service_monitor_scrapes_the_visenc_service(docs):
+    sm = docs[("ServiceMonitor", "visenc")]
+    svc = docs[("Service", "visenc")]
+    assert selects(sm["spec"]["selector"]["matchLabels"], svc["metadata"]["labels"])
+    (ep,) = sm["spec"]["endpoints"]
+    assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]}
+    assert ep["path"] == "/metrics"
+    pdb = docs[("PodDisruptionBudget", "visenc")]
+    assert selects(pdb["spec"]["selector"]["matchLabels"],
+                   docs[("Deployment", "visenc")]["spec"]["template"]["metadata"]["labels"])
+
+
+def test_prometheus_rule_equals_the_compose_alerts(docs):
+    rules = yaml.safe_load((ROOT / "deploy/prometheus/alerts.yml").read_text())
+    assert docs[("PrometheusRule", "visenc")]["spec"]["groups"] == rules["groups"]
+
+
+def test_kustomize_renders(docs):
+    kubectl = shutil.which("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (optional: the manifests are still parsed above)")
+    done = subprocess.run([kubectl, "kustomize", str(K8S)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0, done.stderr
+    items = [d for d in yaml.safe_load_all(done.stdout) if d]
+    assert len(items) == len(docs)
+    deployment = next(i for i in items if i["kind"] == "Deployment" and i["metadata"]["name"] == "visenc")
+    (c,) = deployment["spec"]["template"]["spec"]["containers"]
+    assert c["image"] == "visenc:cpu"  # the images transformer applied
+    assert all(i["metadata"].get("namespace") == "visenc" for i in items if i["kind"] != "Namespace")

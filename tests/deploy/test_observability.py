@@ -1,0 +1,222 @@
+"""The dashboard and the alert rules only name metrics the service really exposes; promtool accepts
+the rules and the Prometheus config, and the rules' own unit tests pass."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from prometheus_client.parser import text_string_to_metric_families
+from tests.conftest import ROOT, running_app
+from tests.images import png_bytes
+from tests.service.test_api import encode_json
+
+from visenc.metrics import Metrics
+from visenc.models.base import VisionTower
+
+DEPLOY = ROOT / "deploy"
+DASHBOARD = DEPLOY / "grafana" / "dashboards" / "visenc.json"
+PROMETHEUS = DEPLOY / "prometheus"
+
+#: referenced metrics that an in-process app without a Redis tier declares but cannot produce a sample of
+NEEDS_REDIS_TIER = {
+    "visenc_redis_errors_total": "counted by the Redis tier when an operation fails",
+    "visenc_index_bytes_total": "counted by the shared (Redis) tier's reads and writes",
+}
+#: labels Prometheus attaches to every scraped series (not in the exposition)
+TARGET_LABELS = {"instance", "job"}
+#: series Prometheus makes itself
+SYNTHETIC = {"up"}
+
+_NAME = re.compile(r"\b(visenc_[a-z0-9_]+)\b")
+_SELECTOR = re.compile(r"\b([a-zA-Z_:][a-zA-Z0-9_:]*)\s*\{([^}]*)\}")
+_MATCHER = re.compile(r"([a-zA-Z_][a-zA-Z0-9_]*)\s*(?:=~|!~|!=|=)\s*\"")
+_GROUPING = re.compile(r"\b(?:by|without|on|ignoring)\s*\(([^)]*)\)")
+
+
+def dashboard_exprs() -> list[str]:
+    dash = json.loads(DASHBOARD.read_text())
+    exprs = [t["expr"] for p in dash["panels"] for t in p.get("targets", [])]
+    for var in dash["templating"]["list"]:
+        exprs.append(var["query"]["query"] if isinstance(var["query"], dict) else var["query"])
+    return exprs
+
+
+def rule_exprs() -> list[str]:
+    rules = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())
+    return [r["expr"] for g in rules["groups"] for r in g["rules"]]
+
+
+class FailingTower:
+    """The tiny tower, except that a forward raises while ``failing`` is set."""
+
+    def __init__(self, tower: VisionTower) -> None:
+        self._tower = tower
+        self.failing = False
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._tower, name)
+
+    def forward(self, batch: Any) -> Any:
+        if self.failing:
+            raise RuntimeError("injected forward failure")
+        return self._tower.forward(batch)
+
+
+@pytest.fixture(scope="module")
+def exposition(tiny_tower) -> Iterator[dict[str, set[str]]]:
+    """Sample name → label names, scraped from the real app after exercising every labelled metric."""
+    import asyncio
+
+    tower = FailingTower(tiny_tower)
+    images = [png_bytes(700 + i, 64, 64) for i in range(5)]
+    layout = tiny_tower.layout(64, 64)
+    entry_bytes = layout.num_tokens * tiny_tower.hidden_size * 4
+
+    async def go() -> str:
+        # an L1 budget of ~2 entries so that 5 images evict
+        async with running_app(tower, cache_bytes=int(entry_bytes * 2.5)) as client:  # type: ignore[arg-type]
+            r = await encode_json(client, [{"data": d} for d in images])
+            assert [it["status"] for it in r.json()["items"]] == ["ready"] * 5
+            last = r.json()["items"][-1]["hash"]
+            assert (await encode_json(client, [{"hash": last}])).json()["items"][0]["status"] == "ready"  # hit
+            assert (await client.get(f"/v1/embeddings/{last}", params={"end": 2})).status_code == 200
+            assert (await client.post("/v1/embeddings/fetch", json={"ranges": [{"hash": last}]})).status_code == 200
+            assert (await client.get("/v1/embeddings/" + "0" * 64)).status_code == 404
+            assert (await encode_json(client, [{"hash": "nothex"}])).status_code == 400
+            tower.failing = True
+            r = await encode_json(client, [{"data": png_bytes(799, 64, 64)}])
+            tower.failing = False
+            assert r.json()["items"][0]["status"] == "error"
+            return (await client.get("/metrics")).text
+
+    text = asyncio.run(go())
+    samples: dict[str, set[str]] = {}
+    declared: set[str] = set()
+    for family in text_string_to_metric_families(text):
+        declared.add(family.name)
+        for s in family.samples:
+            samples.setdefault(s.name, set()).update(s.labels)
+    assert samples["visenc_cache_evictions_total"] == {"tier"}  # the budget above did evict
+    # declared-only families: their label names come from their definitions
+    for collector in vars(Metrics()).values():
+        labels = getattr(collector, "_labelnames", None)
+        if labels is not None and not any(n.startswith(collector._name) for n in samples):
+            for suffix in ("", "_total", "_bucket", "_sum", "_count"):
+                if collector._name + suffix in NEEDS_REDIS_TIER:
+                    samples[collector._name + suffix] = set(labels)
+                    declared.add(collector._name + suffix)
+    assert "visenc_encode_failures_total" in samples
+    yield {"samples": samples, "declared": declared}  # type: ignore[misc]
+
+
+def test_every_metric_in_the_dashboard_and_the_rules_is_exposed(exposition):
+    samples: dict[str, set[str]] = exposition["samples"]  # type: ignore[assignment]
+    declared: set[str] = exposition["declared"]  # type: ignore[assignment]
+    exprs = [("dashboard", e) for e in dashboard_exprs()] + [("alerts.yml", e) for e in rule_exprs()]
+    referenced: set[str] = set()
+    problems = []
+    for where, expr in exprs:
+        names = set(_NAME.findall(expr))
+        referenced |= names
+        for name in names:
+            if name in samples and (name not in NEEDS_REDIS_TIER or name in declared):
+                continue
+            problems.append(f"{where}: {name} is not in /metrics ({expr!r})")
+        for name, matchers in _SELECTOR.findall(expr):
+            if name not in samples and name not in SYNTHETIC:
+                problems.append(f"{where}: selector of unknown series {name}")
+            known = samples.get(name)
+            if known is not None:
+                for label in _MATCHER.findall(matchers):
+                    if label not in known | TARGET_LABELS:
+                        problems.append(f"{where}: {name} has no label {label!r} ({expr!r})")
+        metric_labels = set().union(*(samples.get(n, set()) for n in names)) | TARGET_LABELS | {"le"}
+        for group in _GROUPING.findall(expr):
+            for label in filter(None, (g.strip() for g in group.split(","))):
+                if label not in metric_labels:
+                    problems.append(f"{where}: grouping by {label!r}, which none of {sorted(names)} has")
+    assert not problems, "\n".join(problems)
+    # the dashboard covers what the issue asks for
+    for needed in ("visenc_requests_total", "visenc_request_duration_seconds_bucket", "visenc_queue_depth",
+                   "visenc_batch_size_images_bucket", "visenc_cache_lookups_total", "visenc_bytes_served_total",
+                   "visenc_errors_total", "visenc_redis_errors_total", "visenc_encode_failures_total"):
+        assert needed in referenced, needed
+
+
+def test_dashboard_is_a_provisioned_grafana_dashboard():
+    dash = json.loads(DASHBOARD.read_text())
+    assert dash["uid"] and dash["title"] and dash["schemaVersion"] >= 36
+    ids = [p["id"] for p in dash["panels"]]
+    assert len(ids) == len(set(ids))
+    datasources = yaml.safe_load(next((DEPLOY / "grafana/provisioning/datasources").glob("*.yml")).read_text())
+    uids = {d["uid"] for d in datasources["datasources"]}
+    occupied: set[tuple[int, int]] = set()
+    for p in dash["panels"]:
+        g = p["gridPos"]
+        assert 0 <= g["x"] and g["x"] + g["w"] <= 24, p["title"]
+        cells = {(x, y) for x in range(g["x"], g["x"] + g["w"]) for y in range(g["y"], g["y"] + g["h"])}
+        assert not cells & occupied, f"panel {p['title']!r} overlaps another"
+        occupied |= cells
+        if p["type"] != "row":
+            assert p["targets"], p["title"]
+            assert p["datasource"]["uid"] in uids
+            assert all(t["datasource"]["uid"] in uids and t["refId"] for t in p["targets"])
+    titles = " ".join(p["title"].lower() for p in dash["panels"])
+    for word in ("latency", "queue", "batch", "hit ratio", "bytes served", "errors", "redis"):
+        assert word in titles, word
+    assert any("histogram_quantile" in e for e in dashboard_exprs())
+    # the provider loads the folder that compose mounts the dashboard JSON into
+    provider = yaml.safe_load((DEPLOY / "grafana/provisioning/dashboards/visenc.yml").read_text())
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    mounts = dict(v.split(":")[:2] for v in compose["services"]["grafana"]["volumes"])
+    assert mounts["./grafana/dashboards"] == provider["providers"][0]["options"]["path"]
+
+
+def promtool() -> str:
+    exe = shutil.which("promtool")
+    if exe is None:
+        pytest.fail("promtool is not installed (make test installs Debian's prometheus package)")
+    return exe
+
+
+@pytest.mark.parametrize("args", [
+    ["check", "rules", "alerts.yml"],
+    ["check", "config", "prometheus.yml"],
+    ["test", "rules", "alerts_test.yml"],  # each alert fires on the series it was written for
+], ids=lambda a: " ".join(a[:2]))
+def test_promtool(args):
+    done = subprocess.run([promtool(), *args], cwd=PROMETHEUS, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "SUCCESS" in done.stdout + done.stderr
+
+
+def test_alert_rules_cover_the_issue():
+    rules = {r["alert"]: r for g in yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())["groups"]
+             for r in g["rules"]}
+    for name in ("VisencHighErrorRatio", "VisencQueueSaturated", "VisencRedisDown", "VisencRedisErrors",
+                 "VisencHitRatioCollapse", "VisencWorkerDown"):
+        assert name in rules
+        assert rules[name]["labels"]["severity"] in {"warning", "critical"}
+        assert rules[name]["annotations"]["summary"]
+    tested = yaml.safe_load((PROMETHEUS / "alerts_test.yml").read_text())
+    fired = {t["alertname"] for case in tested["tests"] for t in case["alert_rule_test"] if t["exp_alerts"]}
+    assert fired >= set(rules), f"alerts without a firing unit test: {set(rules) - fired}"
+
+
+def test_prometheus_scrapes_the_compose_service():
+    config = yaml.safe_load((PROMETHEUS / "prometheus.yml").read_text())
+    compose = yaml.safe_load((DEPLOY / "docker-compose.yml").read_text())
+    (job,) = [j for j in config["scrape_configs"] if j["job_name"] == "visenc"]
+    (sd,) = job["dns_sd_configs"]
+    assert sd["names"] == ["visenc"] and "visenc" in compose["services"]
+    assert str(sd["port"]) in {p.split(":")[-1] for p in compose["services"]["visenc"]["ports"]}
+    assert job.get("metrics_path", "/metrics") == "/metrics"
+    assert Path(PROMETHEUS / config["rule_files"][0]).is_file()

@@ -1,0 +1,92 @@
+"""Fixtures for the shared-index tests: a local Redis Cluster, metric readers, settings.
+
+Every test here runs against real ``redis-server`` processes on free loopback
+ports (``tests/conftest.py: redis_process`` for single servers)."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import shutil
+import socket
+import subprocess
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from tests.conftest import free_port
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The value of one sample in a Prometheus exposition (0 if absent)."""
+    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+    pattern = re.compile(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", re.M)
+    for m in pattern.finditer(text):
+        got = ",".join(sorted((m.group(1) or "").split(","))) if m.group(1) else ""
+        if got == want:
+            return float(m.group(2))
+    return 0.0
+
+
+def _wait_port(port: int, timeout_s: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+
+
+def _cluster_port() -> int:
+    """A free port whose cluster bus port (port + 10000) is free too."""
+    for _ in range(200):
+        port = free_port()
+        if port + 10000 > 65535:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port + 10000))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError("no free port pair for a cluster node")
+
+
+@contextlib.contextmanager
+def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[list[int]]:
+    """``nodes`` masters (``--cluster-enabled yes``) joined by ``redis-cli --cluster create``; their ports."""
+    server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
+    if server is None or cli is None:
+        pytest.fail("redis-server / redis-cli are not installed (make test installs them)")
+    ports = [_cluster_port() for _ in range(nodes)]
+    procs = []
+    try:
+        for port in ports:
+            d = workdir / str(port)
+            d.mkdir(parents=True, exist_ok=True)
+            procs.append(subprocess.Popen(
+                [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
+                 "--cluster-config-file", str(d / "nodes.conf"), "--dir", str(d), "--save", "",
+                 "--appendonly", "no", "--cluster-node-timeout", "2000"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+        for port in ports:
+            _wait_port(port)
+        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
+                        "--cluster-replicas", "0", "--cluster-yes"],
+                       check=True, capture_output=True, timeout=30)
+        deadline = time.monotonic() + 20
+        while True:  # every node must agree the cluster is up before a client connects
+            states = [subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True,
+                                     timeout=5).stdout for p in ports]
+            if all("cluster_state:ok" in s for s in states):
+                break
+            if time.monotonic() > deadline:
+                raise TimeoutError("the local redis cluster did not reach cluster_state:ok")
+            time.sleep(0.1)
+        yield ports
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(timeout=10)

@@ -1,0 +1,103 @@
+"""Redis killed and restarted (same port) under concurrent traffic on two replicas."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import random
+
+import httpx
+import numpy as np
+import redis.asyncio as aioredis
+from tests.conftest import free_port, redis_process, running_app
+from tests.images import png_bytes
+from tests.service.test_api import reference
+from tests.shared_index.conftest import metric
+
+from visenc.index.keys import entry_key
+from visenc_client import AsyncClient, image_hash
+
+
+async def test_service_survives_a_redis_restart_under_traffic(tiny_tower):
+    port = free_port()
+    url = f"redis://127.0.0.1:{port}/0"
+    pool = [png_bytes(600 + i, 64 + 8 * (i % 5), 64 + 8 * (i % 3)) for i in range(12)]
+    expected = {image_hash(d): reference(tiny_tower, d) for d in pool}
+    settings = {"redis_url": url, "redis_timeout_s": 0.5, "redis_retry_s": 0.2, "claim_poll_ms": 5.0}
+    stop = asyncio.Event()
+    served: list[int] = []
+
+    async def traffic(clients: list[tuple[AsyncClient, httpx.AsyncClient]], seed: int) -> None:
+        rng = random.Random(seed)
+        n = 0
+        while not stop.is_set() and n < 300:  # bounded in count and (by the stop event) in time
+            n += 1
+            await asyncio.sleep(0)  # L1 hits never suspend in-process: let the test's timers run
+            vc, http = rng.choice(clients)
+            images = rng.sample(pool, 3)
+            handles = await vc.encode(images)  # hash first, bytes on a miss
+            assert [h.status for h in handles] == ["ready"] * 3
+            for h in handles:
+                rows = await vc.fetch(h)  # whole, never partial, never another image's rows
+                assert rows.shape == expected[h.hash].shape
+                np.testing.assert_allclose(rows, expected[h.hash], atol=1e-5, rtol=0)
+                part = await vc.fetch(h, 1, 3)
+                np.testing.assert_array_equal(part, rows[1:3])
+            # an image nobody has: every replica asks Redis, up or down, and answers "missing" at once
+            r = await http.post("/v1/encode", json={"items": [{"hash": f"{rng.getrandbits(256):064x}"}]})
+            assert r.json()["items"][0]["status"] == "missing"
+            served.append(len(handles))
+
+    with contextlib.ExitStack() as stack:
+        _, proc = stack.enter_context(redis_process(port))
+        async with running_app(tiny_tower, **settings) as a, running_app(tiny_tower, **settings) as b:
+            timeout = httpx.Timeout(10.0)  # a request hanging on a dead Redis would fail the test
+            clients = [AsyncClient("http://visenc", transport=httpx.ASGITransport(app=app.app), timeout=timeout)
+                       for app in (a, b)]
+            pairs = list(zip(clients, (a, b)))
+            workers = [asyncio.create_task(traffic(pairs, seed)) for seed in range(4)]
+            try:
+                await asyncio.sleep(0.5)
+                proc.kill()  # SIGKILL: no goodbye; everything stored is lost (no persistence)
+                proc.wait(timeout=5)
+                await asyncio.sleep(0.5)
+                for c in (a, b):  # each replica has met the dead Redis by now (traffic asks it for unknowns)
+                    await c.post("/v1/encode", json={"items": [{"hash": "e" * 64}]})
+                degraded = [(await c.get("/readyz")).json()["status"] for c in (a, b)]
+                restarted = stack.enter_context(redis_process(port))  # same port, empty
+                await asyncio.sleep(0.8)
+                stop.set()
+                await asyncio.gather(*workers)  # re-raises any failed request or wrong row
+            finally:
+                stop.set()
+                for w in workers:
+                    w.cancel()
+                for c in clients:
+                    await c.aclose()
+            assert restarted[1].poll() is None
+            assert degraded == ["degraded", "degraded"]
+            assert len(served) > 10
+
+            # Redis is used again without a restart of the service: a new image goes through to it
+            fresh = png_bytes(699, 72, 72)
+            await asyncio.sleep(0.25)  # past redis_retry_s
+            async with AsyncClient("http://visenc", transport=httpx.ASGITransport(app=a.app)) as vc:
+                (h,) = await vc.encode([fresh])
+                assert h.status == "ready"
+            fp = (await a.get("/v1/model")).json()["fingerprint"]
+            raw = aioredis.Redis.from_url(url)
+            for _ in range(50):
+                if await raw.exists(entry_key("default", fp, h.hash)):
+                    break
+                await asyncio.sleep(0.01)
+            assert await raw.exists(entry_key("default", fp, h.hash)) == 1
+            await raw.aclose()
+            for c in (a, b):
+                m = (await c.get("/metrics")).text
+                # b may not have touched Redis since it came back
+                assert metric(m, "visenc_index_up", tier="redis") == 1 or c is b
+            assert (await a.get("/readyz")).json()["status"] == "ready"
+            texts = [(await c.get("/metrics")).text for c in (a, b)]
+            errors = sum(metric(t, "visenc_redis_errors_total", op=op)
+                         for t in texts for op in ("get", "set", "claim", "renew", "release"))
+            assert errors > 0  # the outage was seen, and counted

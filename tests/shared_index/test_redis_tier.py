@@ -1,0 +1,195 @@
+"""The Redis tier and the tiered index against a real redis-server (no HTTP)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+from tests.conftest import free_port
+from tests.shared_index.conftest import metric
+
+from visenc.config import Settings
+from visenc.index.format import DATA_OFFSET, pack_entry
+from visenc.index.keys import claim_key, entry_key
+from visenc.index.memory import MemoryIndex
+from visenc.index.redis import RedisIndex, redacted_location
+from visenc.index.tiered import TieredIndex
+from visenc.metrics import Metrics
+
+FP = "f" * 32
+
+
+def make(h: str, rows: int = 6, hidden: int = 16, seed: int = 0):
+    arr = np.random.default_rng(seed).standard_normal((rows, hidden)).astype(np.float32)
+    return pack_entry(arr, dtype="float32", grid_thw=(1, 2, 3), fingerprint=FP, hash=h)
+
+
+def text(m: Metrics) -> str:
+    from prometheus_client import generate_latest
+
+    return generate_latest(m.registry).decode()
+
+
+@pytest.fixture
+async def raw(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+async def commands(raw) -> dict[str, int]:
+    """Calls per command since the last CONFIG RESETSTAT, without the INFO that measures them and a new
+    connection's handshake (HELLO, CLIENT SETINFO, PING)."""
+    stats = await raw.info("commandstats")
+    skip = ("info", "hello", "ping", "client|setinfo", "config|resetstat")
+    return {name: v["calls"] for k, v in stats.items() if (name := k.removeprefix("cmdstat_")) not in skip}
+
+
+def index_for(url: str, metrics: Metrics, **overrides) -> RedisIndex:
+    return RedisIndex.from_settings(Settings(redis_url=url, **overrides), metrics)
+
+
+async def test_write_is_one_value_in_the_stored_format_with_ttl(raw, redis_url):
+    m = Metrics()
+    idx = index_for(redis_url, m, cache_ttl_s=1234)
+    key = entry_key("ns", FP, "a" * 64)
+    e = make("a" * 64)
+    await idx.write_remote(key, e)
+    assert await raw.get(key) == bytes(e.blob)  # exactly the stored format: header, rows at DATA_OFFSET
+    assert 1200 <= await raw.ttl(key) <= 1234
+    (back,) = await idx.get_many([key])
+    np.testing.assert_array_equal(back.array(), e.array())
+    t = text(m)
+    assert metric(t, "visenc_index_bytes_total", tier="redis", op="write") == e.nbytes
+    assert metric(t, "visenc_index_bytes_total", tier="redis", op="read") == e.nbytes
+    assert metric(t, "visenc_cache_lookups_total", tier="redis", result="hit") == 1
+    await idx.close()
+
+
+async def test_corrupt_truncated_or_mismatched_values_are_misses(raw, redis_url):
+    m = Metrics()
+    idx = index_for(redis_url, m)
+    good = make("b" * 64)
+    keys = [entry_key("ns", FP, c * 64) for c in "bcdef"]
+    await raw.set(keys[0], bytes(good.blob)[:-4])  # truncated
+    await raw.set(keys[1], b"garbage" * 100)  # not our format
+    await raw.set(keys[2], bytes(good.blob))  # a valid value under another image's key
+    other_fp = pack_entry(good.array(), dtype="float32", grid_thw=(1, 2, 3), fingerprint="0" * 32, hash="e" * 64)
+    await raw.set(keys[3], bytes(other_fp.blob))  # another model's value under this key
+    assert await idx.get_many(keys) == [None] * 5
+    t = text(m)
+    assert metric(t, "visenc_cache_lookups_total", tier="redis", result="corrupt") == 4
+    assert metric(t, "visenc_cache_lookups_total", tier="redis", result="miss") == 1
+    await idx.close()
+
+
+async def test_tiered_lookup_is_one_round_trip_and_promotes(raw, redis_url):
+    m = Metrics()
+    tiered = TieredIndex(MemoryIndex(1 << 20, m), index_for(redis_url, m))
+    entries = {entry_key("ns", FP, f"{i:064x}"): make(f"{i:064x}", seed=i) for i in range(5)}
+    for k, e in entries.items():
+        await raw.set(k, bytes(e.blob))
+    keys = [*entries, entry_key("ns", FP, "9" * 64)]
+    await raw.config_resetstat()
+    found = await tiered.get_many(keys)
+    assert await commands(raw) == {"mget": 1}  # one round trip for six keys
+    assert [f is not None for f in found] == [True] * 5 + [False]
+    for k, f in zip(keys, found):
+        if f is not None:
+            assert bytes(f.blob) == bytes(entries[k].blob)
+            assert tiered.peek(k) is f  # promoted into L1
+    await raw.config_resetstat()
+    assert all(e is not None for e in await tiered.get_many(keys[:5]))
+    assert await commands(raw) == {}  # L1 hits: no Redis command at all
+    t = text(m)
+    assert metric(t, "visenc_cache_lookups_total", tier="memory", result="hit") == 5
+    assert metric(t, "visenc_cache_lookups_total", tier="redis", result="hit") == 5
+    await tiered.close()
+
+
+async def test_unreachable_redis_answers_misses_counts_and_recovers(tmp_path):
+    from tests.conftest import redis_process
+
+    port = free_port()
+    m = Metrics()
+    idx = index_for(f"redis://:s3cret@127.0.0.1:{port}/0", m, redis_timeout_s=0.5, redis_retry_s=0.2)
+    assert "s3cret" not in idx.location and "s3cret" not in str(idx.health())
+    key = entry_key("ns", FP, "a" * 64)
+    assert await idx.get_many([key]) == [None]  # nothing listens: a miss, not an exception
+    await idx.write_remote(key, make("a" * 64))  # dropped, counted
+    assert not idx.up and idx.health()["ok"] is False
+    t = text(m)
+    assert metric(t, "visenc_redis_errors_total", op="get") == 1
+    with redis_process(port, "--requirepass", "s3cret"):
+        import asyncio
+
+        await asyncio.sleep(0.25)  # past redis_retry_s: tried again
+        await idx.write_remote(key, make("a" * 64))
+        assert idx.up
+        (back,) = await idx.get_many([key])
+        assert back is not None and back.rows == 6
+        assert idx.health()["ok"] is True
+        await idx.close()
+
+
+async def test_claim_script_semantics(raw, redis_url):
+    idx = index_for(redis_url, Metrics())
+    k1, k2 = entry_key("ns", FP, "1" * 64), entry_key("ns", FP, "2" * 64)
+    assert await idx.claim_many([k1, k2], "me", 5000) == [True, True]
+    assert await idx.claim_many([k1], "me", 5000) == [True]  # already ours
+    assert await idx.claim_many([k1, k2], "you", 5000) == [False, False]
+    assert await raw.get(claim_key(k1)) == b"me"
+    await idx.renew_claims([k1], "you", 60_000)  # not theirs: unchanged
+    assert await raw.pttl(claim_key(k1)) <= 5000
+    await idx.renew_claims([k1], "me", 60_000)
+    assert await raw.pttl(claim_key(k1)) > 5000
+    e = make("1" * 64)
+    await idx.write_remote(k1, e)
+    (got,) = await idx.claim_many([k1], "you", 5000)  # the entry, read in the same script
+    assert bytes(got.blob) == bytes(e.blob)
+    await idx.release_claims([k1, k2], "you")  # not theirs: kept
+    assert await raw.exists(claim_key(k2)) == 1
+    await idx.release_claims([k2], "me")
+    assert await raw.exists(claim_key(k2)) == 0
+    assert await idx.claim_many([k2], "you", 5000) == [True]
+    # a claim lives in its entry's cluster slot (hash tag = the entry key)
+    from redis.crc import key_slot
+
+    assert key_slot(claim_key(k1).encode()) == key_slot(k1.encode())
+    await idx.close()
+
+
+def test_redacted_location():
+    assert redacted_location("rediss://user:pw@host.example:6380/2") == "rediss://host.example:6380/2"
+    assert redacted_location("redis://localhost") == "redis://localhost:6379"
+    assert DATA_OFFSET == 256
+
+
+def test_shipped_redis_conf_is_a_valid_cache_config(tmp_path):
+    import subprocess
+    import time
+
+    import redis as syncredis
+    from tests.conftest import ROOT
+
+    port = free_port()
+    conf = str(ROOT / "deploy" / "redis" / "redis.conf")
+    # the file as shipped; only the address and working folder are changed for the test
+    proc = subprocess.Popen(["redis-server", conf, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        r = syncredis.Redis(port=port)
+        for _ in range(100):
+            try:
+                cfg = r.config_get("*")
+                break
+            except syncredis.ConnectionError:
+                assert proc.poll() is None, "redis-server refused the shipped config"
+                time.sleep(0.05)
+        assert cfg["maxmemory-policy"] == "allkeys-lru" and int(cfg["maxmemory"]) > 0
+        assert cfg["save"] == "" and cfg["appendonly"] == "no"
+        r.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)

@@ -1,0 +1,150 @@
+"""Replicas sharing one Redis: the real app in-process (engine, tiny tower, Redis tier), real redis-server."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import redis.asyncio as aioredis
+from tests.conftest import free_port, running_app
+from tests.images import jpeg_bytes, png_bytes
+from tests.service.test_api import encode_json, reference
+from tests.shared_index.conftest import metric
+
+from visenc.index.keys import claim_key, entry_key
+from visenc_client import AsyncRedisRows, Handle, image_hash
+
+FAST = {"claim_poll_ms": 5.0}
+
+
+@pytest.fixture
+async def raw(redis_url):
+    client = aioredis.Redis.from_url(redis_url)
+    await client.flushdb()
+    yield client
+    await client.aclose()
+
+
+async def metrics_of(client) -> str:
+    return (await client.get("/metrics")).text
+
+
+async def test_an_image_encoded_on_one_replica_is_a_hit_on_another(raw, redis_url, tiny_tower):
+    images = [png_bytes(300, 96, 64), jpeg_bytes(301, 120, 90)]
+    async with running_app(tiny_tower, redis_url=redis_url, **FAST) as a, \
+            running_app(tiny_tower, redis_url=redis_url, **FAST) as b:
+        r = await encode_json(a, [{"data": d} for d in images])
+        assert [it["status"] for it in r.json()["items"]] == ["ready", "ready"]
+        await asyncio.sleep(0.05)  # the write-through runs after the answer
+        # hash-only on the other replica: found in Redis, no bytes needed, no forward
+        r = await encode_json(b, [{"hash": image_hash(d)} for d in images])
+        assert [it["status"] for it in r.json()["items"]] == ["ready", "ready"]
+        for d in images:
+            got = await b.get(f"/v1/embeddings/{image_hash(d)}")
+            rows = np.frombuffer(got.content, "<f4").reshape(-1, tiny_tower.hidden_size)
+            np.testing.assert_allclose(rows, reference(tiny_tower, d), atol=1e-5, rtol=0)
+        mb = await metrics_of(b)
+        assert metric(mb, "visenc_encoded_images_total") == 0
+        assert metric(mb, "visenc_cache_lookups_total", tier="redis", result="hit") == 2
+        assert metric(await metrics_of(a), "visenc_index_bytes_total", tier="redis", op="write") > 0
+        # what is in Redis is the stored format, under the documented key, with no claim left behind
+        fp = (await a.get("/v1/model")).json()["fingerprint"]
+        key = entry_key("default", fp, image_hash(images[0]))
+        assert (await raw.get(key))[:4] == b"VENC"
+        assert await raw.exists(claim_key(key)) == 0
+
+
+async def test_direct_getrange_reads_equal_the_http_fetch(raw, redis_url, tiny_tower):
+    data = png_bytes(310, 200, 140)
+    async with running_app(tiny_tower, redis_url=redis_url) as a:
+        r = await encode_json(a, [{"data": data}])
+        handle = Handle.from_wire(r.json()["items"][0])
+        fp = (await a.get("/v1/model")).json()["fingerprint"]
+        await asyncio.sleep(0.05)
+        n = handle.num_tokens
+        async with AsyncRedisRows.from_url(redis_url, fingerprint=fp) as rows:
+            for start, end in [(None, None), (0, 1), (3, n - 2), (n - 1, n), (5, 5), (0, n)]:
+                params = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
+                http = (await a.get(f"/v1/embeddings/{handle.hash}", params=params)).content
+                assert await rows.fetch_bytes(handle, start, end) == http  # one round trip (shape known)
+                assert await rows.fetch_bytes(handle.hash, start, end) == http  # header first
+            info = await rows.info(handle.hash)
+            assert (info.rows, info.hidden, info.dtype) == (n, handle.hidden_size, handle.dtype)
+            np.testing.assert_array_equal(await rows.fetch(handle, 2, 7),
+                                          np.frombuffer((await a.get(f"/v1/embeddings/{handle.hash}?start=2&end=7"))
+                                                        .content, "<f4").reshape(5, -1))
+            from visenc_client import BadRequestError, NotFoundError
+
+            with pytest.raises(BadRequestError):
+                await rows.fetch_bytes(handle.hash, 0, n + 1)
+            with pytest.raises(NotFoundError):
+                await rows.fetch_bytes("0" * 64)
+
+
+async def test_concurrent_replicas_encode_a_new_image_once(raw, redis_url, tiny_tower):
+    images = [png_bytes(320 + i, 64 + 16 * i, 64) for i in range(4)]
+    async with running_app(tiny_tower, redis_url=redis_url, **FAST) as a, \
+            running_app(tiny_tower, redis_url=redis_url, **FAST) as b:
+        ra, rb = await asyncio.gather(encode_json(a, [{"data": d} for d in images]),
+                                      encode_json(b, [{"data": d} for d in reversed(images)]))
+        assert all(it["status"] == "ready" for it in ra.json()["items"] + rb.json()["items"])
+        ma, mb = await metrics_of(a), await metrics_of(b)
+        assert metric(ma, "visenc_encoded_images_total") + metric(mb, "visenc_encoded_images_total") == 4
+        for d in images:
+            ea, eb = (await a.get(f"/v1/embeddings/{image_hash(d)}")).content, \
+                (await b.get(f"/v1/embeddings/{image_hash(d)}")).content
+            assert ea == eb
+
+
+async def test_a_claim_whose_owner_died_is_taken_over(raw, redis_url, tiny_tower):
+    data = png_bytes(330, 64, 64)
+    async with running_app(tiny_tower, redis_url=redis_url, **FAST) as a:
+        fp = (await a.get("/v1/model")).json()["fingerprint"]
+        key = entry_key("default", fp, image_hash(data))
+        await raw.set(claim_key(key), "a-replica-that-died", px=300)  # never renewed: lapses
+        r = await encode_json(a, [{"data": data}])
+        assert r.json()["items"][0]["status"] == "ready"
+        m = await metrics_of(a)
+        assert metric(m, "visenc_claims_total", outcome="held") == 1
+        assert metric(m, "visenc_claims_total", outcome="takeover") == 1
+        assert metric(m, "visenc_encoded_images_total") == 1
+
+
+async def test_a_claim_held_too_long_is_not_waited_for_forever(raw, redis_url, tiny_tower):
+    data = png_bytes(331, 64, 64)
+    async with running_app(tiny_tower, redis_url=redis_url, claim_wait_s=0.3, **FAST) as a:
+        fp = (await a.get("/v1/model")).json()["fingerprint"]
+        await raw.set(claim_key(entry_key("default", fp, image_hash(data))), "a-stuck-replica", px=60_000)
+        r = await encode_json(a, [{"data": data}])
+        assert r.json()["items"][0]["status"] == "ready"
+        assert metric(await metrics_of(a), "visenc_claims_total", outcome="timeout") == 1
+
+
+async def test_a_watched_image_nobody_waits_for_is_dropped(raw, redis_url, tiny_tower):
+    data = png_bytes(332, 64, 64)
+    async with running_app(tiny_tower, redis_url=redis_url, request_timeout_s=0.2, **FAST) as a:
+        fp = (await a.get("/v1/model")).json()["fingerprint"]
+        await raw.set(claim_key(entry_key("default", fp, image_hash(data))), "a-slow-replica", px=60_000)
+        r = await encode_json(a, [{"data": data}])
+        assert r.status_code == 504
+        encoder = a.app.state.encoder
+        for _ in range(100):
+            if not encoder.inflight:
+                break
+            await asyncio.sleep(0.01)
+        assert encoder.inflight == {} and encoder.claims._watched == {}
+        assert metric(await metrics_of(a), "visenc_encoded_images_total") == 0
+
+
+async def test_without_redis_the_service_answers_and_reports_degraded(tiny_tower):
+    url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
+    async with running_app(tiny_tower, redis_url=url, redis_timeout_s=0.2) as a:
+        r = await encode_json(a, [{"data": png_bytes(340, 64, 64)}])
+        assert r.json()["items"][0]["status"] == "ready"
+        ready = await a.get("/readyz")
+        assert ready.status_code == 200 and ready.json()["status"] == "degraded"
+        assert ready.json()["index"]["redis"]["ok"] is False
+        m = await metrics_of(a)
+        assert metric(m, "visenc_index_up", tier="redis") == 0
+        assert metric(m, "visenc_redis_errors_total", op="get") >= 1

@@ -1,0 +1,41 @@
+"""Scheduler policy for token order: no overtaking on a full batch, bump past the prefetch gate."""
+
+from __future__ import annotations
+
+from tests.unit.test_scheduler import drain_ready, job, make_scheduler
+
+
+async def test_a_smaller_later_image_does_not_overtake_one_that_did_not_fit():
+    s = make_scheduler(packable=True, max_tokens=35)
+    first, big, small = job(10, (0, 0), "a"), job(30, (0, 1), "b"), job(5, (0, 2), "c")
+    for j in (first, big, small):
+        s.submit(j)
+    await drain_ready(s, 3)
+    assert s.take_batch() == [first]
+    assert s.take_batch() == [big, small]
+
+
+async def test_bump_starts_preprocessing_past_the_prefetch_gate():
+    s = make_scheduler(prefetch=20, max_images=1)
+    jobs = [job(10, (0, i), "A") for i in range(5)]
+    for j in jobs:
+        s.submit(j)
+    await drain_ready(s, 2)
+    assert jobs[4] in s._waiting
+    s.bump(jobs[4])
+    await drain_ready(s, 3)  # preprocessed although the budget (20) is already spent
+    assert s.staged_tokens == 30
+    assert s.take_batch() == [jobs[4]]
+    assert s.take_batch() == [jobs[0]]
+
+
+async def test_an_urgent_batch_is_not_padded_with_work_nobody_waits_for():
+    s = make_scheduler(packable=True, max_tokens=1000)
+    jobs = [job(10, (0, i), f"b{i}") for i in range(6)]
+    for j in jobs:
+        s.submit(j)
+    await drain_ready(s, 6)
+    s.bump(jobs[3])
+    s.bump(jobs[1])
+    assert s.take_batch() == [jobs[1], jobs[3]]
+    assert s.take_batch() == [jobs[0], jobs[2], jobs[4], jobs[5]]

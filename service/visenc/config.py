@@ -51,7 +51,9 @@ class Settings(BaseSettings):
 
     # --- engine -------------------------------------------------------------
     max_batch_tokens: int = Field(
-        16384, gt=0, description="Most input patch tokens in one forward (a single larger image still runs)."
+        16384, gt=0,
+        description="Most input patch tokens in one forward (a cap: the memory budget may lower it; "
+        "a single larger image still runs).",
     )
     max_batch_images: int = Field(64, gt=0, description="Most images in one forward.")
     max_wait_ms: float = Field(
@@ -74,6 +76,27 @@ class Settings(BaseSettings):
     max_image_bytes: int = Field(64 * MiB, gt=0, description="Largest single encoded image.")
     max_image_pixels: int = Field(
         64_000_000, gt=0, description="Most pixels of a decoded image (decompression-bomb guard)."
+    )
+
+    # --- throughput -----------------------------------------------------------
+    memory_budget_bytes: int | None = Field(
+        None, gt=0,
+        description="Working memory of the batches: forward activations (estimated from the tower's config) "
+        "and, on CPU, the staged preprocessed inputs. Unset: memory_fraction of the device's memory.",
+    )
+    memory_fraction: float = Field(
+        0.5, gt=0, le=1,
+        description="Share of device memory the batches may use when memory_budget_bytes is unset "
+        "(CUDA: of total memory, at most what is free after loading; CPU: of physical RAM).",
+    )
+    prefetch_tokens: int | None = Field(
+        None, gt=0,
+        description="Most tower-input tokens preprocessed ahead of the device (default: two batches).",
+    )
+    compile_buckets: bool = Field(
+        False,
+        description="torch.compile the tower: one graph per input shape (resolution bucket x batch size), "
+        "built on first use, eager past 64 shapes. For CUDA hosts; slow first batches.",
     )
 
     @field_validator("redis_url")

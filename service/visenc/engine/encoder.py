@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from visenc.config import Settings
+from visenc.engine.budget import device_memory_budget, plan_budget
 from visenc.engine.job import Job
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
@@ -97,18 +98,28 @@ class Encoder:
         self._requests = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
         self.pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="visenc-pre")
+        self.budget = plan_budget(
+            tower,
+            settings.memory_budget_bytes or device_memory_budget(tower.device, settings.memory_fraction),
+            max_batch_tokens=settings.max_batch_tokens,
+            prefetch_tokens=settings.prefetch_tokens,
+        )
+        log.info("batch budget: %s", self.budget)
         self.scheduler = Scheduler(
             preprocess=self._preprocess,
             pool=self.pool,
             fail=self._fail,
-            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_tokens=self.budget.max_batch_tokens,
             max_batch_images=settings.max_batch_images,
             packable=tower.packable,
+            prefetch_tokens=self.budget.prefetch_tokens,
+            max_batch_bytes=self.budget.max_batch_bytes,
+            batch_bytes=tower.forward_bytes,
             on_prepared=lambda job, s: metrics.preprocess_seconds.observe(s),
         )
         self.worker = DeviceWorker(
             tower, self.scheduler, complete=self._complete, fail=self._fail, metrics=metrics,
-            max_wait_s=settings.max_wait_ms / 1000,
+            max_wait_s=settings.max_wait_ms / 1000, compile_buckets=settings.compile_buckets,
         )
         self._closing = False
 

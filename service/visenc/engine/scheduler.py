@@ -4,14 +4,19 @@ Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
 ``ready`` (tower input) → a batch on the device. Both choices follow priority
 (urgent first, then arrival, then prompt order):
 
-* preprocessing is *gated* by ``prefetch_tokens``: only about two batches'
-  worth of tower input exists at a time, so memory stays bounded however many
-  images are queued, and a fetch that raises a job's priority gets it
-  preprocessed next, not after everything admitted before it;
+* preprocessing is *gated* by ``prefetch_tokens``: the tower input staged
+  (being preprocessed, ready, or on the device) never exceeds it — two
+  batches' worth by default, so batch N+1 is preprocessed while batch N runs
+  and memory stays bounded however many images are queued. This gate is the
+  backpressure: a slow forward stops preprocessing, and queued bytes then
+  stop intake at ``max_queue_images`` (429). A fetch that raises a job's
+  priority gets it preprocessed next, not after everything admitted before it;
 * a batch takes the highest-priority ready job and fills up with ready jobs of
   the **same bucket** (equal input shape: one launch, no padding), or of any
-  bucket for a packable tower, under ``max_batch_tokens`` / ``max_batch_images``.
-  A single job larger than the token budget still runs, alone.
+  bucket for a packable tower, under ``max_batch_tokens`` /
+  ``max_batch_images`` and, when given, ``max_batch_bytes`` of estimated
+  forward memory (``batch_bytes``). A single job over any of these still runs,
+  alone (and is staged alone when it exceeds the prefetch bound).
 
 Everything here runs on the event loop thread; nothing blocks.
 """
@@ -21,12 +26,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from visenc.engine.job import Job
 from visenc.errors import VisencError
-from visenc.models.base import Prepared
+from visenc.models.base import Prepared, TokenLayout
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +56,8 @@ class Scheduler:
         max_batch_images: int,
         packable: bool,
         prefetch_tokens: int | None = None,
+        max_batch_bytes: int | None = None,
+        batch_bytes: Callable[[Sequence[TokenLayout]], int] | None = None,
         on_prepared: Callable[[Job, float], None] | None = None,
     ) -> None:
         self._preprocess = preprocess
@@ -60,6 +67,8 @@ class Scheduler:
         self.max_batch_images = max_batch_images
         self.packable = packable
         self.prefetch_tokens = prefetch_tokens or 2 * max_batch_tokens
+        self.max_batch_bytes = max_batch_bytes
+        self._batch_bytes = batch_bytes
         self._on_prepared = on_prepared
         self._waiting: list[Job] = []
         self._ready: list[Job] = []
@@ -98,11 +107,14 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         """Start preprocessing the most urgent waiting jobs while the prefetch budget allows."""
-        while self._waiting and (self.staged_tokens < self.prefetch_tokens or self.staged_tokens == 0):
+        while self._waiting:
             job = min(self._waiting, key=lambda j: j.priority)
-            self._waiting.remove(job)
             if self._drop_if_unwanted(job):
+                self._waiting.remove(job)
                 continue
+            if self.staged_tokens + job.cost > self.prefetch_tokens and self.staged_tokens > 0:
+                return  # wait for the device to free staged work: priority order is kept
+            self._waiting.remove(job)
             self.staged_tokens += job.cost
             task = asyncio.get_running_loop().create_task(self._prepare(job))
             self._preparing.add(task)
@@ -142,6 +154,7 @@ class Scheduler:
         self._ready.sort(key=lambda j: j.priority)
         head = self._ready[0]
         batch, tokens = [head], head.cost
+        layouts = [head.layout]
         for job in self._ready[1:]:
             if len(batch) >= self.max_batch_images:
                 break
@@ -149,7 +162,11 @@ class Scheduler:
                 continue
             if tokens + job.cost > self.max_batch_tokens:
                 continue
+            if self._batch_bytes is not None and self.max_batch_bytes is not None:
+                if self._batch_bytes([*layouts, job.layout]) > self.max_batch_bytes:
+                    continue
             batch.append(job)
+            layouts.append(job.layout)
             tokens += job.cost
         taken = set(map(id, batch))
         self._ready = [j for j in self._ready if id(j) not in taken]
@@ -161,14 +178,18 @@ class Scheduler:
         self._dispatch()
 
     async def next_batch(self, max_wait_s: float, timeout_s: float | None = None) -> list[Job]:
-        """Wait for ready work; if the device was idle, give a batch ``max_wait_s`` to fill."""
+        """Wait for ready work; if the device was idle, give a batch ``max_wait_s`` to fill.
+
+        When work was already ready (it piled up during the previous forward) the
+        batch is taken at once: a busy device never waits for stragglers."""
+        idle = not self._ready
         while not self._ready:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except asyncio.TimeoutError:
                 return []
-        if max_wait_s > 0 and len(self._ready) < self.max_batch_images and (self._waiting or self._preparing):
+        if idle and max_wait_s > 0 and len(self._ready) < self.max_batch_images and self._preparing:
             await asyncio.sleep(max_wait_s)
         return self.take_batch()
 

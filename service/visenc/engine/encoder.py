@@ -50,6 +50,10 @@ from visenc.models.base import Prepared, TokenLayout, VisionTower
 
 log = logging.getLogger(__name__)
 
+#: host bytes per source pixel while an image is decoded and resized: PIL holds
+#: RGB as 4 bytes per pixel, plus the converted copy and resize buffers
+DECODE_BYTES_PER_PIXEL = 8
+
 
 @dataclass(slots=True)
 class EncodeItem:
@@ -97,6 +101,7 @@ class Encoder:
         self.inflight: dict[str, Job] = {}
         self._requests = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
+        self._input_bytes = max(1, tower.input_bytes_per_token())
         self.pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="visenc-pre")
         self.budget = plan_budget(
             tower,
@@ -142,7 +147,7 @@ class Encoder:
         return not self._closing and self.worker.alive
 
     # --- CPU-side helpers (pool threads) ---------------------------------------
-    def _inspect(self, item: EncodeItem, position: int) -> tuple[str, TokenLayout]:
+    def _inspect(self, item: EncodeItem, position: int) -> tuple[str, TokenLayout, int]:
         """Hash (and check) uploaded bytes and read the image size from its header."""
         assert item.data is not None
         digest = image_hash(item.data)
@@ -156,7 +161,7 @@ class Encoder:
             e.message = f"item {position}: {e.message}"
             e.args = (e.message,)
             raise
-        return digest, self.tower.layout(width, height)
+        return digest, self.tower.layout(width, height), width * height
 
     def _preprocess(self, data: bytes) -> Prepared:
         image = decode(data, max_pixels=self.settings.max_image_pixels)
@@ -220,14 +225,16 @@ class Encoder:
             hashes.append(item.hash or "")
 
         inspected: dict[int, TokenLayout] = {}
+        source_pixels: dict[int, int] = {}
         with_data = [i for i, it in enumerate(items) if it.data is not None]
         if with_data:
             results = await asyncio.gather(
                 *(loop.run_in_executor(self.pool, self._inspect, items[i], i) for i in with_data)
             )
-            for i, (digest, layout) in zip(with_data, results):
+            for i, (digest, layout, npix) in zip(with_data, results):
                 hashes[i] = digest
                 inspected[i] = layout
+                source_pixels[i] = npix
 
         keys = [entry_key(namespace, self.fingerprint, h) for h in hashes]
         found: list[Entry | None] = [None] * len(keys)
@@ -261,7 +268,8 @@ class Encoder:
                 layout = inspected[i]
                 job = Job(key=key, image_hash=h, layout=layout, cost=self.tower.input_tokens(layout),
                           order=(order, i), future=loop.create_future(), admitted_at=now,
-                          data=items[i].data, interest=1)
+                          data=items[i].data, interest=1,
+                          decode_cost=-(-DECODE_BYTES_PER_PIXEL * source_pixels[i] // self._input_bytes))
                 job.future.add_done_callback(_retrieve)
                 self.inflight[key] = job
                 self.scheduler.submit(job)

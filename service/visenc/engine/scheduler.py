@@ -5,7 +5,8 @@ Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
 (urgent first, then arrival, then prompt order):
 
 * preprocessing is *gated* by ``prefetch_tokens``: the tower input staged
-  (being preprocessed, ready, or on the device) never exceeds it — two
+  (being preprocessed, ready, or on the device, plus ``decode_cost`` of the
+  images being decoded) never exceeds it — two
   batches' worth by default, so batch N+1 is preprocessed while batch N runs
   and memory stays bounded however many images are queued. This gate is the
   backpressure: a slow forward stops preprocessing, and queued bytes then
@@ -112,10 +113,11 @@ class Scheduler:
             if self._drop_if_unwanted(job):
                 self._waiting.remove(job)
                 continue
-            if self.staged_tokens + job.cost > self.prefetch_tokens and self.staged_tokens > 0:
+            charge = job.cost + job.decode_cost
+            if self.staged_tokens + charge > self.prefetch_tokens and self.staged_tokens > 0:
                 return  # wait for the device to free staged work: priority order is kept
             self._waiting.remove(job)
-            self.staged_tokens += job.cost
+            self.staged_tokens += charge
             task = asyncio.get_running_loop().create_task(self._prepare(job))
             self._preparing.add(task)
             task.add_done_callback(self._preparing.discard)
@@ -127,7 +129,7 @@ class Scheduler:
         try:
             job.prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
         except BaseException as e:
-            self.staged_tokens -= job.cost
+            self.staged_tokens -= job.cost + job.decode_cost
             self._fail(job, e)
             self._dispatch()
             if isinstance(e, asyncio.CancelledError):
@@ -135,8 +137,11 @@ class Scheduler:
             return
         if self._on_prepared is not None:
             self._on_prepared(job, time.perf_counter() - t0)
+        self.staged_tokens -= job.decode_cost  # the decoded image is gone, its input stays staged
         self._ready.append(job)
         self._changed.set()
+        if job.decode_cost:
+            self._dispatch()
 
     # --- batches -----------------------------------------------------------------
     def take_batch(self) -> list[Job]:

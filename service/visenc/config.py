@@ -7,7 +7,6 @@ Secrets (the Redis URL's password, API keys) are ``SecretStr`` and never logged.
 
 from __future__ import annotations
 
-import os
 from typing import Literal
 
 from pydantic import Field, SecretStr, field_validator
@@ -37,7 +36,10 @@ class Settings(BaseSettings):
     max_pixels: int | None = Field(
         None, gt=0, description="Override the tower's max pixels after resize (variable-resolution towers)."
     )
-    torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's).")
+    torch_threads: int | None = Field(
+        None, gt=0,
+        description="torch intra-op threads (default: CPU: the cores left after preprocess_workers; CUDA: 1).",
+    )
 
     # --- index --------------------------------------------------------------
     namespace: str = Field(
@@ -59,10 +61,10 @@ class Settings(BaseSettings):
     max_wait_ms: float = Field(
         2.0, ge=0, description="How long an idle worker waits for a batch to fill before running it."
     )
-    preprocess_workers: int = Field(
-        default_factory=lambda: max(1, os.cpu_count() or 1),
-        gt=0,
-        description="Threads that decode and preprocess images.",
+    preprocess_workers: int | None = Field(
+        None, gt=0,
+        description="Threads that decode and preprocess images (default: CPU: half the cores, "
+        "rounded up, the forward gets the rest; CUDA: every core).",
     )
     max_queue_images: int = Field(
         4096, gt=0, description="Images waiting for the encoder before new work is refused with 429."

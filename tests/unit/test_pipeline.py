@@ -12,13 +12,13 @@ from typing import Any
 
 import numpy as np
 import torch
+from tests.unit.test_scheduler import drain_ready, job, make_scheduler
 
 from visenc.engine.job import Job
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout, VisionTower
-from tests.unit.test_scheduler import drain_ready, job, make_scheduler
 
 
 async def test_batches_stay_under_the_byte_budget():
@@ -86,7 +86,6 @@ class SlowTower(VisionTower):
 
 async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():
     tower = SlowTower(forward_s=0.15, preprocess_s=0.03)
-    loop = asyncio.get_running_loop()
     done: list[Job] = []
     pool = ThreadPoolExecutor(2, thread_name_prefix="visenc-pre")
     s = Scheduler(preprocess=lambda data: tower.preprocess(data), pool=pool, fail=lambda j, e: None,

@@ -29,6 +29,7 @@ from visenc.config import Settings
 from visenc.engine.budget import device_memory_budget, plan_budget
 from visenc.engine.job import Job
 from visenc.engine.scheduler import Scheduler
+from visenc.engine.threads import default_preprocess_workers
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import (
     BadRequest,
@@ -102,7 +103,8 @@ class Encoder:
         self._requests = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
         self._input_bytes = max(1, tower.input_bytes_per_token())
-        self.pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="visenc-pre")
+        workers = settings.preprocess_workers or default_preprocess_workers(tower.device)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="visenc-pre")
         self.budget = plan_budget(
             tower,
             settings.memory_budget_bytes or device_memory_budget(tower.device, settings.memory_fraction),

@@ -74,6 +74,7 @@ def server(cmd: list[str], health_url: str, env: dict[str, str] | None = None,
         yield proc
     finally:
         if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)  # a paused server cannot handle SIGTERM
             os.killpg(proc.pid, signal.SIGTERM)
             try:
                 proc.wait(20)
@@ -82,6 +83,15 @@ def server(cmd: list[str], health_url: str, env: dict[str, str] | None = None,
                 proc.wait(10)
         if log:
             out.close()  # type: ignore[union-attr]
+
+
+def pause(proc: subprocess.Popen[bytes]) -> None:
+    """Freeze a server started by ``server`` (and its children) so it takes no CPU."""
+    os.killpg(proc.pid, signal.SIGSTOP)
+
+
+def resume(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGCONT)
 
 
 def visenc_cmd(model: str, port: int, *extra: str) -> list[str]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from visenc.engine.budget import RESERVE, plan_budget
+from visenc.engine.budget import CPU_PACKED_BATCH_TOKENS, RESERVE, plan_budget
 from visenc.models import memory
 from visenc.models.loading import load_tower
 
@@ -73,17 +73,17 @@ def test_cpu_plan_fits_two_staged_batches_and_one_forward(qwen, budget_mib):
     plan = plan_budget(qwen, budget, max_batch_tokens=16384)
     a, p = qwen.activation_bytes_per_token(), qwen.input_bytes_per_token()
     t = plan.max_batch_tokens
-    assert 1 <= t <= 16384
+    assert 1 <= t <= CPU_PACKED_BATCH_TOKENS
     assert plan.prefetch_tokens == 2 * t
     assert 2 * t * p + plan.max_batch_bytes <= (1 - RESERVE) * budget
     assert plan.max_batch_bytes >= t * a  # a full-token batch of small images always fits
-    if t < 16384:  # the budget, not the cap, is binding: it is nearly used up
+    if t < CPU_PACKED_BATCH_TOKENS:  # the budget, not the cap, is binding: it is nearly used up
         assert 2 * (t + 1) * p + (t + 1) * a > (1 - RESERVE) * budget
 
 
 def test_plan_never_raises_the_token_cap_and_honours_prefetch_override(qwen):
-    plan = plan_budget(qwen, 1 << 40, max_batch_tokens=4096, prefetch_tokens=1000)
-    assert plan.max_batch_tokens == 4096 and plan.prefetch_tokens == 1000
+    plan = plan_budget(qwen, 1 << 40, max_batch_tokens=2048, prefetch_tokens=1000)
+    assert plan.max_batch_tokens == 2048 and plan.prefetch_tokens == 1000
 
 
 def test_tiny_budget_still_lets_one_image_through(qwen):

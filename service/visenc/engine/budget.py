@@ -34,6 +34,12 @@ log = logging.getLogger(__name__)
 #: share of the budget not handed to batches (decode workspace, allocator slack)
 RESERVE = 0.2
 
+#: most patch tokens in one packed forward on a CPU. Per-token cost is flat up to a
+#: few thousand tokens, then the elementwise ops (rotary mul, activations) fall out
+#: of cache: 8 packed 640x480 images (12.5k tokens) ran ~10-30% slower per image
+#: than 1-4 (bench/bench_batching.py). Attention is per image, so nothing is lost.
+CPU_PACKED_BATCH_TOKENS = 4096
+
 
 @dataclass(frozen=True, slots=True)
 class BatchBudget:
@@ -72,7 +78,8 @@ def plan_budget(
     """Batch limits for ``tower`` under ``memory_bytes`` (see the module docstring).
 
     ``max_batch_tokens`` is a cap from the settings (the plan may lower it, never
-    raise it); ``prefetch_tokens`` overrides the derived staging bound.
+    raise it; on CPU a packable tower is also capped at ``CPU_PACKED_BATCH_TOKENS``);
+    ``prefetch_tokens`` overrides the derived staging bound.
     """
     if memory_bytes <= 0:
         raise ValueError(f"memory budget must be positive, got {memory_bytes}")
@@ -80,6 +87,8 @@ def plan_budget(
     act = max(1, tower.activation_bytes_per_token())
     staged_here = tower.device.type != "cuda"
     inp = tower.input_bytes_per_token() if staged_here else 0
+    if staged_here and tower.packable:
+        max_batch_tokens = min(max_batch_tokens, CPU_PACKED_BATCH_TOKENS)
     tokens = max(1, min(max_batch_tokens, usable // (act + 2 * inp)))
     batch_bytes = max(tokens * act, usable - 2 * tokens * inp)
     prefetch = prefetch_tokens if prefetch_tokens is not None else 2 * tokens

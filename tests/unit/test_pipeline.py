@@ -31,9 +31,12 @@ async def test_batches_stay_under_the_byte_budget():
         s.submit(j)
     await drain_ready(s, 5)
     first = s.take_batch()
-    assert first == [jobs[0], jobs[2], jobs[3]]  # the 30 would bring 40 + 90 > 100: skipped, not a stop
+    # the 30 would bring 40 + 90 > 100: the batch stops there (no smaller job overtakes it: token order)
+    assert first == [jobs[0]]
     assert s._batch_bytes([j.layout for j in first]) <= 100
     assert s.take_batch() == [jobs[1]]  # 30 + 90 > 100 on its own: runs, alone
+    third = s.take_batch()
+    assert third == [jobs[2], jobs[3]] and s._batch_bytes([j.layout for j in third]) <= 100
     assert s.take_batch() == [jobs[4]]
 
 

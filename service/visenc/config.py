@@ -7,7 +7,6 @@ Secrets (the Redis URL's password, API keys) are ``SecretStr`` and never logged.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Literal
 
@@ -38,7 +37,10 @@ class Settings(BaseSettings):
     max_pixels: int | None = Field(
         None, gt=0, description="Override the tower's max pixels after resize (variable-resolution towers)."
     )
-    torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: torch's).")
+    torch_threads: int | None = Field(
+        None, gt=0,
+        description="torch intra-op threads (default: CPU: the cores left after preprocess_workers; CUDA: 1).",
+    )
 
     # --- index --------------------------------------------------------------
     namespace: str = Field(
@@ -76,16 +78,18 @@ class Settings(BaseSettings):
 
     # --- engine -------------------------------------------------------------
     max_batch_tokens: int = Field(
-        16384, gt=0, description="Most input patch tokens in one forward (a single larger image still runs)."
+        16384, gt=0,
+        description="Most input patch tokens in one forward (a cap: the memory budget may lower it; "
+        "a single larger image still runs).",
     )
     max_batch_images: int = Field(64, gt=0, description="Most images in one forward.")
     max_wait_ms: float = Field(
         2.0, ge=0, description="How long an idle worker waits for a batch to fill before running it."
     )
-    preprocess_workers: int = Field(
-        default_factory=lambda: max(1, os.cpu_count() or 1),
-        gt=0,
-        description="Threads that decode and preprocess images.",
+    preprocess_workers: int | None = Field(
+        None, gt=0,
+        description="Threads that decode and preprocess images (default: CPU: half the cores, "
+        "rounded up, the forward gets the rest; CUDA: every core).",
     )
     max_queue_images: int = Field(
         4096, gt=0, description="Images waiting for the encoder before new work is refused with 429."
@@ -141,6 +145,27 @@ class Settings(BaseSettings):
     )
     shm_max_bytes: int = Field(
         1024 * MiB, gt=0, description="Most bytes held in segments; past it (no lease expired) shm fetches get 429."
+    )
+
+    # --- throughput -----------------------------------------------------------
+    memory_budget_bytes: int | None = Field(
+        None, gt=0,
+        description="Working memory of the batches: forward activations (estimated from the tower's config) "
+        "and, on CPU, the staged preprocessed inputs. Unset: memory_fraction of the device's memory.",
+    )
+    memory_fraction: float = Field(
+        0.5, gt=0, le=1,
+        description="Share of device memory the batches may use when memory_budget_bytes is unset "
+        "(CUDA: of total memory, at most what is free after loading; CPU: of physical RAM).",
+    )
+    prefetch_tokens: int | None = Field(
+        None, gt=0,
+        description="Most tower-input tokens preprocessed ahead of the device (default: two batches).",
+    )
+    compile_buckets: bool = Field(
+        False,
+        description="torch.compile the tower: one graph per input shape (resolution bucket x batch size), "
+        "built on first use, eager past 64 shapes. For CUDA hosts; slow first batches.",
     )
 
     @field_validator("redis_url")

@@ -84,12 +84,12 @@ async def test_prefetch_budget_bounds_preprocessed_work():
     jobs = [job(10, (0, i), "A") for i in range(6)]
     for j in jobs:
         s.submit(j)
-    await drain_ready(s, 3)  # 10 + 10 + 10 crosses 25: the rest wait with their bytes
-    assert len(s._waiting) == 3 and s.staged_tokens == 30
+    await drain_ready(s, 2)  # a third 10 would cross 25: the rest wait with their bytes
+    assert len(s._waiting) == 4 and s.staged_tokens == 20
     batch = s.take_batch()
     s.done(batch)
-    await drain_ready(s, 3)
-    assert s.depth == 3 and s.staged_tokens == 30
+    await drain_ready(s, 2)
+    assert s.depth == 4 and len(s._waiting) == 2 and s.staged_tokens == 20
 
 
 async def test_unwanted_jobs_are_dropped_before_preprocess_and_forward():

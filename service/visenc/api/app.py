@@ -87,8 +87,9 @@ def load_tower(settings: Settings) -> VisionTower:
     dtype = settings.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    if settings.torch_threads:
-        torch.set_num_threads(settings.torch_threads)
+    from visenc.engine.threads import default_torch_threads
+
+    torch.set_num_threads(settings.torch_threads or default_torch_threads(torch.device(device)))
     return _load(settings.model, dtype=dtype, device=device, max_pixels=settings.max_pixels)
 
 

@@ -37,9 +37,11 @@ from dataclasses import dataclass
 from typing import Any
 
 from visenc.config import Settings
+from visenc.engine.budget import device_memory_budget, plan_budget
 from visenc.engine.claims import ClaimBoard, ClaimStore
 from visenc.engine.job import Job, Timing
 from visenc.engine.scheduler import Cancelled, Scheduler
+from visenc.engine.threads import default_preprocess_workers
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import (
     BadRequest,
@@ -63,6 +65,9 @@ log = logging.getLogger(__name__)
 
 #: layout of a job known only by its hash (a fetch waiting for another replica's encode)
 UNKNOWN_LAYOUT = TokenLayout(0, (0, 0, 0), None)
+#: host bytes per source pixel while an image is decoded and resized: PIL holds
+#: RGB as 4 bytes per pixel, plus the converted copy and resize buffers
+DECODE_BYTES_PER_PIXEL = 8
 
 
 @dataclass(slots=True)
@@ -112,19 +117,32 @@ class Encoder:
         self.inflight: dict[str, Job] = {}
         self._requests = itertools.count()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.pool = ThreadPoolExecutor(settings.preprocess_workers, thread_name_prefix="visenc-pre")
+        self._input_bytes = max(1, tower.input_bytes_per_token())
+        workers = settings.preprocess_workers or default_preprocess_workers(tower.device)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="visenc-pre")
+        self.budget = plan_budget(
+            tower,
+            settings.memory_budget_bytes or device_memory_budget(tower.device, settings.memory_fraction),
+            max_batch_tokens=settings.max_batch_tokens,
+            prefetch_tokens=settings.prefetch_tokens,
+        )
+        log.info("batch budget: %s", self.budget)
         self.scheduler = Scheduler(
             preprocess=self._preprocess,
             pool=self.pool,
             fail=self._fail,
-            max_batch_tokens=settings.max_batch_tokens,
+            max_batch_tokens=self.budget.max_batch_tokens,
             max_batch_images=settings.max_batch_images,
             packable=tower.packable,
+            prefetch_tokens=self.budget.prefetch_tokens,
+            max_batch_bytes=self.budget.max_batch_bytes,
+            batch_bytes=tower.forward_bytes,
             on_prepared=lambda job, s: metrics.preprocess_seconds.observe(s),
         )
         self.worker = DeviceWorker(
             tower, self.scheduler, complete=self._complete, fail=self._fail, metrics=metrics,
-            max_wait_s=settings.max_wait_ms / 1000, stall_timeout_s=settings.stall_timeout_s,
+            max_wait_s=settings.max_wait_ms / 1000, compile_buckets=settings.compile_buckets,
+            stall_timeout_s=settings.stall_timeout_s,
         )
         self._closing = False
         self._watchdog: asyncio.Task[None] | None = None
@@ -195,7 +213,7 @@ class Encoder:
                 self.metrics.queue_depth.set(self.scheduler.depth)
 
     # --- CPU-side helpers (pool threads) ---------------------------------------
-    def _inspect(self, item: EncodeItem, position: int) -> tuple[str, TokenLayout]:
+    def _inspect(self, item: EncodeItem, position: int) -> tuple[str, TokenLayout, int]:
         """Hash (and check) uploaded bytes and read the image size from its header."""
         assert item.data is not None
         digest = image_hash(item.data)
@@ -209,7 +227,7 @@ class Encoder:
             e.message = f"item {position}: {e.message}"
             e.args = (e.message,)
             raise
-        return digest, self.tower.layout(width, height)
+        return digest, self.tower.layout(width, height), width * height
 
     def _preprocess(self, data: bytes) -> Prepared:
         image = decode(data, max_pixels=self.settings.max_image_pixels)
@@ -333,14 +351,16 @@ class Encoder:
             hashes.append(item.hash or "")
 
         inspected: dict[int, TokenLayout] = {}
+        source_pixels: dict[int, int] = {}
         with_data = [i for i, it in enumerate(items) if it.data is not None]
         if with_data:
             results = await asyncio.gather(
                 *(loop.run_in_executor(self.pool, self._inspect, items[i], i) for i in with_data)
             )
-            for i, (digest, layout) in zip(with_data, results):
+            for i, (digest, layout, npix) in zip(with_data, results):
                 hashes[i] = digest
                 inspected[i] = layout
+                source_pixels[i] = npix
 
         keys = [entry_key(namespace, self.fingerprint, h) for h in hashes]
         found: list[Entry | None] = [None] * len(keys)
@@ -383,10 +403,9 @@ class Encoder:
                 handles.append(self._handle(h, "missing"))  # hash-only: may hit, never create
                 continue
             if job is None:
-                layout = inspected[i]
-                job = Job(key=key, image_hash=h, layout=layout, cost=self.tower.input_tokens(layout),
-                          order=(order, i), future=loop.create_future(), admitted_at=now,
-                          data=items[i].data, interest=1)
+                job = Job(key=key, image_hash=h, layout=UNKNOWN_LAYOUT, cost=0, order=(order, i),
+                          future=loop.create_future(), admitted_at=now, interest=1)
+                self._give_bytes(job, items[i].data, inspected[i], source_pixels[i])
                 job.future.add_done_callback(_retrieve)
                 self.inflight[key] = job
                 if claimed.get(key, True) is False:
@@ -400,8 +419,7 @@ class Encoder:
                 self.metrics.singleflight_joins.inc()
                 job.interest += 1
                 if job.layout is UNKNOWN_LAYOUT and i in inspected:  # adopt a fetch's remote wait
-                    job.layout, job.data = inspected[i], items[i].data
-                    job.cost = self.tower.input_tokens(job.layout)
+                    self._give_bytes(job, items[i].data, inspected[i], source_pixels[i])
             joined[i] = job
             handles.append(self._handle(h, "pending", None if job.layout is UNKNOWN_LAYOUT else job.layout))
         self.metrics.inflight.set(len(self.inflight))
@@ -432,6 +450,12 @@ class Encoder:
             else:
                 handles[i] = self._handle(hashes[i], "ready", self._entry_layout(job.future.result()))
         return handles
+
+    def _give_bytes(self, job: Job, data: bytes | None, layout: TokenLayout, source_pixels: int) -> None:
+        """Attach an image's bytes and what they cost to stage (tower input and decode buffers)."""
+        job.data, job.layout = data, layout
+        job.cost = self.tower.input_tokens(layout)
+        job.decode_cost = -(-DECODE_BYTES_PER_PIXEL * source_pixels // self._input_bytes)
 
     async def _watch_remote(self, key: str, image_hash: str) -> Job | None:
         """A job waiting for another replica's encode of ``key`` (its claim is held), or ``None``.

@@ -34,6 +34,9 @@ class Job:
     future: asyncio.Future[Entry]
     admitted_at: float
     data: bytes | None = None
+    #: extra staging charge (input-token units) while the image is decoded and
+    #: preprocessed: its decoded pixels, which can dwarf the tower input
+    decode_cost: int = 0
     prepared: Prepared | None = None
     urgent: bool = False
     interest: int = 0

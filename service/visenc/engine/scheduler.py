@@ -4,22 +4,27 @@ Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
 ``ready`` (tower input) → a batch on the device. Both choices follow priority
 (urgent first, then arrival, then prompt order):
 
-* preprocessing is *gated* by ``prefetch_tokens``: only about two batches'
-  worth of tower input exists at a time, so memory stays bounded however many
-  images are queued. A fetch that raises a job's priority (``bump``) starts its
+* preprocessing is *gated* by ``prefetch_tokens``: the tower input staged
+  (being preprocessed, ready, or on the device, plus ``decode_cost`` of the
+  images being decoded) stays within it — two batches' worth by default, so
+  batch N+1 is preprocessed while batch N runs and memory stays bounded however
+  many images are queued. This gate is the backpressure: a slow forward stops
+  preprocessing, and queued bytes then stop intake at ``max_queue_images``
+  (429). A fetch that raises a job's priority (``bump``) starts its
   preprocessing at once, past the gate, so it is ready for the very next batch
   instead of waiting for the staged work ahead of it to drain (the overshoot is
   bounded by the images some fetch is blocked on);
 * a batch takes the highest-priority ready job and fills up, in priority
   order, with ready jobs of the **same bucket** (equal input shape: one launch,
-  no padding), or of any bucket for a packable tower, until ``max_batch_tokens``
-  or ``max_batch_images`` would be exceeded. Filling stops at the first job that
-  does not fit rather than skipping to smaller ones behind it, so a packable
-  tower encodes a request's ready images strictly in prompt order (token
-  order). A batch headed by an urgent job takes only urgent jobs: someone is
-  blocked on them, and padding their forward with work nobody waits for yet
-  would only delay them. A single job larger than the token budget still
-  runs, alone.
+  no padding), or of any bucket for a packable tower, until ``max_batch_tokens``,
+  ``max_batch_images`` or, when given, ``max_batch_bytes`` of estimated forward
+  memory (``batch_bytes``) would be exceeded. Filling stops at the first job
+  that does not fit rather than skipping to smaller ones behind it, so a
+  packable tower encodes a request's ready images strictly in prompt order
+  (token order). A batch headed by an urgent job takes only urgent jobs:
+  someone is blocked on them, and padding their forward with work nobody waits
+  for yet would only delay them. A single job over any limit still runs, alone
+  (and is staged alone when it exceeds the prefetch bound).
 
 Everything here runs on the event loop thread; nothing blocks.
 """
@@ -29,12 +34,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from visenc.engine.job import Job
 from visenc.errors import VisencError
-from visenc.models.base import Prepared
+from visenc.models.base import Prepared, TokenLayout
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +65,8 @@ class Scheduler:
         packable: bool,
         prefetch_tokens: int | None = None,
         on_prepared: Callable[[Job, float], None] | None = None,
+        max_batch_bytes: int | None = None,
+        batch_bytes: Callable[[Sequence[TokenLayout]], int] | None = None,
     ) -> None:
         self._preprocess = preprocess
         self._pool = pool
@@ -69,6 +76,8 @@ class Scheduler:
         self.packable = packable
         self.prefetch_tokens = prefetch_tokens or 2 * max_batch_tokens
         self._on_prepared = on_prepared
+        self.max_batch_bytes = max_batch_bytes
+        self._batch_bytes = batch_bytes
         self._waiting: list[Job] = []
         self._ready: list[Job] = []
         self._preparing: set[asyncio.Task[None]] = set()
@@ -140,15 +149,18 @@ class Scheduler:
 
     def _dispatch(self) -> None:
         """Start preprocessing the most urgent waiting jobs while the prefetch budget allows."""
-        while self._waiting and (self.staged_tokens < self.prefetch_tokens or self.staged_tokens == 0):
+        while self._waiting:
             job = min(self._waiting, key=lambda j: j.priority)
+            if job.interest > 0 and self.staged_tokens + job.cost + job.decode_cost > self.prefetch_tokens \
+                    and self.staged_tokens > 0:
+                return  # wait for the device to free staged work: priority order is kept
             self._waiting.remove(job)
             self._start(job)
 
     def _start(self, job: Job) -> None:
         if self._drop_if_unwanted(job):
             return
-        self.staged_tokens += job.cost
+        self.staged_tokens += job.cost + job.decode_cost
         task = asyncio.get_running_loop().create_task(self._prepare(job))
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
@@ -160,12 +172,13 @@ class Scheduler:
         try:
             job.prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
         except BaseException as e:
-            self.staged_tokens -= job.cost
+            self.staged_tokens -= job.cost + job.decode_cost
             self._fail(job, e)
             self._dispatch()
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
+        self.staged_tokens -= job.decode_cost  # the decoded image is gone, its input stays staged
         if self._on_prepared is not None:
             self._on_prepared(job, time.perf_counter() - t0)
         if self._drop_if_unwanted(job):  # every waiter left while it was preprocessed: free it now
@@ -174,6 +187,8 @@ class Scheduler:
             return
         self._ready.append(job)
         self._changed.set()
+        if job.decode_cost:
+            self._dispatch()
 
     # --- batches -----------------------------------------------------------------
     def take_batch(self) -> list[Job]:
@@ -191,14 +206,19 @@ class Scheduler:
         self._ready.sort(key=lambda j: j.priority)
         head = self._ready[0]
         batch, tokens = [head], head.cost
+        layouts = [head.layout]
         for job in self._ready[1:]:
             if len(batch) >= self.max_batch_images or (head.urgent and not job.urgent):
                 break  # sorted by priority: the urgent jobs come first
             if not self.packable and job.layout.bucket != head.layout.bucket:
                 continue
-            if tokens + job.cost > self.max_batch_tokens:
+            if tokens + job.cost > self.max_batch_tokens or (
+                self._batch_bytes is not None and self.max_batch_bytes is not None
+                and self._batch_bytes([*layouts, job.layout]) > self.max_batch_bytes
+            ):
                 break  # never let a smaller job behind it overtake the one that did not fit
             batch.append(job)
+            layouts.append(job.layout)
             tokens += job.cost
         taken = set(map(id, batch))
         self._ready = [j for j in self._ready if id(j) not in taken]
@@ -210,14 +230,18 @@ class Scheduler:
         self._dispatch()
 
     async def next_batch(self, max_wait_s: float, timeout_s: float | None = None) -> list[Job]:
-        """Wait for ready work; if the device was idle, give a batch ``max_wait_s`` to fill."""
+        """Wait for ready work; if the device was idle, give a batch ``max_wait_s`` to fill.
+
+        When work was already ready (it piled up during the previous forward) the
+        batch is taken at once: a busy device never waits for stragglers."""
+        idle = not self._ready
         while not self._ready:
             self._changed.clear()
             try:
                 await asyncio.wait_for(self._changed.wait(), timeout_s)
             except asyncio.TimeoutError:
                 return []
-        if max_wait_s > 0 and len(self._ready) < self.max_batch_images and (self._waiting or self._preparing):
+        if idle and max_wait_s > 0 and len(self._ready) < self.max_batch_images and self._preparing:
             await asyncio.sleep(max_wait_s)
         return self.take_batch()
 

@@ -4,8 +4,15 @@ The loop itself is an asyncio task (batch formation and future resolution stay
 on the event loop thread); the forward and the copy of its output into stored
 values run on a single dedicated thread, so device work is serialised and the
 event loop never blocks. A batch that raises fails only its own jobs; the loop
-lives on. ``heartbeat`` advances every time the loop makes progress, so a
-stalled forward is visible to readiness checks.
+lives on.
+
+Overlap: while the device thread runs batch N, the scheduler's CPU pool
+preprocesses batch N+1 (up to ``prefetch_tokens`` staged), so the next forward
+starts as soon as this one returns. On CUDA the worker owns one stream: its
+host→device copies, kernels and the non-blocking device→host copies into
+pinned memory are ordered on it, and only that stream is waited on.
+``heartbeat`` advances every time the loop makes progress, so a stalled
+forward is visible to readiness checks.
 """
 
 from __future__ import annotations
@@ -15,6 +22,8 @@ import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import AbstractContextManager, nullcontext
+from typing import Any
 
 import numpy as np
 import torch
@@ -40,6 +49,18 @@ def _raw_rows(t: torch.Tensor) -> np.ndarray:
     return t.numpy()
 
 
+def compile_tower(tower: VisionTower, max_graphs: int = 64) -> None:
+    """``torch.compile`` the tower's module in place, shapes static: dynamo keeps one
+    graph per input shape (resolution bucket x batch size) and runs shapes past
+    ``max_graphs`` eagerly. A tower without a ``model`` module is left as it is."""
+    module = getattr(tower, "model", None)
+    if not isinstance(module, torch.nn.Module):
+        log.warning("tower %s has no module to compile; running eagerly", tower.name)
+        return
+    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, max_graphs)
+    tower.model = torch.compile(module, dynamic=False)  # type: ignore[attr-defined]
+
+
 class DeviceWorker:
     def __init__(
         self,
@@ -50,6 +71,7 @@ class DeviceWorker:
         fail: Fail,
         metrics: Metrics,
         max_wait_s: float,
+        compile_buckets: bool = False,
         stall_timeout_s: float = float("inf"),
     ) -> None:
         self.tower = tower
@@ -62,6 +84,9 @@ class DeviceWorker:
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="visenc-device")
         self._task: asyncio.Task[None] | None = None
         self._dtype = str(tower.dtype).removeprefix("torch.")
+        if compile_buckets:
+            compile_tower(tower)
+        self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
         #: monotonic time of the last sign of life; ``busy_since`` is set while a forward runs
         self.heartbeat = time.monotonic()
         self.busy_since: float | None = None
@@ -128,11 +153,15 @@ class DeviceWorker:
                 self.busy_since = None
                 self.scheduler.done(batch)
 
+    def _on_stream(self) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+
     def _forward(self, batch: list[Job]) -> list[Entry]:
         """Device thread: one forward for the batch, then each image's rows into its stored value."""
         prepared = [job.prepared for job in batch]
         assert all(p is not None for p in prepared)
-        outputs = self.tower.forward(prepared)  # type: ignore[arg-type]
+        with self._on_stream():
+            outputs = self.tower.forward(prepared)  # type: ignore[arg-type]
         if len(outputs) != len(batch):
             raise RuntimeError(f"tower returned {len(outputs)} outputs for {len(batch)} images")
         entries = []

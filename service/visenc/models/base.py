@@ -85,9 +85,40 @@ class VisionTower(ABC):
         return t * h * w
 
     def activation_bytes_per_token(self) -> int:
-        """Rough peak activation bytes per input patch token in one forward,
-        used to turn a memory budget into a token budget."""
+        """Peak activation bytes per unit of ``input_tokens`` in one forward, the
+        part that grows linearly with the batch (see ``forward_bytes``)."""
         return 64 * self.hidden_size * max(1, self.dtype.itemsize)
+
+    def input_bytes_per_token(self) -> int:
+        """Host bytes of preprocessed input (``Prepared.pixels``) per unit of
+        ``input_tokens``: what the scheduler holds for staged images."""
+        return 4 * self.hidden_size
+
+    def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
+        """Estimated peak bytes one ``forward`` of these images allocates (activations,
+        the batch's input copies, attention scores where the kernel materialises
+        them), excluding weights and the staged inputs. Must not underestimate:
+        the scheduler keeps every batch under a budget in these units.
+        Default: linear in the tokens; towers refine it (see ``models/memory.py``)."""
+        return self.activation_bytes_per_token() * sum(self.input_tokens(lay) for lay in layouts)
+
+    def to_device(self, pixels: torch.Tensor) -> torch.Tensor:
+        """Host input → the tower's device and dtype. On CUDA the host tensor is
+        pinned and copied without blocking (ordered on the current stream)."""
+        if self.device.type == "cuda":
+            return pixels.pin_memory().to(self.device, self.dtype, non_blocking=True)
+        return pixels.to(self.device, self.dtype)
+
+    def to_host(self, out: torch.Tensor) -> torch.Tensor:
+        """Device output → a contiguous CPU tensor. On CUDA: a non-blocking copy into
+        pinned host memory (torch's caching host allocator reuses the blocks), then
+        a wait on the current stream only, so other streams keep running."""
+        if self.device.type != "cuda":
+            return out.to("cpu").contiguous()
+        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
+        host.copy_(out, non_blocking=True)
+        torch.cuda.current_stream(self.device).synchronize()
+        return host
 
     @property
     def fingerprint(self) -> str:

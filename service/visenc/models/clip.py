@@ -37,6 +37,7 @@ from visenc.imaging.preprocess import (
     resize,
     shortest_edge_size,
 )
+from visenc.models import memory
 from visenc.models.base import Prepared, TokenLayout, VisionTower
 from visenc.models.building import config_fields
 
@@ -168,7 +169,6 @@ class FixedResolutionTower(VisionTower):
         )
         # encoder positions behind the one output row: patches + class token
         self._positions_per_image = (image_size // config.patch_size) ** 2 + 1
-        self._width = int(config.hidden_size)
 
     def layout(self, width: int, height: int) -> TokenLayout:
         if width <= 0 or height <= 0:
@@ -196,9 +196,8 @@ class FixedResolutionTower(VisionTower):
             return []
         pixels = torch.from_numpy(np.stack([p.pixels for p in batch]))
         with torch.inference_mode():
-            outputs = self.model(pixel_values=pixels.to(self.device, self.dtype))
-            embeds = outputs.image_embeds if self._is_clip else outputs.pooler_output
-            embeds = embeds.to("cpu").contiguous()
+            outputs = self.model(pixel_values=self.to_device(pixels))
+            embeds = self.to_host(outputs.image_embeds if self._is_clip else outputs.pooler_output)
         return [embeds[i : i + 1] for i in range(len(batch))]
 
     def fingerprint_fields(self) -> dict[str, Any]:
@@ -210,10 +209,31 @@ class FixedResolutionTower(VisionTower):
             "preprocess": asdict(self.settings),
         }
 
-    def activation_bytes_per_token(self) -> int:
-        # one output row stands for (image/patch)^2 + 1 encoder positions
-        return 16 * self._width * self._positions_per_image * max(1, self.dtype.itemsize)
+    # --- memory estimates (see models/memory.py); the budget unit is one image ---
+    def input_bytes_per_token(self) -> int:
+        height, width = self.settings.output_size
+        return 4 * 3 * height * width
 
+    def activation_bytes_per_token(self) -> int:
+        """Per image: its stacked input (and cast) and one block's widest live set
+        over its ``(size/patch)² + 1`` positions."""
+        config = self.model.config
+        item = self.dtype.itemsize
+        per_image = (
+            self.input_bytes_per_token() * (1 + memory.cast_bytes(item) / 4)
+            + self._positions_per_image
+            * memory.block_bytes_per_position(config.hidden_size, config.intermediate_size, item)
+        )
+        return int(memory.SAFETY * per_image)
+
+    def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
+        """Images are stacked, so every image's attention scores are live at once."""
+        config = self.model.config
+        scores = memory.attention_score_bytes(
+            config.num_attention_heads, self._positions_per_image, self.dtype.itemsize,
+            materialised=memory.materialises_scores(config),
+        )
+        return len(layouts) * (self.activation_bytes_per_token() + int(memory.SAFETY * scores))
 
 def tiny_clip_config() -> CLIPVisionConfig:
     """The peer benchmark's tiny CLIP vision side (infinity ``make_tiny_clip.py``):

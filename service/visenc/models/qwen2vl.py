@@ -37,6 +37,7 @@ from visenc.imaging.preprocess import (
     resize,
     smart_resize,
 )
+from visenc.models import memory
 from visenc.models.base import Prepared, TokenLayout, VisionTower
 from visenc.models.building import config_fields
 
@@ -187,8 +188,7 @@ class QwenVisionTower(VisionTower):
         pixels = torch.from_numpy(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
         grid_thw = torch.tensor([p.layout.grid_thw for p in batch], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            out = self.model(pixels.to(self.device, self.dtype), grid_thw=grid_thw).pooler_output
-            out = out.to("cpu").contiguous()
+            out = self.to_host(self.model(self.to_device(pixels), grid_thw=grid_thw).pooler_output)
         return list(torch.split(out, [p.layout.num_tokens for p in batch]))
 
     def fingerprint_fields(self) -> dict[str, Any]:
@@ -200,12 +200,39 @@ class QwenVisionTower(VisionTower):
             "preprocess": asdict(self.settings),
         }
 
-    def activation_bytes_per_token(self) -> int:
-        # per patch: residual + qkv (3x) + attention out + MLP hidden (mlp_ratio x,
-        # ~4x for Qwen2.5's gated MLP), a few live at once; attention scores are
-        # per image (split path) and bounded separately by max_pixels
-        return 16 * self._embed_dim * max(1, self.dtype.itemsize)
+    # --- memory estimates (see models/memory.py) ---------------------------------
+    def input_bytes_per_token(self) -> int:
+        c = int(getattr(self.model.config, "in_channels", None) or getattr(self.model.config, "in_chans", 3))
+        s = self.settings
+        return 4 * c * s.temporal_patch_size * s.patch_size * s.patch_size
 
+    def activation_bytes_per_token(self) -> int:
+        """Per patch: the batch's concatenated input (and its cast), one block's
+        widest live set, rotary cos/sin, and the merger's share."""
+        config = self.model.config
+        item = self.dtype.itemsize
+        mlp_dim = int(getattr(config, "intermediate_size", 0) or self._embed_dim * config.mlp_ratio)
+        gated = hasattr(config, "intermediate_size")  # Qwen2.5-VL: gated SiLU MLP
+        head_dim = self._embed_dim // config.num_heads
+        per_patch = (
+            self.input_bytes_per_token() * (1 + memory.cast_bytes(item) / 4)
+            + memory.block_bytes_per_position(self._embed_dim, mlp_dim, item, gated=gated)
+            + 4 * head_dim * 4  # rotary cos and sin, float32, twice (q and k)
+            + 2 * self._embed_dim * item  # merger: merged input and its MLP hidden, per patch
+        )
+        return int(memory.SAFETY * per_patch)
+
+    def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
+        """Linear part for all patches, plus one image's attention scores at a time:
+        without flash-attn the packed sequence is split and attended image by image."""
+        if not layouts:
+            return 0
+        seqs = [self.input_tokens(lay) for lay in layouts]
+        scores = memory.attention_score_bytes(
+            self.model.config.num_heads, max(seqs), self.dtype.itemsize,
+            materialised=memory.materialises_scores(self.model.config),
+        )
+        return self.activation_bytes_per_token() * sum(seqs) + int(memory.SAFETY * scores)
 
 def tiny_qwen2_vl_config() -> Qwen2VLVisionConfig:
     """The built-in default: Qwen2-VL's vision architecture, downsized for CPU.

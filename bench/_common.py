@@ -1,0 +1,190 @@
+"""Shared bench plumbing: images, servers in subprocesses, concurrent single-image clients.
+
+Every figure a bench prints is a ratio of rates measured in the same run, so
+the noise of a shared machine cancels as far as it can.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import io
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Awaitable, Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+PYTHON = sys.executable
+
+
+def jpeg(seed: int, width: int = 640, height: int = 480) -> bytes:
+    """A photo-like JPEG (gradients plus blocky noise), different for every seed; cheap to make."""
+    rng = np.random.default_rng(seed)
+    row = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
+    col = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
+    mix = rng.uniform(0.2, 1.0, (1, 1, 3)).astype(np.float32)
+    noise = rng.integers(0, 40, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+    noise = np.repeat(np.repeat(noise, 8, axis=0), 8, axis=1)[:height, :width]
+    arr = ((row * mix + col * (1 - mix)) * 0.8).astype(np.uint8) + noise
+    buf = io.BytesIO()
+    Image.fromarray(arr, "RGB").save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
+        try:
+            if httpx.get(url, timeout=2.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.3)
+    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
+
+
+@contextlib.contextmanager
+def server(cmd: list[str], health_url: str, env: dict[str, str] | None = None,
+           log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+    """Run a server subprocess until the block ends (terminate, then kill)."""
+    out = open(log, "wb") if log else subprocess.DEVNULL
+    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        wait_http(health_url, proc)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGCONT)  # a paused server cannot handle SIGTERM
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(20)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                proc.wait(10)
+        if log:
+            out.close()  # type: ignore[union-attr]
+
+
+def pause(proc: subprocess.Popen[bytes]) -> None:
+    """Freeze a server started by ``server`` (and its children) so it takes no CPU."""
+    os.killpg(proc.pid, signal.SIGSTOP)
+
+
+def resume(proc: subprocess.Popen[bytes]) -> None:
+    os.killpg(proc.pid, signal.SIGCONT)
+
+
+def visenc_cmd(model: str, port: int, *extra: str) -> list[str]:
+    return [PYTHON, "-m", "visenc", "serve", "--model", model, "--port", str(port), "--log-level", "warning",
+            *extra]
+
+
+def service_env() -> dict[str, str]:
+    return {"PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients")])}
+
+
+Send = Callable[[httpx.AsyncClient, bytes], Awaitable[None]]
+
+
+async def clients_rate(images: list[bytes], send: Send, concurrency: int = 8) -> float:
+    """images/s for ``concurrency`` clients, each sending one image per request until all are sent."""
+    queue = list(reversed(images))
+    limits = httpx.Limits(max_connections=concurrency)
+    async with httpx.AsyncClient(timeout=300.0, limits=limits) as client:
+        async def one() -> None:
+            while queue:
+                await send(client, queue.pop())
+
+        t0 = time.perf_counter()
+        await asyncio.gather(*(one() for _ in range(concurrency)))
+        return len(images) / (time.perf_counter() - t0)
+
+
+def visenc_sender(base: str, namespace: str, fetch: bool = True) -> Send:
+    """Cold encode with the bytes (msgpack), wait, then fetch the rows: what a caller needs."""
+    import msgpack
+
+    headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack",
+               "X-Visenc-Namespace": namespace}
+
+    async def send(client: httpx.AsyncClient, data: bytes) -> None:
+        body = msgpack.packb({"items": [{"data": data}], "wait": True})
+        r = await client.post(f"{base}/v1/encode", content=body, headers=headers)
+        r.raise_for_status()
+        item = msgpack.unpackb(r.content)["items"][0]
+        if item["status"] != "ready":
+            raise RuntimeError(f"visenc answered {item}")
+        if fetch:
+            r = await client.get(f"{base}/v1/embeddings/{item['hash']}",
+                                 headers={"X-Visenc-Namespace": namespace})
+            r.raise_for_status()
+
+    return send
+
+
+def raw_sender(url: str) -> Send:
+    async def send(client: httpx.AsyncClient, data: bytes) -> None:
+        r = await client.post(url, content=data, headers={"Content-Type": "application/octet-stream"})
+        r.raise_for_status()
+
+    return send
+
+
+def infinity_sender(base: str, model: str) -> Send:
+    async def send(client: httpx.AsyncClient, data: bytes) -> None:
+        uri = "data:image/jpeg;base64," + base64.b64encode(data).decode()
+        r = await client.post(f"{base}/embeddings", json={"model": model, "modality": "image", "input": [uri]})
+        r.raise_for_status()
+
+    return send
+
+
+def bare_rate(tower: Any, images: list[bytes], batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+              *, preprocess: bool = True, threads: tuple[int, ...] | None = None,
+              ) -> tuple[tuple[int, int], float, dict[tuple[int, int], float]]:
+    """In-process loop over the images at each (torch threads, batch size): decode + preprocess
+    (if asked) + forward, sequentially in one Python thread. Returns the best (threads, batch
+    size), its images/s, and every rate: the ceiling a caller reaches without a service."""
+    import torch
+
+    from visenc.imaging.decode import decode
+
+    def prep(b: bytes) -> Any:
+        return tower.preprocess(decode(b, max_pixels=1 << 30))
+
+    prepared = None if preprocess else [prep(b) for b in images]
+    before = torch.get_num_threads()
+    rates: dict[tuple[int, int], float] = {}
+    try:
+        for nt in threads or sorted({1, os.cpu_count() or 1}):
+            torch.set_num_threads(nt)
+            for bs in batch_sizes:
+                t0 = time.perf_counter()
+                for i in range(0, len(images), bs):
+                    chunk = [prep(b) for b in images[i:i + bs]] if prepared is None else prepared[i:i + bs]
+                    tower.forward(chunk)
+                rates[(nt, bs)] = len(images) / (time.perf_counter() - t0)
+    finally:
+        torch.set_num_threads(before)
+    best = max(rates, key=lambda k: rates[k])
+    return best, rates[best], rates

@@ -1,0 +1,85 @@
+"""Batched forward vs a per-image loop, 8 images, same resolution and mixed, every built-in tower.
+
+Forward only (inputs preprocessed beforehand), one process, torch threads as the
+service would set them on this host; "batched" is the 8 images cut into forwards as the
+engine's plan cuts them (on CPU a packed Qwen forward is capped at 4096 patch tokens).
+Rounds alternate the two ways; the printed ratio is the median of per-round ratios (images/s batched / images/s looped).
+
+    python bench/bench_batching.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
+
+import _common as c  # noqa: E402
+
+SAME = [(640, 480)] * 8
+MIXED = [(640, 480), (448, 448), (800, 600), (336, 560), (1024, 576), (512, 512), (600, 400), (720, 720)]
+
+
+def engine_batches(tower: Any, prepared: list[Any]) -> list[list[Any]]:
+    """The 8 images cut into batches as the engine's plan would (token cap on CPU); a
+    fixed-resolution tower resizes every image to one shape, so it is one batch."""
+    from visenc.engine.budget import plan_budget
+
+    cap = plan_budget(tower, 1 << 34, max_batch_tokens=16384).max_batch_tokens
+    batches: list[list[Any]] = [[]]
+    tokens = 0
+    for pr in prepared:
+        cost = tower.input_tokens(pr.layout)
+        if batches[-1] and tokens + cost > cap:
+            batches.append([])
+            tokens = 0
+        batches[-1].append(pr)
+        tokens += cost
+    return batches
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--towers", default="tiny-qwen2-vl,tiny-qwen2.5-vl,tiny-clip,tiny-siglip")
+    args = p.parse_args()
+    import torch
+
+    from visenc.engine.threads import default_torch_threads
+    from visenc.imaging.decode import decode
+    from visenc.models.loading import load_tower
+
+    torch.set_num_threads(default_torch_threads(torch.device("cpu")))
+    print(f"8 images per batch, forward only, torch threads {torch.get_num_threads()}, {args.rounds} rounds")
+    for name in args.towers.split(","):
+        tower = load_tower(name)
+        for label, sizes in (("same", SAME), ("mixed", MIXED)):
+            prepared = [tower.preprocess(decode(c.jpeg(i, w, h), max_pixels=1 << 30))
+                        for i, (w, h) in enumerate(sizes)]
+            tower.forward(prepared[:2])  # warm-up
+            batches = engine_batches(tower, prepared)
+            ratios, batched_rates = [], []
+            for _ in range(args.rounds):
+                t0 = time.perf_counter()
+                for pr in prepared:
+                    tower.forward([pr])
+                loop = time.perf_counter() - t0
+                t0 = time.perf_counter()
+                for chunk in batches:
+                    tower.forward(chunk)
+                batched = time.perf_counter() - t0
+                ratios.append(loop / batched)
+                batched_rates.append(8 / batched)
+            rate = statistics.median(batched_rates)
+            print(f"  {name:16s} {label:5s}: {len(batches)} forward(s), batched {rate:6.1f} img/s, "
+                  f"batched / per-image loop = {statistics.median(ratios):.2f}x")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

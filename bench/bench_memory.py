@@ -1,0 +1,153 @@
+"""Peak memory of one request carrying many large images, against the memory budget.
+
+Runs the real engine in-process (index, scheduler, preprocessing pool, device
+worker) on the CPU, sends ONE encode request with ``--images`` distinct
+``--width x --height`` JPEGs and waits for every embedding. Prints the peak
+resident memory growth during the request (VmHWM after resetting it, minus
+the resident size just before), the configured budget, the output embeddings
+held in the index, and the tower's own estimate of its largest batch.
+
+Pass: ``peak growth <= budget + output embeddings``.
+
+    python bench/bench_memory.py                                # 64 x 1920x1080, tiny Qwen2-VL, 512 MiB
+    python bench/bench_memory.py --max-pixels 100352 --json     # quick variant (the test uses it)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import io
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "service")]
+
+MiB = 1 << 20
+
+
+def jpeg(seed: int, width: int, height: int) -> bytes:
+    """A photo-like JPEG (gradients plus noise), different for every seed; cheap to make."""
+    rng = np.random.default_rng(seed)
+    row = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
+    col = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
+    mix = rng.uniform(0.2, 1.0, (1, 1, 3)).astype(np.float32)
+    noise = rng.integers(0, 40, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
+    noise = np.repeat(np.repeat(noise, 8, axis=0), 8, axis=1)[:height, :width]
+    arr = ((row * mix + col * (1 - mix)) * 0.8).astype(np.uint8) + noise
+    buf = io.BytesIO()
+    Image.fromarray(arr, "RGB").save(buf, format="JPEG", quality=85)
+    return buf.getvalue()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux ``clear_refs`` 5); False if not allowed."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+async def measure(args: argparse.Namespace) -> dict[str, object]:
+    import torch
+
+    from visenc.config import Settings
+    from visenc.engine.encoder import EncodeItem, Encoder
+    from visenc.index.memory import MemoryIndex
+    from visenc.metrics import Metrics
+    from visenc.models.loading import load_tower
+
+    torch.set_num_threads(args.threads)
+    tower = load_tower(args.model, max_pixels=args.max_pixels)
+    settings = Settings(memory_budget_bytes=args.budget_mib * MiB, preprocess_workers=args.workers,
+                        request_timeout_s=3600, max_items=max(512, args.images))
+    metrics = Metrics()
+    encoder = Encoder(tower, MemoryIndex(settings.cache_bytes, metrics), settings, metrics)
+    await encoder.start()
+    try:
+        warm = [EncodeItem(data=jpeg(10_000, 320, 240))]
+        await encoder.encode(warm, "warm", wait=True)
+        images = [jpeg(i, args.width, args.height) for i in range(args.images)]
+        gc.collect()
+        await asyncio.sleep(0.2)
+        base = rss_bytes()
+        can_reset = reset_peak()
+        t0 = time.perf_counter()
+        handles = await encoder.encode([EncodeItem(data=b) for b in images], "bench", wait=True)
+        elapsed = time.perf_counter() - t0
+        peak = peak_bytes()
+    finally:
+        await encoder.stop()
+    statuses = {h.status for h in handles}
+    out_bytes = sum((h.num_tokens or 0) * (h.hidden_size or 0) * 4 for h in handles)
+    largest = tower.forward_bytes([tower.layout(args.width, args.height)])
+    budget = args.budget_mib * MiB
+    growth = peak - base
+    return {
+        "model": args.model, "images": args.images, "size": f"{args.width}x{args.height}",
+        "grid": list(tower.layout(args.width, args.height).grid_thw), "statuses": sorted(statuses),
+        "budget_bytes": budget, "batch_plan": {
+            "max_batch_tokens": encoder.budget.max_batch_tokens,
+            "max_batch_bytes": encoder.budget.max_batch_bytes,
+            "prefetch_tokens": encoder.budget.prefetch_tokens,
+        },
+        "one_image_estimate_bytes": largest, "output_bytes": out_bytes,
+        "request_bytes": sum(len(b) for b in images), "peak_growth_bytes": growth, "peak_reset": can_reset,
+        "forwards": int(metrics.forwards._value.get()), "elapsed_s": round(elapsed, 2),
+        "within_budget": growth <= budget + out_bytes,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="tiny-qwen2-vl")
+    p.add_argument("--images", type=int, default=64)
+    p.add_argument("--width", type=int, default=1920)
+    p.add_argument("--height", type=int, default=1080)
+    p.add_argument("--budget-mib", type=int, default=512)
+    p.add_argument("--max-pixels", type=int, default=None, help="Qwen resize ceiling (default: the tower's)")
+    p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
+    p.add_argument("--workers", type=int, default=2, help="preprocessing threads")
+    p.add_argument("--json", action="store_true", help="print one JSON object only")
+    args = p.parse_args()
+    r = asyncio.run(measure(args))
+    if args.json:
+        print(json.dumps(r))
+        return 0 if r["within_budget"] else 1
+    m = lambda b: f"{int(b) / MiB:.0f} MiB"  # noqa: E731
+    print(f"{r['images']} images {r['size']} ({args.model}, grid {r['grid']}), one request, "
+          f"{r['forwards']} forwards, {r['elapsed_s']} s; statuses {r['statuses']}")
+    print(f"  budget {m(r['budget_bytes'])}, plan {r['batch_plan']}")
+    print(f"  peak RSS growth {m(r['peak_growth_bytes'])}  vs  budget + outputs "
+          f"{m(r['budget_bytes'] + r['output_bytes'])}  (outputs {m(r['output_bytes'])}; "
+          f"request bodies {m(r['request_bytes'])}, held before the baseline)")
+    print(f"  ratio peak / (budget + outputs) = "
+          f"{r['peak_growth_bytes'] / (r['budget_bytes'] + r['output_bytes']):.2f}  "
+          f"-> {'WITHIN' if r['within_budget'] else 'OVER'} budget")
+    return 0 if r["within_budget"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

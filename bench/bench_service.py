@@ -1,0 +1,154 @@
+"""Service throughput, side by side in one run: visenc vs the bare in-process forward,
+vs a naive FastAPI handler, and (given its folder) vs the Infinity peer.
+
+All systems get the SAME tower and the SAME JPEGs. Rates (images/s):
+
+* bare       in-process loop: decode + preprocess + forward at the best batch size
+             and torch thread count, sequential: what a caller reaches without a service;
+* forward    the same without decode/preprocess (pure device time, for reference);
+* visenc     ``visenc serve``, 8 concurrent clients, one image per request, cold
+             (bytes sent, encoded, rows fetched); a fresh namespace per round;
+* repeat     the same images again: every visenc request is an index hit;
+* naive      ``bench/naive_server.py``: per-request preprocess + batch-1 forward;
+* infinity   ``infinity_emb v2`` on the same CLIP folder, 8 concurrent single-image clients.
+
+The bare loop's best batch size per torch thread count is picked once by calibration;
+then each round measures every system once, in turn, with the other servers paused
+(SIGSTOP: an idle server still polls and steals cycles from a 2-core host), and the printed ratios are the medians over
+rounds of the per-round ratios (a shared machine's load drifts; neighbours in time see
+about the same load).
+
+    python bench/bench_service.py                                  # tiny-clip, 2 rounds
+    python bench/bench_service.py --model tiny-qwen2-vl --images 48
+    python bench/bench_service.py --infinity /work/peer-infinity   # CLIP folder built by the peer's setup.sh
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
+
+import _common as c  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="registry name or folder (default: tiny-clip, or the "
+                   "peer's tiny-clip folder with --infinity)")
+    p.add_argument("--images", type=int, default=64, help="distinct images per measurement")
+    p.add_argument("--size", default="640x480", help="image size WxH")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--concurrency", type=int, default=8)
+    p.add_argument("--infinity", type=Path, default=None, help="peer folder from shared/peers/infinity/setup.sh")
+    p.add_argument("--no-naive", action="store_true")
+    p.add_argument("--serve-args", default="", help="extra `visenc serve` flags, e.g. '--max-wait-ms 5'")
+    p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    args = p.parse_args()
+
+    import torch
+
+    from visenc.models.loading import load_tower
+
+    peer = args.infinity
+    if peer is not None and not (peer / "venv" / "bin" / "infinity_emb").exists():
+        print(f"note: no Infinity install under {peer} (run shared/peers/infinity/setup.sh {peer}); "
+              "skipping the peer")
+        peer = None
+    model = args.model or (str(peer / "tiny-clip") if peer else "tiny-clip")
+    w, h = (int(x) for x in args.size.split("x"))
+    images = [c.jpeg(i, w, h) for i in range(args.images)]
+    torch.set_num_threads(os.cpu_count() or 1)
+    tower = load_tower(model)
+    print(f"model {model} ({tower.describe()['name']}), {args.images} images {args.size}, "
+          f"{args.concurrency} concurrent single-image clients, {args.rounds} rounds, {os.cpu_count()} cores")
+
+    # calibrate the bare loop once (each config twice, median), then keep the best config
+    _, _, first = c.bare_rate(tower, images[:32], (1, 4, 8, 16))
+    _, _, second = c.bare_rate(tower, images[:32], (1, 4, 8, 16))
+    calib = {k: statistics.median([first[k], second[k]]) for k in first}
+    configs = tuple(max((k for k in calib if k[0] == t), key=lambda k: calib[k]) for t in sorted({k[0] for k in calib}))
+    print(f"bare loop calibration (img/s): {', '.join(f't{t}b{b} {v:.1f}' for (t, b), v in calib.items())}"
+          f" -> per round, the better of {configs} (threads, batch)")
+
+    logs = Path(tempfile.mkdtemp(prefix="visenc-bench-"))
+    env = c.service_env()
+    vport, nport, iport = c.free_port(), c.free_port(), c.free_port()
+    senders: dict[str, Callable[[int], c.Send]] = {}
+    procs: dict[str, subprocess.Popen[bytes]] = {}
+    with contextlib.ExitStack() as stack:
+        procs["visenc"] = stack.enter_context(c.server(c.visenc_cmd(model, vport, *args.serve_args.split()),
+                                     f"http://127.0.0.1:{vport}/readyz", env, logs / "visenc.log"))
+        senders["visenc"] = lambda r: c.visenc_sender(f"http://127.0.0.1:{vport}", f"bench{r}")
+        if not args.no_naive:
+            procs["naive"] = stack.enter_context(c.server(
+                [c.PYTHON, str(c.ROOT / "bench" / "naive_server.py"), "--model", model, "--port", str(nport)],
+                f"http://127.0.0.1:{nport}/healthz", env, logs / "naive.log"))
+            senders["naive"] = lambda r: c.raw_sender(f"http://127.0.0.1:{nport}/encode")
+        if peer is not None:
+            infinity_env = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+                            "INFINITY_HOME": str(peer / "infhome")}
+            cmd = [str(peer / "venv" / "bin" / "infinity_emb"), "v2", "--model-id", model, "--device", "cpu",
+                   "--engine", "torch", "--host", "127.0.0.1", "--port", str(iport), "--batch-size", "32",
+                   "--no-vector-disk-cache", "--no-compile"]
+            procs["infinity"] = stack.enter_context(c.server(cmd, f"http://127.0.0.1:{iport}/health", infinity_env,
+                                         logs / "infinity.log"))
+            name = "/".join(Path(model).parts[-2:])
+            senders["infinity"] = lambda r: c.infinity_sender(f"http://127.0.0.1:{iport}", name)
+        for make in senders.values():  # first requests (lazy init, thread pools) are not measured
+            asyncio.run(c.clients_rate([c.jpeg(10_000 + i, w, h) for i in range(8)], make(-1), args.concurrency))
+
+        rows: dict[str, list[float]] = {}
+        for proc in procs.values():  # only the system being measured runs (idle servers still poll)
+            c.pause(proc)
+        for r in range(args.rounds):
+            bare = [c.bare_rate(tower, images, (b,), threads=(t,))[1] for t, b in configs]
+            fwd = [c.bare_rate(tower, images, (b,), preprocess=False, threads=(t,))[1] for t, b in configs]
+            rows.setdefault("bare", []).append(max(bare))
+            rows.setdefault("forward", []).append(max(fwd))
+            for key, make in senders.items():
+                c.resume(procs[key])
+                send = make(r)
+                rows.setdefault(key, []).append(asyncio.run(c.clients_rate(images, send, args.concurrency)))
+                if key in ("visenc", "infinity"):  # the same images again
+                    rows.setdefault(f"{key}_repeat", []).append(
+                        asyncio.run(c.clients_rate(images, send, args.concurrency)))
+                c.pause(procs[key])
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()) + " img/s")
+
+    # ratios per round (both sides measured minutes apart at most), then the median over rounds
+    def ratio(a: str, b: str) -> float:
+        return statistics.median(x / y for x, y in zip(rows[a], rows[b]))
+
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    print("\nmedian images/s: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
+    ratios = {
+        "visenc / bare (goal >= 0.9)": ratio("visenc", "bare"),
+        "visenc / forward-only": ratio("visenc", "forward"),
+        "visenc repeated / cold": ratio("visenc_repeat", "visenc"),
+    }
+    if "naive" in rows:
+        ratios["visenc / naive"] = ratio("visenc", "naive")
+    if "infinity" in rows:
+        ratios["visenc / infinity cold (goal >= 1.2)"] = ratio("visenc", "infinity")
+        ratios["infinity / bare"] = ratio("infinity", "bare")
+        ratios["infinity repeated / cold"] = ratio("infinity_repeat", "infinity")
+    for k, v in ratios.items():
+        print(f"  {k:40s} {v:6.2f}")
+    if args.json:
+        args.json.write_text(json.dumps({"model": model, "images_per_s": med, "ratios": ratios}, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

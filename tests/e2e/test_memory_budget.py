@@ -1,0 +1,29 @@
+"""A request with 64 full-HD images completes inside the memory budget (peak RSS, fresh process)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to read peak RSS")
+def test_64_full_hd_images_stay_within_budget_plus_outputs():
+    # a small resize ceiling keeps the forward cheap; decode, staging and batching are the full-size path
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_memory.py"), "--json", "--images", "64",
+         "--width", "1920", "--height", "1080", "--max-pixels", "50176", "--budget-mib", "64"],
+        capture_output=True, text=True, timeout=240,
+    )
+    assert proc.stdout, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["statuses"] == ["ready"]
+    assert r["peak_reset"], "VmHWM could not be reset: the peak would include start-up"
+    assert r["peak_growth_bytes"] <= r["budget_bytes"] + r["output_bytes"], r
+    assert r["forwards"] >= 2  # the request was split into budgeted batches

@@ -1,0 +1,117 @@
+"""The engine pipeline: memory-bounded batches, staging charges, and preprocessing of
+batch N+1 overlapping the forward of batch N, off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+import torch
+from tests.unit.test_scheduler import drain_ready, job, make_scheduler
+
+from visenc.engine.job import Job
+from visenc.engine.scheduler import Scheduler
+from visenc.engine.worker import DeviceWorker
+from visenc.metrics import Metrics
+from visenc.models.base import Prepared, TokenLayout, VisionTower
+
+
+async def test_batches_stay_under_the_byte_budget():
+    s = make_scheduler(packable=True, max_tokens=1000, max_images=64)
+    s.max_batch_bytes = 100
+    s._batch_bytes = lambda layouts: sum(lay.num_tokens for lay in layouts) + max(
+        lay.num_tokens for lay in layouts) ** 2 // 10  # linear + the largest image's quadratic share
+    jobs = [job(10, (0, 0)), job(30, (0, 1)), job(10, (0, 2)), job(10, (0, 3)), job(40, (0, 4))]
+    for j in jobs:
+        s.submit(j)
+    await drain_ready(s, 5)
+    first = s.take_batch()
+    # the 30 would bring 40 + 90 > 100: the batch stops there (no smaller job overtakes it: token order)
+    assert first == [jobs[0]]
+    assert s._batch_bytes([j.layout for j in first]) <= 100
+    assert s.take_batch() == [jobs[1]]  # 30 + 90 > 100 on its own: runs, alone
+    third = s.take_batch()
+    assert third == [jobs[2], jobs[3]] and s._batch_bytes([j.layout for j in third]) <= 100
+    assert s.take_batch() == [jobs[4]]
+
+
+async def test_decode_charge_is_held_only_while_preprocessing():
+    s = make_scheduler(prefetch=30)
+    a, b = job(5, (0, 0), "A"), job(5, (0, 1), "A")
+    a.decode_cost = b.decode_cost = 20  # a large source image for a small tower input
+    s.submit(a)
+    s.submit(b)
+    assert s.staged_tokens == 25 and len(s._waiting) == 1  # b's 25 would cross 30 while a decodes
+    await drain_ready(s, 2)  # a's decode charge is released when it is ready: b may start
+    assert s.staged_tokens == 10
+    s.done(s.take_batch())
+    assert s.staged_tokens == 0 and s.idle
+
+
+class SlowTower(VisionTower):
+    """Fixed-shape stand-in whose preprocess and forward take known time and record
+    where and when they ran."""
+
+    name = "slow"
+    hidden_size = 4
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def __init__(self, forward_s: float, preprocess_s: float) -> None:
+        self.forward_s, self.preprocess_s = forward_s, preprocess_s
+        self.forwards: list[tuple[float, float, int]] = []
+        self.preps: list[tuple[float, float, str]] = []
+        self._layout = TokenLayout(1, (1, 1, 1), "only")
+
+    def layout(self, width: int, height: int) -> TokenLayout:
+        return self._layout
+
+    def preprocess(self, image: Any) -> Prepared:
+        t0 = time.monotonic()
+        time.sleep(self.preprocess_s)  # the decode/resize/normalise stand-in: blocking CPU work
+        self.preps.append((t0, time.monotonic(), threading.current_thread().name))
+        return Prepared(np.zeros((1, 4), np.float32), self._layout)
+
+    def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
+        t0 = time.monotonic()
+        time.sleep(self.forward_s)
+        self.forwards.append((t0, time.monotonic(), len(batch)))
+        return [torch.zeros(1, 4) for _ in batch]
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {"slow": 1}
+
+
+async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():
+    tower = SlowTower(forward_s=0.15, preprocess_s=0.03)
+    done: list[Job] = []
+    pool = ThreadPoolExecutor(2, thread_name_prefix="visenc-pre")
+    s = Scheduler(preprocess=lambda data: tower.preprocess(data), pool=pool, fail=lambda j, e: None,
+                  max_batch_tokens=4, max_batch_images=4, packable=False, prefetch_tokens=8)
+    worker = DeviceWorker(tower, s, complete=lambda j, e: done.append(j), fail=lambda j, e: None,
+                          metrics=Metrics(), max_wait_s=0.0)
+    peak_staged = 0
+    worker.start()
+    try:
+        jobs = [job(1, (0, i), "only") for i in range(16)]
+        for j in jobs:
+            s.submit(j)
+        while len(done) < 16:
+            peak_staged = max(peak_staged, s.staged_tokens)
+            await asyncio.sleep(0.005)
+    finally:
+        await worker.stop()
+        pool.shutdown()
+    assert sorted(j.order for j in done) == [j.order for j in jobs]
+    assert peak_staged <= 8  # two batches of 4: the prefetch gate holds
+    loop_thread = threading.current_thread().name
+    assert all(name.startswith("visenc-pre") and name != loop_thread for *_, name in tower.preps)
+    assert sum(n for *_, n in tower.forwards) == 16 and max(n for *_, n in tower.forwards) == 4
+    # while each forward but the last ran, the pool was preprocessing images of a later batch
+    overlapped = [any(p0 < f1 and p1 > f0 for p0, p1, _ in tower.preps) for f0, f1, _ in tower.forwards[:-1]]
+    assert all(overlapped), overlapped

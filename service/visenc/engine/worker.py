@@ -90,6 +90,7 @@ class DeviceWorker:
         #: monotonic time of the last sign of life; ``busy_since`` is set while a forward runs
         self.heartbeat = time.monotonic()
         self.busy_since: float | None = None
+        self._stopping = False
 
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="visenc-device-worker")
@@ -106,17 +107,17 @@ class DeviceWorker:
         return busy is not None and time.monotonic() - busy > self.stall_timeout_s
 
     async def stop(self) -> None:
-        if self._task is not None:
+        self._stopping = True
+        while self._task is not None and not self._task.done():
+            # Python 3.11's wait_for swallows a cancel that lands as its inner wait completes
+            # (the loop in ``next_batch``): cancel again until the task is really gone
             self._task.cancel()
-            try:
-                await self._task
-            except asyncio.CancelledError:
-                pass
+            await asyncio.wait({self._task}, timeout=1.0)
         self._thread.shutdown(wait=True, cancel_futures=True)
 
     async def _run(self) -> None:
         loop = asyncio.get_running_loop()
-        while True:
+        while not self._stopping:
             self.heartbeat = time.monotonic()
             batch = await self.scheduler.next_batch(self.max_wait_s, timeout_s=1.0)
             if not batch:

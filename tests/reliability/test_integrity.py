@@ -6,6 +6,7 @@ same checks hold for any tier behind it: the in-process LRU here, Redis behind t
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 
 import numpy as np
@@ -116,3 +117,42 @@ async def test_index_returning_damaged_values_never_serves_them(tiny_tower):
         assert (await client.get(f"/v1/embeddings/{sha(data)}")).status_code == 404
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_corrupt_entries_total") == 1
+
+
+async def test_corrupt_redis_value_is_a_miss_then_repaired(tiny_tower, redis_url):
+    """Through the real tiered index: a damaged Redis value (L1 empty, as on another replica) is
+    never served; hash-only says ``missing``, the bytes re-encode it, the write repairs Redis."""
+    import redis.asyncio as aioredis
+
+    from visenc.index.format import unpack_entry
+
+    async with running_app(tiny_tower, redis_url=redis_url, namespace="integrity") as client:
+        encoder = client.app.state.encoder
+        data = png_bytes(830, 28, 28)
+        assert (await encode_json(client, [{"data": data}])).json()["items"][0]["status"] == "ready"
+        key = key_of(encoder, data, "integrity")
+        raw = aioredis.from_url(redis_url)
+        try:
+            for _ in range(100):  # the write-through to Redis is behind the answer
+                if await raw.exists(key):
+                    break
+                await asyncio.sleep(0.02)
+            good = await raw.get(key)
+            await raw.set(key, good[:-10])  # truncated
+            encoder.index.discard_local(key)
+            r = await encode_json(client, [{"hash": sha(data)}])
+            assert r.json()["items"][0]["status"] == "missing"
+            assert (await client.get(f"/v1/embeddings/{sha(data)}")).status_code == 404
+            r = await encode_json(client, [{"data": data}])
+            assert r.json()["items"][0]["status"] == "ready"
+            np.testing.assert_allclose(await fetch_rows(client, sha(data)), reference(tiny_tower, data),
+                                       atol=1e-5, rtol=0)
+            for _ in range(100):
+                value = await raw.get(key)
+                if value is not None and len(value) == len(good):
+                    break
+                await asyncio.sleep(0.02)
+            unpack_entry(value, fingerprint=encoder.fingerprint, hash=sha(data))  # repaired, valid
+        finally:
+            await raw.delete(key)
+            await raw.aclose()

@@ -46,6 +46,9 @@ class TieredIndex(Index):
     def store_local(self, key: str, entry: Entry) -> None:
         self.local.store(key, entry)
 
+    def discard_local(self, key: str) -> None:
+        self.local.discard_local(key)
+
     async def write_remote(self, key: str, entry: Entry) -> None:
         await self.remote.write_remote(key, entry)
 

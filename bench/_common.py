@@ -120,21 +120,24 @@ async def clients_rate(images: list[bytes], send: Send, concurrency: int = 8) ->
         return len(images) / (time.perf_counter() - t0)
 
 
-def visenc_sender(base: str, namespace: str, fetch: bool = True) -> Send:
-    """Cold encode with the bytes (msgpack), wait, then fetch the rows: what a caller needs."""
+def visenc_sender(base: str, namespace: str, inline: bool = True) -> Send:
+    """Cold encode with the bytes (msgpack), wait, and get the rows: what a caller needs.
+
+    ``inline``: the rows come in the encode answer (``include_rows``, one request per
+    image, as the peers answer); else a second request fetches them."""
     import msgpack
 
     headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack",
                "X-Visenc-Namespace": namespace}
 
     async def send(client: httpx.AsyncClient, data: bytes) -> None:
-        body = msgpack.packb({"items": [{"data": data}], "wait": True})
+        body = msgpack.packb({"items": [{"data": data}], "wait": True, "include_rows": inline})
         r = await client.post(f"{base}/v1/encode", content=body, headers=headers)
         r.raise_for_status()
         item = msgpack.unpackb(r.content)["items"][0]
-        if item["status"] != "ready":
+        if item["status"] != "ready" or (inline and not item.get("rows")):
             raise RuntimeError(f"visenc answered {item}")
-        if fetch:
+        if not inline:
             r = await client.get(f"{base}/v1/embeddings/{item['hash']}",
                                  headers={"X-Visenc-Namespace": namespace})
             r.raise_for_status()

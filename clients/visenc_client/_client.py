@@ -89,8 +89,10 @@ class Client(_Base):
             if streamed is not None:
                 streamed.close()
 
-    def encode(self, images: Sequence[p.ImageInput], *, wait: bool = True, hash_first: bool = True) -> list[Handle]:
-        return self._drive(p.encode_flow(self._http, images, wait=wait, hash_first=hash_first, headers=self.headers))
+    def encode(self, images: Sequence[p.ImageInput], *, wait: bool = True, hash_first: bool = True,
+               include_rows: bool = False) -> list[Handle]:
+        return self._drive(p.encode_flow(self._http, images, wait=wait, hash_first=hash_first, headers=self.headers,
+                                         include_rows=include_rows))
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self.shared_memory:
@@ -173,9 +175,9 @@ class AsyncClient(_Base):
                 await streamed.aclose()
 
     async def encode(self, images: Sequence[p.ImageInput], *, wait: bool = True,
-                     hash_first: bool = True) -> list[Handle]:
+                     hash_first: bool = True, include_rows: bool = False) -> list[Handle]:
         return await self._drive(p.encode_flow(self._http, images, wait=wait, hash_first=hash_first,
-                                               headers=self.headers))
+                                               headers=self.headers, include_rows=include_rows))
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self.shared_memory:

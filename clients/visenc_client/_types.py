@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+import numpy as np
 
 
 def image_hash(data: bytes | bytearray | memoryview) -> str:
@@ -19,7 +21,9 @@ class Handle:
     ``status`` is ``ready`` (fetch now), ``pending`` (being encoded; a fetch
     waits), ``missing`` (not in the index and no bytes were sent) or ``error``.
     ``num_tokens`` / ``grid_thw`` are known even while pending, so a prompt can
-    be laid out before the embeddings exist."""
+    be laid out before the embeddings exist. ``rows`` holds the embedding
+    itself (a read-only ``[num_tokens, hidden]`` array) when the encode asked for
+    ``include_rows`` and the image was ready."""
 
     hash: str
     status: str
@@ -28,12 +32,13 @@ class Handle:
     dtype: str | None = None
     grid_thw: tuple[int, int, int] | None = None
     error: str | None = None
+    rows: np.ndarray | None = field(default=None, compare=False, repr=False)
 
     @classmethod
-    def from_wire(cls, d: dict[str, Any]) -> Handle:
+    def from_wire(cls, d: dict[str, Any], rows: np.ndarray | None = None) -> Handle:
         grid = d.get("grid_thw")
         return cls(d["hash"], d["status"], d.get("num_tokens"), d.get("hidden_size"), d.get("dtype"),
-                   tuple(grid) if grid else None, d.get("error"))  # type: ignore[arg-type]
+                   tuple(grid) if grid else None, d.get("error"), rows)  # type: ignore[arg-type]
 
 
 @dataclass(frozen=True, slots=True)

@@ -38,9 +38,12 @@ def test_client_encode_fetch_matches_direct_forward(server, tiny_tower):
                                RowRange(handles[1].hash, 3, None)])
         np.testing.assert_array_equal(parts[0], whole[:3])
         np.testing.assert_array_equal(parts[2], whole[3:])
-        # a second encode of the same images is a pure hash-only hit (no bytes sent)
-        again = vc.encode(images)
+        # a second encode of the same images is a pure hash-only hit (no bytes sent), rows inline if asked
+        again = vc.encode(images, include_rows=True)
         assert [h.status for h in again] == ["ready"] * 3
+        for h in again:
+            assert h.rows is not None
+            np.testing.assert_array_equal(h.rows, vc.fetch(h))
         with pytest.raises(NotFoundError):
             vc.fetch("0" * 64)
         with pytest.raises(BadRequestError):

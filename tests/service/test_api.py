@@ -270,3 +270,20 @@ def test_bf16_rows_round_trip():
                                       hash="h").blob))
     back = torch.frombuffer(bytearray(e.rows_view()), dtype=torch.bfloat16).reshape(5, 8)
     assert torch.equal(back, t)
+
+
+async def test_include_rows_returns_the_embedding_inline(service, tiny_tower):
+    datas = [png_bytes(60, 96, 64), png_bytes(61, 120, 80)]
+    r = await service.post("/v1/encode", json={
+        "items": [{"data": base64.b64encode(d).decode()} for d in datas], "include_rows": True})
+    assert r.status_code == 200, r.text
+    for item, data in zip(r.json()["items"], datas):
+        rows = np.frombuffer(base64.b64decode(item["rows"]), "<f4").reshape(item["num_tokens"], -1)
+        np.testing.assert_array_equal(rows, await fetch_rows(service, item["hash"]))
+        np.testing.assert_allclose(rows, reference(tiny_tower, data), atol=1e-5, rtol=0)
+    # msgpack carries them as raw bin; a hash-only miss has none
+    body = {"items": [{"hash": sha(datas[0])}, {"hash": "0" * 64}], "include_rows": True}
+    r = await service.post("/v1/encode", content=msgpack.packb(body), headers=MSGPACK)
+    hit, miss = msgpack.unpackb(r.content)["items"]
+    assert isinstance(hit["rows"], bytes) and len(hit["rows"]) == hit["num_tokens"] * hit["hidden_size"] * 4
+    assert miss["status"] == "missing" and miss.get("rows") is None

@@ -7,6 +7,7 @@ CPU-heavy work on the event loop.
 from __future__ import annotations
 
 import asyncio
+import base64
 import re
 from dataclasses import dataclass
 from typing import Any
@@ -15,7 +16,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response
+from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response, wants_msgpack
 from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import MAX_ROW, EncodeRequest, EncodeResponse, ErrorResponse, FetchRequest
 from visenc.engine.encoder import EncodeItem, Encoder
@@ -84,17 +85,36 @@ async def encode(request: Request) -> Response:
     body = await within(parse(request, EncodeRequest, settings.max_body_bytes, settings.max_items), deadline,
                         f"the request body did not arrive within {limit}")
     encoder = _encoder(request)
-    items = [EncodeItem(it.hash, it.data) for it in body.items]
+    inputs = [EncodeItem(it.hash, it.data) for it in body.items]
     timing = Timing()
     # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
     # cancels the wait if the client goes away first
     handles = await guarded(
-        request, encoder.encode(items, ns, wait=body.wait, timing=timing, timeout_s=remaining(deadline)),
+        request, encoder.encode(inputs, ns, wait=body.wait, timing=timing, timeout_s=remaining(deadline)),
         deadline + 1.0, f"the request was not answered within {limit}",
     )
-    return render(request, {"model": encoder.fingerprint, "items": [h.to_wire() for h in handles]},
+    items = [h.to_wire() for h in handles]
+    if body.include_rows:
+        await _inline_rows(request, items, settings.max_body_bytes)
+    return render(request, {"model": encoder.fingerprint, "items": items},
                   headers={"X-Visenc-Queue-Time": f"{timing.queue_s:.6f}",
                            "X-Visenc-Encode-Time": f"{timing.encode_s:.6f}"})
+
+
+async def _inline_rows(request: Request, items: list[dict[str, Any]], limit: int) -> None:
+    """Put each ready item's rows into its answer: views for msgpack, base64 text for JSON."""
+    encoder = _encoder(request)
+    ns = namespace_of(request)
+    ready = [it for it in items if it["status"] == "ready"]
+    entries = [await encoder.lookup(it["hash"], ns) for it in ready]
+    total = sum(len(e.rows_view()) for e in entries)
+    if total > limit:
+        raise PayloadTooLarge(f"{total} bytes of rows exceed max_body_bytes={limit} inline; fetch them instead")
+    binary = wants_msgpack(request)
+    for it, entry in zip(ready, entries):
+        view = entry.rows_view()
+        it["rows"] = view if binary else base64.b64encode(view).decode()
+    request.app.state.metrics.bytes_served.labels("inline").inc(total)
 
 
 @router.get(

@@ -34,6 +34,10 @@ class EncodeItemIn(_Wire):
 class EncodeRequest(_Wire):
     items: list[EncodeItemIn] = Field(..., min_length=1, description="Images, in prompt order.")
     wait: bool = Field(True, description="Wait until every image is encoded (false: answer at once).")
+    include_rows: bool = Field(
+        False, description="Also return each ready image's rows inline (``rows``: raw little-endian bytes, "
+        "base64 in JSON), saving a fetch. For small embeddings (CLIP-style); requires wait=true.",
+    )
 
 
 class HandleOut(_Wire):
@@ -44,6 +48,7 @@ class HandleOut(_Wire):
     dtype: str | None = None
     grid_thw: list[int] | None = None
     error: str | None = None
+    rows: bytes | None = Field(None, description="The rows, when include_rows was asked (ready images only).")
 
 
 class EncodeResponse(_Wire):

@@ -1,12 +1,14 @@
-"""How the CPU cores are split between the pipeline's stages.
+"""How the CPU cores are used by the pipeline's stages.
 
 On a CPU device the forward and the preprocessing pool run at the same time on
-the same cores (that is the overlap). Giving each all the cores oversubscribes
-them: torch's OpenMP workers wait at barriers for threads the OS has parked
-while a preprocessing thread runs, and a 2-core host measured 3x slower
-forwards with 2 torch threads + 2 preprocessing threads than with 1 + 1
-(``bench/bench_threads.py``). So the cores are *split*: half (rounded up)
-to preprocessing, the rest to torch, at least one each.
+the same cores (that is the overlap). On a dedicated 2-core host, giving both
+all the cores measured best (``bench/bench_threads.py``, quiet machine):
+tiny CLIP 2 torch threads + 2 workers 1.29x the 1 + 1 split, tiny Qwen2-VL
+1.51x; preprocessing threads mostly sleep in Pillow/numpy calls that release
+the GIL, so the forward keeps the cores most of the time. (On a host shared
+with other busy processes the picture flips: OpenMP workers then wait at
+barriers for parked threads, and a 1 + 1 split measured up to 3x faster.
+Set ``--torch-threads`` / ``--preprocess-workers`` there.)
 
 On CUDA the forward barely uses the CPU: every core preprocesses, and torch
 keeps 1 intra-op thread (the host side of a GPU forward is launch-bound).
@@ -29,9 +31,9 @@ def available_cores() -> int:
 
 def default_preprocess_workers(device: torch.device, cores: int | None = None) -> int:
     cores = cores or available_cores()
-    return cores if device.type == "cuda" else max(1, (cores + 1) // 2)
+    return cores
 
 
 def default_torch_threads(device: torch.device, cores: int | None = None) -> int:
     cores = cores or available_cores()
-    return 1 if device.type == "cuda" else max(1, cores - default_preprocess_workers(device, cores))
+    return 1 if device.type == "cuda" else cores

@@ -48,6 +48,7 @@ from loadtest.payloads import (
     DEFAULT_STAGES,
     MSGPACK,
     PayloadError,
+    RowLedger,
     check_handles,
     check_rows_body,
     check_rows_get,
@@ -63,6 +64,8 @@ from loadtest.payloads import (
 
 SCENARIOS = ("agent", "probe", "cold", "hot", "mixed")
 HEADERS = {"content-type": MSGPACK, "accept": MSGPACK}
+#: every row read in this process, checked against its first read (wrong answers fail the request)
+LEDGER = RowLedger()
 log = logging.getLogger("visenc.loadtest")
 
 
@@ -242,7 +245,7 @@ class VisencUser(FastHttpUser):
                 resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
                 return False
             try:
-                check_rows_body(resp.content, ranges, handles)
+                check_rows_body(resp.content, ranges, handles, LEDGER)
             except PayloadError as e:
                 resp.failure(str(e))
                 return False
@@ -257,7 +260,7 @@ class VisencUser(FastHttpUser):
                 resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
                 return False
             try:
-                check_rows_get(resp.headers, resp.content, start, end, handle)
+                check_rows_get(resp.headers, resp.content, start, end, handle, LEDGER)
             except PayloadError as e:
                 resp.failure(str(e))
                 return False

@@ -22,6 +22,7 @@ import io
 import itertools
 import re
 import struct
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -221,8 +222,28 @@ def _check_rows(label: str, rows: int, hidden: int, dtype: str, data: bytes | me
         raise PayloadError(f"{label}: rows hold NaN or inf")
 
 
+class RowLedger:
+    """A CRC of every row of every image as first read: a later read that differs
+    is a wrong answer (a partial, corrupt or another image's entry served), even
+    across index restarts and replicas. One per load-generator process."""
+
+    def __init__(self) -> None:
+        self._rows: dict[str, dict[int, int]] = {}
+
+    def check(self, image_hash: str, start: int, data: memoryview | bytes, rows: int) -> None:
+        if rows <= 0:
+            return
+        known = self._rows.setdefault(image_hash, {})
+        width = len(data) // rows
+        view = memoryview(data)
+        for i in range(rows):
+            crc = zlib.crc32(view[i * width : (i + 1) * width])
+            if known.setdefault(start + i, crc) != crc:
+                raise PayloadError(f"{image_hash[:12]} row {start + i} differs from an earlier read")
+
+
 def check_rows_body(body: bytes, ranges: Sequence[tuple[str, int, int]],
-                    handles: Sequence[dict[str, Any]]) -> int:
+                    handles: Sequence[dict[str, Any]], ledger: RowLedger | None = None) -> int:
     """Check a ``POST /v1/embeddings/fetch`` answer against the ranges asked; returns the row bytes.
 
     ``handles[k]`` is the encode handle of ``ranges[k]``'s image (for hidden
@@ -250,13 +271,16 @@ def check_rows_body(body: bytes, ranges: Sequence[tuple[str, int, int]],
         if len(data) != item["nbytes"]:
             raise PayloadError(f"{label}: body is {len(body)} bytes, too short for the item")
         _check_rows(label, rows, hidden, item["dtype"], data, handle)
+        if ledger is not None:
+            ledger.check(h, s, data, rows)
         total += len(data)
     if base + total != len(body):
         raise PayloadError(f"body is {len(body)} bytes; header + rows account for {base + total}")
     return total
 
 
-def check_rows_get(headers: Any, content: bytes, start: int, end: int, handle: dict[str, Any]) -> None:
+def check_rows_get(headers: Any, content: bytes, start: int, end: int, handle: dict[str, Any],
+                   ledger: RowLedger | None = None) -> None:
     """Check a ``GET /v1/embeddings/{hash}`` answer: shape header, dtype header, byte count."""
     shape = headers.get("X-Visenc-Shape") or headers.get("x-visenc-shape")
     dtype = headers.get("X-Visenc-Dtype") or headers.get("x-visenc-dtype")
@@ -267,6 +291,8 @@ def check_rows_get(headers: Any, content: bytes, start: int, end: int, handle: d
     if rows != end - start:
         raise PayloadError(f"X-Visenc-Shape {shape} for {end - start} rows asked")
     _check_rows(f"rows [{start},{end})", rows, hidden, str(dtype), content, handle)
+    if ledger is not None:
+        ledger.check(handle["hash"], start, content, rows)
 
 
 def timing_headers(headers: Any) -> dict[str, float]:

@@ -324,6 +324,12 @@ def summary(run: Run) -> str:
     if len(enc) > 1 and enc_x[-1] > enc_x[0]:
         lines += [f"- server encoded {enc[-1] - enc[0]:.0f} images, "
                   f"{(enc[-1] - enc[0]) / (enc_x[-1] - enc_x[0]):.2f}/s"]
+    mem_x, mem = run.scraped("process_resident_memory_bytes")
+    if len(mem) > 4:
+        warm = next(i for i, x in enumerate(mem_x) if x >= mem_x[-1] * 0.25)  # after the first quarter
+        lines += [f"- server resident memory: {mem[warm] / 2**20:.0f} MiB after warm-up "
+                  f"({mem_x[warm]:.0f} s), {max(mem[warm:]) / 2**20:.0f} MiB peak after it, "
+                  f"{mem[-1] / 2**20:.0f} MiB at the end"]
     if run.failures:
         lines += ["", "## Failures", ""]
         lines += _table(["request", "error", "occurrences"],

@@ -43,7 +43,7 @@ from loadtest.payloads import DEFAULT_STAGES, parse_stages, parse_timespan  # no
 from loadtest.report import render  # noqa: E402
 
 SCRAPED = ("visenc_cache_lookups_total", "visenc_encoded_images_total", "visenc_forwards_total",
-           "visenc_singleflight_joins_total", "visenc_queue_depth")
+           "visenc_singleflight_joins_total", "visenc_queue_depth", "process_resident_memory_bytes")
 #: the embedded default, kept light: the load generator shares the machine's cores
 DEFAULT_SERVE_ARGS = ("--torch-threads", "1", "--log-level", "warning")
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 
 #: 0.5 ms .. ~65 s, doubling
 SECONDS_BUCKETS = tuple(0.0005 * 2**i for i in range(18))
@@ -22,6 +22,7 @@ TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 21))
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
         self.requests = Counter(
             "visenc_requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=r
         )

@@ -124,3 +124,17 @@ def test_stages_and_timespans() -> None:
     assert [parse_timespan(t) for t in ("90", "30s", "2m", "1h20m")] == [90, 30, 120, 4800]
     with pytest.raises(ValueError):
         parse_timespan("soon")
+
+
+def test_row_ledger_catches_a_row_that_changes_between_reads():
+    from loadtest.payloads import PayloadError, RowLedger
+
+    ledger = RowLedger()
+    rows = np.arange(12, dtype="<f4").reshape(4, 3)
+    ledger.check("a" * 64, 0, rows.tobytes(), 4)
+    ledger.check("a" * 64, 2, rows[2:].tobytes(), 2)  # same rows again: fine
+    ledger.check("b" * 64, 0, (rows + 1).tobytes(), 4)  # another image: its own rows
+    bad = rows.copy()
+    bad[3, 1] += 1
+    with pytest.raises(PayloadError, match="row 3"):
+        ledger.check("a" * 64, 1, bad[1:].tobytes(), 3)

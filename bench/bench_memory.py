@@ -18,33 +18,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
-import io
 import json
 import sys
 import time
 from pathlib import Path
 
-import numpy as np
-from PIL import Image
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "service")]
+sys.path[:0] = [str(ROOT / "service"), str(ROOT / "bench")]
+
+from _common import jpeg  # noqa: E402
 
 MiB = 1 << 20
-
-
-def jpeg(seed: int, width: int, height: int) -> bytes:
-    """A photo-like JPEG (gradients plus noise), different for every seed; cheap to make."""
-    rng = np.random.default_rng(seed)
-    row = np.linspace(0, 255, width, dtype=np.float32)[None, :, None]
-    col = np.linspace(0, 255, height, dtype=np.float32)[:, None, None]
-    mix = rng.uniform(0.2, 1.0, (1, 1, 3)).astype(np.float32)
-    noise = rng.integers(0, 40, (height // 8 + 1, width // 8 + 1, 3), dtype=np.uint8)
-    noise = np.repeat(np.repeat(noise, 8, axis=0), 8, axis=1)[:height, :width]
-    arr = ((row * mix + col * (1 - mix)) * 0.8).astype(np.uint8) + noise
-    buf = io.BytesIO()
-    Image.fromarray(arr, "RGB").save(buf, format="JPEG", quality=85)
-    return buf.getvalue()
 
 
 def rss_bytes() -> int:

@@ -78,8 +78,10 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None
 
 
 @contextlib.contextmanager
-def serve_process(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[str]:
-    """A real ``visenc serve`` subprocess on a free loopback port; terminated (then killed) after."""
+def serve_subprocess(*args: str, env: dict[str, str] | None = None, log: Path | None = None
+                     ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A real ``visenc serve`` subprocess on a free loopback port, ready; yields (url, process);
+    terminated (then killed) after, unless it already exited."""
     port = free_port()
     out = open(log, "wb") if log else subprocess.DEVNULL
     proc = subprocess.Popen(
@@ -91,11 +93,18 @@ def serve_process(*args: str, env: dict[str, str] | None = None, log: Path | Non
     url = f"http://127.0.0.1:{port}"
     try:
         wait_ready(url, proc)
-        yield url
+        yield url, proc
     finally:
         stop_process(proc)
         if log:
             out.close()  # type: ignore[union-attr]
+
+
+@contextlib.contextmanager
+def serve_process(*args: str, env: dict[str, str] | None = None, log: Path | None = None) -> Iterator[str]:
+    """``serve_subprocess`` when only the URL is needed."""
+    with serve_subprocess(*args, env=env, log=log) as (url, _):
+        yield url
 
 
 @contextlib.contextmanager

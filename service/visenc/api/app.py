@@ -16,6 +16,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from visenc.api import shm as shm_api
 from visenc.api.auth import AuthMiddleware, load_api_keys
+from visenc.api.codec import InvalidParams, error_response
 from visenc.api.openapi import install_openapi
 from visenc.api.routes import router
 from visenc.config import Settings
@@ -28,10 +29,6 @@ from visenc.metrics import Metrics
 from visenc.models.base import VisionTower
 
 log = logging.getLogger("visenc")
-
-
-def _error(status: int, kind: str, message: str, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"kind": kind, "message": message}}, status, headers)
 
 
 class MetricsMiddleware:
@@ -139,20 +136,19 @@ def create_app(settings: Settings | None = None, *, tower: VisionTower | None = 
         metrics.errors.labels(exc.kind).inc()
         if not exc.public:
             log.error("internal error on %s: %r", request.url.path, exc)
-            return _error(500, "internal", "internal error")
-        return _error(exc.status_code, exc.kind, exc.message, exc.headers or None)
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         metrics.errors.labels("invalid_params").inc()
         errs: list[Any] = list(exc.errors())[:5]
         msg = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errs)
-        return _error(422, "invalid_params", msg or "invalid parameters")
+        return error_response(InvalidParams(msg or "invalid parameters"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         metrics.errors.labels("internal").inc()
         log.exception("unhandled error on %s", request.url.path)
-        return _error(500, "internal", "internal error")
+        return error_response(VisencError())
 
     return app

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-import json
 import re
 from pathlib import Path
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from visenc.api.codec import error_response
 from visenc.config import Settings
+from visenc.errors import Unauthorized
 from visenc.metrics import Metrics
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
@@ -108,13 +109,10 @@ class AuthMiddleware:
                     tenant = tenant_of(self.keys, token.strip())
                 break
         if tenant is None:
-            self.metrics.errors.labels("unauthorized").inc()
-            body = json.dumps({"error": {"kind": "unauthorized", "message":
-                               "a valid API key is required: Authorization: Bearer <key>"}}).encode()
-            await send({"type": "http.response.start", "status": 401, "headers": [
-                (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                (b"www-authenticate", b'Bearer realm="visenc"')]})
-            await send({"type": "http.response.body", "body": body})
+            error = Unauthorized("a valid API key is required: Authorization: Bearer <key>",
+                                 **{"WWW-Authenticate": 'Bearer realm="visenc"'})
+            self.metrics.errors.labels(error.kind).inc()
+            await error_response(error)(scope, receive, send)
             return
         scope.setdefault("state", {})["namespace"] = tenant
         await self.app(scope, receive, send)

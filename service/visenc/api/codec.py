@@ -21,10 +21,10 @@ from typing import Any, TypeVar
 import msgpack
 from pydantic import BaseModel, ValidationError
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from visenc.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType
+from visenc.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, VisencError
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 ROWS_MEDIA_TYPE = "application/x-visenc-rows"
@@ -69,6 +69,12 @@ def _validation_message(e: ValidationError) -> str:
 class InvalidBody(BadRequest):
     status_code = 422
     kind = "invalid_body"
+
+
+class InvalidParams(InvalidBody):
+    """Query or path parameters FastAPI refused."""
+
+    kind = "invalid_params"
 
 
 class _TooManyValues(Exception):
@@ -168,3 +174,13 @@ class ChunksResponse(Response):
 def rows_response(meta: list[dict[str, Any]], views: Sequence[memoryview]) -> ChunksResponse:
     header = msgpack.packb({"items": meta})
     return ChunksResponse([struct.pack("<I", len(header)) + header, *views], ROWS_MEDIA_TYPE)
+
+
+def error_response(exc: VisencError) -> JSONResponse:
+    """The one rendering of an error: ``{"error": {"kind", "message"}}`` with its status and
+    headers; an internal error answers a generic 500 that echoes nothing."""
+    if not exc.public:
+        return JSONResponse({"error": {"kind": "internal", "message": "internal error"}}, 500)
+    return JSONResponse({"error": {"kind": exc.kind, "message": exc.message}}, exc.status_code,
+                        exc.headers or None)
+

@@ -205,22 +205,16 @@ def test_copied_checkpoint_shares_fingerprint(
     assert load_tower(str(tmp_path / "copy")).fingerprint == load_tower(str(source)).fingerprint
 
 
+#: a small dual-encoder (CLIP / SigLIP): one text layer, two vision layers at 64 px
+TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2}
+TINY_VISION = {"image_size": 64, "patch_size": 16, "hidden_size": 64, "intermediate_size": 128,
+               "num_hidden_layers": 2, "num_attention_heads": 2}
+
+
 def test_clip_checkpoint_equals_get_image_features(tmp_path: Path, spy: _Spy) -> None:
     config = CLIPConfig(
-        text_config={
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-        },
-        vision_config={
-            "image_size": 64,
-            "patch_size": 16,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
+        text_config=TINY_TEXT,
+        vision_config=TINY_VISION,
         projection_dim=48,
     )
     full = _seeded(lambda: CLIPModel(config), 0)
@@ -241,20 +235,8 @@ def test_clip_checkpoint_equals_get_image_features(tmp_path: Path, spy: _Spy) ->
 
 def test_siglip_checkpoint_equals_get_image_features(tmp_path: Path, spy: _Spy) -> None:
     config = SiglipConfig(
-        text_config={
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 1,
-            "num_attention_heads": 2,
-        },
-        vision_config={
-            "image_size": 64,
-            "patch_size": 16,
-            "hidden_size": 64,
-            "intermediate_size": 128,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-        },
+        text_config=TINY_TEXT,
+        vision_config=TINY_VISION,
     )
     full = _seeded(lambda: SiglipModel(config), 0)
     full.save_pretrained(tmp_path)

@@ -37,7 +37,8 @@ run: install
 	$(BIN)/visenc serve --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.test
-	$(BIN)/ruff check $(wildcard service clients tests bench loadtest)
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
 	$(BIN)/mypy service/visenc clients/visenc_client
 
 test: install-test lint

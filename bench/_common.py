@@ -63,12 +63,14 @@ def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 180.0)
 
 
 @contextlib.contextmanager
-def server(cmd: list[str], health_url: str, env: dict[str, str] | None = None,
-           log: Path | None = None) -> Iterator[subprocess.Popen[bytes]]:
+def server(
+    cmd: list[str], health_url: str, env: dict[str, str] | None = None, log: Path | None = None
+) -> Iterator[subprocess.Popen[bytes]]:
     """Run a server subprocess until the block ends (terminate, then kill)."""
     out = open(log, "wb") if log else subprocess.DEVNULL
-    proc = subprocess.Popen(cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT,
-                            start_new_session=True)
+    proc = subprocess.Popen(
+        cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
+    )
     try:
         wait_http(health_url, proc)
         yield proc
@@ -95,8 +97,7 @@ def resume(proc: subprocess.Popen[bytes]) -> None:
 
 
 def visenc_cmd(model: str, port: int, *extra: str) -> list[str]:
-    return [PYTHON, "-m", "visenc", "serve", "--model", model, "--port", str(port), "--log-level", "warning",
-            *extra]
+    return [PYTHON, "-m", "visenc", "serve", "--model", model, "--port", str(port), "--log-level", "warning", *extra]
 
 
 def service_env() -> dict[str, str]:
@@ -111,6 +112,7 @@ async def clients_rate(images: list[bytes], send: Send, concurrency: int = 8) ->
     queue = list(reversed(images))
     limits = httpx.Limits(max_connections=concurrency)
     async with httpx.AsyncClient(timeout=300.0, limits=limits) as client:
+
         async def one() -> None:
             while queue:
                 await send(client, queue.pop())
@@ -127,8 +129,7 @@ def visenc_sender(base: str, namespace: str, inline: bool = True) -> Send:
     image, as the peers answer); else a second request fetches them."""
     import msgpack
 
-    headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack",
-               "X-Visenc-Namespace": namespace}
+    headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack", "X-Visenc-Namespace": namespace}
 
     async def send(client: httpx.AsyncClient, data: bytes) -> None:
         body = msgpack.packb({"items": [{"data": data}], "wait": True, "include_rows": inline})
@@ -138,8 +139,7 @@ def visenc_sender(base: str, namespace: str, inline: bool = True) -> Send:
         if item["status"] != "ready" or (inline and not item.get("rows")):
             raise RuntimeError(f"visenc answered {item}")
         if not inline:
-            r = await client.get(f"{base}/v1/embeddings/{item['hash']}",
-                                 headers={"X-Visenc-Namespace": namespace})
+            r = await client.get(f"{base}/v1/embeddings/{item['hash']}", headers={"X-Visenc-Namespace": namespace})
             r.raise_for_status()
 
     return send
@@ -162,9 +162,14 @@ def infinity_sender(base: str, model: str) -> Send:
     return send
 
 
-def bare_rate(tower: Any, images: list[bytes], batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-              *, preprocess: bool = True, threads: tuple[int, ...] | None = None,
-              ) -> tuple[tuple[int, int], float, dict[tuple[int, int], float]]:
+def bare_rate(
+    tower: Any,
+    images: list[bytes],
+    batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+    *,
+    preprocess: bool = True,
+    threads: tuple[int, ...] | None = None,
+) -> tuple[tuple[int, int], float, dict[tuple[int, int], float]]:
     """In-process loop over the images at each (torch threads, batch size): decode + preprocess
     (if asked) + forward, sequentially in one Python thread. Returns the best (threads, batch
     size), its images/s, and every rate: the ceiling a caller reaches without a service."""
@@ -184,7 +189,7 @@ def bare_rate(tower: Any, images: list[bytes], batch_sizes: tuple[int, ...] = (1
             for bs in batch_sizes:
                 t0 = time.perf_counter()
                 for i in range(0, len(images), bs):
-                    chunk = [prep(b) for b in images[i:i + bs]] if prepared is None else prepared[i:i + bs]
+                    chunk = [prep(b) for b in images[i : i + bs]] if prepared is None else prepared[i : i + bs]
                     tower.forward(chunk)
                 rates[(nt, bs)] = len(images) / (time.perf_counter() - t0)
     finally:

@@ -69,8 +69,10 @@ def main() -> None:
                 vc.encode(screenshots[:n])
             resend[n] = (time.perf_counter() - t0) / 20
 
-    print(f"{args.conversations} conversations x {args.turns} turns, one new {args.size} screenshot per turn, "
-          "earlier ones resent by hash")
+    print(
+        f"{args.conversations} conversations x {args.turns} turns, one new {args.size} screenshot per turn, "
+        "earlier ones resent by hash"
+    )
     print(f"{'turn':>4} {'images sent':>11} {'forwards':>9} {'encode latency (ms, median)':>28}")
     for turn in range(args.turns):
         fw = sorted(set(forwards[turn]))
@@ -78,8 +80,10 @@ def main() -> None:
     first, last = statistics.median(latency[0]), statistics.median(latency[-1])
     print(f"forwards per turn: {sorted({f for fs in forwards for f in fs})} (must be [1])")
     print(f"latency turn {args.turns} / turn 1: {last / first:.2f} (goal <= 1.5)")
-    print(f"hash-only resend (all hits, client hashing included): {1000 * resend[1]:.1f} ms for 1 image, "
-          f"{1000 * resend[args.turns]:.1f} ms for {args.turns}")
+    print(
+        f"hash-only resend (all hits, client hashing included): {1000 * resend[1]:.1f} ms for 1 image, "
+        f"{1000 * resend[args.turns]:.1f} ms for {args.turns}"
+    )
 
 
 if __name__ == "__main__":

@@ -59,8 +59,7 @@ def main() -> int:
     for name in args.towers.split(","):
         tower = load_tower(name)
         for label, sizes in (("same", SAME), ("mixed", MIXED)):
-            prepared = [tower.preprocess(decode(c.jpeg(i, w, h), max_pixels=1 << 30))
-                        for i, (w, h) in enumerate(sizes)]
+            prepared = [tower.preprocess(decode(c.jpeg(i, w, h), max_pixels=1 << 30)) for i, (w, h) in enumerate(sizes)]
             tower.forward(prepared[:2])  # warm-up
             batches = engine_batches(tower, prepared)
             ratios, batched_rates = [], []
@@ -76,8 +75,10 @@ def main() -> int:
                 ratios.append(loop / batched)
                 batched_rates.append(8 / batched)
             rate = statistics.median(batched_rates)
-            print(f"  {name:16s} {label:5s}: {len(batches)} forward(s), batched {rate:6.1f} img/s, "
-                  f"batched / per-image loop = {statistics.median(ratios):.2f}x")
+            print(
+                f"  {name:16s} {label:5s}: {len(batches)} forward(s), batched {rate:6.1f} img/s, "
+                f"batched / per-image loop = {statistics.median(ratios):.2f}x"
+            )
     return 0
 
 

@@ -63,13 +63,13 @@ def service(redis: bool) -> Iterator[tuple[str, str | None]]:
         yield url, redis_url
 
 
-def redis_getrange(redis_url: str, fingerprint: str, placements: list[ImagePlacement],
-                   out: np.ndarray) -> Callable[[], None]:
+def redis_getrange(
+    redis_url: str, fingerprint: str, placements: list[ImagePlacement], out: np.ndarray
+) -> Callable[[], None]:
     """One pipelined round trip of GETRANGEs, each image's rows copied into ``out``."""
     import redis
 
-    from visenc.index.format import DATA_OFFSET
-    from visenc.index.keys import entry_key
+    from visenc_client.format import DATA_OFFSET, entry_key
 
     client = redis.Redis.from_url(redis_url)
     row_bytes = out.shape[1] * out.itemsize
@@ -98,8 +98,7 @@ def main() -> None:
     args = ap.parse_args()
     width, height = (int(x) for x in args.size.split("x"))
 
-    with service(HAS_REDIS_INDEX) as (url, redis_url), Client(url) as http, \
-            Client(url, shared_memory=True) as shm:
+    with service(HAS_REDIS_INDEX) as (url, redis_url), Client(url) as http, Client(url, shared_memory=True) as shm:
         handles = http.encode([png_bytes(40_000 + i, width, height) for i in range(args.images)])
         placements, at = [], 0
         for h in handles:
@@ -126,8 +125,10 @@ def main() -> None:
             assert out.tobytes() == reference
 
     nbytes = out.nbytes
-    print(f"{args.images} images {args.size}, {at} rows x {out.shape[1]} float32 = {nbytes / 2**20:.2f} MiB per fetch; "
-          f"median of {args.reps}")
+    print(
+        f"{args.images} images {args.size}, {at} rows x {out.shape[1]} float32 = {nbytes / 2**20:.2f} MiB per fetch; "
+        f"median of {args.reps}"
+    )
     print(f"{'transport':36} {'GB/s':>8} {'vs memcpy':>10}")
     for name, s in timed.items():
         print(f"{name:36} {nbytes / s / 1e9:8.2f} {timed['memcpy'] / s:10.3f}")

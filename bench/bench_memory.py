@@ -58,17 +58,23 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
     from visenc.config import Settings
-    from visenc.engine.encoder import EncodeItem, Encoder
-    from visenc.index.memory import MemoryIndex
+    from visenc.engine.core import Engine
+    from visenc.engine.interface import EncodeItem
+    from visenc.index.memory import MemoryLRU
+    from visenc.index.tiered import Index
     from visenc.metrics import Metrics
     from visenc.models.loading import load_tower
 
     torch.set_num_threads(args.threads)
     tower = load_tower(args.model, max_pixels=args.max_pixels)
-    settings = Settings(memory_budget_bytes=args.budget_mib * MiB, preprocess_workers=args.workers,
-                        request_timeout_s=3600, max_items=max(512, args.images))
+    settings = Settings(
+        memory_budget_bytes=args.budget_mib * MiB,
+        preprocess_workers=args.workers,
+        request_timeout_s=3600,
+        max_items=max(512, args.images),
+    )
     metrics = Metrics()
-    encoder = Encoder(tower, MemoryIndex(settings.cache_bytes, metrics), settings, metrics)
+    encoder = Engine(tower, Index(MemoryLRU(settings.cache_bytes, metrics)), settings, metrics)
     await encoder.start()
     try:
         warm = [EncodeItem(data=jpeg(10_000, 320, 240))]
@@ -90,16 +96,24 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
     budget = args.budget_mib * MiB
     growth = peak - base
     return {
-        "model": args.model, "images": args.images, "size": f"{args.width}x{args.height}",
-        "grid": list(tower.layout(args.width, args.height).grid_thw), "statuses": sorted(statuses),
-        "budget_bytes": budget, "batch_plan": {
+        "model": args.model,
+        "images": args.images,
+        "size": f"{args.width}x{args.height}",
+        "grid": list(tower.layout(args.width, args.height).grid_thw),
+        "statuses": sorted(statuses),
+        "budget_bytes": budget,
+        "batch_plan": {
             "max_batch_tokens": encoder.budget.max_batch_tokens,
             "max_batch_bytes": encoder.budget.max_batch_bytes,
             "prefetch_tokens": encoder.budget.prefetch_tokens,
         },
-        "one_image_estimate_bytes": largest, "output_bytes": out_bytes,
-        "request_bytes": sum(len(b) for b in images), "peak_growth_bytes": growth, "peak_reset": can_reset,
-        "forwards": int(metrics.forwards._value.get()), "elapsed_s": round(elapsed, 2),
+        "one_image_estimate_bytes": largest,
+        "output_bytes": out_bytes,
+        "request_bytes": sum(len(b) for b in images),
+        "peak_growth_bytes": growth,
+        "peak_reset": can_reset,
+        "forwards": int(metrics.forwards._value.get()),
+        "elapsed_s": round(elapsed, 2),
         "within_budget": growth <= budget + out_bytes,
     }
 
@@ -121,15 +135,21 @@ def main() -> int:
         print(json.dumps(r))
         return 0 if r["within_budget"] else 1
     m = lambda b: f"{int(b) / MiB:.0f} MiB"  # noqa: E731
-    print(f"{r['images']} images {r['size']} ({args.model}, grid {r['grid']}), one request, "
-          f"{r['forwards']} forwards, {r['elapsed_s']} s; statuses {r['statuses']}")
+    print(
+        f"{r['images']} images {r['size']} ({args.model}, grid {r['grid']}), one request, "
+        f"{r['forwards']} forwards, {r['elapsed_s']} s; statuses {r['statuses']}"
+    )
     print(f"  budget {m(r['budget_bytes'])}, plan {r['batch_plan']}")
-    print(f"  peak RSS growth {m(r['peak_growth_bytes'])}  vs  budget + outputs "
-          f"{m(r['budget_bytes'] + r['output_bytes'])}  (outputs {m(r['output_bytes'])}; "
-          f"request bodies {m(r['request_bytes'])}, held before the baseline)")
-    print(f"  ratio peak / (budget + outputs) = "
-          f"{r['peak_growth_bytes'] / (r['budget_bytes'] + r['output_bytes']):.2f}  "
-          f"-> {'WITHIN' if r['within_budget'] else 'OVER'} budget")
+    print(
+        f"  peak RSS growth {m(r['peak_growth_bytes'])}  vs  budget + outputs "
+        f"{m(r['budget_bytes'] + r['output_bytes'])}  (outputs {m(r['output_bytes'])}; "
+        f"request bodies {m(r['request_bytes'])}, held before the baseline)"
+    )
+    print(
+        f"  ratio peak / (budget + outputs) = "
+        f"{r['peak_growth_bytes'] / (r['budget_bytes'] + r['output_bytes']):.2f}  "
+        f"-> {'WITHIN' if r['within_budget'] else 'OVER'} budget"
+    )
     return 0 if r["within_budget"] else 1
 
 

@@ -57,9 +57,7 @@ def _time(fn: Callable[[], Any], repeat: int) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--repeat", type=int, default=20)
     parser.add_argument("--size", default="1280x720")
     args = parser.parse_args()

@@ -5,7 +5,7 @@ measured side by side in one run (alternating rounds, medians):
 
 1. **Fetch throughput** of one stored entry (default: a Qwen2.5-VL-7B-class
    image, 1196 tokens x 3584 hidden, bfloat16 = 8.6 MB): the service's Redis
-   tier (``RedisIndex.get_many``: GET + header/key checks, no copy) and the
+   tier (``RedisStore.get_many``: GET + header/key checks, no copy) and the
    client's direct read (``RedisRows.fetch_bytes``: GETRANGE of the rows), each
    as a ratio of a raw redis-py GET of the same bytes (both with hiredis).
 2. **Hit-path encode latency** (``POST /v1/encode`` with one known hash, the real
@@ -40,13 +40,13 @@ import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
 
-from visenc.api.app import create_app  # noqa: E402
+from visenc.bootstrap import create_app  # noqa: E402
 from visenc.config import Settings  # noqa: E402
-from visenc.index.format import pack_entry  # noqa: E402
-from visenc.index.keys import entry_key  # noqa: E402
-from visenc.index.redis import RedisIndex  # noqa: E402
+from visenc.index.redis_conn import RedisConnection  # noqa: E402
+from visenc.index.redis_store import RedisStore  # noqa: E402
 from visenc.metrics import Metrics  # noqa: E402
 from visenc_client import Handle, RedisRows  # noqa: E402
+from visenc_client.format import entry_key, pack_entry  # noqa: E402
 
 
 @contextlib.contextmanager
@@ -57,8 +57,9 @@ def redis_server() -> Iterator[str]:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"],
-                            stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL
+    )
     try:
         for _ in range(200):
             with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
@@ -95,7 +96,7 @@ async def fetch_throughput(url: str, tokens: int, hidden: int, rounds: int, reps
     key = entry_key("default", fp, h)
     raw = aioredis.Redis.from_url(url)
     await raw.set(key, bytes(entry.blob))
-    tier = RedisIndex.from_settings(Settings(redis_url=url), Metrics())
+    tier = RedisStore(RedisConnection.from_settings(Settings(redis_url=url), Metrics()), ttl_s=3600)
     sync_raw = redis.Redis.from_url(url)
     direct = RedisRows(redis.Redis.from_url(url), fingerprint=fp)
     handle = Handle(h, "ready", tokens, hidden, "bfloat16")
@@ -110,17 +111,23 @@ async def fetch_throughput(url: str, tokens: int, hidden: int, rounds: int, reps
         res["direct"].append(median_sync_s(lambda: direct.fetch_bytes(handle), reps))
     med = {k: statistics.median(v) for k, v in res.items()}
     mb = entry.nbytes / 1e6
-    print(f"\n1. fetch of one entry: {tokens} tokens x {hidden} hidden bf16 = {mb:.2f} MB "
-          f"(hiredis: {HIREDIS_AVAILABLE}; {rounds} rounds x {reps})")
+    print(
+        f"\n1. fetch of one entry: {tokens} tokens x {hidden} hidden bf16 = {mb:.2f} MB "
+        f"(hiredis: {HIREDIS_AVAILABLE}; {rounds} rounds x {reps})"
+    )
     print(f"   raw redis.asyncio GET          {med['raw'] * 1e3:7.2f} ms  {mb / med['raw']:8.0f} MB/s")
-    print(f"   RedisIndex.get_many (service)  {med['tier'] * 1e3:7.2f} ms  {mb / med['tier']:8.0f} MB/s  "
-          f"ratio to raw GET: {med['raw'] / med['tier']:.2f}")
+    print(
+        f"   RedisStore.get_many (service)  {med['tier'] * 1e3:7.2f} ms  {mb / med['tier']:8.0f} MB/s  "
+        f"ratio to raw GET: {med['raw'] / med['tier']:.2f}"
+    )
     print(f"   raw redis GET (sync)           {med['sync_raw'] * 1e3:7.2f} ms  {mb / med['sync_raw']:8.0f} MB/s")
-    print(f"   RedisRows.fetch_bytes (client) {med['direct'] * 1e3:7.2f} ms  {mb / med['direct']:8.0f} MB/s  "
-          f"ratio to raw GET: {med['sync_raw'] / med['direct']:.2f}")
+    print(
+        f"   RedisRows.fetch_bytes (client) {med['direct'] * 1e3:7.2f} ms  {mb / med['direct']:8.0f} MB/s  "
+        f"ratio to raw GET: {med['sync_raw'] / med['direct']:.2f}"
+    )
     await raw.flushdb()
     await raw.aclose()
-    await tier.close()
+    await tier.conn.close()
     sync_raw.close()
     direct.close()
 
@@ -144,7 +151,8 @@ async def hit_latency(url: str, rounds: int, reps: int) -> None:
             app = create_app(settings, tower=tower)
             await stack.enter_async_context(app.router.lifespan_context(app))
             c = await stack.enter_async_context(
-                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://visenc"))
+                httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://visenc")
+            )
             r = await c.post("/v1/encode", json={"items": [{"data": base64.b64encode(image).decode()}]})
             assert r.json()["items"][0]["status"] == "ready", r.text
             clients[name] = (c, r.json()["items"][0]["hash"])
@@ -159,8 +167,9 @@ async def hit_latency(url: str, rounds: int, reps: int) -> None:
             for name, (c, h) in clients.items():
                 res[name].append(await median_s(lambda c=c, h=h: hit(c, h), reps))
     base = statistics.median(res["in-process only"])
-    print(f"\n2. hit-path encode latency, POST /v1/encode with one known hash, in-process ASGI "
-          f"({rounds} rounds x {reps})")
+    print(
+        f"\n2. hit-path encode latency, POST /v1/encode with one known hash, in-process ASGI ({rounds} rounds x {reps})"
+    )
     for name, v in res.items():
         m = statistics.median(v)
         print(f"   {name:24s} {m * 1e3:7.3f} ms   x{m / base:.2f} of in-process only")

@@ -44,8 +44,11 @@ import _common as c  # noqa: E402
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", default=None, help="registry name or folder (default: tiny-clip, or the "
-                   "peer's tiny-clip folder with --infinity)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="registry name or folder (default: tiny-clip, or the peer's tiny-clip folder with --infinity)",
+    )
     p.add_argument("--images", type=int, default=64, help="distinct images per measurement")
     p.add_argument("--size", default="640x480", help="image size WxH")
     p.add_argument("--rounds", type=int, default=3)
@@ -62,24 +65,27 @@ def main() -> int:
 
     peer = args.infinity
     if peer is not None and not (peer / "venv" / "bin" / "infinity_emb").exists():
-        print(f"note: no Infinity install under {peer} (run shared/peers/infinity/setup.sh {peer}); "
-              "skipping the peer")
+        print(f"note: no Infinity install under {peer} (run shared/peers/infinity/setup.sh {peer}); skipping the peer")
         peer = None
     model = args.model or (str(peer / "tiny-clip") if peer else "tiny-clip")
     w, h = (int(x) for x in args.size.split("x"))
     images = [c.jpeg(i, w, h) for i in range(args.images)]
     torch.set_num_threads(os.cpu_count() or 1)
     tower = load_tower(model)
-    print(f"model {model} ({tower.describe()['name']}), {args.images} images {args.size}, "
-          f"{args.concurrency} concurrent single-image clients, {args.rounds} rounds, {os.cpu_count()} cores")
+    print(
+        f"model {model} ({tower.describe()['name']}), {args.images} images {args.size}, "
+        f"{args.concurrency} concurrent single-image clients, {args.rounds} rounds, {os.cpu_count()} cores"
+    )
 
     # calibrate the bare loop once (each config twice, median), then keep the best config
     _, _, first = c.bare_rate(tower, images[:32], (1, 4, 8, 16))
     _, _, second = c.bare_rate(tower, images[:32], (1, 4, 8, 16))
     calib = {k: statistics.median([first[k], second[k]]) for k in first}
     configs = tuple(max((k for k in calib if k[0] == t), key=lambda k: calib[k]) for t in sorted({k[0] for k in calib}))
-    print(f"bare loop calibration (img/s): {', '.join(f't{t}b{b} {v:.1f}' for (t, b), v in calib.items())}"
-          f" -> per round, the better of {configs} (threads, batch)")
+    print(
+        f"bare loop calibration (img/s): {', '.join(f't{t}b{b} {v:.1f}' for (t, b), v in calib.items())}"
+        f" -> per round, the better of {configs} (threads, batch)"
+    )
 
     logs = Path(tempfile.mkdtemp(prefix="visenc-bench-"))
     env = c.service_env()
@@ -87,22 +93,53 @@ def main() -> int:
     senders: dict[str, Callable[[int], c.Send]] = {}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with contextlib.ExitStack() as stack:
-        procs["visenc"] = stack.enter_context(c.server(c.visenc_cmd(model, vport, *args.serve_args.split()),
-                                     f"http://127.0.0.1:{vport}/readyz", env, logs / "visenc.log"))
+        procs["visenc"] = stack.enter_context(
+            c.server(
+                c.visenc_cmd(model, vport, *args.serve_args.split()),
+                f"http://127.0.0.1:{vport}/readyz",
+                env,
+                logs / "visenc.log",
+            )
+        )
         senders["visenc"] = lambda r: c.visenc_sender(f"http://127.0.0.1:{vport}", f"bench{r}")
         if not args.no_naive:
-            procs["naive"] = stack.enter_context(c.server(
-                [c.PYTHON, str(c.ROOT / "bench" / "naive_server.py"), "--model", model, "--port", str(nport)],
-                f"http://127.0.0.1:{nport}/healthz", env, logs / "naive.log"))
+            procs["naive"] = stack.enter_context(
+                c.server(
+                    [c.PYTHON, str(c.ROOT / "bench" / "naive_server.py"), "--model", model, "--port", str(nport)],
+                    f"http://127.0.0.1:{nport}/healthz",
+                    env,
+                    logs / "naive.log",
+                )
+            )
             senders["naive"] = lambda r: c.raw_sender(f"http://127.0.0.1:{nport}/encode")
         if peer is not None:
-            infinity_env = {"HF_HUB_OFFLINE": "1", "DO_NOT_TRACK": "1", "INFINITY_ANONYMOUS_USAGE_STATS": "0",
-                            "INFINITY_HOME": str(peer / "infhome")}
-            cmd = [str(peer / "venv" / "bin" / "infinity_emb"), "v2", "--model-id", model, "--device", "cpu",
-                   "--engine", "torch", "--host", "127.0.0.1", "--port", str(iport), "--batch-size", "32",
-                   "--no-vector-disk-cache", "--no-compile"]
-            procs["infinity"] = stack.enter_context(c.server(cmd, f"http://127.0.0.1:{iport}/health", infinity_env,
-                                         logs / "infinity.log"))
+            infinity_env = {
+                "HF_HUB_OFFLINE": "1",
+                "DO_NOT_TRACK": "1",
+                "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+                "INFINITY_HOME": str(peer / "infhome"),
+            }
+            cmd = [
+                str(peer / "venv" / "bin" / "infinity_emb"),
+                "v2",
+                "--model-id",
+                model,
+                "--device",
+                "cpu",
+                "--engine",
+                "torch",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(iport),
+                "--batch-size",
+                "32",
+                "--no-vector-disk-cache",
+                "--no-compile",
+            ]
+            procs["infinity"] = stack.enter_context(
+                c.server(cmd, f"http://127.0.0.1:{iport}/health", infinity_env, logs / "infinity.log")
+            )
             name = "/".join(Path(model).parts[-2:])
             senders["infinity"] = lambda r: c.infinity_sender(f"http://127.0.0.1:{iport}", name)
         for make in senders.values():  # first requests (lazy init, thread pools) are not measured
@@ -122,7 +159,8 @@ def main() -> int:
                 rows.setdefault(key, []).append(asyncio.run(c.clients_rate(images, send, args.concurrency)))
                 if key in ("visenc", "infinity"):  # the same images again
                     rows.setdefault(f"{key}_repeat", []).append(
-                        asyncio.run(c.clients_rate(images, send, args.concurrency)))
+                        asyncio.run(c.clients_rate(images, send, args.concurrency))
+                    )
                 c.pause(procs[key])
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()) + " img/s")
 

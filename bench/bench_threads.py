@@ -43,20 +43,27 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         for t, w in splits:
             port = c.free_port()
-            proc = stack.enter_context(c.server(
-                c.visenc_cmd(args.model, port, "--torch-threads", str(t), "--preprocess-workers", str(w)),
-                f"http://127.0.0.1:{port}/readyz", env))
+            proc = stack.enter_context(
+                c.server(
+                    c.visenc_cmd(args.model, port, "--torch-threads", str(t), "--preprocess-workers", str(w)),
+                    f"http://127.0.0.1:{port}/readyz",
+                    env,
+                )
+            )
             c.pause(proc)
             procs[(t, w)] = (proc, port)
         for r in range(args.rounds):
             for s, (proc, port) in procs.items():
                 c.resume(proc)
-                rates[s].append(asyncio.run(c.clients_rate(images, c.visenc_sender(f"http://127.0.0.1:{port}",
-                                                                                   f"r{r}"))))
+                rates[s].append(
+                    asyncio.run(c.clients_rate(images, c.visenc_sender(f"http://127.0.0.1:{port}", f"r{r}")))
+                )
                 c.pause(proc)
     base = statistics.median(rates[default])
-    print(f"{args.model}, {cores} cores, 8 concurrent single-image clients, {args.images} cold images x "
-          f"{args.rounds} rounds")
+    print(
+        f"{args.model}, {cores} cores, 8 concurrent single-image clients, {args.images} cold images x "
+        f"{args.rounds} rounds"
+    )
     for s in splits:
         m = statistics.median(rates[s])
         tag = "  (default)" if s == default else ""

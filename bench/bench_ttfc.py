@@ -62,8 +62,7 @@ def forwards(url: str) -> int:
     return int(float(m.group(1))) if m else 0
 
 
-def prefill(vc: Client, datas: list[bytes], *, lazy: bool, chunk: int,
-            text: int) -> tuple[float, float, int, int]:
+def prefill(vc: Client, datas: list[bytes], *, lazy: bool, chunk: int, text: int) -> tuple[float, float, int, int]:
     """(s to chunk 1's rows, s to the last chunk's rows, images chunk 1 overlaps, image tokens)."""
     t0 = time.perf_counter()
     handles = vc.encode(datas, wait=not lazy)
@@ -94,24 +93,29 @@ def main() -> None:
             order = ["lazy", "naive"] if r % 2 == 0 else ["naive", "lazy"]
             for kind in order:
                 before = forwards(url)
-                first, every, k, tokens = prefill(vc, images(r, kind == "naive"), lazy=kind == "lazy",
-                                                  chunk=args.chunk, text=args.text)
+                first, every, k, tokens = prefill(
+                    vc, images(r, kind == "naive"), lazy=kind == "lazy", chunk=args.chunk, text=args.text
+                )
                 results[kind].append((first, every))
                 batches[kind].append(forwards(url) - before)
             t0 = time.perf_counter()
             vc.encode(images(r, 2)[:k])  # only chunk 1's images, new copies, alone
             alone.append(time.perf_counter() - t0)
 
-    print(f"32 new images (~{tokens} image tokens), chunk {args.chunk} positions, chunk 1 overlaps {k} images; "
-          f"median of {args.rounds} rounds")
+    print(
+        f"32 new images (~{tokens} image tokens), chunk {args.chunk} positions, chunk 1 overlaps {k} images; "
+        f"median of {args.rounds} rounds"
+    )
     print(f"{'client':8} {'chunk 1 (s)':>12} {'all 32 (s)':>11} {'ratio first/all':>16} {'forwards':>9}")
     for kind in ("lazy", "naive"):
         first = statistics.median(f for f, _ in results[kind])
         every = statistics.median(a for _, a in results[kind])
         print(f"{kind:8} {first:12.3f} {every:11.3f} {first / every:16.3f} {statistics.median(batches[kind]):9.0f}")
     lazy_first = statistics.median(f for f, _ in results["lazy"])
-    print(f"encoding chunk 1's {k} images alone: {statistics.median(alone):.3f} s "
-          f"(lazy chunk 1 / that = {lazy_first / statistics.median(alone):.2f})")
+    print(
+        f"encoding chunk 1's {k} images alone: {statistics.median(alone):.3f} s "
+        f"(lazy chunk 1 / that = {lazy_first / statistics.median(alone):.2f})"
+    )
 
 
 if __name__ == "__main__":

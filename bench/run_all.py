@@ -25,8 +25,14 @@ def main() -> int:
         runs.append(["bench_preprocess.py"])
     runs += [
         ["bench_batching.py", "--rounds", "3"],
-        ["bench_service.py", "--images", "32", "--rounds", "2",
-         *(["--infinity", args.infinity] if args.infinity else [])],
+        [
+            "bench_service.py",
+            "--images",
+            "32",
+            "--rounds",
+            "2",
+            *(["--infinity", args.infinity] if args.infinity else []),
+        ],
         ["bench_memory.py", "--max-pixels", "200704", "--budget-mib", "128"],
     ]
     failed = 0

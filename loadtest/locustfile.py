@@ -71,36 +71,105 @@ log = logging.getLogger("visenc.loadtest")
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser: Any) -> None:
-    parser.add_argument("--scenario", choices=SCENARIOS, default=None, include_in_web_ui=True,
-                       help="User class to run (default: every class left after --tags / class names).")
-    parser.add_argument("--image-size", default="1280x720", include_in_web_ui=True,
-                       help="WIDTHxHEIGHT of generated screenshots (CPU runs: e.g. 320x180).")
-    parser.add_argument("--chunk-tokens", type=int, default=512, include_in_web_ui=True,
-                       help="Token rows per prefill chunk (one fetch request each).")
-    parser.add_argument("--fetch-mode", choices=("batch", "get"), default="batch", include_in_web_ui=True,
-                        help="Fetch a chunk with one POST /v1/embeddings/fetch, or one GET per image range.")
-    parser.add_argument("--agent-turns", type=int, default=8, include_in_web_ui=True,
-                       help="Turns of one agent conversation before it starts a new one.")
-    parser.add_argument("--agent-fetch", choices=("all", "new"), default="all", include_in_web_ui=True,
-                       help="Fetch every image's rows each turn (no prefix cache) or only the new image's.")
-    parser.add_argument("--probe-max", type=int, default=8, include_in_web_ui=True,
-                       help="The probe cycles through requests of 1..N images.")
-    parser.add_argument("--images-per-request", type=int, default=4, include_in_web_ui=True,
-                       help="Images per request of the cold, hot and mixed scenarios.")
-    parser.add_argument("--hit-ratio", type=float, default=0.5, include_in_web_ui=True,
-                       help="mixed: probability that an image comes from the cached pool.")
-    parser.add_argument("--hot-pool", type=int, default=16, include_in_web_ui=True,
-                       help="Images in the shared pool that hot and mixed warm at start.")
-    parser.add_argument("--upload", choices=("hash-first", "bytes"), default="hash-first",
-                       include_in_web_ui=True, help="Send hashes first, or bytes with every item.")
-    parser.add_argument("--encode-wait", action="store_true", default=False,
-                       help="Encode with wait=true (the answer comes when every image is encoded).")
-    parser.add_argument("--think-time", type=float, default=0.2, include_in_web_ui=True,
-                       help="Seconds a user pauses between requests (turns).")
-    parser.add_argument("--run-id", default=uuid.uuid4().hex[:12],
-                       help="Salt of every generated image: the same id regenerates the same images.")
-    parser.add_argument("--stages", default=DEFAULT_STAGES,
-                       help="StagedShape (loadtest/shapes.py): END_S:USERS:SPAWN_RATE, comma-separated.")
+    parser.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default=None,
+        include_in_web_ui=True,
+        help="User class to run (default: every class left after --tags / class names).",
+    )
+    parser.add_argument(
+        "--image-size",
+        default="1280x720",
+        include_in_web_ui=True,
+        help="WIDTHxHEIGHT of generated screenshots (CPU runs: e.g. 320x180).",
+    )
+    parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        default=512,
+        include_in_web_ui=True,
+        help="Token rows per prefill chunk (one fetch request each).",
+    )
+    parser.add_argument(
+        "--fetch-mode",
+        choices=("batch", "get"),
+        default="batch",
+        include_in_web_ui=True,
+        help="Fetch a chunk with one POST /v1/embeddings/fetch, or one GET per image range.",
+    )
+    parser.add_argument(
+        "--agent-turns",
+        type=int,
+        default=8,
+        include_in_web_ui=True,
+        help="Turns of one agent conversation before it starts a new one.",
+    )
+    parser.add_argument(
+        "--agent-fetch",
+        choices=("all", "new"),
+        default="all",
+        include_in_web_ui=True,
+        help="Fetch every image's rows each turn (no prefix cache) or only the new image's.",
+    )
+    parser.add_argument(
+        "--probe-max",
+        type=int,
+        default=8,
+        include_in_web_ui=True,
+        help="The probe cycles through requests of 1..N images.",
+    )
+    parser.add_argument(
+        "--images-per-request",
+        type=int,
+        default=4,
+        include_in_web_ui=True,
+        help="Images per request of the cold, hot and mixed scenarios.",
+    )
+    parser.add_argument(
+        "--hit-ratio",
+        type=float,
+        default=0.5,
+        include_in_web_ui=True,
+        help="mixed: probability that an image comes from the cached pool.",
+    )
+    parser.add_argument(
+        "--hot-pool",
+        type=int,
+        default=16,
+        include_in_web_ui=True,
+        help="Images in the shared pool that hot and mixed warm at start.",
+    )
+    parser.add_argument(
+        "--upload",
+        choices=("hash-first", "bytes"),
+        default="hash-first",
+        include_in_web_ui=True,
+        help="Send hashes first, or bytes with every item.",
+    )
+    parser.add_argument(
+        "--encode-wait",
+        action="store_true",
+        default=False,
+        help="Encode with wait=true (the answer comes when every image is encoded).",
+    )
+    parser.add_argument(
+        "--think-time",
+        type=float,
+        default=0.2,
+        include_in_web_ui=True,
+        help="Seconds a user pauses between requests (turns).",
+    )
+    parser.add_argument(
+        "--run-id",
+        default=uuid.uuid4().hex[:12],
+        help="Salt of every generated image: the same id regenerates the same images.",
+    )
+    parser.add_argument(
+        "--stages",
+        default=DEFAULT_STAGES,
+        help="StagedShape (loadtest/shapes.py): END_S:USERS:SPAWN_RATE, comma-separated.",
+    )
 
 
 @events.init.add_listener
@@ -114,18 +183,22 @@ def _select_users(environment: Any, **_: Any) -> None:
         return
     scenario = getattr(options, "scenario", None)
     tags, excluded = set(options.tags or ()), set(options.exclude_tags or ())
-    keep = [u for u in environment.user_classes
-            if (u.scenario == scenario if scenario else (not tags or u.scenario in tags))
-            and u.scenario not in excluded]
+    keep = [
+        u
+        for u in environment.user_classes
+        if (u.scenario == scenario if scenario else (not tags or u.scenario in tags)) and u.scenario not in excluded
+    ]
     if not keep:
         raise SystemExit(f"no user class left for scenario={scenario!r} tags={options.tags!r}")
     environment.user_classes[:] = keep
 
 
-def _record(environment: Any, request_type: str, name: str, ms: float, length: int = 0,
-            exception: Exception | None = None) -> None:
-    environment.events.request.fire(request_type=request_type, name=name, response_time=ms,
-                                    response_length=length, exception=exception, context={})
+def _record(
+    environment: Any, request_type: str, name: str, ms: float, length: int = 0, exception: Exception | None = None
+) -> None:
+    environment.events.request.fire(
+        request_type=request_type, name=name, response_time=ms, response_length=length, exception=exception, context={}
+    )
 
 
 class _Image:
@@ -173,8 +246,9 @@ class VisencUser(FastHttpUser):
     def _encode(self, name: str, images: list[_Image], with_data: bool, allowed: frozenset[str]) -> list[dict]:
         items = [{"hash": im.hash, "data": im.data} if with_data else {"hash": im.hash} for im in images]
         wait = bool(self.opts.encode_wait)
-        with self.client.post("/v1/encode", data=encode_body(items, wait), headers=HEADERS, name=name,
-                              catch_response=True) as resp:
+        with self.client.post(
+            "/v1/encode", data=encode_body(items, wait), headers=HEADERS, name=name, catch_response=True
+        ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
                 return []
@@ -201,8 +275,13 @@ class VisencUser(FastHttpUser):
             if h["status"] != "missing":
                 _record(self.environment, "images", "hit", 0.0)
             elif self.expect_hits:  # hot: the pool was warmed, so a miss means the index dropped it
-                _record(self.environment, "images", "miss", 0.0, exception=PayloadError(
-                    "a warmed pool image answered missing (evicted? index too small)"))
+                _record(
+                    self.environment,
+                    "images",
+                    "miss",
+                    0.0,
+                    exception=PayloadError("a warmed pool image answered missing (evicted? index too small)"),
+                )
             else:
                 _record(self.environment, "images", "miss", 0.0)
         if missing:
@@ -228,19 +307,26 @@ class VisencUser(FastHttpUser):
         for k, chunk in enumerate(plan_chunks([h["num_tokens"] for h in fetched], self.opts.chunk_tokens)):
             ranges = [(fetched[r.index]["hash"], r.start, r.end) for r in chunk]
             chunk_handles = [fetched[r.index] for r in chunk]
-            if not (self.fetch_batch(ranges, chunk_handles) if self.opts.fetch_mode == "batch"
-                    else all(self.fetch_get(rng, h) for rng, h in zip(ranges, chunk_handles))):
+            if not (
+                self.fetch_batch(ranges, chunk_handles)
+                if self.opts.fetch_mode == "batch"
+                else all(self.fetch_get(rng, h) for rng, h in zip(ranges, chunk_handles))
+            ):
                 return False
             if k == 0:
                 _record(self.environment, "TTFC", label, (time.perf_counter() - t0) * 1000.0)
         _record(self.environment, "TTA", label, (time.perf_counter() - t0) * 1000.0)
         return True
 
-
     def fetch_batch(self, ranges: list[tuple[str, int, int]], handles: list[dict]) -> bool:
         """One chunk's ranges in one ``POST /v1/embeddings/fetch``."""
-        with self.client.post("/v1/embeddings/fetch", data=fetch_body(ranges), headers=HEADERS,
-                              name="/v1/embeddings/fetch [chunk]", catch_response=True) as resp:
+        with self.client.post(
+            "/v1/embeddings/fetch",
+            data=fetch_body(ranges),
+            headers=HEADERS,
+            name="/v1/embeddings/fetch [chunk]",
+            catch_response=True,
+        ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
                 return False
@@ -254,8 +340,9 @@ class VisencUser(FastHttpUser):
     def fetch_get(self, rng: tuple[str, int, int], handle: dict) -> bool:
         """One image's part of a chunk with ``GET /v1/embeddings/{hash}?start=&end=``."""
         h, start, end = rng
-        with self.client.get(f"/v1/embeddings/{h}?start={start}&end={end}", name="/v1/embeddings/{hash}",
-                             catch_response=True) as resp:
+        with self.client.get(
+            f"/v1/embeddings/{h}?start={start}&end={end}", name="/v1/embeddings/{hash}", catch_response=True
+        ) as resp:
             if resp.status_code != 200:
                 resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
                 return False
@@ -348,6 +435,8 @@ class MixedUser(_PoolUser):
     @task
     def mixed(self) -> None:
         o = self.opts
-        images = [self.rng.choice(self.pool) if self.rng.random() < o.hit_ratio else self.new_image("mixed")
-                  for _ in range(o.images_per_request)]
+        images = [
+            self.rng.choice(self.pool) if self.rng.random() < o.hit_ratio else self.new_image("mixed")
+            for _ in range(o.images_per_request)
+        ]
         self.prefill(images)

@@ -197,8 +197,7 @@ def check_handles(body: bytes, hashes: Sequence[str], allowed: frozenset[str]) -
             raise PayloadError(f"item {i}: hash {item.get('hash')!r} is not the one sent ({h})")
         status = item.get("status")
         if status not in allowed:
-            raise PayloadError(f"item {i}: status {status!r} (expected one of {sorted(allowed)}): "
-                               f"{item.get('error')}")
+            raise PayloadError(f"item {i}: status {status!r} (expected one of {sorted(allowed)}): {item.get('error')}")
         if status in ("ready", "pending"):
             if not (isinstance(item.get("num_tokens"), int) and item["num_tokens"] > 0):
                 raise PayloadError(f"item {i}: num_tokens {item.get('num_tokens')!r} is not a positive int")
@@ -209,11 +208,13 @@ def check_handles(body: bytes, hashes: Sequence[str], allowed: frozenset[str]) -
     return list(items)
 
 
-def _check_rows(label: str, rows: int, hidden: int, dtype: str, data: bytes | memoryview,
-                expect: dict[str, Any]) -> None:
+def _check_rows(
+    label: str, rows: int, hidden: int, dtype: str, data: bytes | memoryview, expect: dict[str, Any]
+) -> None:
     if (hidden, dtype) != (expect["hidden_size"], expect["dtype"]):
-        raise PayloadError(f"{label}: hidden/dtype {hidden}/{dtype} differ from the handle's "
-                           f"{expect['hidden_size']}/{expect['dtype']}")
+        raise PayloadError(
+            f"{label}: hidden/dtype {hidden}/{dtype} differ from the handle's {expect['hidden_size']}/{expect['dtype']}"
+        )
     want = rows * hidden * ITEMSIZE[dtype]
     if len(data) != want:
         raise PayloadError(f"{label}: {len(data)} bytes for {rows} rows x {hidden} x {dtype} (want {want})")
@@ -242,8 +243,12 @@ class RowLedger:
                 raise PayloadError(f"{image_hash[:12]} row {start + i} differs from an earlier read")
 
 
-def check_rows_body(body: bytes, ranges: Sequence[tuple[str, int, int]],
-                    handles: Sequence[dict[str, Any]], ledger: RowLedger | None = None) -> int:
+def check_rows_body(
+    body: bytes,
+    ranges: Sequence[tuple[str, int, int]],
+    handles: Sequence[dict[str, Any]],
+    ledger: RowLedger | None = None,
+) -> int:
     """Check a ``POST /v1/embeddings/fetch`` answer against the ranges asked; returns the row bytes.
 
     ``handles[k]`` is the encode handle of ``ranges[k]``'s image (for hidden
@@ -279,8 +284,9 @@ def check_rows_body(body: bytes, ranges: Sequence[tuple[str, int, int]],
     return total
 
 
-def check_rows_get(headers: Any, content: bytes, start: int, end: int, handle: dict[str, Any],
-                   ledger: RowLedger | None = None) -> None:
+def check_rows_get(
+    headers: Any, content: bytes, start: int, end: int, handle: dict[str, Any], ledger: RowLedger | None = None
+) -> None:
     """Check a ``GET /v1/embeddings/{hash}`` answer: shape header, dtype header, byte count."""
     shape = headers.get("X-Visenc-Shape") or headers.get("x-visenc-shape")
     dtype = headers.get("X-Visenc-Dtype") or headers.get("x-visenc-dtype")

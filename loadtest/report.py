@@ -72,8 +72,7 @@ class Run:
         wanted = set(types)
         return [r for r in self.stats if r["Type"] in wanted and r["Name"] != "Aggregated"]
 
-    def series(self, type_: str, name: str, column: str, active_only: bool = False
-               ) -> tuple[list[float], list[float]]:
+    def series(self, type_: str, name: str, column: str, active_only: bool = False) -> tuple[list[float], list[float]]:
         """(seconds since start, value) of one history column of one entry.
 
         ``active_only`` leaves out seconds whose window saw no request of the
@@ -127,8 +126,9 @@ def _rate(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]:
     return out_x, out_y
 
 
-def _smooth_ratio(hits: dict[float, float], misses: dict[float, float], window_s: float = 5.0
-                  ) -> tuple[list[float], list[float]]:
+def _smooth_ratio(
+    hits: dict[float, float], misses: dict[float, float], window_s: float = 5.0
+) -> tuple[list[float], list[float]]:
     """hits / (hits + misses) over a trailing window, per second with any traffic in the window."""
     times = sorted(set(hits) | set(misses))
     xs, ys = [], []
@@ -159,8 +159,7 @@ def plot_latency(run: Run, ax: Axes) -> None:
         for col, style in (("50%", "-"), ("95%", "--"), ("99%", ":")):
             xs, ys = run.series(entry["Type"], entry["Name"], col, active_only=True)
             ax.plot(xs, ys, style, color=c, label=f"{entry['Name']} p{col[:-1]}" if col != "99%" else None)
-    ax.set(title="Latency percentiles over time (last-10 s window; dotted: p99)", xlabel="s since start",
-           ylabel="ms")
+    ax.set(title="Latency percentiles over time (last-10 s window; dotted: p99)", xlabel="s since start", ylabel="ms")
     ax.set_yscale("symlog", linthresh=1)  # Locust rounds to whole ms; sub-ms answers show as 0
     ax.set_ylim(bottom=0)
     users_x, users = run.series("", "Aggregated", "User Count")
@@ -198,8 +197,11 @@ def _smooth_window(xs: list[float], ys: list[float], window_s: float = 5.0) -> t
 
 
 def _by_images(run: Run, type_: str) -> tuple[list[int], list[float], list[float]]:
-    rows = sorted((int(r["Name"].split("=")[1]), _num(r["50%"]), _num(r["95%"]))
-                  for r in run.entries([type_]) if r["Name"].startswith("n="))
+    rows = sorted(
+        (int(r["Name"].split("=")[1]), _num(r["50%"]), _num(r["95%"]))
+        for r in run.entries([type_])
+        if r["Name"].startswith("n=")
+    )
     return [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
 
 
@@ -209,8 +211,7 @@ def plot_ttfc(run: Run, ax: Axes) -> None:
         if n:
             ax.plot(n, p50, "o-", color=color, label=f"{type_} median")
             ax.plot(n, p95, "s--", color=color, alpha=0.6, label=f"{type_} p95")
-    ax.set(title="Time to first chunk / to all rows vs images per request", xlabel="images in the request",
-           ylabel="ms")
+    ax.set(title="Time to first chunk / to all rows vs images per request", xlabel="images in the request", ylabel="ms")
     ax.set_ylim(bottom=0)
     _legend(ax, fontsize=7)
 
@@ -235,8 +236,12 @@ def _deltas(xs: list[float], ys: list[float]) -> tuple[list[float], list[float]]
     return xs[1:], [max(0.0, b - a) for a, b in itertools.pairwise(ys)]
 
 
-PLOTTERS = {"latency.png": plot_latency, "throughput.png": plot_throughput, "ttfc.png": plot_ttfc,
-            "hit_ratio.png": plot_hit_ratio}
+PLOTTERS = {
+    "latency.png": plot_latency,
+    "throughput.png": plot_throughput,
+    "ttfc.png": plot_ttfc,
+    "hit_ratio.png": plot_hit_ratio,
+}
 
 
 def render_plots(run: Run) -> list[Path]:
@@ -281,60 +286,96 @@ def summary(run: Run) -> str:
     duration = float(info.get("duration_s") or 0.0)
     lines = [f"# Load test: {info.get('scenario', '?')}", ""]
     if info:
-        lines += [f"- target: `{info.get('url')}` ({info.get('server')})",
-                  f"- command: `{info.get('locust_command')}`",
-                  f"- duration: {duration:.1f} s, Locust exit code {info.get('locust_rc')}", ""]
+        lines += [
+            f"- target: `{info.get('url')}` ({info.get('server')})",
+            f"- command: `{info.get('locust_command')}`",
+            f"- duration: {duration:.1f} s, Locust exit code {info.get('locust_rc')}",
+            "",
+        ]
     lines += [f"**{total_req} HTTP requests, {total_fail} failures.**", ""]
     lines += ["## HTTP requests (ms)", ""]
-    lines += _table(["request", "count", "failures", "median", "p95", "p99", "max", "req/s"],
-                    [[f"`{r['Type']} {r['Name']}`", r["Request Count"], r["Failure Count"], _ms(r["50%"]),
-                      _ms(r["95%"]), _ms(r["99%"]), _ms(r["Max Response Time"]), f"{_num(r['Requests/s']):.2f}"]
-                     for r in http])
+    lines += _table(
+        ["request", "count", "failures", "median", "p95", "p99", "max", "req/s"],
+        [
+            [
+                f"`{r['Type']} {r['Name']}`",
+                r["Request Count"],
+                r["Failure Count"],
+                _ms(r["50%"]),
+                _ms(r["95%"]),
+                _ms(r["99%"]),
+                _ms(r["Max Response Time"]),
+                f"{_num(r['Requests/s']):.2f}",
+            ]
+            for r in http
+        ],
+    )
     ttfc = {r["Name"]: r for r in run.entries(["TTFC"])}
     tta = {r["Name"]: r for r in run.entries(["TTA"])}
     if ttfc:
         lines += ["", "## Time to first chunk / to all rows, by images per request (ms)", ""]
-        lines += _table(["images", "requests", "TTFC median", "TTFC p95", "TTA median", "TTA p95"],
-                        [[n.split("=")[1].lstrip("0"), r["Request Count"], _ms(r["50%"]), _ms(r["95%"]),
-                          _ms(tta.get(n, {}).get("50%")), _ms(tta.get(n, {}).get("95%"))]
-                         for n, r in sorted(ttfc.items())])
+        lines += _table(
+            ["images", "requests", "TTFC median", "TTFC p95", "TTA median", "TTA p95"],
+            [
+                [
+                    n.split("=")[1].lstrip("0"),
+                    r["Request Count"],
+                    _ms(r["50%"]),
+                    _ms(r["95%"]),
+                    _ms(tta.get(n, {}).get("50%")),
+                    _ms(tta.get(n, {}).get("95%")),
+                ]
+                for n, r in sorted(ttfc.items())
+            ],
+        )
     server = run.entries(["server"])
     lines += ["", "## Server timing headers (ms)", ""]
     if server:
-        lines += _table(["header", "count", "median", "p95", "p99"],
-                        [[r["Name"], r["Request Count"], _ms(r["50%"]), _ms(r["95%"]), _ms(r["99%"])]
-                         for r in server])
+        lines += _table(
+            ["header", "count", "median", "p95", "p99"],
+            [[r["Name"], r["Request Count"], _ms(r["50%"]), _ms(r["95%"]), _ms(r["99%"])] for r in server],
+        )
     else:
         lines += ["The service sent no `X-Visenc-Queue-Time` / `X-Visenc-Encode-Time` headers."]
     images = {r["Name"]: int(r["Request Count"]) for r in run.entries(["images"])}
     hit, miss = images.get("hit", 0), images.get("miss", 0)
     lines += ["", "## Images", ""]
     if hit + miss:
-        lines += [f"- hash-first: {hit} answered from the index, {miss} uploaded: client hit ratio "
-                  f"{hit / (hit + miss):.1%}"]
+        lines += [
+            f"- hash-first: {hit} answered from the index, {miss} uploaded: client hit ratio {hit / (hit + miss):.1%}"
+        ]
     if duration and hit + miss:
         lines += [f"- images requested: {(hit + miss) / duration:.2f}/s over the run"]
     for tier in run.scraped_tiers():
         h = _last_delta(run.scraped("visenc_cache_lookups_total", tier=tier, result="hit")[1])
         m = _last_delta(run.scraped("visenc_cache_lookups_total", tier=tier, result="miss")[1])
         if h + m:
-            lines += [f"- server `{tier}` tier: {h:.0f} hits / {h + m:.0f} lookups = {h / (h + m):.1%} "
-                      "(hash-first counts a new image twice: the hash round and the upload)"]
+            lines += [
+                f"- server `{tier}` tier: {h:.0f} hits / {h + m:.0f} lookups = {h / (h + m):.1%} "
+                "(hash-first counts a new image twice: the hash round and the upload)"
+            ]
     enc_x, enc = run.scraped("visenc_encoded_images_total")
     if len(enc) > 1 and enc_x[-1] > enc_x[0]:
-        lines += [f"- server encoded {enc[-1] - enc[0]:.0f} images, "
-                  f"{(enc[-1] - enc[0]) / (enc_x[-1] - enc_x[0]):.2f}/s"]
+        lines += [
+            f"- server encoded {enc[-1] - enc[0]:.0f} images, {(enc[-1] - enc[0]) / (enc_x[-1] - enc_x[0]):.2f}/s"
+        ]
     mem_x, mem = run.scraped("process_resident_memory_bytes")
     if len(mem) > 4:
         warm = next(i for i, x in enumerate(mem_x) if x >= mem_x[-1] * 0.25)  # after the first quarter
-        lines += [f"- server resident memory: {mem[warm] / 2**20:.0f} MiB after warm-up "
-                  f"({mem_x[warm]:.0f} s), {max(mem[warm:]) / 2**20:.0f} MiB peak after it, "
-                  f"{mem[-1] / 2**20:.0f} MiB at the end"]
+        lines += [
+            f"- server resident memory: {mem[warm] / 2**20:.0f} MiB after warm-up "
+            f"({mem_x[warm]:.0f} s), {max(mem[warm:]) / 2**20:.0f} MiB peak after it, "
+            f"{mem[-1] / 2**20:.0f} MiB at the end"
+        ]
     if run.failures:
         lines += ["", "## Failures", ""]
-        lines += _table(["request", "error", "occurrences"],
-                        [[f"`{f['Method']} {f['Name']}`", f["Error"].replace("|", "\\|")[:200], f["Occurrences"]]
-                         for f in run.failures])
+        lines += _table(
+            ["request", "error", "occurrences"],
+            [
+                [f"`{f['Method']} {f['Name']}`", f["Error"].replace("|", "\\|")[:200], f["Occurrences"]]
+                for f in run.failures
+            ],
+        )
     lines += ["", "## Plots", ""] + [f"![{p}]({p})" for p in PLOTS if p != "overview.png"]
     return "\n".join(lines) + "\n"
 

@@ -42,26 +42,40 @@ if str(ROOT) not in sys.path:  # run as `python loadtest/runner.py`: make `loadt
 from loadtest.payloads import DEFAULT_STAGES, parse_stages, parse_timespan  # noqa: E402 - after the path fix
 from loadtest.report import render  # noqa: E402
 
-SCRAPED = ("visenc_cache_lookups_total", "visenc_encoded_images_total", "visenc_forwards_total",
-           "visenc_singleflight_joins_total", "visenc_queue_depth", "process_resident_memory_bytes")
+SCRAPED = (
+    "visenc_cache_lookups_total",
+    "visenc_encoded_images_total",
+    "visenc_forwards_total",
+    "visenc_singleflight_joins_total",
+    "visenc_queue_depth",
+    "process_resident_memory_bytes",
+)
 #: the embedded default, kept light: the load generator shares the machine's cores
 DEFAULT_SERVE_ARGS = ("--torch-threads", "1", "--log-level", "warning")
 
 
 def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     p.add_argument("--url", help="Service to load (default: start `visenc serve` on a free loopback port).")
-    p.add_argument("--scenario", choices=("agent", "probe", "cold", "hot", "mixed"),
-                   help="Scenario to run (default: agent, unless Locust's --tags picks the users).")
+    p.add_argument(
+        "--scenario",
+        choices=("agent", "probe", "cold", "hot", "mixed"),
+        help="Scenario to run (default: agent, unless Locust's --tags picks the users).",
+    )
     p.add_argument("-u", "--users", type=int, default=2, help="Concurrent users.")
     p.add_argument("-r", "--spawn-rate", type=float, default=1.0, help="Users started per second.")
     p.add_argument("-t", "--run-time", default="30s", help="How long Locust runs (Locust syntax: 30s, 2m).")
     p.add_argument("--stop-timeout", type=float, default=15.0, help="Seconds users get to finish at the end.")
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "out", help="Output folder.")
     p.add_argument("--ramp", action="store_true", help="Use the staged shape (--stages) instead of -u/-r/-t.")
-    p.add_argument("--serve-arg", action="append", default=[],
-                   help="Extra argument of `visenc serve` (repeatable; e.g. --serve-arg=--max-wait-ms=5).")
+    p.add_argument(
+        "--serve-arg",
+        action="append",
+        default=[],
+        help="Extra argument of `visenc serve` (repeatable; e.g. --serve-arg=--max-wait-ms=5).",
+    )
     p.add_argument("--scrape-interval", type=float, default=1.0, help="Seconds between /metrics scrapes.")
     p.add_argument("--ready-timeout", type=float, default=120.0, help="Seconds to wait for the server.")
     return p.parse_known_args(argv)
@@ -101,8 +115,18 @@ def served(args: argparse.Namespace) -> Iterator[tuple[str, str, int | None]]:
         yield args.url.rstrip("/"), "given URL", None
         return
     port = free_port()
-    cmd = [sys.executable, "-m", "visenc", "serve", "--host", "127.0.0.1", "--port", str(port),
-           *DEFAULT_SERVE_ARGS, *args.serve_arg]
+    cmd = [
+        sys.executable,
+        "-m",
+        "visenc",
+        "serve",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        *DEFAULT_SERVE_ARGS,
+        *args.serve_arg,
+    ]
     with (args.out / "serve.log").open("wb") as log:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT)
         try:
@@ -150,9 +174,24 @@ class Scraper(threading.Thread):
 
 def locust_command(args: argparse.Namespace, url: str, extra: list[str]) -> list[str]:
     files = "loadtest/locustfile.py" + (",loadtest/shapes.py" if args.ramp else "")
-    cmd = [sys.executable, "-m", "locust", "-f", files, "--headless", "--host", url,
-           "--csv", str(args.out / "locust"), "--csv-full-history", "--stop-timeout", f"{args.stop_timeout:g}s",
-           "--only-summary", "--loglevel", "WARNING"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "locust",
+        "-f",
+        files,
+        "--headless",
+        "--host",
+        url,
+        "--csv",
+        str(args.out / "locust"),
+        "--csv-full-history",
+        "--stop-timeout",
+        f"{args.stop_timeout:g}s",
+        "--only-summary",
+        "--loglevel",
+        "WARNING",
+    ]
     if args.scenario:
         cmd += ["--scenario", args.scenario]
     if not args.ramp:
@@ -186,19 +225,32 @@ def main(argv: list[str]) -> int:
         started = time.time()
         with (args.out / "locust.log").open("wb") as log:
             try:
-                rc = subprocess.run(cmd, cwd=ROOT, env=_env(), stdout=log, stderr=subprocess.STDOUT,
-                                    timeout=locust_deadline_s(args, extra)).returncode
+                rc = subprocess.run(
+                    cmd,
+                    cwd=ROOT,
+                    env=_env(),
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    timeout=locust_deadline_s(args, extra),
+                ).returncode
             except subprocess.TimeoutExpired:  # subprocess.run has killed it
                 rc = 124
         duration = time.time() - started
         scraper.stopping.set()
         scraper.join(timeout=10)
-    info = {"scenario": args.scenario or "by tags", "url": url, "server": server, "server_pid": server_pid,
-            "locust_rc": rc, "duration_s": duration,
-            "locust_command": shlex.join(["locust", *cmd[3:]]), "scrape_errors": scraper.errors,
-            "title": f"visenc load test: {args.scenario or 'by tags'}, "
-                     + ("staged ramp" if args.ramp else f"{args.users} users, {args.run_time}")
-                     + (f" ({' '.join(extra)})" if extra else "")}
+    info = {
+        "scenario": args.scenario or "by tags",
+        "url": url,
+        "server": server,
+        "server_pid": server_pid,
+        "locust_rc": rc,
+        "duration_s": duration,
+        "locust_command": shlex.join(["locust", *cmd[3:]]),
+        "scrape_errors": scraper.errors,
+        "title": f"visenc load test: {args.scenario or 'by tags'}, "
+        + ("staged ramp" if args.ramp else f"{args.users} users, {args.run_time}")
+        + (f" ({' '.join(extra)})" if extra else ""),
+    }
     (args.out / "run.json").write_text(json.dumps(info, indent=2))
     if not (args.out / "locust_stats.csv").exists():
         print((args.out / "locust.log").read_text()[-3000:], file=sys.stderr)

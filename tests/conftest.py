@@ -9,13 +9,14 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
-from visenc.api.app import create_app
+from visenc.bootstrap import create_app
 from visenc.config import Settings
 from visenc.models.base import VisionTower
 
@@ -36,10 +37,13 @@ def tiny_tower() -> VisionTower:
 
 
 @contextlib.asynccontextmanager
-async def running_app(tower: VisionTower, **overrides: object) -> AsyncIterator[httpx.AsyncClient]:
-    """The real app (engine, index, tower) in-process, lifespan included, behind an httpx client."""
+async def running_app(
+    tower: VisionTower, *, index: Callable[..., Any] | None = None, **overrides: object
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The real app (engine, index, tower) in-process, lifespan included, behind an httpx client.
+    ``index`` replaces the index builder (``tests.support.faults.faulty_index``)."""
     settings = Settings(**{"max_wait_ms": 1.0, **overrides})  # type: ignore[arg-type]
-    app = create_app(settings, tower=tower)
+    app = create_app(settings, tower=tower) if index is None else create_app(settings, tower=tower, index=index)
     async with app.router.lifespan_context(app):
         transport = httpx.ASGITransport(app=app)
         async with httpx.AsyncClient(transport=transport, base_url="http://visenc") as client:
@@ -78,17 +82,25 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None
 
 
 @contextlib.contextmanager
-def serve_subprocess(*args: str, env: dict[str, str] | None = None, log: Path | None = None
-                     ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+def serve_subprocess(
+    *args: str, env: dict[str, str] | None = None, log: Path | None = None, faults: tuple[str, ...] = ()
+) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
     """A real ``visenc serve`` subprocess on a free loopback port, ready; yields (url, process);
-    terminated (then killed) after, unless it already exited."""
+    terminated (then killed) after, unless it already exited. ``faults`` are options of
+    ``tests.support.serve_faulty`` (the same CLI with a faulty tower), e.g. ``("--forward-delay-s", "2")``."""
     port = free_port()
     out = open(log, "wb") if log else subprocess.DEVNULL
+    launcher = ["-m", "tests.support.serve_faulty", *faults, "--"] if faults else ["-m", "visenc", "serve"]
     proc = subprocess.Popen(
-        [sys.executable, "-m", "visenc", "serve", "--host", "127.0.0.1", "--port", str(port), *args],
-        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients")]),
-             **(env or {})},
-        stdout=out, stderr=subprocess.STDOUT,
+        [sys.executable, *launcher, "--host", "127.0.0.1", "--port", str(port), *args],
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients"), str(ROOT)]),
+            **(env or {}),
+        },
+        cwd=ROOT,
+        stdout=out,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     try:
@@ -114,9 +126,11 @@ def redis_process(port: int | None = None, *extra: str) -> Iterator[tuple[str, s
     if exe is None:
         pytest.fail("redis-server is not installed (make test installs it)")
     port = port or free_port()
-    proc = subprocess.Popen([exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-                             "--appendonly", "no", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):

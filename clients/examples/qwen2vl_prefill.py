@@ -60,13 +60,21 @@ def tiny_vlm_config(vision_config: dict[str, Any]) -> Qwen2VLConfig:
     config = Qwen2VLConfig(
         vision_config=vision_config,
         text_config={
-            "vocab_size": VOCAB_SIZE, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
-            "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+            "vocab_size": VOCAB_SIZE,
+            "hidden_size": 256,
+            "intermediate_size": 512,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 2,
+            "max_position_embeddings": 4096,
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [8, 12, 12]},
-            "bos_token_id": 1, "eos_token_id": 2,
+            "bos_token_id": 1,
+            "eos_token_id": 2,
         },
-        image_token_id=IMAGE_TOKEN_ID, video_token_id=VIDEO_TOKEN_ID,
-        vision_start_token_id=VISION_START_TOKEN_ID, vision_end_token_id=VISION_END_TOKEN_ID,
+        image_token_id=IMAGE_TOKEN_ID,
+        video_token_id=VIDEO_TOKEN_ID,
+        vision_start_token_id=VISION_START_TOKEN_ID,
+        vision_end_token_id=VISION_END_TOKEN_ID,
     )
     config._attn_implementation = "sdpa"
     return config
@@ -80,8 +88,9 @@ def build_tiny_vlm(vision_config: dict[str, Any], seed: int) -> Qwen2VLForCondit
     return model.eval()
 
 
-def save_tiny_vlm(model: Qwen2VLForConditionalGeneration, path: Path,
-                  processor_kwargs: dict[str, Any] | None = None) -> None:
+def save_tiny_vlm(
+    model: Qwen2VLForConditionalGeneration, path: Path, processor_kwargs: dict[str, Any] | None = None
+) -> None:
     """``save_pretrained`` plus the image processor's ``preprocessor_config.json``
     (visenc reads its resize and normalisation settings from there)."""
     model.save_pretrained(path)
@@ -154,8 +163,9 @@ def rope_positions(model: Qwen2VLForConditionalGeneration, layout: PromptLayout)
     return positions
 
 
-def chunked_prefill(model: Qwen2VLForConditionalGeneration, prefill: VisencPrefill, layout: PromptLayout,
-                    chunk_size: int) -> torch.Tensor:
+def chunked_prefill(
+    model: Qwen2VLForConditionalGeneration, prefill: VisencPrefill, layout: PromptLayout, chunk_size: int
+) -> torch.Tensor:
     """Prefill the prompt ``chunk_size`` positions at a time; returns the ``[L, vocab]`` logits (fp32 on CPU).
 
     Each chunk runs one language-model forward over ``inputs_embeds`` whose
@@ -173,8 +183,12 @@ def chunked_prefill(model: Qwen2VLForConditionalGeneration, prefill: VisencPrefi
             end = min(start + chunk_size, layout.num_positions)
             inputs_embeds = embed(input_ids[:, start:end])
             prefill.fill_chunk(layout, start, end, inputs_embeds[0])
-            out = model(inputs_embeds=inputs_embeds, position_ids=positions[:, :, start:end],
-                        past_key_values=cache, use_cache=True)
+            out = model(
+                inputs_embeds=inputs_embeds,
+                position_ids=positions[:, :, start:end],
+                past_key_values=cache,
+                use_cache=True,
+            )
             logits.append(out.logits[0].float())
     return torch.cat(logits)
 
@@ -223,8 +237,9 @@ def _main(argv: Sequence[str] | None = None) -> int:
     model = load_language_model(args.model)
     images = demo_images()
     with Client(args.url) as client:
-        prefill = VisencPrefill(client, image_token_id=IMAGE_TOKEN_ID,
-                                merge_size=model.config.vision_config.spatial_merge_size)
+        prefill = VisencPrefill(
+            client, image_token_id=IMAGE_TOKEN_ID, merge_size=model.config.vision_config.spatial_merge_size
+        )
         layout = prefill.prepare(demo_prompt(len(images)), images)
         logits = chunked_prefill(model, prefill, layout, args.chunk)
     print(f"prompt {layout.num_positions} positions, images at {[(p.offset, p.num_tokens) for p in layout.placements]}")
@@ -235,9 +250,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
         pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
         input_ids = torch.from_numpy(layout.input_ids)[None]
         with torch.inference_mode():
-            reference = full(input_ids=input_ids, pixel_values=pixels["pixel_values"],
-                             image_grid_thw=pixels["image_grid_thw"],
-                             mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int()).logits[0]
+            reference = full(
+                input_ids=input_ids,
+                pixel_values=pixels["pixel_values"],
+                image_grid_thw=pixels["image_grid_thw"],
+                mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
+            ).logits[0]
         print(f"max |logits - full model's| = {float((logits - reference).abs().max()):.3g}")
     return 0
 

@@ -57,9 +57,16 @@ class Client(_Base):
     ``fetch_many(ranges)`` → one array per range, one round trip;
     ``fetch_chunk(placements, start, end, out=None)`` → the chunk's rows in one buffer."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, namespace: str | None = None,
-                 api_key: str | None = None, timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
-                 transport: httpx.BaseTransport | None = None, shared_memory: bool = False) -> None:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        namespace: str | None = None,
+        api_key: str | None = None,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        transport: httpx.BaseTransport | None = None,
+        shared_memory: bool = False,
+    ) -> None:
         super().__init__(namespace, api_key, shared_memory)
         self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
 
@@ -89,10 +96,14 @@ class Client(_Base):
             if streamed is not None:
                 streamed.close()
 
-    def encode(self, images: Sequence[p.ImageInput], *, wait: bool = True, hash_first: bool = True,
-               include_rows: bool = False) -> list[Handle]:
-        return self._drive(p.encode_flow(self._http, images, wait=wait, hash_first=hash_first, headers=self.headers,
-                                         include_rows=include_rows))
+    def encode(
+        self, images: Sequence[p.ImageInput], *, wait: bool = True, hash_first: bool = True, include_rows: bool = False
+    ) -> list[Handle]:
+        return self._drive(
+            p.encode_flow(
+                self._http, images, wait=wait, hash_first=hash_first, headers=self.headers, include_rows=include_rows
+            )
+        )
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self.shared_memory:
@@ -105,14 +116,38 @@ class Client(_Base):
         return self._drive(p.fetch_many_flow(self._http, ranges, wait=wait, headers=self.headers))
 
     @overload
-    def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *, out: None = None,
-                    dense: bool = False, wait: bool = True) -> np.ndarray: ...
+    def fetch_chunk(
+        self,
+        placements: Sequence[ImagePlacement],
+        start: int,
+        end: int,
+        *,
+        out: None = None,
+        dense: bool = False,
+        wait: bool = True,
+    ) -> np.ndarray: ...
     @overload
-    def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *, out: Out,
-                    dense: bool = False, wait: bool = True) -> Out: ...
+    def fetch_chunk(
+        self,
+        placements: Sequence[ImagePlacement],
+        start: int,
+        end: int,
+        *,
+        out: Out,
+        dense: bool = False,
+        wait: bool = True,
+    ) -> Out: ...
 
-    def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *, out: Any = None,
-                    dense: bool = False, wait: bool = True) -> Any:
+    def fetch_chunk(
+        self,
+        placements: Sequence[ImagePlacement],
+        start: int,
+        end: int,
+        *,
+        out: Any = None,
+        dense: bool = False,
+        wait: bool = True,
+    ) -> Any:
         """The rows prefill chunk ``[start, end)`` needs, in one round trip, into one buffer.
 
         ``out``: a preallocated ``[rows, hidden]`` numpy array or CPU torch tensor
@@ -120,8 +155,9 @@ class Client(_Base):
         Images wholly outside the chunk are not fetched; pending ones are waited
         for (and moved to the front of the service's queue)."""
         plan = plan_chunk(placements, start, end, dense=dense)
-        return self._drive(fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self.shared_memory,
-                                            headers=self.headers))
+        return self._drive(
+            fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self.shared_memory, headers=self.headers)
+        )
 
     def model(self) -> dict[str, Any]:
         return self._drive(p.simple_flow(self._http, "GET", "/v1/model", self.headers))  # type: ignore[no-any-return]
@@ -139,9 +175,16 @@ class Client(_Base):
 class AsyncClient(_Base):
     """The awaitable twin of ``Client`` (same methods, same results)."""
 
-    def __init__(self, base_url: str = "http://127.0.0.1:8000", *, namespace: str | None = None,
-                 api_key: str | None = None, timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
-                 transport: httpx.AsyncBaseTransport | None = None, shared_memory: bool = False) -> None:
+    def __init__(
+        self,
+        base_url: str = "http://127.0.0.1:8000",
+        *,
+        namespace: str | None = None,
+        api_key: str | None = None,
+        timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        transport: httpx.AsyncBaseTransport | None = None,
+        shared_memory: bool = False,
+    ) -> None:
         super().__init__(namespace, api_key, shared_memory)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
 
@@ -174,10 +217,14 @@ class AsyncClient(_Base):
             if streamed is not None:
                 await streamed.aclose()
 
-    async def encode(self, images: Sequence[p.ImageInput], *, wait: bool = True,
-                     hash_first: bool = True, include_rows: bool = False) -> list[Handle]:
-        return await self._drive(p.encode_flow(self._http, images, wait=wait, hash_first=hash_first,
-                                               headers=self.headers, include_rows=include_rows))
+    async def encode(
+        self, images: Sequence[p.ImageInput], *, wait: bool = True, hash_first: bool = True, include_rows: bool = False
+    ) -> list[Handle]:
+        return await self._drive(
+            p.encode_flow(
+                self._http, images, wait=wait, hash_first=hash_first, headers=self.headers, include_rows=include_rows
+            )
+        )
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self.shared_memory:
@@ -191,18 +238,43 @@ class AsyncClient(_Base):
         return await self._drive(p.fetch_many_flow(self._http, ranges, wait=wait, headers=self.headers))
 
     @overload
-    async def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *,
-                          out: None = None, dense: bool = False, wait: bool = True) -> np.ndarray: ...
+    async def fetch_chunk(
+        self,
+        placements: Sequence[ImagePlacement],
+        start: int,
+        end: int,
+        *,
+        out: None = None,
+        dense: bool = False,
+        wait: bool = True,
+    ) -> np.ndarray: ...
     @overload
-    async def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *, out: Out,
-                          dense: bool = False, wait: bool = True) -> Out: ...
+    async def fetch_chunk(
+        self,
+        placements: Sequence[ImagePlacement],
+        start: int,
+        end: int,
+        *,
+        out: Out,
+        dense: bool = False,
+        wait: bool = True,
+    ) -> Out: ...
 
-    async def fetch_chunk(self, placements: Sequence[ImagePlacement], start: int, end: int, *,
-                          out: Any = None, dense: bool = False, wait: bool = True) -> Any:
+    async def fetch_chunk(
+        self,
+        placements: Sequence[ImagePlacement],
+        start: int,
+        end: int,
+        *,
+        out: Any = None,
+        dense: bool = False,
+        wait: bool = True,
+    ) -> Any:
         """The awaitable twin of ``Client.fetch_chunk``."""
         plan = plan_chunk(placements, start, end, dense=dense)
-        return await self._drive(fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self.shared_memory,
-                                                  headers=self.headers))
+        return await self._drive(
+            fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self.shared_memory, headers=self.headers)
+        )
 
     async def model(self) -> dict[str, Any]:
         return await self._drive(p.simple_flow(self._http, "GET", "/v1/model", self.headers))  # type: ignore[no-any-return]

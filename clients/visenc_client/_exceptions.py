@@ -28,12 +28,15 @@ class ProtocolError(VisencClientError):
 
 
 class ImageEncodeError(VisencClientError):
-    """An ``error`` handle: this image cannot be encoded (bad bytes, over a pixel limit); do not retry."""
+    """An ``error`` handle: this image cannot be encoded (bad bytes, over a pixel limit); do not retry.
 
-    def __init__(self, image_hash: str, message: str) -> None:
-        super().__init__(f"image {image_hash}: {message}")
+    ``reason`` is the service's stable code (``visenc_client.format.Reason``)."""
+
+    def __init__(self, image_hash: str, message: str, reason: str | None = None) -> None:
+        super().__init__(f"image {image_hash}: {message}" + (f" ({reason})" if reason else ""))
         self.hash = image_hash
         self.message = message
+        self.reason = reason
 
 
 class APIError(VisencClientError):

@@ -64,13 +64,17 @@ def read_all() -> Generator[Read, Any, bytes]:
     while chunk := (yield from read_chunk()):
         parts.append(chunk)
     return b"".join(parts)
+
+
 ImageInput = bytes | bytearray | memoryview | str | os.PathLike[str]
 
 MSGPACK = "application/msgpack"
 ROWS_MEDIA_TYPE = "application/x-visenc-rows"
 #: wire dtype -> numpy dtype of the returned array (bfloat16 comes as raw 16-bit words)
 NUMPY_DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype("<f4"), "float16": np.dtype("<f2"), "bfloat16": np.dtype("<u2"),
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),
 }
 
 
@@ -94,25 +98,40 @@ def raise_for_status(resp: httpx.Response, content: bytes | None = None) -> None
     raise error_for(resp.status_code, kind, message, resp.headers.get("retry-after"))
 
 
-def msgpack_request(client: httpx.Client | httpx.AsyncClient, path: str, payload: dict[str, Any],
-                     headers: dict[str, str] | None = None) -> httpx.Request:
-    return client.build_request("POST", path, content=msgpack.packb(payload),
-                                headers={"content-type": MSGPACK, "accept": MSGPACK, **(headers or {})})
+def msgpack_request(
+    client: httpx.Client | httpx.AsyncClient, path: str, payload: dict[str, Any], headers: dict[str, str] | None = None
+) -> httpx.Request:
+    return client.build_request(
+        "POST",
+        path,
+        content=msgpack.packb(payload),
+        headers={"content-type": MSGPACK, "accept": MSGPACK, **(headers or {})},
+    )
 
 
 def _handles(resp: httpx.Response) -> list[Handle]:
     raise_for_status(resp)
     try:
         body = msgpack.unpackb(resp.content)
-        return [Handle.from_wire(d, None if d.get("rows") is None else
-                                 as_array(d["rows"], d["dtype"], d["num_tokens"], d["hidden_size"]))
-                for d in body["items"]]
+        return [
+            Handle.from_wire(
+                d, None if d.get("rows") is None else as_array(d["rows"], d["dtype"], d["num_tokens"], d["hidden_size"])
+            )
+            for d in body["items"]
+        ]
     except Exception as e:
         raise ProtocolError(f"unreadable encode response: {e}") from e
 
 
-def encode_flow(client: httpx.Client | httpx.AsyncClient, images: Sequence[ImageInput], *, wait: bool,
-                hash_first: bool, headers: dict[str, str] | None, include_rows: bool = False) -> Flow[list[Handle]]:
+def encode_flow(
+    client: httpx.Client | httpx.AsyncClient,
+    images: Sequence[ImageInput],
+    *,
+    wait: bool,
+    hash_first: bool,
+    headers: dict[str, str] | None,
+    include_rows: bool = False,
+) -> Flow[list[Handle]]:
     """Hash-first: send hashes; upload bytes only for images the index answers ``missing``.
 
     ``include_rows``: ready handles carry their rows (one round trip less than a fetch)."""
@@ -140,8 +159,13 @@ def as_array(buf: bytes | memoryview, dtype: str, rows: int, hidden: int) -> np.
     return array.reshape(rows, hidden)
 
 
-def fetch_flow(client: httpx.Client | httpx.AsyncClient, image: str | Handle, start: int | None,
-               end: int | None, headers: dict[str, str] | None) -> Flow[np.ndarray]:
+def fetch_flow(
+    client: httpx.Client | httpx.AsyncClient,
+    image: str | Handle,
+    start: int | None,
+    end: int | None,
+    headers: dict[str, str] | None,
+) -> Flow[np.ndarray]:
     """Rows ``[start, end)`` of one image: a read-only view of the response body (no copy)."""
     h = image.hash if isinstance(image, Handle) else image
     params = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
@@ -172,8 +196,9 @@ def parse_rows(body: bytes) -> list[tuple[dict[str, Any], memoryview | None]]:
     return out
 
 
-def fetch_many_flow(client: httpx.Client | httpx.AsyncClient, ranges: Sequence[RowRange], *, wait: bool,
-                    headers: dict[str, str] | None) -> Flow[list[np.ndarray]]:
+def fetch_many_flow(
+    client: httpx.Client | httpx.AsyncClient, ranges: Sequence[RowRange], *, wait: bool, headers: dict[str, str] | None
+) -> Flow[list[np.ndarray]]:
     """Several ranges in one round trip; each result is a read-only view of the one response body."""
     payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
     resp = yield msgpack_request(client, "/v1/embeddings/fetch", payload, headers)
@@ -181,15 +206,15 @@ def fetch_many_flow(client: httpx.Client | httpx.AsyncClient, ranges: Sequence[R
     arrays = []
     for item, rows in parse_rows(resp.content):
         if rows is None:
-            raise error_for(int(item.get("status", 500)), "fetch_failed",
-                            f"{item.get('hash')}: {item.get('error')}")
+            raise error_for(int(item.get("status", 500)), "fetch_failed", f"{item.get('hash')}: {item.get('error')}")
         n, hidden = item["shape"]
         arrays.append(as_array(rows, item["dtype"], n, hidden))
     return arrays
 
 
-def simple_flow(client: httpx.Client | httpx.AsyncClient, method: str, path: str,
-                headers: dict[str, str] | None) -> Flow[Any]:
+def simple_flow(
+    client: httpx.Client | httpx.AsyncClient, method: str, path: str, headers: dict[str, str] | None
+) -> Flow[Any]:
     resp = yield client.build_request(method, path, headers=headers)
     raise_for_status(resp)
     return resp.json()

@@ -25,24 +25,17 @@ hash. Given a bare hash it is two (header first, then the rows).
 Redis Cluster: pass ``cluster=True`` (or a ``RedisCluster`` client); every
 read touches one key, so it goes to the node owning that key's slot.
 
-The value format is the service's ``visenc/index/format.py``, version 1; its
-few constants are repeated here on purpose so the client does not import the
-service package::
-
-    0    4  magic b"VENC"      4  1  version (1)      5  3  reserved
-    8    4  header_len (u32 little-endian)            12 n  msgpack header
-            {"shape": [rows, hidden], "dtype", "grid_thw", "fingerprint", "hash"}
-    256  …  rows, C-contiguous, little-endian, row_bytes = hidden * itemsize
+The value format is ``visenc_client.format`` (version 1), the one definition
+the service writes with: a header in the first ``DATA_OFFSET`` (256) bytes,
+then the rows, C-contiguous, little-endian, ``row_bytes = hidden * itemsize``.
 """
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
 
-import msgpack
 import numpy as np
 import redis
 import redis.asyncio
@@ -52,18 +45,10 @@ from redis.cluster import RedisCluster
 from visenc_client._exceptions import BadRequestError, NotFoundError, ProtocolError, TransportError
 from visenc_client._protocol import NUMPY_DTYPES
 from visenc_client._types import Handle
+from visenc_client.format import DATA_OFFSET, DTYPES, CorruptEntry, entry_key
+from visenc_client.format import parse_header as format_header
 
-#: repeated from visenc/index/format.py (version 1): see the module docstring
-MAGIC = b"VENC"
-VERSION = 1
-DATA_OFFSET = 256
-_PREFIX = struct.Struct("<4sB3xI")
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
-
-
-def entry_key(namespace: str, fingerprint: str, image_hash: str) -> str:
-    """The service's index key of one image (``visenc/index/keys.py``)."""
-    return f"visenc:{namespace}:{fingerprint}:{image_hash}"
+ITEMSIZE = {name: size for name, (size, _) in DTYPES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -87,17 +72,11 @@ def parse_header(prefix: bytes, *, fingerprint: str, image_hash: str) -> RowsInf
     if not prefix:
         raise NotFoundError(404, "not_found", f"no embedding for image {image_hash} in redis")
     try:
-        magic, version, header_len = _PREFIX.unpack_from(prefix, 0)
-        if magic != MAGIC or version != VERSION or _PREFIX.size + header_len > len(prefix):
-            raise ValueError("bad magic, version or header length")
-        h = msgpack.unpackb(prefix[_PREFIX.size : _PREFIX.size + header_len])
-        rows, hidden = (int(x) for x in h["shape"])
-        info = RowsInfo(rows, hidden, str(h["dtype"]), tuple(h["grid_thw"]),  # type: ignore[arg-type]
-                        str(h["fingerprint"]), str(h["hash"]))
-        if info.dtype not in ITEMSIZE:
-            raise ValueError(f"unknown dtype {info.dtype!r}")
-    except Exception as e:
+        h = format_header(prefix)
+    except CorruptEntry as e:
         raise ProtocolError(f"unreadable stored value for image {image_hash}: {e}") from e
+    rows, hidden = h["shape"]
+    info = RowsInfo(rows, hidden, h["dtype"], tuple(h["grid_thw"]), str(h["fingerprint"]), str(h["hash"]))  # type: ignore[arg-type]
     if info.fingerprint != fingerprint or info.hash != image_hash:
         raise ProtocolError(f"stored value for image {image_hash} belongs to another model or image")
     return info
@@ -166,8 +145,9 @@ class RedisRows(_Rows):
     """Blocking reads of token rows straight from Redis (a ``redis.Redis`` or ``redis.cluster.RedisCluster``)."""
 
     @classmethod
-    def from_url(cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False,
-                 **options: Any) -> RedisRows:
+    def from_url(
+        cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False, **options: Any
+    ) -> RedisRows:
         client = (RedisCluster if cluster else redis.Redis).from_url(url, **options)
         return cls(client, fingerprint=fingerprint, namespace=namespace)
 
@@ -210,8 +190,9 @@ class AsyncRedisRows(_Rows):
     """The awaitable twin of ``RedisRows`` (``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``)."""
 
     @classmethod
-    def from_url(cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False,
-                 **options: Any) -> AsyncRedisRows:
+    def from_url(
+        cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False, **options: Any
+    ) -> AsyncRedisRows:
         client = (AsyncRedisCluster if cluster else redis.asyncio.Redis).from_url(url, **options)
         return cls(client, fingerprint=fingerprint, namespace=namespace)
 

@@ -106,8 +106,9 @@ def _check_item(item: dict[str, Any], piece_rows: int, hidden: int, dtype: str) 
     return int(item["nbytes"])
 
 
-def fetch_chunk_flow(client: Client, plan: ChunkPlan, out: Any, *, wait: bool, shm: bool,
-                     headers: dict[str, str] | None) -> AnyFlow[Any]:
+def fetch_chunk_flow(
+    client: Client, plan: ChunkPlan, out: Any, *, wait: bool, shm: bool, headers: dict[str, str] | None
+) -> AnyFlow[Any]:
     """Every row ``plan`` needs, in one round trip, written straight into one buffer."""
     if not plan.pieces:
         if out is None and plan.hidden is None:
@@ -149,8 +150,9 @@ def fetch_chunk_flow(client: Client, plan: ChunkPlan, out: Any, *, wait: bool, s
     return result
 
 
-def shm_fetch_flow(client: Client, ranges: Sequence[RowRange], *, wait: bool,
-                   headers: dict[str, str] | None) -> Flow[list[np.ndarray]]:
+def shm_fetch_flow(
+    client: Client, ranges: Sequence[RowRange], *, wait: bool, headers: dict[str, str] | None
+) -> Flow[list[np.ndarray]]:
     """Several ranges as read-only views of the service's shared-memory segments (no copy)."""
     payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
     resp = yield msgpack_request(client, "/v1/embeddings/shm", payload, headers)

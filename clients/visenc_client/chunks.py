@@ -119,5 +119,12 @@ def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, de
         pieces.append(ChunkPiece(p.hash, lo - p.offset, hi - p.offset, lo - start if dense else packed))
         packed += hi - lo
     handles = [p.image for p in placements if isinstance(p.image, Handle) and p.image.hidden_size]
-    return ChunkPlan(start, end, dense, end - start if dense else packed, tuple(pieces),
-                     handles[0].hidden_size if handles else None, handles[0].dtype if handles else None)
+    return ChunkPlan(
+        start,
+        end,
+        dense,
+        end - start if dense else packed,
+        tuple(pieces),
+        handles[0].hidden_size if handles else None,
+        handles[0].dtype if handles else None,
+    )

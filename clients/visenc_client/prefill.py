@@ -72,8 +72,9 @@ T = TypeVar("T")
 _TORCH_WIRE = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
 
 
-def expand_placeholders(token_ids: Sequence[int] | np.ndarray, image_token_id: int,
-                        num_tokens: Sequence[int]) -> tuple[np.ndarray, list[int]]:
+def expand_placeholders(
+    token_ids: Sequence[int] | np.ndarray, image_token_id: int, num_tokens: Sequence[int]
+) -> tuple[np.ndarray, list[int]]:
     """Expand image ``k``'s single placeholder into ``num_tokens[k]`` placeholders.
 
     Returns the expanded ids (int64) and each image's first position in them.
@@ -143,8 +144,9 @@ class VisencPrefill:
     service's tower must merge patches as the LLM expects); ``attempts``: tries
     per encode / fetch before a retryable error propagates."""
 
-    def __init__(self, client: Client, *, image_token_id: int, merge_size: int | None = None,
-                 attempts: int = 3) -> None:
+    def __init__(
+        self, client: Client, *, image_token_id: int, merge_size: int | None = None, attempts: int = 3
+    ) -> None:
         if attempts < 1:
             raise ValueError("attempts must be >= 1")
         self.client = client
@@ -160,8 +162,7 @@ class VisencPrefill:
         placeholders do not match ``images``."""
         datas = tuple(read_image(im) for im in images)
         handles = self._encode(datas)
-        expanded, offsets = expand_placeholders(token_ids, self.image_token_id,
-                                                [h.num_tokens or 0 for h in handles])
+        expanded, offsets = expand_placeholders(token_ids, self.image_token_id, [h.num_tokens or 0 for h in handles])
         placements = tuple(ImagePlacement.of(h, off) for h, off in zip(handles, offsets))
         return PromptLayout(expanded, placements, self.image_token_id, datas)
 
@@ -180,8 +181,9 @@ class VisencPrefill:
         if not layout.image_positions(start, end).size:
             return
         if self._fetches_in_place(layout, inputs_embeds):
-            self._retrying(layout, lambda: self.client.fetch_chunk(
-                layout.placements, start, end, out=inputs_embeds, dense=True))
+            self._retrying(
+                layout, lambda: self.client.fetch_chunk(layout.placements, start, end, out=inputs_embeds, dense=True)
+            )
             return
         rows = self._retrying(layout, lambda: self.client.fetch_chunk(layout.placements, start, end))
         _scatter(inputs_embeds, layout.image_positions(start, end), rows, layout.handles[0].dtype or "float32")
@@ -192,14 +194,16 @@ class VisencPrefill:
         handles = self._retrying(None, lambda: self.client.encode(datas, wait=False))
         for h in handles:
             if h.status == "error":
-                raise ImageEncodeError(h.hash, h.error or "encode failed")
+                raise ImageEncodeError(h.hash, h.error or "encode failed", h.reason)
             if h.status not in ("ready", "pending") or h.num_tokens is None:
                 raise ProtocolError(f"{h.hash}: unusable handle (status {h.status}, num_tokens {h.num_tokens})")
             if self.merge_size is not None and h.grid_thw is not None:
                 expected = tokens_for_grid(h.grid_thw, self.merge_size)
                 if h.num_tokens != expected:
-                    raise ProtocolError(f"{h.hash}: {h.num_tokens} tokens for grid {h.grid_thw}, the model "
-                                        f"expects {expected} (merge {self.merge_size}): is visenc serving its tower?")
+                    raise ProtocolError(
+                        f"{h.hash}: {h.num_tokens} tokens for grid {h.grid_thw}, the model "
+                        f"expects {expected} (merge {self.merge_size}): is visenc serving its tower?"
+                    )
         return handles
 
     def _retrying(self, layout: PromptLayout | None, call: Callable[[], T]) -> T:
@@ -232,8 +236,11 @@ class VisencPrefill:
         if isinstance(out, np.ndarray):
             return wire in NUMPY_DTYPES and out.dtype == NUMPY_DTYPES[wire] and out.flags.c_contiguous
         device = getattr(out, "device", None)
-        return (getattr(device, "type", None) == "cpu" and _TORCH_WIRE.get(str(out.dtype)) == wire
-                and bool(out.is_contiguous()))
+        return (
+            getattr(device, "type", None) == "cpu"
+            and _TORCH_WIRE.get(str(out.dtype)) == wire
+            and bool(out.is_contiguous())
+        )
 
 
 def _scatter(out: Any, positions: np.ndarray, rows: np.ndarray, wire_dtype: str) -> None:

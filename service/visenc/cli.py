@@ -14,6 +14,9 @@ from pydantic import SecretStr, ValidationError
 
 from visenc.config import Settings
 
+#: exit status when the device worker failed and could not be restarted
+EXIT_DEVICE_FAILED = 3
+
 
 def _flag_type(annotation: Any) -> tuple[Any, list[str] | None]:
     """argparse type and choices for a field annotation (``X | None`` unwraps to X)."""
@@ -33,13 +36,20 @@ def _flag_type(annotation: Any) -> tuple[Any, list[str] | None]:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="visenc", description="Vision-encoder service for multimodal LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser("serve", help="Run the HTTP service.",
-                           formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    serve = sub.add_parser(
+        "serve", help="Run the HTTP service.", formatter_class=argparse.ArgumentDefaultsHelpFormatter
+    )
     for name, field in Settings.model_fields.items():
         kind, choices = _flag_type(field.annotation)
         env = f"VISENC_{name.upper()}"
-        serve.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, choices=choices,
-                           default=argparse.SUPPRESS, help=f"{field.description} [env {env}]")
+        serve.add_argument(
+            f"--{name.replace('_', '-')}",
+            dest=name,
+            type=kind,
+            choices=choices,
+            default=argparse.SUPPRESS,
+            help=f"{field.description} [env {env}]",
+        )
     return parser
 
 
@@ -56,18 +66,41 @@ def main(argv: list[str] | None = None) -> int:
         print(f"visenc: invalid settings:\n{e}", file=sys.stderr)
         return 2
     if command == "serve":
-        import uvicorn
+        return serve(settings)
+    return 0
 
-        from visenc.api.app import create_app
 
-        logging.basicConfig(level=settings.log_level.upper(),
-                            format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-        # uvicorn handles SIGTERM/SIGINT gracefully (stops accepting, lets in-flight requests
-        # finish, runs the lifespan shutdown) and then re-raises the signal to the handler that
-        # was installed before it; with this one, a graceful stop exits 0 instead of dying by it.
-        signal.signal(signal.SIGTERM, _stopped)
-        uvicorn.run(create_app(settings), host=settings.host, port=settings.port,
-                    log_level=settings.log_level, timeout_graceful_shutdown=30)
+def serve(settings: Settings) -> int:
+    """Run the service until it is stopped: 0 after a graceful stop, ``EXIT_DEVICE_FAILED`` when
+    the device worker could not be restarted (so that a supervisor restarts the process)."""
+    import uvicorn
+
+    from visenc.bootstrap import create_app
+
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    # uvicorn handles SIGTERM/SIGINT gracefully (stops accepting, lets in-flight requests
+    # finish, runs the lifespan shutdown) and then re-raises the signal to the handler that
+    # was installed before it; with this one, a graceful stop exits 0 instead of dying by it.
+    signal.signal(signal.SIGTERM, _stopped)
+    app = create_app(settings)
+    server = uvicorn.Server(
+        uvicorn.Config(
+            app,
+            host=settings.host,
+            port=settings.port,
+            log_level=settings.log_level,
+            timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
+        )
+    )
+
+    def stop_server() -> None:
+        server.should_exit = True
+
+    app.state.stop_server = stop_server
+    server.run()
+    if app.state.fatal:
+        logging.getLogger("visenc").critical("exiting: %s", app.state.fatal)
+        return EXIT_DEVICE_FAILED
     return 0
 
 

@@ -13,6 +13,8 @@ from typing import Literal
 from pydantic import Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from visenc_client.format import NAMESPACE_PATTERN
+
 MiB = 1 << 20
 
 
@@ -38,14 +40,13 @@ class Settings(BaseSettings):
         None, gt=0, description="Override the tower's max pixels after resize (variable-resolution towers)."
     )
     torch_threads: int | None = Field(
-        None, gt=0,
-        description="torch intra-op threads (default: CPU: the cores left after preprocess_workers; CUDA: 1).",
+        None,
+        gt=0,
+        description="torch intra-op threads (default: CPU: every core; CUDA: 1).",
     )
 
     # --- index --------------------------------------------------------------
-    namespace: str = Field(
-        "default", pattern=r"^[A-Za-z0-9_.-]{1,64}$", description="Default key namespace (tenant)."
-    )
+    namespace: str = Field("default", pattern=NAMESPACE_PATTERN, description="Default key namespace (tenant).")
     cache_bytes: int = Field(1024 * MiB, ge=0, description="Byte budget of the in-process LRU (L1).")
     redis_url: SecretStr | None = Field(
         None, description="redis:// or rediss:// URL of the shared index (L2); unset = in-process only."
@@ -54,23 +55,30 @@ class Settings(BaseSettings):
 
     # --- shared index (Redis) ------------------------------------------------
     redis_mode: Literal["standalone", "cluster"] = Field(
-        "standalone", description="How to reach redis_url: one server (standalone) or a Redis Cluster "
-        "(cluster: the URL names any one node; the others are discovered)."
+        "standalone",
+        description="How to reach redis_url: one server (standalone) or a Redis Cluster "
+        "(cluster: the URL names any one node; the others are discovered).",
     )
     redis_timeout_s: float = Field(
         1.0, gt=0, description="Socket connect and read timeout of one Redis command, seconds."
     )
     redis_retry_s: float = Field(
-        1.0, gt=0, description="After a Redis failure, how long Redis is skipped (lookups miss, writes are "
-        "dropped) before it is tried again, seconds."
+        1.0,
+        gt=0,
+        description="After a Redis failure, how long Redis is skipped (lookups miss, writes are "
+        "dropped) before it is tried again, seconds.",
     )
     claim_ttl_ms: int = Field(
-        5000, gt=0, description="Lifetime of a cross-replica encode claim; the owner renews it every third "
-        "of it while the image is queued or encoding, so it only lapses when the owner dies."
+        5000,
+        gt=0,
+        description="Lifetime of a cross-replica encode claim; the owner renews it every third "
+        "of it while the image is queued or encoding, so it only lapses when the owner dies.",
     )
     claim_poll_ms: float = Field(
-        20.0, gt=0, description="Longest pause between checks of an image another replica is encoding "
-        "(checks start at 1 ms and back off to this)."
+        20.0,
+        gt=0,
+        description="Longest pause between checks of an image another replica is encoding "
+        "(checks start at 1 ms and back off to this).",
     )
     claim_wait_s: float = Field(
         30.0, gt=0, description="Longest wait for another replica's encode before encoding here anyway."
@@ -78,7 +86,8 @@ class Settings(BaseSettings):
 
     # --- engine -------------------------------------------------------------
     max_batch_tokens: int = Field(
-        16384, gt=0,
+        16384,
+        gt=0,
         description="Most input patch tokens in one forward (a cap: the memory budget may lower it; "
         "a single larger image still runs).",
     )
@@ -87,9 +96,10 @@ class Settings(BaseSettings):
         2.0, ge=0, description="How long an idle worker waits for a batch to fill before running it."
     )
     preprocess_workers: int | None = Field(
-        None, gt=0,
-        description="Threads that decode and preprocess images (default: CPU: half the cores, "
-        "rounded up, the forward gets the rest; CUDA: every core).",
+        None,
+        gt=0,
+        description="Threads that decode and preprocess images (default: every core; on a CPU host they "
+        "share the cores with the forward, see docs/operations.md).",
     )
     max_queue_images: int = Field(
         4096, gt=0, description="Images waiting for the encoder before new work is refused with 429."
@@ -107,9 +117,10 @@ class Settings(BaseSettings):
 
     # --- reliability and security -------------------------------------------
     stall_timeout_s: float = Field(
-        300.0, gt=0,
-        description="A forward running longer than this marks the device worker stalled: readiness turns "
-        "false, queued work fails with 503 and new work is refused with 503 until the forward returns.",
+        300.0,
+        gt=0,
+        description="A forward running longer than this counts as a stalled device: its images fail with "
+        "503, readiness turns false and the device worker restarts (see worker_restart_attempts).",
     )
     api_keys: SecretStr | None = Field(
         None,
@@ -120,24 +131,23 @@ class Settings(BaseSettings):
     api_keys_file: Path | None = Field(
         None, description="File of 'key:tenant' lines ('#' starts a comment), merged with api_keys."
     )
-    # fault injection: TEST AND DRILL ONLY, off by default (see visenc/engine/faults.py)
-    fault_forward_fail_rate: float = Field(
-        0.0, ge=0, le=1, description="TEST ONLY: probability that a forward raises (its batch fails)."
+    worker_restart_attempts: int = Field(
+        2,
+        ge=1,
+        description="After a forward fails or stalls, how many probe forwards may try to bring the "
+        "device back before the process exits non-zero (for its supervisor to restart it).",
     )
-    fault_forward_delay_s: float = Field(
-        0.0, ge=0, description="TEST ONLY: seconds every forward sleeps first (a slow or stalled device)."
+    shutdown_timeout_s: float = Field(
+        30.0,
+        gt=0,
+        description="On shutdown, how long the forward in progress and the writes of its "
+        "results may take before they are abandoned.",
     )
-    fault_index_delay_s: float = Field(
-        0.0, ge=0, description="TEST ONLY: seconds added to every index round trip (a slow Redis)."
-    )
-    fault_index_corrupt_rate: float = Field(
-        0.0, ge=0, le=1, description="TEST ONLY: probability that an entry read from the index comes back truncated."
-    )
-    fault_seed: int = Field(0, description="TEST ONLY: seed of the fault injector's random choices.")
     # --- shared memory (same-host transport) ---------------------------------
     shm_enabled: bool = Field(
-        False, description="Serve POST /v1/embeddings/shm: rows handed out as shared-memory segments "
-        "to clients on the same host, running as the same user."
+        False,
+        description="Serve POST /v1/embeddings/shm: rows handed out as shared-memory segments "
+        "to clients on the same host, running as the same user.",
     )
     shm_dir: str = Field("/dev/shm", description="Directory of the shared-memory segments (a tmpfs).")
     shm_lease_s: float = Field(
@@ -149,17 +159,21 @@ class Settings(BaseSettings):
 
     # --- throughput -----------------------------------------------------------
     memory_budget_bytes: int | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Working memory of the batches: forward activations (estimated from the tower's config) "
         "and, on CPU, the staged preprocessed inputs. Unset: memory_fraction of the device's memory.",
     )
     memory_fraction: float = Field(
-        0.5, gt=0, le=1,
+        0.5,
+        gt=0,
+        le=1,
         description="Share of device memory the batches may use when memory_budget_bytes is unset "
         "(CUDA: of total memory, at most what is free after loading; CPU: of physical RAM).",
     )
     prefetch_tokens: int | None = Field(
-        None, gt=0,
+        None,
+        gt=0,
         description="Most tower-input tokens preprocessed ahead of the device (default: two batches).",
     )
     compile_buckets: bool = Field(

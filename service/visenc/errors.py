@@ -1,20 +1,28 @@
 """One error hierarchy for the whole service, mapped to HTTP status in one place.
 
     VisencError                 500  base; ``kind`` labels the failure counter
-    ├── BadRequest              400  malformed body, bad hash, bad range
-    │   ├── InvalidImage        400  corrupt or unsupported image bytes
-    │   └── HashMismatch        400  uploaded bytes do not hash to the given hash
+    ├── BadRequest              400  malformed header, bad range
+    │   ├── InvalidHash         400  'hash' is not 64 lowercase hex digits        (item: invalid_hash)
+    │   ├── InvalidImage        400  corrupt or unsupported image bytes           (item: invalid_image)
+    │   ├── HashMismatch        400  uploaded bytes do not hash to the given hash (item: hash_mismatch)
+    │   └── InvalidBody         422  the body does not match its schema
+    │       └── InvalidParams   422  query or path parameters refused
     ├── Unauthorized            401  missing or unknown API key
     ├── NotFound                404  no such embedding (never encoded, or evicted)
     │   └── TransportDisabled   404  an optional transport (shared memory) is switched off
-    ├── PayloadTooLarge         413  body, item count, image bytes or pixels over a limit
+    ├── PayloadTooLarge         413  body or item count over a limit
+    │   └── ImageTooLarge       413  one image's bytes or pixels over a limit     (item: image_too_large)
     ├── UnsupportedMediaType    415  content type we do not speak
     ├── Overloaded              429  admission queue full (``retry_after_s``)
+    ├── Cancelled               499  every request waiting for an image went away; it was dropped
     ├── ClientClosed            499  the client went away before the answer (nothing is sent)
-    ├── EncodeFailed            500  the forward raised; only that batch's images fail
-    ├── NotReady                503  model not loaded, worker stalled, shutting down
+    ├── EncodeFailed            500  the model could not encode this image        (item: encode_failed)
+    ├── NotReady                503  model loading, device worker failed/stalled/restarting, shutting down
     └── DeadlineExceeded        504  the result was not ready within the deadline
 
+An error with an ``item_reason`` is about one image: inside an encode request
+it becomes that item's ``{"status": "error", "reason", "error"}`` and the other
+items proceed; only a malformed or oversized *body* fails a whole request.
 Messages are written for the caller: they say which limit was hit and its value.
 A 500 never echoes internals (the handler logs them and answers a generic text).
 """
@@ -27,6 +35,8 @@ class VisencError(Exception):
     kind = "internal"
     #: whether the message may be shown to the caller
     public = False
+    #: the per-item reason code (``visenc_client.format.Reason``) when the error is about one image
+    item_reason: str | None = None
 
     def __init__(self, message: str = "internal error", **headers: str) -> None:
         super().__init__(message)
@@ -40,12 +50,30 @@ class BadRequest(VisencError):
     public = True
 
 
+class InvalidHash(BadRequest):
+    kind = "invalid_hash"
+    item_reason = "invalid_hash"
+
+
 class InvalidImage(BadRequest):
     kind = "invalid_image"
+    item_reason = "invalid_image"
 
 
 class HashMismatch(BadRequest):
     kind = "hash_mismatch"
+    item_reason = "hash_mismatch"
+
+
+class InvalidBody(BadRequest):
+    status_code = 422
+    kind = "invalid_body"
+
+
+class InvalidParams(InvalidBody):
+    """Query or path parameters FastAPI refused."""
+
+    kind = "invalid_params"
 
 
 class Unauthorized(VisencError):
@@ -70,6 +98,11 @@ class PayloadTooLarge(VisencError):
     public = True
 
 
+class ImageTooLarge(PayloadTooLarge):
+    kind = "image_too_large"
+    item_reason = "image_too_large"
+
+
 class UnsupportedMediaType(VisencError):
     status_code = 415
     kind = "unsupported_media_type"
@@ -85,6 +118,14 @@ class Overloaded(VisencError):
         super().__init__(message, **{"Retry-After": str(max(1, round(retry_after_s)))})
 
 
+class Cancelled(VisencError):
+    """Every request waiting for an image went away before its forward: the image was dropped."""
+
+    status_code = 499
+    kind = "cancelled"
+    public = True
+
+
 class ClientClosed(VisencError):
     """The client closed its connection while its request waited; its queued work is dropped."""
 
@@ -97,6 +138,7 @@ class EncodeFailed(VisencError):
     status_code = 500
     kind = "encode_failed"
     public = True
+    item_reason = "encode_failed"
 
 
 class NotReady(VisencError):
@@ -104,8 +146,21 @@ class NotReady(VisencError):
     kind = "not_ready"
     public = True
 
+    def __init__(self, message: str, retry_after_s: float = 5.0) -> None:
+        super().__init__(message, **{"Retry-After": str(max(1, round(retry_after_s)))})
+
 
 class DeadlineExceeded(VisencError):
     status_code = 504
     kind = "deadline"
     public = True
+
+
+def all_kinds() -> list[str]:
+    """Every ``kind`` of the hierarchy (pre-initialises the error counters)."""
+    kinds, todo = [], [VisencError]
+    while todo:
+        cls = todo.pop()
+        kinds.append(cls.kind)
+        todo.extend(cls.__subclasses__())
+    return sorted(set(kinds))

@@ -2,14 +2,19 @@
 
 Each app gets its own ``CollectorRegistry`` (several apps can live in one test
 process). Names are ``visenc_*``; durations are ``*_seconds`` with geometric
-buckets; batch sizes use powers of two.
+buckets; batch sizes use powers of two. Every labelled family is created with
+its label values already present (value 0), so ``/metrics`` shows a sample for
+each family from the start and a fresh dashboard never reads "no data".
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.metrics import MetricWrapperBase
+
+from visenc.errors import all_kinds
 
 #: 0.5 ms .. ~65 s, doubling
 SECONDS_BUCKETS = tuple(0.0005 * 2**i for i in range(18))
@@ -18,29 +23,74 @@ IMAGE_BUCKETS = tuple(float(2**i) for i in range(11))
 #: 16 .. 1M tokens
 TOKEN_BUCKETS = tuple(float(2**i) for i in range(4, 21))
 
+#: label values known in advance
+ENDPOINTS = (
+    "/v1/encode",
+    "/v1/embeddings/{image_hash}",
+    "/v1/embeddings/fetch",
+    "/v1/embeddings/shm",
+    "/v1/model",
+    "/healthz",
+    "/readyz",
+    "/metrics",
+)
+TRANSPORTS = ("http", "shm", "inline")
+LOOKUP_RESULTS = ("hit", "miss", "corrupt", "error")
+REDIS_OPS = ("get", "set", "claim", "renew", "release", "claims_held")
+CLAIM_OUTCOMES = ("owned", "held", "ready", "takeover", "timeout", "unavailable", "fetch_wait")
+#: where an encode failed: the forward raised, the forward stalled, copying its outputs out failed
+FAILURE_STAGES = ("forward", "stall", "output")
+
+
+def _preset(family: MetricWrapperBase, *values: Iterable[str]) -> None:
+    """Create every combination of ``values`` as a child of ``family`` (value 0)."""
+    combos: list[tuple[str, ...]] = [()]
+    for axis in values:
+        combos = [(*c, v) for c in combos for v in axis]
+    for combo in combos:
+        family.labels(*combo)
+
 
 class Metrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         r = self.registry = registry or CollectorRegistry()
         ProcessCollector(registry=r)  # process_resident_memory_bytes, process_cpu_seconds_total, ...
+        self._http(r)
+        self._engine(r)
+        self._index(r)
+        self._health(r)
+
+    def _http(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
             "visenc_requests", "HTTP requests by endpoint and status code.", ["endpoint", "status"], registry=r
         )
         self.request_seconds = Histogram(
-            "visenc_request_duration_seconds", "HTTP request duration.", ["endpoint"],
-            buckets=SECONDS_BUCKETS, registry=r,
+            "visenc_request_duration_seconds",
+            "HTTP request duration.",
+            ["endpoint"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
         )
-        self.queue_wait_seconds = Histogram(
-            "visenc_queue_wait_seconds", "Time an image waited from admission to the start of its forward.",
-            buckets=SECONDS_BUCKETS, registry=r,
+        self.errors = Counter("visenc_errors", "Errors answered, by kind.", ["kind"], registry=r)
+        self.bytes_served = Counter(
+            "visenc_bytes_served", "Embedding bytes served, by transport.", ["transport"], registry=r
         )
-        self.preprocess_seconds = Histogram(
-            "visenc_preprocess_seconds", "Decode + preprocess time of one image.",
-            buckets=SECONDS_BUCKETS, registry=r,
+        _preset(self.requests, ENDPOINTS, ["200"])
+        _preset(self.request_seconds, ENDPOINTS)
+        _preset(self.errors, all_kinds())
+        _preset(self.bytes_served, TRANSPORTS)
+
+    def _engine(self, r: CollectorRegistry) -> None:
+        def seconds(name: str, doc: str) -> Histogram:
+            return Histogram(name, doc, buckets=SECONDS_BUCKETS, registry=r)
+
+        self.queue_wait_seconds = seconds(
+            "visenc_queue_wait_seconds", "Time an image waited from admission to the start of its forward."
         )
-        self.forward_seconds = Histogram(
-            "visenc_forward_seconds", "Duration of one batched forward (device work + copy out).",
-            buckets=SECONDS_BUCKETS, registry=r,
+        self.preprocess_seconds = seconds("visenc_preprocess_seconds", "Decode + preprocess time of one image.")
+        self.forward_seconds = seconds("visenc_forward_seconds", "Duration of one batched forward (device work).")
+        self.output_seconds = seconds(
+            "visenc_output_seconds", "Device-to-host copy and packing of one forward's outputs (off the device thread)."
         )
         self.batch_images = Histogram(
             "visenc_batch_size_images", "Images per forward.", buckets=IMAGE_BUCKETS, registry=r
@@ -52,8 +102,7 @@ class Metrics:
             "visenc_queue_depth", "Images admitted and not yet encoded (preprocessing or queued).", registry=r
         )
         self.queue_capacity = Gauge(
-            "visenc_queue_capacity_images", "Admission bound (max_queue_images): past it, encodes get 429.",
-            registry=r,
+            "visenc_queue_capacity_images", "Admission bound (max_queue_images): past it, encodes get 429.", registry=r
         )
         self.inflight = Gauge(
             "visenc_inflight_images", "Distinct images being encoded (single-flight map size).", registry=r
@@ -64,24 +113,35 @@ class Metrics:
         self.singleflight_waits = Gauge(
             "visenc_singleflight_waiting", "Waiters currently blocked on an in-flight encode.", registry=r
         )
-        self.cache_lookups = Counter(
-            "visenc_cache_lookups", "Index lookups by tier and result.", ["tier", "result"], registry=r
-        )
-        self.cache_evictions = Counter(
-            "visenc_cache_evictions", "Entries evicted from a tier.", ["tier"], registry=r
-        )
-        self.index_up = Gauge(
-            "visenc_index_up", "1 while a tier answers (its last health report), 0 while it is down.",
-            ["tier"], registry=r,
-        )
-        self.cache_bytes = Gauge("visenc_cache_bytes", "Bytes held by a tier.", ["tier"], registry=r)
-        self.cache_entries = Gauge("visenc_cache_entries", "Entries held by a tier.", ["tier"], registry=r)
         self.encoded_images = Counter("visenc_encoded_images", "Images encoded by a forward.", registry=r)
         self.encoded_tokens = Counter("visenc_encoded_tokens", "Output token rows encoded.", registry=r)
         self.forwards = Counter("visenc_forwards", "Forward calls (batches) run.", registry=r)
-        self.bytes_served = Counter(
-            "visenc_bytes_served", "Embedding bytes served, by transport.", ["transport"], registry=r
+        self.encode_failures = Counter(
+            "visenc_encode_failures",
+            "Images whose encode failed, by stage (forward, stall, output).",
+            ["kind"],
+            registry=r,
         )
+        self.cancelled_images = Counter(
+            "visenc_cancelled_images",
+            "Images dropped before their forward because every request waiting for them went away.",
+            registry=r,
+        )
+        _preset(self.encode_failures, FAILURE_STAGES)
+
+    def _index(self, r: CollectorRegistry) -> None:
+        self.cache_lookups = Counter(
+            "visenc_cache_lookups", "Index lookups by tier and result.", ["tier", "result"], registry=r
+        )
+        self.cache_evictions = Counter("visenc_cache_evictions", "Entries evicted from a tier.", ["tier"], registry=r)
+        self.index_up = Gauge(
+            "visenc_index_up",
+            "1 while a tier answers (its last health report), 0 while it is down.",
+            ["tier"],
+            registry=r,
+        )
+        self.cache_bytes = Gauge("visenc_cache_bytes", "Bytes held by a tier.", ["tier"], registry=r)
+        self.cache_entries = Gauge("visenc_cache_entries", "Entries held by a tier.", ["tier"], registry=r)
         self.bytes_index = Counter(
             "visenc_index_bytes", "Bytes read from / written to a tier.", ["tier", "op"], registry=r
         )
@@ -89,39 +149,52 @@ class Metrics:
             "visenc_redis_errors", "Redis operations that failed, by operation.", ["op"], registry=r
         )
         self.claims = Counter(
-            "visenc_claims", "Cross-replica encode claims by outcome: owned (encode here), held (another "
+            "visenc_claims",
+            "Cross-replica encode claims by outcome: owned (encode here), held (another "
             "replica encodes; wait), ready (found while claiming), takeover (the owner went away), timeout "
-            "(waited claim_wait_s), unavailable (Redis down: encode here).", ["outcome"], registry=r,
+            "(waited claim_wait_s), unavailable (Redis down: encode here), fetch_wait (a fetch waits for "
+            "another replica's encode).",
+            ["outcome"],
+            registry=r,
         )
         self.claim_waiting = Gauge(
             "visenc_claim_waiting_images", "Images this replica waits for another replica to encode.", registry=r
         )
-        self.encode_failures = Counter(
-            "visenc_encode_failures", "Images whose encode failed, by kind.", ["kind"], registry=r
-        )
-        self.errors = Counter("visenc_errors", "Errors answered, by kind.", ["kind"], registry=r)
-        self.model_info = Gauge(
-            "visenc_model_info", "The served tower (value 1).",
-            ["name", "fingerprint", "dtype", "device", "hidden_size"], registry=r,
-        )
-        self.cancelled_images = Counter(
-            "visenc_cancelled_images",
-            "Images dropped before their forward because every request waiting for them went away.", registry=r,
-        )
         self.corrupt_entries = Counter(
-            "visenc_corrupt_entries", "Index entries that failed their integrity check (treated as misses).",
+            "visenc_corrupt_entries", "Index entries that failed their integrity check (treated as misses).", registry=r
+        )
+        _preset(self.redis_errors, REDIS_OPS)
+        _preset(self.claims, CLAIM_OUTCOMES)
+        self.preset_tiers(["memory"])
+
+    def preset_tiers(self, tiers: Iterable[str]) -> None:
+        """Create the per-tier children of the index families for the tiers in use."""
+        tiers = list(tiers)
+        _preset(self.cache_lookups, tiers, LOOKUP_RESULTS)
+        for family in (self.cache_evictions, self.cache_bytes, self.cache_entries):
+            _preset(family, tiers)
+        _preset(self.bytes_index, ["redis"], ["read", "write"])  # the shared tier's I/O (zeros without one)
+
+    def _health(self, r: CollectorRegistry) -> None:
+        self.worker_stalls = Counter("visenc_worker_stalls", "Times a forward ran past stall_timeout_s.", registry=r)
+        self.worker_restarts = Counter(
+            "visenc_worker_restarts",
+            "Restart attempts of the device worker after a failed or stalled forward.",
             registry=r,
         )
-        self.worker_stalls = Counter(
-            "visenc_worker_stalls", "Times a forward ran past stall_timeout_s.", registry=r
-        )
-        # --- shared memory
-        self.shm_segments = Gauge("visenc_shm_segments", "Shared-memory segments held (leased to clients).",
-                                  registry=r)
-        self.shm_bytes = Gauge("visenc_shm_bytes", "Bytes held in shared-memory segments.", registry=r)
         self.worker_alive = Gauge(
-            "visenc_worker_alive", "1 while the device worker is healthy, 0 when stalled or dead.", registry=r
+            "visenc_worker_alive",
+            "1 while the device worker is healthy, 0 when failed, restarting or stalled.",
+            registry=r,
         )
+        self.model_info = Gauge(
+            "visenc_model_info",
+            "The served tower (value 1).",
+            ["name", "fingerprint", "dtype", "device", "hidden_size"],
+            registry=r,
+        )
+        self.shm_segments = Gauge("visenc_shm_segments", "Shared-memory segments held (leased to clients).", registry=r)
+        self.shm_bytes = Gauge("visenc_shm_bytes", "Bytes held in shared-memory segments.", registry=r)
 
     def export_index_health(self, health: Mapping[str, object]) -> None:
         """Set ``visenc_index_up`` from ``Index.health()``: every mapping in it (nested ones

@@ -39,8 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from visenc.errors import Overloaded
-from visenc.index.format import Entry
 from visenc.metrics import Metrics
+from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
 
@@ -88,7 +88,7 @@ def _write(path: str, data: bytes | bytearray) -> None:
     try:
         view = memoryview(data)
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
     finally:
         os.close(fd)
 
@@ -107,8 +107,15 @@ class SegmentPool:
     Only touched from the event loop thread; file writes and unlinks run in
     worker threads."""
 
-    def __init__(self, directory: str, *, lease_s: float, max_bytes: int, metrics: Metrics,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        directory: str,
+        *,
+        lease_s: float,
+        max_bytes: int,
+        metrics: Metrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.directory = directory
         self.lease_s = lease_s
         self.max_bytes = max_bytes
@@ -173,8 +180,11 @@ class SegmentPool:
         if self.bytes + entry.nbytes > self.max_bytes:
             await self.reap()
             if self.bytes + entry.nbytes > self.max_bytes:
-                raise Overloaded(f"shared-memory budget is full (shm_max_bytes={self.max_bytes}); "
-                                 "fetch over HTTP or retry after the leases expire", retry_after_s=self.lease_s)
+                raise Overloaded(
+                    f"shared-memory budget is full (shm_max_bytes={self.max_bytes}); "
+                    "fetch over HTTP or retry after the leases expire",
+                    retry_after_s=self.lease_s,
+                )
         self._count += 1
         name = f"{self.prefix}{self._count}"
         self.bytes += entry.nbytes  # reserved before the write, so concurrent exports see it

@@ -96,7 +96,7 @@ def test_dockerfile_layers_and_runtime(dockerfile):
     deps = stages["deps"].instructions
     copies = [a for o, a in deps if o == "COPY"]
     assert copies == ["pyproject.toml ./"]
-    first_run_after_copy = [o for o, _ in deps[[o for o, _ in deps].index("COPY"):]]
+    first_run_after_copy = [o for o, _ in deps[[o for o, _ in deps].index("COPY") :]]
     assert "RUN" in first_run_after_copy
     build = stages["build"]
     assert build.base == "deps"
@@ -118,8 +118,9 @@ def test_dockerfile_layers_and_runtime(dockerfile):
 
 def test_every_copied_path_exists_and_enters_the_build_context(dockerfile):
     _, stages, _ = dockerfile
-    patterns = [p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines()
-                if p.strip() and not p.startswith("#")]
+    patterns = [
+        p.strip() for p in (ROOT / ".dockerignore").read_text().splitlines() if p.strip() and not p.startswith("#")
+    ]
 
     def ignored(path: str) -> bool:
         verdict = False
@@ -155,8 +156,12 @@ def test_image_start_command_and_healthcheck_run(dockerfile, tmp_path):
     assert argv[0] == "visenc"
     command = [sys.executable, "-m", "visenc", *argv[1:]]
     port = free_port()
-    env = {**os.environ, "VISENC_PORT": str(port), "VISENC_MAX_WAIT_MS": "2",
-           "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients")])}
+    env = {
+        **os.environ,
+        "VISENC_PORT": str(port),
+        "VISENC_MAX_WAIT_MS": "2",
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients")]),
+    }
     for e in final.all("ENV"):  # the image's VISENC_* defaults (the port is overridden above)
         for kv in e.split():
             k, _, v = kv.partition("=")
@@ -171,7 +176,7 @@ def test_image_start_command_and_healthcheck_run(dockerfile, tmp_path):
             assert httpx.get(f"{url}/healthz").text == "ok"
             assert httpx.get(f"{url}/readyz").json()["status"] == "ready"
             (health,) = final.all("HEALTHCHECK")
-            check = json.loads(health[health.index("CMD") + 3:].strip())
+            check = json.loads(health[health.index("CMD") + 3 :].strip())
             assert check[0] == "python3"
             done = subprocess.run([sys.executable, *check[1:]], env=env, capture_output=True, timeout=30)
             assert done.returncode == 0, done.stderr

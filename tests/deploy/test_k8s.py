@@ -52,8 +52,11 @@ def test_deployments_select_their_pods_and_services_select_deployments(docs):
     for (kind, name), svc in docs.items():
         if kind != "Service":
             continue
-        targets = [d for d in deployments.values()
-                   if selects(svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])]
+        targets = [
+            d
+            for d in deployments.values()
+            if selects(svc["spec"]["selector"], d["spec"]["template"]["metadata"]["labels"])
+        ]
         assert len(targets) == 1, f"Service {name} selects {len(targets)} deployments"
         ports = container_ports(targets[0])
         for p in svc["spec"]["ports"]:
@@ -106,8 +109,9 @@ def test_service_monitor_scrapes_the_visenc_service(docs):
     assert ep["port"] in {p["name"] for p in svc["spec"]["ports"]}
     assert ep["path"] == "/metrics"
     pdb = docs[("PodDisruptionBudget", "visenc")]
-    assert selects(pdb["spec"]["selector"]["matchLabels"],
-                   docs[("Deployment", "visenc")]["spec"]["template"]["metadata"]["labels"])
+    assert selects(
+        pdb["spec"]["selector"]["matchLabels"], docs[("Deployment", "visenc")]["spec"]["template"]["metadata"]["labels"]
+    )
 
 
 def test_prometheus_rule_equals_the_compose_alerts(docs):

@@ -98,9 +98,11 @@ def test_fetch_chunk_matches_naive_reference(server, handles, prompt, data):
     recording = Recording()
     with Client(server, transport=recording, shared_memory=driver == "shm") as vc:
         if driver == "async":
+
             async def go():
                 async with AsyncClient(server) as avc:
                     return await avc.fetch_chunk(placements, start, end, out=out, dense=dense)
+
             got = asyncio.run(go())
         else:
             got = vc.fetch_chunk(placements, start, end, out=out, dense=dense)
@@ -155,8 +157,12 @@ def test_fetch_chunk_waits_for_pending_images_and_fills_a_torch_tensor(server):
 
 
 def test_shared_memory_fetch_returns_exactly_the_http_bytes(server, handles):
-    ranges = [RowRange(handles[1].hash, 2, 9), RowRange(handles[0].hash), RowRange(handles[4].hash, 5, None),
-              RowRange(handles[1].hash, 0, 0)]
+    ranges = [
+        RowRange(handles[1].hash, 2, 9),
+        RowRange(handles[0].hash),
+        RowRange(handles[4].hash, 5, None),
+        RowRange(handles[1].hash, 0, 0),
+    ]
     with Client(server) as http, Client(server, shared_memory=True) as shm:
         over_http = http.fetch_many(ranges)
         over_shm = shm.fetch_many(ranges)
@@ -209,13 +215,16 @@ def test_fetch_chunk_copies_each_row_once_into_the_buffer(server):
         small = np.empty((small_end, hs[0].hidden_size), np.float32)
         vc.fetch_chunk(placements, 0, at, out=big)  # warm the connection
         extra = big.nbytes - small.nbytes
-        streamed = (peak(lambda: vc.fetch_chunk(placements, 0, at, out=big))
-                    - peak(lambda: vc.fetch_chunk(placements, 0, small_end, out=small))) / extra
-        whole_body = (peak(lambda: vc.fetch_many([RowRange(h.hash) for h in hs]))
-                      - peak(lambda: vc.fetch_many([RowRange(h.hash) for h in hs[:2]]))) / extra
+        streamed = (
+            peak(lambda: vc.fetch_chunk(placements, 0, at, out=big))
+            - peak(lambda: vc.fetch_chunk(placements, 0, small_end, out=small))
+        ) / extra
+        whole_body = (
+            peak(lambda: vc.fetch_many([RowRange(h.hash) for h in hs]))
+            - peak(lambda: vc.fetch_many([RowRange(h.hash) for h in hs[:2]]))
+        ) / extra
         expected = naive_chunk(vc, placements, 0, at, dense=False)
     assert big.tobytes() == expected.tobytes()
-    print(f"client marginal peak allocation per payload byte: fetch_chunk {streamed:.3f}, "
-          f"fetch_many {whole_body:.3f}")
+    print(f"client marginal peak allocation per payload byte: fetch_chunk {streamed:.3f}, fetch_many {whole_body:.3f}")
     assert whole_body >= 1.0  # the measure sees a body-sized buffer when there is one
     assert streamed < 0.2, streamed

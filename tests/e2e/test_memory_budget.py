@@ -17,9 +17,24 @@ ROOT = Path(__file__).resolve().parents[2]
 def test_64_full_hd_images_stay_within_budget_plus_outputs():
     # a small resize ceiling keeps the forward cheap; decode, staging and batching are the full-size path
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "bench" / "bench_memory.py"), "--json", "--images", "64",
-         "--width", "1920", "--height", "1080", "--max-pixels", "50176", "--budget-mib", "64"],
-        capture_output=True, text=True, timeout=240,
+        [
+            sys.executable,
+            str(ROOT / "bench" / "bench_memory.py"),
+            "--json",
+            "--images",
+            "64",
+            "--width",
+            "1920",
+            "--height",
+            "1080",
+            "--max-pixels",
+            "50176",
+            "--budget-mib",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=240,
     )
     assert proc.stdout, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])

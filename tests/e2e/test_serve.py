@@ -11,7 +11,7 @@ from tests.conftest import serve_process
 from tests.images import jpeg_bytes, png_bytes
 from tests.service.test_api import reference
 
-from visenc_client import AsyncClient, BadRequestError, Client, NotFoundError, RowRange, image_hash
+from visenc_client import AsyncClient, Client, NotFoundError, RowRange, image_hash
 
 
 @pytest.fixture(scope="module")
@@ -34,8 +34,9 @@ def test_client_encode_fetch_matches_direct_forward(server, tiny_tower):
             np.testing.assert_allclose(rows, reference(tiny_tower, data), atol=1e-5, rtol=0)
         # several ranges in one round trip equal slices of the whole
         whole = vc.fetch(handles[1])
-        parts = vc.fetch_many([RowRange(handles[1].hash, 0, 3), RowRange(handles[0].hash, 2, 5),
-                               RowRange(handles[1].hash, 3, None)])
+        parts = vc.fetch_many(
+            [RowRange(handles[1].hash, 0, 3), RowRange(handles[0].hash, 2, 5), RowRange(handles[1].hash, 3, None)]
+        )
         np.testing.assert_array_equal(parts[0], whole[:3])
         np.testing.assert_array_equal(parts[2], whole[3:])
         # a second encode of the same images is a pure hash-only hit (no bytes sent), rows inline if asked
@@ -46,8 +47,12 @@ def test_client_encode_fetch_matches_direct_forward(server, tiny_tower):
             np.testing.assert_array_equal(h.rows, vc.fetch(h))
         with pytest.raises(NotFoundError):
             vc.fetch("0" * 64)
-        with pytest.raises(BadRequestError):
-            vc.encode([b"definitely not an image"])
+        (bad,) = vc.encode([b"definitely not an image"])
+        assert (
+            bad.status == "error"
+            and bad.reason == "invalid_image"
+            and bad.hash == image_hash(b"definitely not an image")
+        )
     metrics = httpx.get(f"{server}/metrics").text
     assert "visenc_encoded_images_total 3.0" in metrics
 

@@ -44,8 +44,9 @@ def segments(prefix: str) -> list[str]:
 
 def start_client(url: str, mode: str, hashes: list[str]) -> subprocess.Popen[str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "clients"), str(ROOT / "service")])}
-    return subprocess.Popen([sys.executable, "-c", CLIENT, url, mode, *hashes], env=env, text=True,
-                            stdout=subprocess.PIPE)
+    return subprocess.Popen(
+        [sys.executable, "-c", CLIENT, url, mode, *hashes], env=env, text=True, stdout=subprocess.PIPE
+    )
 
 
 def mapped_by(proc: subprocess.Popen[str]) -> list[str]:

@@ -121,8 +121,7 @@ def test_bfloat16_forward_runs_and_tracks_fp32() -> None:
 
 
 _SUBPROCESS = (
-    "import json, sys; from tests.golden.test_towers import _checksums; "
-    "print(json.dumps(_checksums(sys.argv[1:])))"
+    "import json, sys; from tests.golden.test_towers import _checksums; print(json.dumps(_checksums(sys.argv[1:])))"
 )
 
 

@@ -61,22 +61,31 @@ def test_check_handles_accepts_the_right_answer_and_rejects_wrong_ones() -> None
         with pytest.raises(PayloadError, match=message):
             check_handles(_encode_answer(items), hashes, frozenset({"ready"}))
     with pytest.raises(PayloadError, match="status 'missing'"):  # allowed only in the hash round
-        check_handles(_encode_answer([ok[0], {"hash": hashes[1], "status": "missing"}]), hashes,
-                      frozenset({"ready"}))
+        check_handles(_encode_answer([ok[0], {"hash": hashes[1], "status": "missing"}]), hashes, frozenset({"ready"}))
     with pytest.raises(PayloadError, match="unreadable"):
         check_handles(b"\xc1", hashes, frozenset({"ready"}))
 
 
-def _rows_answer(ranges: list[tuple[str, int, int]], short: int = 0, nan: bool = False,
-                 shape_rows: int | None = None) -> bytes:
+def _rows_answer(
+    ranges: list[tuple[str, int, int]], short: int = 0, nan: bool = False, shape_rows: int | None = None
+) -> bytes:
     meta, data = [], b""
     for h, s, e in ranges:
         rows = np.arange((e - s) * HIDDEN, dtype="<f4")
         if nan:
             rows[0] = np.nan
         buf = rows.tobytes()[: len(rows) * 4 - short]
-        meta.append({"hash": h, "start": s, "end": e, "shape": [shape_rows or e - s, HIDDEN], "dtype": "float32",
-                     "offset": len(data), "nbytes": len(buf)})
+        meta.append(
+            {
+                "hash": h,
+                "start": s,
+                "end": e,
+                "shape": [shape_rows or e - s, HIDDEN],
+                "dtype": "float32",
+                "offset": len(data),
+                "nbytes": len(buf),
+            }
+        )
         data += buf
     header = msgpack.packb({"items": meta})
     return struct.pack("<I", len(header)) + header + data
@@ -106,13 +115,14 @@ def test_check_rows_get() -> None:
     with pytest.raises(PayloadError, match="X-Visenc-Shape"):
         check_rows_get({"X-Visenc-Shape": f"4,{HIDDEN}", "X-Visenc-Dtype": "float32"}, content, 2, 5, HANDLE)
     with pytest.raises(PayloadError, match="bytes for 3 rows"):
-        check_rows_get({"X-Visenc-Shape": f"3,{HIDDEN}", "X-Visenc-Dtype": "float32"}, content[:-4], 2, 5,
-                       HANDLE)
+        check_rows_get({"X-Visenc-Shape": f"3,{HIDDEN}", "X-Visenc-Dtype": "float32"}, content[:-4], 2, 5, HANDLE)
 
 
 def test_timing_headers_seconds_to_ms_and_absent_ones_left_out() -> None:
     assert timing_headers({"X-Visenc-Queue-Time": "0.002500", "X-Visenc-Encode-Time": "0.1"}) == {
-        "queue": pytest.approx(2.5), "encode": pytest.approx(100.0)}
+        "queue": pytest.approx(2.5),
+        "encode": pytest.approx(100.0),
+    }
     assert timing_headers({}) == {}
 
 

@@ -30,10 +30,14 @@ SMALL = ["--image-size", "160x96", "--chunk-tokens", "16", "--think-time", "0.05
 
 
 def run_loadtest(out: Path, *args: str, timeout_s: float = 90.0) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([str(ROOT / "loadtest" / "run"), "--out", str(out),
-                           "--stop-timeout", "10", *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
-                          env={**os.environ, "LOADTEST_PYTHON": sys.executable})
+    return subprocess.run(
+        [str(ROOT / "loadtest" / "run"), "--out", str(out), "--stop-timeout", "10", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env={**os.environ, "LOADTEST_PYTHON": sys.executable},
+    )
 
 
 def stats(out: Path, name: str = "locust_stats.csv") -> list[dict[str, str]]:
@@ -57,8 +61,7 @@ def assert_report(out: Path) -> None:
 
 def test_agent_run_against_a_server_it_starts(tmp_path: Path) -> None:
     out = tmp_path / "agent"
-    proc = run_loadtest(out, "--scenario", "agent", "-u", "2", "-r", "2", "-t", "8s",
-                        "--agent-turns", "4", *SMALL)
+    proc = run_loadtest(out, "--scenario", "agent", "-u", "2", "-r", "2", "-t", "8s", "--agent-turns", "4", *SMALL)
     assert proc.returncode == 0, proc.stdout + proc.stderr + (out / "locust.log").read_text()[-3000:]
     rows = stats(out)
     assert all(r["Failure Count"] == "0" for r in rows), rows
@@ -87,8 +90,23 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 def test_staged_mixed_run_against_a_given_url(server: str, tmp_path: Path) -> None:
     out = tmp_path / "mixed"
-    proc = run_loadtest(out, "--url", server, "--scenario", "mixed", "--ramp", "--stages", "3:1:1,7:2:2",
-                        "--hit-ratio", "0.5", "--hot-pool", "4", "--fetch-mode", "get", *SMALL)
+    proc = run_loadtest(
+        out,
+        "--url",
+        server,
+        "--scenario",
+        "mixed",
+        "--ramp",
+        "--stages",
+        "3:1:1,7:2:2",
+        "--hit-ratio",
+        "0.5",
+        "--hot-pool",
+        "4",
+        "--fetch-mode",
+        "get",
+        *SMALL,
+    )
     assert proc.returncode == 0, proc.stdout + proc.stderr + (out / "locust.log").read_text()[-3000:]
     rows = stats(out)
     assert all(r["Failure Count"] == "0" for r in rows), rows
@@ -124,17 +142,38 @@ class _WrongRows(BaseHTTPRequestHandler):
     def do_POST(self) -> None:
         body = msgpack.unpackb(self.rfile.read(int(self.headers["content-length"])))
         if self.path == "/v1/encode":
-            items = [{"hash": it["hash"], "status": "ready", "num_tokens": TOKENS, "hidden_size": HIDDEN,
-                      "dtype": "float32", "grid_thw": [1, 4, 4]} for it in body["items"]]
-            self._send(msgpack.packb({"model": "fake", "items": items}), "application/msgpack",
-                       {"X-Visenc-Queue-Time": "0.004000", "X-Visenc-Encode-Time": "0.250000"})
+            items = [
+                {
+                    "hash": it["hash"],
+                    "status": "ready",
+                    "num_tokens": TOKENS,
+                    "hidden_size": HIDDEN,
+                    "dtype": "float32",
+                    "grid_thw": [1, 4, 4],
+                }
+                for it in body["items"]
+            ]
+            self._send(
+                msgpack.packb({"model": "fake", "items": items}),
+                "application/msgpack",
+                {"X-Visenc-Queue-Time": "0.004000", "X-Visenc-Encode-Time": "0.250000"},
+            )
             return
         meta, rows, offset = [], b"", 0
         for r in body["ranges"]:
             n = r["end"] - r["start"]
             data = bytes(4 * HIDDEN * (n - 1))  # one row short
-            meta.append({"hash": r["hash"], "start": r["start"], "end": r["end"], "shape": [n, HIDDEN],
-                         "dtype": "float32", "offset": offset, "nbytes": len(data)})
+            meta.append(
+                {
+                    "hash": r["hash"],
+                    "start": r["start"],
+                    "end": r["end"],
+                    "shape": [n, HIDDEN],
+                    "dtype": "float32",
+                    "offset": offset,
+                    "nbytes": len(data),
+                }
+            )
             rows += data
             offset += len(data)
         header = msgpack.packb({"items": meta})
@@ -150,8 +189,22 @@ def test_a_200_with_wrong_rows_is_a_failure(tmp_path: Path) -> None:
     thread.start()
     try:
         out = tmp_path / "wrong"
-        proc = run_loadtest(out, "--url", f"http://127.0.0.1:{httpd.server_port}", "--scenario", "cold",
-                            "-u", "1", "-r", "1", "-t", "3s", "--images-per-request", "1", *SMALL)
+        proc = run_loadtest(
+            out,
+            "--url",
+            f"http://127.0.0.1:{httpd.server_port}",
+            "--scenario",
+            "cold",
+            "-u",
+            "1",
+            "-r",
+            "1",
+            "-t",
+            "3s",
+            "--images-per-request",
+            "1",
+            *SMALL,
+        )
     finally:
         httpd.shutdown()
         httpd.server_close()

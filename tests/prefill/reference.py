@@ -30,10 +30,10 @@ ATOL = 1e-4
 
 @dataclass(frozen=True)
 class Reference:
-    prompt: list[int]          # one placeholder per image
+    prompt: list[int]  # one placeholder per image
     images: list[bytes]
-    input_ids: torch.Tensor    # [1, L], placeholders expanded by the processor's rule
-    logits: torch.Tensor       # [L, vocab], the full model's own forward
+    input_ids: torch.Tensor  # [1, L], placeholders expanded by the processor's rule
+    logits: torch.Tensor  # [L, vocab], the full model's own forward
 
 
 def prompt_and_images() -> tuple[list[int], list[bytes]]:
@@ -45,22 +45,28 @@ def processor_input_ids(prompt: list[int], image_grid_thw: torch.Tensor, merge_s
     """The prompt with each placeholder expanded by ``Qwen2VLProcessor.replace_image_token`` (called
     unbound: the processor itself needs a tokenizer and torchvision, its expansion rule needs neither)."""
     fake = SimpleNamespace(image_processor=SimpleNamespace(merge_size=merge_size), image_token="x")
-    counts = iter(len(Qwen2VLProcessor.replace_image_token(fake, {"image_grid_thw": image_grid_thw}, k))
-                  for k in range(len(image_grid_thw)))
+    counts = iter(
+        len(Qwen2VLProcessor.replace_image_token(fake, {"image_grid_thw": image_grid_thw}, k))
+        for k in range(len(image_grid_thw))
+    )
     ids: list[int] = []
     for token in prompt:
         ids += [token] * next(counts) if token == IMAGE_TOKEN_ID else [token]
     return torch.tensor([ids])
 
 
-def full_model_reference(model: Qwen2VLForConditionalGeneration, processor: Qwen2VLImageProcessorPil,
-                         prompt: list[int], images: list[bytes]) -> Reference:
+def full_model_reference(
+    model: Qwen2VLForConditionalGeneration, processor: Qwen2VLImageProcessorPil, prompt: list[int], images: list[bytes]
+) -> Reference:
     pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
     input_ids = processor_input_ids(prompt, pixels["image_grid_thw"], processor.merge_size)
     with torch.inference_mode():
-        logits = model(input_ids=input_ids, pixel_values=pixels["pixel_values"],
-                       image_grid_thw=pixels["image_grid_thw"],
-                       mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int()).logits[0]
+        logits = model(
+            input_ids=input_ids,
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
+        ).logits[0]
     return Reference(prompt, images, input_ids, logits)
 
 

@@ -17,10 +17,16 @@ from visenc_client.prefill import VisencPrefill, expand_placeholders, tokens_for
 PAD = 9
 
 
-@given(st.lists(st.tuples(st.lists(st.integers(0, 8), max_size=4),
-                          st.tuples(st.just(1), st.integers(1, 6), st.integers(1, 6)).map(
-                              lambda g: (g[0], 2 * g[1], 2 * g[2]))), max_size=4),
-       st.lists(st.integers(0, 8), max_size=3))
+@given(
+    st.lists(
+        st.tuples(
+            st.lists(st.integers(0, 8), max_size=4),
+            st.tuples(st.just(1), st.integers(1, 6), st.integers(1, 6)).map(lambda g: (g[0], 2 * g[1], 2 * g[2])),
+        ),
+        max_size=4,
+    ),
+    st.lists(st.integers(0, 8), max_size=3),
+)
 def test_expansion_is_the_qwen2_vl_processors(segments, tail):
     prompt = [t for text, _ in segments for t in [*text, PAD]] + tail
     grids = [g for _, g in segments]
@@ -102,6 +108,7 @@ def test_chunks_without_image_rows_fetch_nothing():
 def test_error_handle_and_wrong_merge_fail_prepare():
     with pytest.raises(ImageEncodeError, match="cannot identify"):
         prefill_with(FakeClient([replace(HANDLE, status="error", error="cannot identify image")])).prepare(
-            [PAD], [b"x"])
+            [PAD], [b"x"]
+        )
     with pytest.raises(ProtocolError, match="expects 6"):
         prefill_with(FakeClient([replace(HANDLE, num_tokens=24)])).prepare([PAD], [b"x"])

@@ -64,6 +64,7 @@ def test_checkpoint_served_by_visenc_reproduces_the_full_model(checkpoint, serve
         assert torch.equal(torch.from_numpy(layout.input_ids), reference.input_ids[0])
         for chunk in (5, 33, layout.num_positions):
             assert chunk == layout.num_positions or splits_an_image(
-                [(p.offset, p.num_tokens) for p in layout.placements], chunk)
+                [(p.offset, p.num_tokens) for p in layout.placements], chunk
+            )
             logits = chunked_prefill(model, prefill, layout, chunk)
             assert max_abs_diff(logits, reference.logits) <= ATOL, chunk

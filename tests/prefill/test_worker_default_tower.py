@@ -22,7 +22,7 @@ from tests.prefill.reference import (
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from examples.qwen2vl_prefill import IMAGE_TOKEN_ID, NoVisionTower, build_tiny_vlm, chunked_prefill
-from visenc_client import BadRequestError, Client
+from visenc_client import Client, ImageEncodeError
 from visenc_client.prefill import VisencPrefill
 
 CHUNKS = (7, 16, 45)  # every one of them cuts through at least one image
@@ -112,8 +112,11 @@ def test_one_round_trip_per_chunk_for_the_overlapping_rows_only(server, worker_m
     expected = []
     for start in range(0, layout.num_positions, chunk):
         end = min(start + chunk, layout.num_positions)
-        ranges = [{"hash": p.hash, "start": max(start, p.offset) - p.offset, "end": min(end, p.end) - p.offset}
-                  for p in layout.placements if p.offset < end and p.end > start]
+        ranges = [
+            {"hash": p.hash, "start": max(start, p.offset) - p.offset, "end": min(end, p.end) - p.offset}
+            for p in layout.placements
+            if p.offset < end and p.end > start
+        ]
         if ranges:
             expected.append(ranges)
     assert fetches == expected
@@ -142,7 +145,8 @@ def test_fill_through_a_staging_buffer_for_other_dtypes(server, reference):
 def test_a_bad_image_fails_the_request_at_prepare(server):
     with Client(server) as vc:
         prefill = VisencPrefill(vc, image_token_id=IMAGE_TOKEN_ID)
-        with pytest.raises(BadRequestError):
+        with pytest.raises(ImageEncodeError) as failed:
             prefill.prepare([5, IMAGE_TOKEN_ID, 6], [b"not an image"])
+        assert failed.value.reason == "invalid_image"
         with pytest.raises(ValueError, match="2 image placeholders for 1 images"):
             prefill.prepare([IMAGE_TOKEN_ID, IMAGE_TOKEN_ID], [png_bytes(1, 64, 64)])

@@ -13,8 +13,8 @@ from tests.reliability.conftest import server_process
 from tests.service.test_api import encode_json, metric, sha
 
 from visenc.api import auth
-from visenc.api.app import create_app
 from visenc.api.auth import ApiKeyError, load_api_keys, tenant_of
+from visenc.bootstrap import create_app
 from visenc.config import Settings
 from visenc_client import Client, NotFoundError
 
@@ -30,12 +30,23 @@ async def authed(tiny_tower):
         yield client
 
 
-@pytest.mark.parametrize("headers", [{}, {"authorization": "Bearer sk-nope-0123456789abcdef"},
-                                     {"authorization": f"Basic {KEY_A}"}, {"authorization": "Bearer "},
-                                     {"authorization": KEY_A}])
+@pytest.mark.parametrize(
+    "headers",
+    [
+        {},
+        {"authorization": "Bearer sk-nope-0123456789abcdef"},
+        {"authorization": f"Basic {KEY_A}"},
+        {"authorization": "Bearer "},
+        {"authorization": KEY_A},
+    ],
+)
 async def test_v1_needs_a_valid_key(authed, headers):
-    for method, path in [("POST", "/v1/encode"), ("GET", f"/v1/embeddings/{'0' * 64}"),
-                         ("POST", "/v1/embeddings/fetch"), ("GET", "/v1/model")]:
+    for method, path in [
+        ("POST", "/v1/encode"),
+        ("GET", f"/v1/embeddings/{'0' * 64}"),
+        ("POST", "/v1/embeddings/fetch"),
+        ("GET", "/v1/model"),
+    ]:
         r = await authed.request(method, path, json={"items": [{"hash": "0" * 64}]}, headers=headers)
         assert r.status_code == 401, (path, r.text)
         assert r.headers["www-authenticate"].startswith("Bearer")
@@ -73,8 +84,9 @@ async def test_no_single_flight_across_tenants(authed):
     """Two tenants sending the same new image at once each get their own encode: B never joins
     A's in-flight job, so B's latency cannot tell that A is encoding the same image."""
     data = png_bytes(902, 56, 28)
-    ra, rb = await asyncio.gather(encode_json(authed, [{"data": data}], headers=A),
-                                  encode_json(authed, [{"data": data}], headers=B))
+    ra, rb = await asyncio.gather(
+        encode_json(authed, [{"data": data}], headers=A), encode_json(authed, [{"data": data}], headers=B)
+    )
     assert ra.json()["items"][0]["status"] == rb.json()["items"][0]["status"] == "ready"
     m = (await authed.get("/metrics")).text
     assert metric(m, "visenc_encoded_images_total") == 2

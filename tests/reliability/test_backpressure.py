@@ -39,14 +39,14 @@ async def until(predicate, timeout_s: float = 10.0) -> None:
 
 
 def assert_no_leaks(encoder) -> None:
-    assert encoder.inflight == {}
+    assert encoder.intake.inflight == {}
     assert encoder.scheduler.depth == 0 and encoder.scheduler.staged_tokens == 0
-    assert not encoder._tasks  # write-behind tasks all finished
+    assert not encoder.outputs.pending_writes  # write-behind tasks all finished
 
 
 async def test_full_queue_answers_429_with_retry_after(tiny_tower, monkeypatch):
     async with running_app(tiny_tower, max_queue_images=2) as client:
-        encoder = client.app.state.encoder
+        encoder = client.app.state.engine
         with held_device(encoder, monkeypatch) as gate:
             a, b, c = (png_bytes(300 + i, 28, 28) for i in range(3))
             r = await encode_json(client, [{"data": a}, {"data": b}], wait=False)
@@ -62,14 +62,14 @@ async def test_full_queue_answers_429_with_retry_after(tiny_tower, monkeypatch):
             gate.set()
             rows = await client.get(f"/v1/embeddings/{sha(a)}")
             assert rows.status_code == 200
-        await until(lambda: not encoder.inflight)
+        await until(lambda: not encoder.intake.inflight)
         r = await encode_json(client, [{"data": c}])
         assert r.json()["items"][0]["status"] == "ready"
 
 
 async def test_encode_deadline_504_and_the_work_is_released(tiny_tower, monkeypatch):
     async with running_app(tiny_tower, request_timeout_s=0.3, fetch_timeout_s=0.3) as client:
-        encoder = client.app.state.encoder
+        encoder = client.app.state.engine
         with held_device(encoder, monkeypatch):
             data = png_bytes(310, 28, 28)
             t0 = time.monotonic()
@@ -77,7 +77,7 @@ async def test_encode_deadline_504_and_the_work_is_released(tiny_tower, monkeypa
             assert r.status_code == 504 and "request_timeout_s=0.3" in r.json()["error"]["message"]
             assert time.monotonic() - t0 < 3
             # nobody waits any more: the queued image is dropped, not left for the device
-            await until(lambda: not encoder.inflight)
+            await until(lambda: not encoder.intake.inflight)
             assert encoder.scheduler.depth == 0
             # a fetch of a pending image has its own deadline
             await encode_json(client, [{"data": data}], wait=False)
@@ -95,24 +95,25 @@ async def test_many_concurrent_requests_cancel_half_rest_succeed_nothing_leaks(t
     images only cancelled requests wanted are never encoded; the single-flight map, the queue,
     the staged budget, the waiters gauge and the background tasks all drain to empty."""
     async with running_app(tiny_tower, max_batch_images=8, request_timeout_s=30) as client:
-        encoder = client.app.state.encoder
+        encoder = client.app.state.engine
         own = [png_bytes(400 + k, 28, 28) for k in range(30)]
         shared = [png_bytes(500 + j, 56, 28) for j in range(5)]
         with held_device(encoder, monkeypatch) as gate:
-            tasks = [asyncio.create_task(encode_json(client, [{"data": own[k]}, {"data": shared[k % 5]}]))
-                     for k in range(30)]
-            await until(lambda: len(encoder.inflight) == 35)
+            tasks = [
+                asyncio.create_task(encode_json(client, [{"data": own[k]}, {"data": shared[k % 5]}])) for k in range(30)
+            ]
+            await until(lambda: len(encoder.intake.inflight) == 35)
             for t in tasks[::2]:
                 t.cancel()
             cancelled = await asyncio.gather(*tasks[::2], return_exceptions=True)
             assert all(isinstance(r, asyncio.CancelledError) for r in cancelled)
             # every image only the cancelled requests wanted is gone before any forward ran
-            await until(lambda: len(encoder.inflight) == 20)
+            await until(lambda: len(encoder.intake.inflight) == 20)
             gate.set()
             survivors = await asyncio.gather(*tasks[1::2])
         for r in survivors:
             assert r.status_code == 200 and [it["status"] for it in r.json()["items"]] == ["ready", "ready"]
-        await until(lambda: not encoder.inflight and not encoder._tasks)
+        await until(lambda: not encoder.intake.inflight and not encoder.outputs.pending_writes)
         assert_no_leaks(encoder)
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_encoded_images_total") == 15 + 5
@@ -129,15 +130,17 @@ def test_client_disconnect_cancels_its_queued_work(tmp_path):
     The device is busy for ~2 s with image X (injected delay, one image per forward); image Y's
     request is queued behind it and its client gives up after 0.5 s. Without disconnect detection
     Y would stay wanted until request_timeout_s and be encoded when the device frees up."""
-    with server_process("--fault-forward-delay-s", "2", "--max-batch-images", "1", "--max-wait-ms", "1",
-                        log=tmp_path / "serve.log") as (url, _):
+    with server_process(
+        "--max-batch-images", "1", "--max-wait-ms", "1", log=tmp_path / "serve.log", faults=("--forward-delay-s", "2")
+    ) as (url, _):
         x, y = png_bytes(600, 28, 28), png_bytes(601, 28, 28)
         with httpx.Client(base_url=url, timeout=30) as http:
             import threading
 
             result: dict[str, httpx.Response] = {}
-            first = threading.Thread(target=lambda: result.setdefault(
-                "x", http.post("/v1/encode", json={"items": [{"data": _b64(x)}]})))
+            first = threading.Thread(
+                target=lambda: result.setdefault("x", http.post("/v1/encode", json={"items": [{"data": _b64(x)}]}))
+            )
             first.start()
             time.sleep(0.3)
             with pytest.raises(httpx.ReadTimeout):

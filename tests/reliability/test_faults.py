@@ -1,76 +1,131 @@
-"""Injected faults (visenc/engine/faults.py): failing forwards, a stalled worker, a slow index; SIGTERM."""
+"""Failure semantics, with faults injected by test support (tests/support/faults.py):
+a failing or stalled forward answers its waiters with 503 within a second, readiness turns
+false and the worker restarts; a device that cannot be restarted stops the process non-zero;
+shutdown drains within a bound; a slow index still answers; outputs leave the device thread."""
 
 from __future__ import annotations
 
 import asyncio
-import random
 import signal
+import subprocess
+import sys
 import threading
 import time
 
 import httpx
 import numpy as np
-from tests.conftest import running_app
+from tests.conftest import ROOT, free_port, running_app, stop_process, wait_ready
 from tests.images import png_bytes
-from tests.reliability.conftest import server_process
 from tests.reliability.test_backpressure import _b64, until
 from tests.service.test_api import encode_json, fetch_rows, metric, reference, sha
+from tests.support.faults import FaultyTower, faulty_index
+
+from visenc.engine.worker import WorkerState
 
 
-async def test_failed_forwards_fail_only_their_own_images_and_the_worker_lives_on(tiny_tower):
-    rate, seed, n = 0.5, 11, 8
-    rng = random.Random(seed)
-    expected_fail = [rng.random() < rate for _ in range(n)]  # the injector draws once per forward
-    assert any(expected_fail) and not all(expected_fail)
-    async with running_app(tiny_tower, fault_forward_fail_rate=rate, fault_seed=seed) as client:
-        images = [png_bytes(700 + i, 28, 28) for i in range(n)]
-        for data, fail in zip(images, expected_fail):  # one request, one image, one forward each
-            r = await encode_json(client, [{"data": data}])
-            assert r.status_code == 200
-            item = r.json()["items"][0]
-            if fail:
-                assert item["status"] == "error" and item["error"] == "encoding failed: InjectedFault"
-                assert (await client.get(f"/v1/embeddings/{sha(data)}")).status_code == 404  # nothing cached
-            else:
-                assert item["status"] == "ready"
-                np.testing.assert_allclose(await fetch_rows(client, sha(data)), reference(tiny_tower, data),
-                                           atol=1e-5, rtol=0)
-            assert (await client.get("/readyz")).status_code == 200
-        m = (await client.get("/metrics")).text
-        assert metric(m, "visenc_encode_failures_total") == sum(expected_fail)
-        assert metric(m, "visenc_encoded_images_total") == n - sum(expected_fail)
-        assert client.app.state.encoder.inflight == {}
-
-
-async def test_stalled_worker_turns_unready_and_requests_fail_fast(tiny_tower):
-    async with running_app(tiny_tower, fault_forward_delay_s=2.0, stall_timeout_s=0.3) as client:
-        encoder = client.app.state.encoder
-        a, b, c = (png_bytes(720 + i, 28, 28) for i in range(3))
-        first = asyncio.create_task(encode_json(client, [{"data": a}]))
-        await until(lambda: encoder.worker.busy_since is not None)
+async def test_failed_forward_answers_503_restarts_and_serves_again(tiny_tower):
+    tower = FaultyTower(tiny_tower, fail_first=1)
+    async with running_app(tower) as client:
+        engine = client.app.state.engine
+        bad, good = png_bytes(700, 28, 28), png_bytes(701, 28, 28)
         t0 = time.monotonic()
-        queued = asyncio.create_task(encode_json(client, [{"data": b}]))  # behind the stuck forward
-        await until(lambda: encoder.worker.stalled)
-        r = await client.get("/readyz")
-        assert r.status_code == 503 and "stall_timeout_s=0.3" in r.json()["error"]["message"]
-        r = await encode_json(client, [{"data": c}])
-        assert r.status_code == 503 and r.headers["retry-after"] == "5"
-        r = await queued  # failed by the watchdog, not left to its deadline
-        assert r.status_code == 503 and "stalled" in r.json()["error"]["message"]
-        assert time.monotonic() - t0 < 1.9, "the requests waited for the stalled forward"
-        assert not first.done()
-        r = await first  # the stuck forward does finish: its own request gets its answer
-        assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
-        await until(lambda: not encoder.worker.stalled)
+        r = await encode_json(client, [{"data": bad}])
+        assert time.monotonic() - t0 < 1.0
+        assert r.status_code == 503 and "InjectedFault" in r.json()["error"]["message"]
+        assert r.headers["retry-after"] == "5"
+        await until(lambda: engine.worker.state is WorkerState.HEALTHY)
         assert (await client.get("/readyz")).status_code == 200
-        r = await encode_json(client, [{"hash": sha(a)}])  # hits are answered whatever the worker does
-        assert r.json()["items"][0]["status"] == "ready"
+        assert (await client.get(f"/v1/embeddings/{sha(bad)}")).status_code == 404  # nothing cached
+        for data in (bad, good):  # the same image again, and another: both encode now
+            r = await encode_json(client, [{"data": data}])
+            assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
+            np.testing.assert_allclose(await fetch_rows(client, sha(data)), reference(tiny_tower, data), atol=1e-5)
+        m = (await client.get("/metrics")).text
+        assert metric(m, "visenc_encode_failures_total", 'kind="forward"') == 1
+        assert metric(m, "visenc_worker_restarts_total") == 1
+        assert engine.intake.inflight == {}
+
+
+async def test_readiness_is_false_while_the_worker_restarts(tiny_tower):
+    # the first forward fails; the restart's probe forward is slow, so readiness can be read meanwhile
+    tower = FaultyTower(tiny_tower, fail_first=1, delay_s=0.6, delay_first=2)
+    async with running_app(tower, stall_timeout_s=5) as client:
+        engine = client.app.state.engine
+        r = await encode_json(client, [{"data": png_bytes(705, 28, 28)}])
+        assert r.status_code == 503
+        await until(lambda: engine.worker.state is WorkerState.RESTARTING)
+        r = await client.get("/readyz")
+        assert r.status_code == 503 and "InjectedFault" in r.json()["error"]["message"]
+        r = await encode_json(client, [{"data": png_bytes(706, 28, 28)}])  # new work is refused meanwhile
+        assert r.status_code == 503
+        await until(lambda: engine.worker.state is WorkerState.HEALTHY)
+        assert (await client.get("/readyz")).status_code == 200
+
+
+async def test_stalled_forward_answers_503_within_a_second_and_restarts(tiny_tower):
+    tower = FaultyTower(tiny_tower, delay_s=3.0, delay_first=1)
+    async with running_app(tower, stall_timeout_s=0.3) as client:
+        engine = client.app.state.engine
+        a, b = png_bytes(720, 28, 28), png_bytes(721, 28, 28)
+        t0 = time.monotonic()
+        r = await encode_json(client, [{"data": a}])
+        assert time.monotonic() - t0 < 0.3 + 1.0, "the waiter of a stalled forward was not answered in time"
+        assert r.status_code == 503 and "stall_timeout_s=0.3" in r.json()["error"]["message"]
+        await until(lambda: engine.worker.state is WorkerState.HEALTHY)
+        r = await encode_json(client, [{"data": b}])  # a fresh device thread serves on
+        assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_worker_stalls_total") == 1
+        assert metric(m, "visenc_encode_failures_total", 'kind="stall"') == 1
+
+
+async def test_hits_are_answered_while_the_device_is_down(tiny_tower):
+    tower = FaultyTower(tiny_tower, fail_first=1_000_000)
+    async with running_app(tower, worker_restart_attempts=1) as client:
+        data = png_bytes(725, 28, 28)
+        tower.fail_first = 0
+        assert (await encode_json(client, [{"data": data}])).json()["items"][0]["status"] == "ready"
+        tower.fail_first = 1_000_000  # from now on every forward fails: the restart cannot succeed
+        r = await encode_json(client, [{"data": png_bytes(726, 28, 28)}])
+        assert r.status_code == 503
+        await until(lambda: client.app.state.fatal is not None)
+        assert (await client.get("/readyz")).status_code == 503
+        r = await encode_json(client, [{"hash": sha(data)}])  # a hit needs no device
+        assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
+
+
+def test_device_that_cannot_be_restarted_exits_non_zero(tmp_path):
+    port = free_port()
+    log = tmp_path / "serve.log"
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support.serve_faulty",
+        "--fail-always",
+        "--",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-wait-ms",
+        "1",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    try:
+        url = f"http://127.0.0.1:{port}"
+        wait_ready(url, proc)
+        r = httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(png_bytes(730, 28, 28))}]}, timeout=30)
+        assert r.status_code == 503
+        assert proc.wait(timeout=30) == 3  # EXIT_DEVICE_FAILED: a supervisor restarts the process
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
+    assert "device worker cannot be restarted" in log.read_text()
 
 
 async def test_slow_index_still_answers_within_the_deadline(tiny_tower):
-    async with running_app(tiny_tower, fault_index_delay_s=0.2, request_timeout_s=5) as client:
+    async with running_app(tiny_tower, index=faulty_index(delay_s=0.2), request_timeout_s=5) as client:
         data = png_bytes(730, 28, 28)
         t0 = time.monotonic()
         r = await encode_json(client, [{"data": data}])
@@ -80,15 +135,69 @@ async def test_slow_index_still_answers_within_the_deadline(tiny_tower):
         assert time.monotonic() - t0 >= 0.4  # both lookups went through the slowed index
 
 
+async def test_outputs_are_copied_off_the_device_thread(tiny_tower):
+    """Forward N+1 starts while forward N's outputs are still being copied out and packed."""
+    tower = FaultyTower(tiny_tower, output_delay_s=0.3)
+    async with running_app(tower, max_batch_images=1) as client:
+        engine = client.app.state.engine
+        spans: list[tuple[float, float]] = []
+        starts: list[float] = []
+
+        def materialised(batch, seconds):
+            spans.append((time.monotonic() - seconds, time.monotonic()))
+            starts.extend(j.started_at for j in batch)
+
+        engine.outputs.on_materialised = materialised
+        images = [png_bytes(740 + i, 28, 28) for i in range(3)]
+        r = await encode_json(client, [{"data": d} for d in images])
+        assert [it["status"] for it in r.json()["items"]] == ["ready"] * 3
+        assert len(spans) == 3
+        # the second forward started before the first one's outputs were done
+        assert starts[1] < spans[0][1], (starts, spans)
+
+
+async def test_shutdown_never_hangs_on_a_stalled_forward(tiny_tower):
+    tower = FaultyTower(tiny_tower, delay_s=30.0, delay_first=1)
+    client_cm = running_app(tower, shutdown_timeout_s=0.5, stall_timeout_s=60)
+    client = await client_cm.__aenter__()
+    engine = client.app.state.engine
+    task = asyncio.create_task(encode_json(client, [{"data": png_bytes(750, 28, 28)}]))
+    await until(lambda: engine.worker.busy_since is not None)
+    t0 = time.monotonic()
+    await client_cm.__aexit__(None, None, None)
+    assert time.monotonic() - t0 < 5.0
+    r = await asyncio.wait_for(task, 5)
+    assert r.status_code == 503
+
+
 def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
     log = tmp_path / "serve.log"
-    with server_process("--fault-forward-delay-s", "2", "--max-wait-ms", "1", log=log) as (url, proc):
+    port = free_port()
+    cmd = [
+        sys.executable,
+        "-m",
+        "tests.support.serve_faulty",
+        "--forward-delay-s",
+        "2",
+        "--",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--max-wait-ms",
+        "1",
+    ]
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
         result: dict[str, object] = {}
 
         def call() -> None:
             try:
-                result["r"] = httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(png_bytes(740, 28, 28))}]},
-                                         timeout=30)
+                body = {"items": [{"data": _b64(png_bytes(760, 28, 28))}]}
+                result["r"] = httpx.post(f"{url}/v1/encode", json=body, timeout=30)
             except Exception as e:  # reported below
                 result["r"] = e
 
@@ -101,6 +210,9 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
         assert isinstance(r, httpx.Response) and r.status_code == 200, r
         assert r.json()["items"][0]["status"] == "ready"
         assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            stop_process(proc)
     text = log.read_text()
     assert "Waiting for connections to close" in text  # uvicorn did wait for the in-flight request
     assert "Traceback" not in text

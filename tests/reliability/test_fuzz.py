@@ -68,9 +68,21 @@ def _from_msgpack(ctx: Any, response: Any) -> Any:
 def server(tmp_path_factory):
     log = tmp_path_factory.mktemp("fuzz") / "serve.log"
     # small limits, so that the fuzzer reaches them; a short deadline, so no example waits long
-    with serve_process("--max-wait-ms", "1", "--max-items", "8", "--max-body-bytes", "65536",
-                       "--request-timeout-s", "5", "--fetch-timeout-s", "2", "--preprocess-workers", "1",
-                       log=log) as url:
+    with serve_process(
+        "--max-wait-ms",
+        "1",
+        "--max-items",
+        "8",
+        "--max-body-bytes",
+        "65536",
+        "--request-timeout-s",
+        "5",
+        "--fetch-timeout-s",
+        "2",
+        "--preprocess-workers",
+        "1",
+        log=log,
+    ) as url:
         # one stored image: the server has state to answer from (not only misses)
         r = httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(png_bytes(7, 64, 64))}]}, timeout=30)
         assert r.status_code == 200, r.text
@@ -92,10 +104,23 @@ def api_schema(server):
     return schema
 
 
-CHECKS = [not_a_server_error, status_code_conformance, content_type_conformance, response_headers_conformance,
-          response_schema_conformance]
-OPERATIONS = ["POST /v1/encode", "GET /v1/embeddings/{image_hash}", "POST /v1/embeddings/fetch",
-              "POST /v1/embeddings/shm", "GET /v1/model", "GET /healthz", "GET /readyz", "GET /metrics"]
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_headers_conformance,
+    response_schema_conformance,
+]
+OPERATIONS = [
+    "POST /v1/encode",
+    "GET /v1/embeddings/{image_hash}",
+    "POST /v1/embeddings/fetch",
+    "POST /v1/embeddings/shm",
+    "GET /v1/model",
+    "GET /healthz",
+    "GET /readyz",
+    "GET /metrics",
+]
 
 
 # schemathesis' own pytest plugin (``from_fixture``/``parametrize``) does not run on this pytest
@@ -103,16 +128,17 @@ OPERATIONS = ["POST /v1/encode", "GET /v1/embeddings/{image_hash}", "POST /v1/em
 WITH_INPUT = OPERATIONS[:4]  # the others take no parameters or body: nothing to make invalid
 
 
-@pytest.mark.parametrize(("label", "mode"), [(op, GenerationMode.POSITIVE) for op in OPERATIONS]
-                         + [(op, GenerationMode.NEGATIVE) for op in WITH_INPUT])
+@pytest.mark.parametrize(
+    ("label", "mode"),
+    [(op, GenerationMode.POSITIVE) for op in OPERATIONS] + [(op, GenerationMode.NEGATIVE) for op in WITH_INPUT],
+)
 def test_openapi_conformance(api_schema, label, mode):
     operations = {op.ok().label: op.ok() for op in api_schema.get_all_operations()}
     assert set(operations) == set(OPERATIONS), "an endpoint is missing from the OpenAPI document"
     checks = [*CHECKS, negative_data_rejection] if mode is GenerationMode.NEGATIVE else CHECKS
 
     @given(case=operations[label].as_strategy(generation_mode=mode))
-    @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-              database=None)
+    @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
     def run(case):
         case.call_and_validate(checks=checks)
 
@@ -120,23 +146,42 @@ def test_openapi_conformance(api_schema, label, mode):
 
 
 def _msgpack_values() -> st.SearchStrategy[Any]:
-    scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**63), 2**64 - 1), st.floats(),
-                        st.text(max_size=80), st.binary(max_size=300),
-                        st.sampled_from(["items", "data", "hash", "wait", "ranges", "start", "end", "0" * 64]))
-    return st.recursive(scalars, lambda inner: st.one_of(
-        st.lists(inner, max_size=6), st.dictionaries(st.one_of(st.text(max_size=10),
-                                                               st.sampled_from(["items", "data", "hash", "ranges"])),
-                                                     inner, max_size=5)), max_leaves=30)
+    scalars = st.one_of(
+        st.none(),
+        st.booleans(),
+        st.integers(-(2**63), 2**64 - 1),
+        st.floats(),
+        st.text(max_size=80),
+        st.binary(max_size=300),
+        st.sampled_from(["items", "data", "hash", "wait", "ranges", "start", "end", "0" * 64]),
+    )
+    return st.recursive(
+        scalars,
+        lambda inner: st.one_of(
+            st.lists(inner, max_size=6),
+            st.dictionaries(
+                st.one_of(st.text(max_size=10), st.sampled_from(["items", "data", "hash", "ranges"])), inner, max_size=5
+            ),
+        ),
+        max_leaves=30,
+    )
 
 
-@given(value=_msgpack_values(), raw=st.binary(max_size=64), use_raw=st.booleans(),
-       path=st.sampled_from(["/v1/encode", "/v1/embeddings/fetch"]))
-@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True,
-          database=None)
+@given(
+    value=_msgpack_values(),
+    raw=st.binary(max_size=64),
+    use_raw=st.booleans(),
+    path=st.sampled_from(["/v1/encode", "/v1/embeddings/fetch"]),
+)
+@settings(max_examples=150, deadline=None, suppress_health_check=list(HealthCheck), derandomize=True, database=None)
 def test_arbitrary_msgpack_never_5xx(server, value, raw, use_raw, path):
     body = raw if use_raw else msgpack.packb(value)
-    r = httpx.post(f"{server}{path}", content=body, timeout=30,
-                   headers={"content-type": "application/msgpack", "accept": "application/msgpack"})
+    r = httpx.post(
+        f"{server}{path}",
+        content=body,
+        timeout=30,
+        headers={"content-type": "application/msgpack", "accept": "application/msgpack"},
+    )
     assert r.status_code < 500, (r.status_code, r.text)
     if r.status_code >= 400:
         assert r.json()["error"]["message"]

@@ -14,9 +14,9 @@ import pytest
 from tests.conftest import running_app
 from tests.images import png_bytes
 from tests.service.test_api import encode_json, fetch_rows, metric, reference, sha
+from tests.support.faults import faulty_index
 
-from visenc.index.format import Entry, pack_entry
-from visenc.index.keys import entry_key
+from visenc_client.format import Entry, entry_key, pack_entry
 
 
 def key_of(encoder, data: bytes, namespace: str = "default") -> str:
@@ -24,26 +24,27 @@ def key_of(encoder, data: bytes, namespace: str = "default") -> str:
 
 
 async def test_wrong_hash_creates_no_entry_under_either_hash(service):
-    encoder = service.app.state.encoder
+    encoder = service.app.state.engine
     claimed, sent = png_bytes(800, 28, 28), png_bytes(801, 28, 28)
     r = await encode_json(service, [{"hash": sha(claimed), "data": sent}])
-    assert r.status_code == 400 and r.json()["error"]["kind"] == "hash_mismatch"
+    assert r.status_code == 200 and r.json()["items"][0]["reason"] == "hash_mismatch"
     assert encoder.index.peek(key_of(encoder, claimed)) is None
     assert encoder.index.peek(key_of(encoder, sent)) is None
-    assert encoder.inflight == {}
-    # a batch with one bad item refuses the whole request: nothing of it is admitted
+    assert encoder.intake.inflight == {}
+    # the bad item fails alone: the good one of the same request is encoded under its own hash
     r = await encode_json(service, [{"data": sent}, {"hash": sha(claimed), "data": sent}])
-    assert r.status_code == 400 and "item 1" in r.json()["error"]["message"]
-    assert encoder.index.peek(key_of(encoder, sent)) is None
+    assert [it["status"] for it in r.json()["items"]] == ["ready", "error"]
+    assert encoder.index.peek(key_of(encoder, sent)) is not None
+    assert encoder.index.peek(key_of(encoder, claimed)) is None
 
 
 async def test_hash_only_can_read_but_never_create(service):
-    encoder = service.app.state.encoder
+    encoder = service.app.state.engine
     data = png_bytes(802, 28, 28)
     for wait in (True, False):
         r = await encode_json(service, [{"hash": sha(data)}], wait=wait)
         assert r.json()["items"][0]["status"] == "missing"
-    assert encoder.inflight == {} and encoder.scheduler.depth == 0
+    assert encoder.intake.inflight == {} and encoder.scheduler.depth == 0
     assert (await service.get(f"/v1/embeddings/{sha(data)}")).status_code == 404
     m = (await service.get("/metrics")).text
     assert metric(m, "visenc_encoded_images_total") == 0
@@ -83,7 +84,7 @@ def wrong_width(e: Entry) -> Entry:
 @pytest.mark.parametrize("damage", [truncated, bad_magic, other_image, other_model, header_lies, wrong_width])
 async def test_corrupt_entry_is_a_miss_reencoded_never_served(tiny_tower, damage):
     async with running_app(tiny_tower) as client:
-        encoder = client.app.state.encoder
+        encoder = client.app.state.engine
         data = png_bytes(810, 56, 28)
         await encode_json(client, [{"data": data}])
         key = key_of(encoder, data)
@@ -100,8 +101,7 @@ async def test_corrupt_entry_is_a_miss_reencoded_never_served(tiny_tower, damage
         encoder.index.store_local(key, damage(good))
         r = await encode_json(client, [{"data": data}])
         assert r.json()["items"][0]["status"] == "ready"
-        np.testing.assert_allclose(await fetch_rows(client, sha(data)), reference(tiny_tower, data), atol=1e-5,
-                                   rtol=0)
+        np.testing.assert_allclose(await fetch_rows(client, sha(data)), reference(tiny_tower, data), atol=1e-5, rtol=0)
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_corrupt_entries_total") == 3
         assert metric(m, "visenc_encoded_images_total") == 2  # the first encode and the re-encode
@@ -109,7 +109,7 @@ async def test_corrupt_entry_is_a_miss_reencoded_never_served(tiny_tower, damage
 
 async def test_index_returning_damaged_values_never_serves_them(tiny_tower):
     """A tier that hands back truncated values (fault injector) is answered with misses, not garbage."""
-    async with running_app(tiny_tower, fault_index_corrupt_rate=1.0) as client:
+    async with running_app(tiny_tower, index=faulty_index(corrupt_rate=1.0)) as client:
         data = png_bytes(820, 28, 28)
         assert (await encode_json(client, [{"data": data}])).json()["items"][0]["status"] == "ready"
         r = await encode_json(client, [{"hash": sha(data)}])
@@ -124,10 +124,10 @@ async def test_corrupt_redis_value_is_a_miss_then_repaired(tiny_tower, redis_url
     never served; hash-only says ``missing``, the bytes re-encode it, the write repairs Redis."""
     import redis.asyncio as aioredis
 
-    from visenc.index.format import unpack_entry
+    from visenc_client.format import unpack_entry
 
     async with running_app(tiny_tower, redis_url=redis_url, namespace="integrity") as client:
-        encoder = client.app.state.encoder
+        encoder = client.app.state.engine
         data = png_bytes(830, 28, 28)
         assert (await encode_json(client, [{"data": data}])).json()["items"][0]["status"] == "ready"
         key = key_of(encoder, data, "integrity")
@@ -139,14 +139,15 @@ async def test_corrupt_redis_value_is_a_miss_then_repaired(tiny_tower, redis_url
                 await asyncio.sleep(0.02)
             good = await raw.get(key)
             await raw.set(key, good[:-10])  # truncated
-            encoder.index.discard_local(key)
+            encoder.index.discard(key)
             r = await encode_json(client, [{"hash": sha(data)}])
             assert r.json()["items"][0]["status"] == "missing"
             assert (await client.get(f"/v1/embeddings/{sha(data)}")).status_code == 404
             r = await encode_json(client, [{"data": data}])
             assert r.json()["items"][0]["status"] == "ready"
-            np.testing.assert_allclose(await fetch_rows(client, sha(data)), reference(tiny_tower, data),
-                                       atol=1e-5, rtol=0)
+            np.testing.assert_allclose(
+                await fetch_rows(client, sha(data)), reference(tiny_tower, data), atol=1e-5, rtol=0
+            )
             for _ in range(100):
                 value = await raw.get(key)
                 if value is not None and len(value) == len(good):

@@ -31,12 +31,11 @@ async def test_timing_headers_match_the_forwards_this_request_waited_for(tiny_to
         after = await scrape(client)
 
         forwards = metric(after, "visenc_forwards_total") - metric(before, "visenc_forwards_total")
-        forward_sum = (metric(after, "visenc_forward_seconds_sum")
-                       - metric(before, "visenc_forward_seconds_sum"))
-        wait_count = (metric(after, "visenc_queue_wait_seconds_count")
-                      - metric(before, "visenc_queue_wait_seconds_count"))
-        wait_sum = (metric(after, "visenc_queue_wait_seconds_sum")
-                    - metric(before, "visenc_queue_wait_seconds_sum"))
+        forward_sum = metric(after, "visenc_forward_seconds_sum") - metric(before, "visenc_forward_seconds_sum")
+        wait_count = metric(after, "visenc_queue_wait_seconds_count") - metric(
+            before, "visenc_queue_wait_seconds_count"
+        )
+        wait_sum = metric(after, "visenc_queue_wait_seconds_sum") - metric(before, "visenc_queue_wait_seconds_sum")
         # (with room for all three, images whose preprocessing finished late may still form a 2nd batch)
         assert 1 <= forwards <= 3 if batch_images > 1 else forwards == 3
         assert wait_count == 3

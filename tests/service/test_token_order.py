@@ -50,15 +50,17 @@ async def held_app(tiny_tower: VisionTower, monkeypatch: pytest.MonkeyPatch, **s
 
     monkeypatch.setattr(tiny_tower, "forward", forward)
     async with running_app(tiny_tower, **settings) as client:
-        worker = client.app.state.encoder.worker  # type: ignore[attr-defined]
-        real_complete = worker._complete
+        outputs = client.app.state.engine.outputs  # type: ignore[attr-defined]
+        materialised = 0
 
-        def complete(job, entry):  # event loop thread, right after forward number `probe.forwards`
-            probe.batch_of[job.image_hash] = probe.forwards
-            probe.order.append(job.image_hash)
-            real_complete(job, entry)
+        def record(batch, seconds):  # event loop thread; batches are copied out in forward order
+            nonlocal materialised
+            materialised += 1
+            for job in batch:
+                probe.batch_of[job.image_hash] = materialised
+                probe.order.append(job.image_hash)
 
-        monkeypatch.setattr(worker, "_complete", complete)
+        outputs.on_materialised = record
         try:
             yield client, probe
         finally:
@@ -96,7 +98,7 @@ async def test_images_complete_in_prompt_order_and_requests_in_arrival_order(tin
 
 async def check_prompt_and_arrival_order(client, probe: Probe) -> None:
     blocker = await occupy_device(client, probe, seed=900)
-    scheduler = client.app.state.encoder.scheduler  # type: ignore[attr-defined]
+    scheduler = client.app.state.engine.scheduler  # type: ignore[attr-defined]
     a = [png_bytes(910 + i, w, h) for i, (w, h) in enumerate(SIZES)]
     b = [png_bytes(930 + i, w, h) for i, (w, h) in enumerate(reversed(SIZES))]
     ha = hashes_of(await encode_json(client, [{"data": d} for d in a], wait=False))
@@ -106,8 +108,9 @@ async def check_prompt_and_arrival_order(client, probe: Probe) -> None:
     probe.gate.set()
     await blocker
     await wait_until(lambda: set(ha + hb) <= set(probe.batch_of), "every image is encoded")
-    assert all(it["status"] == "ready" for it in (await encode_json(client, [{"hash": h} for h in ha + hb])
-                                                  ).json()["items"])
+    assert all(
+        it["status"] == "ready" for it in (await encode_json(client, [{"hash": h} for h in ha + hb])).json()["items"]
+    )
     done = [h for h in probe.order if h in set(ha + hb)]
     assert done == ha + hb, "images did not complete in (request arrival, prompt position) order"
     batches = [probe.batch_of[h] for h in ha + hb]
@@ -122,7 +125,7 @@ async def test_fetch_of_late_images_moves_them_all_into_the_next_forward(tiny_to
 
 async def check_fetch_priority(client, probe: Probe) -> None:
     blocker = await occupy_device(client, probe, seed=950)
-    scheduler = client.app.state.encoder.scheduler  # type: ignore[attr-defined]
+    scheduler = client.app.state.engine.scheduler  # type: ignore[attr-defined]
     images = [png_bytes(960 + i, *SIZES[i % len(SIZES)]) for i in range(16)]
     hashes = hashes_of(await encode_json(client, [{"data": d} for d in images], wait=False))
     # the prefetch gate admits only the first few images into preprocessing; the last ones wait
@@ -131,8 +134,9 @@ async def check_fetch_priority(client, probe: Probe) -> None:
     assert set(late) <= {j.image_hash for j in scheduler._waiting}, "the last images should be behind the gate"
     # one fetch for the three (one prefill chunk): all of them are bumped at once, not one after the other
     body = msgpack.packb({"ranges": [{"hash": h} for h in late]})
-    fetch = asyncio.create_task(client.post("/v1/embeddings/fetch", content=body,
-                                            headers={"content-type": "application/msgpack"}))
+    fetch = asyncio.create_task(
+        client.post("/v1/embeddings/fetch", content=body, headers={"content-type": "application/msgpack"})
+    )
     await wait_until(lambda: set(late) <= {j.image_hash for j in scheduler._ready}, "the fetched images are ready")
     probe.gate.set()
     await blocker

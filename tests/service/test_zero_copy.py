@@ -20,8 +20,9 @@ from tests.service.test_api import encode_json
 MAX_ALLOCATED_PER_BYTE = 1.1
 
 
-async def serve_once(app, method: str, path: str, query: bytes = b"", body: bytes = b"",
-                     headers: list[tuple[bytes, bytes]] | None = None) -> tuple[int, int, float]:
+async def serve_once(
+    app, method: str, path: str, query: bytes = b"", body: bytes = b"", headers: list[tuple[bytes, bytes]] | None = None
+) -> tuple[int, int, float]:
     """(status, body bytes, peak allocated bytes / body bytes) of one request through the ASGI app."""
     sink = memoryview(bytearray(64 << 20))
     state = {"status": 0, "size": 0}
@@ -42,10 +43,20 @@ async def serve_once(app, method: str, path: str, query: bytes = b"", body: byte
             sink[state["size"] : state["size"] + len(chunk)] = chunk
             state["size"] += len(chunk)
 
-    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": method,
-             "scheme": "http", "path": path, "raw_path": path.encode(), "query_string": query,
-             "root_path": "", "headers": [(b"host", b"visenc"), *(headers or [])],
-             "client": ("127.0.0.1", 1), "server": ("visenc", 80)}
+    scope = {
+        "type": "http",
+        "asgi": {"version": "3.0"},
+        "http_version": "1.1",
+        "method": method,
+        "scheme": "http",
+        "path": path,
+        "raw_path": path.encode(),
+        "query_string": query,
+        "root_path": "",
+        "headers": [(b"host", b"visenc"), *(headers or [])],
+        "client": ("127.0.0.1", 1),
+        "server": ("visenc", 80),
+    }
     await app(scope, receive, send)  # warm: routes, validators, codecs all imported and cached
     sent, state["size"] = False, 0
     tracemalloc.start()
@@ -75,8 +86,12 @@ async def test_http_fetch_allocates_far_less_than_a_copy_per_byte_served(tiny_to
             ranges = [{"hash": it["hash"], "start": start, "end": it["num_tokens"]} for it in items]
             body = msgpack.packb({"ranges": ranges})
             status, size, ratio = await serve_once(
-                app, "POST", "/v1/embeddings/fetch", body=body,
-                headers=[(b"content-type", b"application/msgpack"), (b"content-length", str(len(body)).encode())])
+                app,
+                "POST",
+                "/v1/embeddings/fetch",
+                body=body,
+                headers=[(b"content-type", b"application/msgpack"), (b"content-length", str(len(body)).encode())],
+            )
             assert status == 200
             return size, ratio
 
@@ -87,5 +102,4 @@ async def test_http_fetch_allocates_far_less_than_a_copy_per_byte_served(tiny_to
         # what the extra rows cost: a single copy of them would make this >= 1.0
         marginal = (ratio_many * big - ratio_small * small) / (big - small)
         assert marginal < 0.1, marginal
-        print(f"allocated per byte served: GET {ratio_get:.4f}, POST fetch {ratio_many:.4f}, "
-              f"marginal {marginal:.4f}")
+        print(f"allocated per byte served: GET {ratio_get:.4f}, POST fetch {ratio_many:.4f}, marginal {marginal:.4f}")

@@ -65,20 +65,53 @@ def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[list[int]]:
         for port in ports:
             d = workdir / str(port)
             d.mkdir(parents=True, exist_ok=True)
-            procs.append(subprocess.Popen(
-                [server, "--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes",
-                 "--cluster-config-file", str(d / "nodes.conf"), "--dir", str(d), "--save", "",
-                 "--appendonly", "no", "--cluster-node-timeout", "2000"],
-                stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
+            procs.append(
+                subprocess.Popen(
+                    [
+                        server,
+                        "--port",
+                        str(port),
+                        "--bind",
+                        "127.0.0.1",
+                        "--cluster-enabled",
+                        "yes",
+                        "--cluster-config-file",
+                        str(d / "nodes.conf"),
+                        "--dir",
+                        str(d),
+                        "--save",
+                        "",
+                        "--appendonly",
+                        "no",
+                        "--cluster-node-timeout",
+                        "2000",
+                    ],
+                    stdout=subprocess.DEVNULL,
+                    stderr=subprocess.STDOUT,
+                )
+            )
         for port in ports:
             _wait_port(port)
-        subprocess.run([cli, "--cluster", "create", *(f"127.0.0.1:{p}" for p in ports),
-                        "--cluster-replicas", "0", "--cluster-yes"],
-                       check=True, capture_output=True, timeout=30)
+        subprocess.run(
+            [
+                cli,
+                "--cluster",
+                "create",
+                *(f"127.0.0.1:{p}" for p in ports),
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
+            check=True,
+            capture_output=True,
+            timeout=30,
+        )
         deadline = time.monotonic() + 20
         while True:  # every node must agree the cluster is up before a client connects
-            states = [subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True,
-                                     timeout=5).stdout for p in ports]
+            states = [
+                subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True, timeout=5).stdout
+                for p in ports
+            ]
             if all("cluster_state:ok" in s for s in states):
                 break
             if time.monotonic() > deadline:

@@ -13,8 +13,9 @@ from tests.images import png_bytes
 from tests.service.test_api import encode_json, reference
 from tests.shared_index.conftest import metric, redis_cluster
 
-from visenc.index.keys import claim_key, entry_key
+from visenc.index.redis_claims import claim_key
 from visenc_client import AsyncRedisRows, Handle, RedisRows, image_hash
+from visenc_client.format import entry_key
 
 
 @pytest.fixture(scope="module")
@@ -33,8 +34,9 @@ async def test_encode_and_fetch_round_trips_on_a_cluster(cluster_url, tiny_tower
 
         # the same new images at both replicas at once: claims (a Lua script over entry + claim key,
         # same slot) make it one forward per image
-        ra, rb = await asyncio.gather(encode_json(a, [{"data": d} for d in images]),
-                                      encode_json(b, [{"data": d} for d in images[::-1]]))
+        ra, rb = await asyncio.gather(
+            encode_json(a, [{"data": d} for d in images]), encode_json(b, [{"data": d} for d in images[::-1]])
+        )
         assert all(it["status"] == "ready" for it in ra.json()["items"] + rb.json()["items"])
         ma, mb = (await a.get("/metrics")).text, (await b.get("/metrics")).text
         assert metric(ma, "visenc_encoded_images_total") + metric(mb, "visenc_encoded_images_total") == 8
@@ -50,8 +52,12 @@ async def test_encode_and_fetch_round_trips_on_a_cluster(cluster_url, tiny_tower
             assert metric(mc, "visenc_encoded_images_total") == 0
             for d in images[:3]:
                 got = (await c.get(f"/v1/embeddings/{image_hash(d)}")).content
-                np.testing.assert_allclose(np.frombuffer(got, "<f4").reshape(-1, tiny_tower.hidden_size),
-                                           reference(tiny_tower, d), atol=1e-5, rtol=0)
+                np.testing.assert_allclose(
+                    np.frombuffer(got, "<f4").reshape(-1, tiny_tower.hidden_size),
+                    reference(tiny_tower, d),
+                    atol=1e-5,
+                    rtol=0,
+                )
             assert (await c.get("/readyz")).json()["status"] == "ready"
 
         # no claim is left behind; direct reads go to the node that owns each key

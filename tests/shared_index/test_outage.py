@@ -14,8 +14,8 @@ from tests.images import png_bytes
 from tests.service.test_api import reference
 from tests.shared_index.conftest import metric
 
-from visenc.index.keys import entry_key
 from visenc_client import AsyncClient, image_hash
+from visenc_client.format import entry_key
 
 
 async def test_service_survives_a_redis_restart_under_traffic(tiny_tower):
@@ -52,8 +52,10 @@ async def test_service_survives_a_redis_restart_under_traffic(tiny_tower):
         _, proc = stack.enter_context(redis_process(port))
         async with running_app(tiny_tower, **settings) as a, running_app(tiny_tower, **settings) as b:
             timeout = httpx.Timeout(10.0)  # a request hanging on a dead Redis would fail the test
-            clients = [AsyncClient("http://visenc", transport=httpx.ASGITransport(app=app.app), timeout=timeout)
-                       for app in (a, b)]
+            clients = [
+                AsyncClient("http://visenc", transport=httpx.ASGITransport(app=app.app), timeout=timeout)
+                for app in (a, b)
+            ]
             pairs = list(zip(clients, (a, b)))
             workers = [asyncio.create_task(traffic(pairs, seed)) for seed in range(4)]
             try:
@@ -98,6 +100,9 @@ async def test_service_survives_a_redis_restart_under_traffic(tiny_tower):
                 assert metric(m, "visenc_index_up", tier="redis") == 1 or c is b
             assert (await a.get("/readyz")).json()["status"] == "ready"
             texts = [(await c.get("/metrics")).text for c in (a, b)]
-            errors = sum(metric(t, "visenc_redis_errors_total", op=op)
-                         for t in texts for op in ("get", "set", "claim", "renew", "release"))
+            errors = sum(
+                metric(t, "visenc_redis_errors_total", op=op)
+                for t in texts
+                for op in ("get", "set", "claim", "renew", "release")
+            )
             assert errors > 0  # the outage was seen, and counted

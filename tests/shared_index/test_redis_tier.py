@@ -9,12 +9,13 @@ from tests.conftest import free_port
 from tests.shared_index.conftest import metric
 
 from visenc.config import Settings
-from visenc.index.format import DATA_OFFSET, pack_entry
-from visenc.index.keys import claim_key, entry_key
-from visenc.index.memory import MemoryIndex
-from visenc.index.redis import RedisIndex, redacted_location
-from visenc.index.tiered import TieredIndex
+from visenc.index.memory import MemoryLRU
+from visenc.index.redis_claims import RedisClaims, claim_key
+from visenc.index.redis_conn import RedisConnection, redacted_location
+from visenc.index.redis_store import RedisStore
+from visenc.index.tiered import Index
 from visenc.metrics import Metrics
+from visenc_client.format import DATA_OFFSET, entry_key, pack_entry
 
 FP = "f" * 32
 
@@ -46,8 +47,11 @@ async def commands(raw) -> dict[str, int]:
     return {name: v["calls"] for k, v in stats.items() if (name := k.removeprefix("cmdstat_")) not in skip}
 
 
-def index_for(url: str, metrics: Metrics, **overrides) -> RedisIndex:
-    return RedisIndex.from_settings(Settings(redis_url=url, **overrides), metrics)
+def index_for(url: str, metrics: Metrics, **overrides) -> RedisStore:
+    return RedisStore(
+        RedisConnection.from_settings(Settings(redis_url=url, **overrides), metrics),
+        ttl_s=Settings(redis_url=url, **overrides).cache_ttl_s,
+    )
 
 
 async def test_write_is_one_value_in_the_stored_format_with_ttl(raw, redis_url):
@@ -55,7 +59,7 @@ async def test_write_is_one_value_in_the_stored_format_with_ttl(raw, redis_url):
     idx = index_for(redis_url, m, cache_ttl_s=1234)
     key = entry_key("ns", FP, "a" * 64)
     e = make("a" * 64)
-    await idx.write_remote(key, e)
+    await idx.put(key, e)
     assert await raw.get(key) == bytes(e.blob)  # exactly the stored format: header, rows at DATA_OFFSET
     assert 1200 <= await raw.ttl(key) <= 1234
     (back,) = await idx.get_many([key])
@@ -64,7 +68,7 @@ async def test_write_is_one_value_in_the_stored_format_with_ttl(raw, redis_url):
     assert metric(t, "visenc_index_bytes_total", tier="redis", op="write") == e.nbytes
     assert metric(t, "visenc_index_bytes_total", tier="redis", op="read") == e.nbytes
     assert metric(t, "visenc_cache_lookups_total", tier="redis", result="hit") == 1
-    await idx.close()
+    await idx.conn.close()
 
 
 async def test_corrupt_truncated_or_mismatched_values_are_misses(raw, redis_url):
@@ -81,12 +85,12 @@ async def test_corrupt_truncated_or_mismatched_values_are_misses(raw, redis_url)
     t = text(m)
     assert metric(t, "visenc_cache_lookups_total", tier="redis", result="corrupt") == 4
     assert metric(t, "visenc_cache_lookups_total", tier="redis", result="miss") == 1
-    await idx.close()
+    await idx.conn.close()
 
 
 async def test_tiered_lookup_is_one_round_trip_and_promotes(raw, redis_url):
     m = Metrics()
-    tiered = TieredIndex(MemoryIndex(1 << 20, m), index_for(redis_url, m))
+    tiered = Index(MemoryLRU(1 << 20, m), index_for(redis_url, m))
     entries = {entry_key("ns", FP, f"{i:064x}"): make(f"{i:064x}", seed=i) for i in range(5)}
     for k, e in entries.items():
         await raw.set(k, bytes(e.blob))
@@ -114,27 +118,28 @@ async def test_unreachable_redis_answers_misses_counts_and_recovers(tmp_path):
     port = free_port()
     m = Metrics()
     idx = index_for(f"redis://:s3cret@127.0.0.1:{port}/0", m, redis_timeout_s=0.5, redis_retry_s=0.2)
-    assert "s3cret" not in idx.location and "s3cret" not in str(idx.health())
+    assert "s3cret" not in idx.conn.location and "s3cret" not in str(idx.conn.health())
     key = entry_key("ns", FP, "a" * 64)
     assert await idx.get_many([key]) == [None]  # nothing listens: a miss, not an exception
-    await idx.write_remote(key, make("a" * 64))  # dropped, counted
-    assert not idx.up and idx.health()["ok"] is False
+    await idx.put(key, make("a" * 64))  # dropped, counted
+    assert not idx.conn.up and idx.conn.health()["ok"] is False
     t = text(m)
     assert metric(t, "visenc_redis_errors_total", op="get") == 1
     with redis_process(port, "--requirepass", "s3cret"):
         import asyncio
 
         await asyncio.sleep(0.25)  # past redis_retry_s: tried again
-        await idx.write_remote(key, make("a" * 64))
-        assert idx.up
+        await idx.put(key, make("a" * 64))
+        assert idx.conn.up
         (back,) = await idx.get_many([key])
         assert back is not None and back.rows == 6
-        assert idx.health()["ok"] is True
-        await idx.close()
+        assert idx.conn.health()["ok"] is True
+        await idx.conn.close()
 
 
 async def test_claim_script_semantics(raw, redis_url):
-    idx = index_for(redis_url, Metrics())
+    store = index_for(redis_url, Metrics())
+    idx = RedisClaims(store)
     k1, k2 = entry_key("ns", FP, "1" * 64), entry_key("ns", FP, "2" * 64)
     assert await idx.claim_many([k1, k2], "me", 5000) == [True, True]
     assert await idx.claim_many([k1], "me", 5000) == [True]  # already ours
@@ -145,7 +150,7 @@ async def test_claim_script_semantics(raw, redis_url):
     await idx.renew_claims([k1], "me", 60_000)
     assert await raw.pttl(claim_key(k1)) > 5000
     e = make("1" * 64)
-    await idx.write_remote(k1, e)
+    await store.put(k1, e)
     (got,) = await idx.claim_many([k1], "you", 5000)  # the entry, read in the same script
     assert bytes(got.blob) == bytes(e.blob)
     await idx.release_claims([k1, k2], "you")  # not theirs: kept
@@ -157,7 +162,7 @@ async def test_claim_script_semantics(raw, redis_url):
     from redis.crc import key_slot
 
     assert key_slot(claim_key(k1).encode()) == key_slot(k1.encode())
-    await idx.close()
+    await idx.conn.close()
 
 
 def test_redacted_location():
@@ -176,8 +181,11 @@ def test_shipped_redis_conf_is_a_valid_cache_config(tmp_path):
     port = free_port()
     conf = str(ROOT / "deploy" / "redis" / "redis.conf")
     # the file as shipped; only the address and working folder are changed for the test
-    proc = subprocess.Popen(["redis-server", conf, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(tmp_path)],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    proc = subprocess.Popen(
+        ["redis-server", conf, "--bind", "127.0.0.1", "--port", str(port), "--dir", str(tmp_path)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.STDOUT,
+    )
     try:
         r = syncredis.Redis(port=port)
         for _ in range(100):

@@ -35,9 +35,11 @@ def test_two_replicas_asked_for_the_same_new_images_run_one_forward_each_image(r
     async def fire(images: list[bytes]) -> list:
         async with AsyncClient(a) as ca, AsyncClient(b) as cb:
             # the same new images at both replicas at once, whole and one by one, in different orders
-            return await asyncio.gather(ca.encode(images, hash_first=False),
-                                        cb.encode(images[::-1], hash_first=False),
-                                        *(c.encode([im], hash_first=False) for im in images for c in (ca, cb)))
+            return await asyncio.gather(
+                ca.encode(images, hash_first=False),
+                cb.encode(images[::-1], hash_first=False),
+                *(c.encode([im], hash_first=False) for im in images for c in (ca, cb)),
+            )
 
     for images in rounds:
         results = asyncio.run(fire(images))

@@ -12,8 +12,9 @@ from tests.images import jpeg_bytes, png_bytes
 from tests.service.test_api import encode_json, reference
 from tests.shared_index.conftest import metric
 
-from visenc.index.keys import claim_key, entry_key
+from visenc.index.redis_claims import claim_key
 from visenc_client import AsyncRedisRows, Handle, image_hash
+from visenc_client.format import entry_key
 
 FAST = {"claim_poll_ms": 5.0}
 
@@ -32,8 +33,10 @@ async def metrics_of(client) -> str:
 
 async def test_an_image_encoded_on_one_replica_is_a_hit_on_another(raw, redis_url, tiny_tower):
     images = [png_bytes(300, 96, 64), jpeg_bytes(301, 120, 90)]
-    async with running_app(tiny_tower, redis_url=redis_url, **FAST) as a, \
-            running_app(tiny_tower, redis_url=redis_url, **FAST) as b:
+    async with (
+        running_app(tiny_tower, redis_url=redis_url, **FAST) as a,
+        running_app(tiny_tower, redis_url=redis_url, **FAST) as b,
+    ):
         r = await encode_json(a, [{"data": d} for d in images])
         assert [it["status"] for it in r.json()["items"]] == ["ready", "ready"]
         await asyncio.sleep(0.05)  # the write-through runs after the answer
@@ -71,9 +74,12 @@ async def test_direct_getrange_reads_equal_the_http_fetch(raw, redis_url, tiny_t
                 assert await rows.fetch_bytes(handle.hash, start, end) == http  # header first
             info = await rows.info(handle.hash)
             assert (info.rows, info.hidden, info.dtype) == (n, handle.hidden_size, handle.dtype)
-            np.testing.assert_array_equal(await rows.fetch(handle, 2, 7),
-                                          np.frombuffer((await a.get(f"/v1/embeddings/{handle.hash}?start=2&end=7"))
-                                                        .content, "<f4").reshape(5, -1))
+            np.testing.assert_array_equal(
+                await rows.fetch(handle, 2, 7),
+                np.frombuffer((await a.get(f"/v1/embeddings/{handle.hash}?start=2&end=7")).content, "<f4").reshape(
+                    5, -1
+                ),
+            )
             from visenc_client import BadRequestError, NotFoundError
 
             with pytest.raises(BadRequestError):
@@ -84,16 +90,21 @@ async def test_direct_getrange_reads_equal_the_http_fetch(raw, redis_url, tiny_t
 
 async def test_concurrent_replicas_encode_a_new_image_once(raw, redis_url, tiny_tower):
     images = [png_bytes(320 + i, 64 + 16 * i, 64) for i in range(4)]
-    async with running_app(tiny_tower, redis_url=redis_url, **FAST) as a, \
-            running_app(tiny_tower, redis_url=redis_url, **FAST) as b:
-        ra, rb = await asyncio.gather(encode_json(a, [{"data": d} for d in images]),
-                                      encode_json(b, [{"data": d} for d in reversed(images)]))
+    async with (
+        running_app(tiny_tower, redis_url=redis_url, **FAST) as a,
+        running_app(tiny_tower, redis_url=redis_url, **FAST) as b,
+    ):
+        ra, rb = await asyncio.gather(
+            encode_json(a, [{"data": d} for d in images]), encode_json(b, [{"data": d} for d in reversed(images)])
+        )
         assert all(it["status"] == "ready" for it in ra.json()["items"] + rb.json()["items"])
         ma, mb = await metrics_of(a), await metrics_of(b)
         assert metric(ma, "visenc_encoded_images_total") + metric(mb, "visenc_encoded_images_total") == 4
         for d in images:
-            ea, eb = (await a.get(f"/v1/embeddings/{image_hash(d)}")).content, \
-                (await b.get(f"/v1/embeddings/{image_hash(d)}")).content
+            ea, eb = (
+                (await a.get(f"/v1/embeddings/{image_hash(d)}")).content,
+                (await b.get(f"/v1/embeddings/{image_hash(d)}")).content,
+            )
             assert ea == eb
 
 
@@ -128,12 +139,12 @@ async def test_a_watched_image_nobody_waits_for_is_dropped(raw, redis_url, tiny_
         await raw.set(claim_key(entry_key("default", fp, image_hash(data))), "a-slow-replica", px=60_000)
         r = await encode_json(a, [{"data": data}])
         assert r.status_code == 504
-        encoder = a.app.state.encoder
+        encoder = a.app.state.engine
         for _ in range(100):
-            if not encoder.inflight:
+            if not encoder.intake.inflight:
                 break
             await asyncio.sleep(0.01)
-        assert encoder.inflight == {} and encoder.claims._watched == {}
+        assert encoder.intake.inflight == {} and encoder.remote.watching == 0
         assert metric(await metrics_of(a), "visenc_encoded_images_total") == 0
 
 

@@ -25,7 +25,8 @@ def clip():
 def test_attention_scores_are_quadratic_only_when_materialised():
     assert memory.attention_score_bytes(4, 100, 4, materialised=True) == 2 * 4 * 100 * 100 * 4
     assert memory.attention_score_bytes(4, 200, 4, materialised=True) == 4 * memory.attention_score_bytes(
-        4, 100, 4, materialised=True)
+        4, 100, 4, materialised=True
+    )
     assert memory.attention_score_bytes(4, 200, 4, materialised=False) == 0
 
     class Config:

@@ -48,9 +48,9 @@ def test_decode_does_not_apply_exif_orientation() -> None:
 def test_pixel_limit_is_checked_from_the_header() -> None:
     data = image_bytes(100, 50)
     assert probe(data, max_pixels=5000) == (100, 50)
-    with pytest.raises(PayloadTooLarge, match="max_pixels=4999"):
+    with pytest.raises(PayloadTooLarge, match="max_image_pixels=4999"):
         probe(data, max_pixels=4999)
-    with pytest.raises(PayloadTooLarge, match="max_pixels=4999"):
+    with pytest.raises(PayloadTooLarge, match="max_image_pixels=4999"):
         decode(data, max_pixels=4999)
 
 
@@ -68,7 +68,7 @@ def _png_header_only(width: int, height: int) -> bytes:
 def test_decompression_bomb_is_payload_too_large(side: int) -> None:
     data = _png_header_only(side, side)
     assert len(data) < 200
-    with pytest.raises(PayloadTooLarge, match=f"max_pixels={LIMIT}"):
+    with pytest.raises(PayloadTooLarge, match=f"max_image_pixels={LIMIT}"):
         probe(data, max_pixels=LIMIT)
     with pytest.raises(PayloadTooLarge):
         decode(data, max_pixels=LIMIT)

@@ -5,10 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from visenc.index.format import DATA_OFFSET, CorruptEntry, pack_entry, unpack_entry
-from visenc.index.keys import entry_key
-from visenc.index.memory import MemoryIndex
+from visenc.index.memory import MemoryLRU
 from visenc.metrics import Metrics
+from visenc_client.format import DATA_OFFSET, CorruptEntry, entry_key, pack_entry, unpack_entry
 
 
 def entry(rows: int = 4, hidden: int = 8, h: str = "a" * 64, seed: int = 0):
@@ -31,10 +30,10 @@ def test_round_trip_and_row_ranges_are_views():
 @pytest.mark.parametrize(
     "mutate",
     [
-        lambda b: b[:-1],                          # truncated
-        lambda b: b + b"\0",                       # too long
-        lambda b: b"XXXX" + b[4:],                 # bad magic
-        lambda b: b[:4] + b"\x09" + b[5:],         # unknown version
+        lambda b: b[:-1],  # truncated
+        lambda b: b + b"\0",  # too long
+        lambda b: b"XXXX" + b[4:],  # bad magic
+        lambda b: b[:4] + b"\x09" + b[5:],  # unknown version
         lambda b: b[:8] + b"\xff\xff\x00\x00" + b[12:],  # header overruns
         lambda b: b[:12] + b"\xc1" * 20 + b[32:],  # garbage header
         lambda b: b"",
@@ -63,19 +62,19 @@ async def test_lru_byte_budget_and_recency():
     _, e = entry()
     size = e.nbytes
     metrics = Metrics()
-    idx = MemoryIndex(3 * size, metrics)
+    idx = MemoryLRU(3 * size, metrics)
     for k in "abc":
-        idx.store_local(k, e)
+        idx.store(k, e)
     assert idx.bytes == 3 * size
-    assert idx.peek("a") is e  # refresh a: b is now the oldest
-    idx.store_local("d", e)
+    assert idx.get("a") is e  # refresh a: b is now the oldest
+    idx.store("d", e)
     assert "b" not in idx and all(k in idx for k in "acd")
     assert idx.bytes == 3 * size
-    assert await idx.get_many(["a", "zz"]) == [e, None]
+    assert idx.lookup(["a", "zz"]) == [e, None]
     assert metrics.cache_evictions.labels("memory")._value.get() == 1
     # an entry larger than the whole budget is not stored (and evicts nothing)
     _, big = entry(rows=64)
-    small = MemoryIndex(size, metrics)
-    small.store_local("x", e)
-    small.store_local("big", big)
+    small = MemoryLRU(size, metrics)
+    small.store("x", e)
+    small.store("big", big)
     assert "big" not in small and "x" in small

@@ -133,9 +133,7 @@ def _reference_features(model: Any, images: list[Any]) -> tuple[torch.Tensor, ..
     processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=60_000)
     inputs = processor(images=images, return_tensors="pt")
     with torch.inference_mode():
-        out = model.get_image_features(
-            pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"]
-        )
+        out = model.get_image_features(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
     return out.pooler_output
 
 
@@ -197,9 +195,7 @@ def test_fingerprint_tracks_weights_dtype_and_pixels(qwen_checkpoints: dict[str,
     assert load_tower(path0, max_pixels=40_000).fingerprint != base.fingerprint
 
 
-def test_copied_checkpoint_shares_fingerprint(
-    qwen_checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path
-) -> None:
+def test_copied_checkpoint_shares_fingerprint(qwen_checkpoints: dict[str, tuple[Path, Any]], tmp_path: Path) -> None:
     source = qwen_checkpoints["qwen2_vl-sharded"][0]
     shutil.copytree(source, tmp_path / "copy")
     assert load_tower(str(tmp_path / "copy")).fingerprint == load_tower(str(source)).fingerprint
@@ -207,8 +203,14 @@ def test_copied_checkpoint_shares_fingerprint(
 
 #: a small dual-encoder (CLIP / SigLIP): one text layer, two vision layers at 64 px
 TINY_TEXT = {"hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 1, "num_attention_heads": 2}
-TINY_VISION = {"image_size": 64, "patch_size": 16, "hidden_size": 64, "intermediate_size": 128,
-               "num_hidden_layers": 2, "num_attention_heads": 2}
+TINY_VISION = {
+    "image_size": 64,
+    "patch_size": 16,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 2,
+}
 
 
 def test_clip_checkpoint_equals_get_image_features(tmp_path: Path, spy: _Spy) -> None:

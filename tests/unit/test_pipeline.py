@@ -14,9 +14,11 @@ import numpy as np
 import torch
 from tests.unit.test_scheduler import drain_ready, job, make_scheduler
 
-from visenc.engine.job import Job
+from visenc.engine.outputs import Outputs
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
+from visenc.index.memory import MemoryLRU
+from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout, VisionTower
 
@@ -24,8 +26,9 @@ from visenc.models.base import Prepared, TokenLayout, VisionTower
 async def test_batches_stay_under_the_byte_budget():
     s = make_scheduler(packable=True, max_tokens=1000, max_images=64)
     s.max_batch_bytes = 100
-    s._batch_bytes = lambda layouts: sum(lay.num_tokens for lay in layouts) + max(
-        lay.num_tokens for lay in layouts) ** 2 // 10  # linear + the largest image's quadratic share
+    s._batch_bytes = lambda layouts: (
+        sum(lay.num_tokens for lay in layouts) + max(lay.num_tokens for lay in layouts) ** 2 // 10
+    )  # linear + the largest image's quadratic share
     jobs = [job(10, (0, 0)), job(30, (0, 1)), job(10, (0, 2)), job(10, (0, 3)), job(40, (0, 4))]
     for j in jobs:
         s.submit(j)
@@ -89,25 +92,35 @@ class SlowTower(VisionTower):
 
 async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():
     tower = SlowTower(forward_s=0.15, preprocess_s=0.03)
-    done: list[Job] = []
     pool = ThreadPoolExecutor(2, thread_name_prefix="visenc-pre")
-    s = Scheduler(preprocess=lambda data: tower.preprocess(data), pool=pool, fail=lambda j, e: None,
-                  max_batch_tokens=4, max_batch_images=4, packable=False, prefetch_tokens=8)
-    worker = DeviceWorker(tower, s, complete=lambda j, e: done.append(j), fail=lambda j, e: None,
-                          metrics=Metrics(), max_wait_s=0.0)
+    outputs = Outputs(
+        index=Index(MemoryLRU(1 << 20)), metrics=Metrics(), fingerprint="f" * 32, hidden_size=4, device=tower.device
+    )
+    outputs.start()
+    s = Scheduler(
+        preprocess=lambda data: tower.preprocess(data),
+        pool=pool,
+        outputs=outputs,
+        max_batch_tokens=4,
+        max_batch_images=4,
+        packable=False,
+        prefetch_tokens=8,
+    )
+    worker = DeviceWorker(tower, s, outputs, metrics=Metrics(), max_wait_s=0.0, stall_timeout_s=30)
     peak_staged = 0
     worker.start()
     try:
         jobs = [job(1, (0, i), "only") for i in range(16)]
         for j in jobs:
             s.submit(j)
-        while len(done) < 16:
+        while sum(j.future.done() for j in jobs) < 16:
             peak_staged = max(peak_staged, s.staged_tokens)
             await asyncio.sleep(0.005)
     finally:
-        await worker.stop()
+        await worker.stop(5.0)
+        await outputs.stop(5.0)
         pool.shutdown()
-    assert sorted(j.order for j in done) == [j.order for j in jobs]
+    assert all(j.future.result().rows == 1 for j in jobs)
     assert peak_staged <= 8  # two batches of 4: the prefetch gate holds
     loop_thread = threading.current_thread().name
     assert all(name.startswith("visenc-pre") and name != loop_thread for *_, name in tower.preps)

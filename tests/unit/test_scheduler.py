@@ -6,6 +6,7 @@ import asyncio
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from tests.support.stages import RecordedFailures
 
 from visenc.engine.job import Job
 from visenc.engine.scheduler import Scheduler
@@ -17,16 +18,29 @@ def make_scheduler(packable=False, max_tokens=100, max_images=8, prefetch=None, 
         n = len(data)
         return Prepared(np.zeros((n, 1), np.float32), TokenLayout(n, (1, 1, n), n))
 
-    return Scheduler(preprocess=preprocess, pool=ThreadPoolExecutor(2),
-                     fail=lambda job, e: (failed if failed is not None else []).append((job, e)),
-                     max_batch_tokens=max_tokens, max_batch_images=max_images, packable=packable,
-                     prefetch_tokens=prefetch)
+    return Scheduler(
+        preprocess=preprocess,
+        pool=ThreadPoolExecutor(2),
+        outputs=RecordedFailures(failed),  # type: ignore[arg-type]
+        max_batch_tokens=max_tokens,
+        max_batch_images=max_images,
+        packable=packable,
+        prefetch_tokens=prefetch,
+    )
 
 
 def job(cost: int, order: tuple[int, int], bucket=None) -> Job:
     loop = asyncio.get_running_loop()
-    j = Job(key=f"k{order}", image_hash="h", layout=TokenLayout(cost, (1, 1, cost), bucket or cost), cost=cost,
-            order=order, future=loop.create_future(), admitted_at=0.0, data=b"x" * cost)
+    j = Job(
+        key=f"k{order}",
+        image_hash="h",
+        layout=TokenLayout(cost, (1, 1, cost), bucket or cost),
+        cost=cost,
+        order=order,
+        future=loop.create_future(),
+        admitted_at=0.0,
+        data=b"x" * cost,
+    )
     j.interest = 1
     return j
 

@@ -11,9 +11,9 @@ import numpy as np
 import pytest
 
 from visenc.errors import Overloaded
-from visenc.index.format import pack_entry
 from visenc.metrics import Metrics
 from visenc.shm import SegmentPool
+from visenc_client.format import pack_entry
 
 
 class Clock:

@@ -1,12 +1,13 @@
-"""``create_app(settings)``: everything is wired in the lifespan, nothing at import time."""
+"""The FastAPI app: routes, middleware, error handlers. The engine is handed in
+(``visenc.bootstrap.create_app`` wires the real one), so this package never
+imports torch and can be built around any ``EngineAPI``."""
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,19 +15,15 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from visenc.api import embeddings, encode, ops
 from visenc.api import shm as shm_api
 from visenc.api.auth import AuthMiddleware, load_api_keys
-from visenc.api.codec import InvalidParams, error_response
+from visenc.api.codec import error_response
 from visenc.api.openapi import install_openapi
-from visenc.api.routes import router
 from visenc.config import Settings
-from visenc.engine.encoder import Encoder
-from visenc.engine.faults import with_faults
-from visenc.errors import VisencError
-from visenc.index.base import Index
-from visenc.index.memory import MemoryIndex
+from visenc.engine.interface import EngineAPI
+from visenc.errors import InvalidParams, VisencError
 from visenc.metrics import Metrics
-from visenc.models.base import VisionTower
 
 log = logging.getLogger("visenc")
 
@@ -60,71 +57,35 @@ class MetricsMiddleware:
             self.metrics.request_seconds.labels(endpoint).observe(time.perf_counter() - t0)
 
 
-def build_index(settings: Settings, metrics: Metrics) -> Index:
-    """The in-process LRU; with ``redis_url``, the LRU in front of the shared Redis tier."""
-    local = MemoryIndex(settings.cache_bytes, metrics)
-    if settings.redis_url is None:
-        return local
-    from visenc.index.redis import RedisIndex
-    from visenc.index.tiered import TieredIndex
-
-    remote = RedisIndex.from_settings(settings, metrics)
-    log.info("shared index: redis %s (%s)", remote.location, settings.redis_mode)
-    return TieredIndex(local, remote)
+EngineContext = Callable[[FastAPI], AbstractAsyncContextManager[EngineAPI]]
 
 
-def load_tower(settings: Settings) -> VisionTower:
-    import torch
-
-    from visenc.models.loading import load_tower as _load
-
-    device = settings.device
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-    dtype = settings.dtype
-    if dtype == "auto":
-        dtype = "bfloat16" if device.startswith("cuda") else "float32"
-    from visenc.engine.threads import default_torch_threads
-
-    torch.set_num_threads(settings.torch_threads or default_torch_threads(torch.device(device)))
-    return _load(settings.model, dtype=dtype, device=device, max_pixels=settings.max_pixels)
-
-
-def create_app(settings: Settings | None = None, *, tower: VisionTower | None = None) -> FastAPI:
-    """Build the service. ``tower`` may be passed in (tests share one loaded tower)."""
-    settings = settings or Settings()
-    metrics = Metrics()
+def create_api(settings: Settings, metrics: Metrics, engine: EngineContext) -> FastAPI:
+    """The HTTP service around an engine. ``engine(app)`` is entered in the lifespan and yields
+    the started engine (``visenc.bootstrap`` builds the real one); nothing here imports torch."""
     api_keys = load_api_keys(settings)  # fails fast on a malformed key list
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
-        index = build_index(settings, metrics)
-        claims = getattr(index, "remote", None)  # the Redis tier also holds cross-replica claims
-        loaded, index = with_faults(settings, loaded, index)  # unchanged unless a fault_* setting is on
-        encoder = Encoder(loaded, index, settings, metrics, claims=claims)
-        d = loaded.describe()
-        metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"],
-                                  str(d["hidden_size"])).set(1)
-        app.state.shm = await shm_api.start_pool(settings, metrics)  # None unless shm_enabled
-        await encoder.start()
-        app.state.encoder = encoder
-        log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"],
-                 settings.redacted())
-        try:
-            yield
-        finally:
-            await encoder.stop()
-            await shm_api.stop_pool(app.state.shm)
-            await index.close()
+        async with engine(app) as started:
+            app.state.shm = await shm_api.start_pool(settings, metrics)  # None unless shm_enabled
+            app.state.engine = started
+            try:
+                yield
+            finally:
+                app.state.engine = None
+                await shm_api.stop_pool(app.state.shm)
 
-    app = FastAPI(title="visenc", version="0.1.0", lifespan=lifespan,
-                  description="Vision-encoder service: per-image embedding index, batched encoding, "
-                              "lazy per-chunk fetch.")
+    app = FastAPI(
+        title="visenc",
+        version="0.1.0",
+        lifespan=lifespan,
+        description="Vision-encoder service: per-image embedding index, batched encoding, lazy per-chunk fetch.",
+    )
     app.state.settings = settings
     app.state.metrics = metrics
-    app.include_router(router)
-    app.include_router(shm_api.router)
+    for module in (encode, embeddings, shm_api, ops):
+        app.include_router(module.router)
     if api_keys:
         log.info("API keys on: %d keys, tenants %s", len(api_keys), sorted(set(api_keys.values())))
         app.add_middleware(AuthMiddleware, keys=api_keys, metrics=metrics)

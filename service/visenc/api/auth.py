@@ -109,8 +109,10 @@ class AuthMiddleware:
                     tenant = tenant_of(self.keys, token.strip())
                 break
         if tenant is None:
-            error = Unauthorized("a valid API key is required: Authorization: Bearer <key>",
-                                 **{"WWW-Authenticate": 'Bearer realm="visenc"'})
+            error = Unauthorized(
+                "a valid API key is required: Authorization: Bearer <key>",
+                **{"WWW-Authenticate": 'Bearer realm="visenc"'},
+            )
             self.metrics.errors.labels(error.kind).inc()
             await error_response(error)(scope, receive, send)
             return

@@ -24,7 +24,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
-from visenc.errors import BadRequest, PayloadTooLarge, UnsupportedMediaType, VisencError
+from visenc.errors import BadRequest, InvalidBody, PayloadTooLarge, UnsupportedMediaType, VisencError
 
 MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
 ROWS_MEDIA_TYPE = "application/x-visenc-rows"
@@ -66,17 +66,6 @@ def _validation_message(e: ValidationError) -> str:
     return "; ".join(parts)
 
 
-class InvalidBody(BadRequest):
-    status_code = 422
-    kind = "invalid_body"
-
-
-class InvalidParams(InvalidBody):
-    """Query or path parameters FastAPI refused."""
-
-    kind = "invalid_params"
-
-
 class _TooManyValues(Exception):
     pass
 
@@ -100,8 +89,9 @@ def _unpack_msgpack(body: bytes, max_items: int) -> Any:
         return value
 
     try:
-        return msgpack.unpackb(body, raw=False, strict_map_key=True, max_array_len=max_items,
-                               object_hook=count, list_hook=count)
+        return msgpack.unpackb(
+            body, raw=False, strict_map_key=True, max_array_len=max_items, object_hook=count, list_hook=count
+        )
     except _TooManyValues as e:
         raise PayloadTooLarge(f"the body holds more maps and arrays than max_items={max_items} allows") from e
     except ValueError as e:
@@ -122,8 +112,9 @@ def _check_json_size(body: bytes, max_items: int) -> None:
     the body cannot be valid. ``bytes.count`` scans at memory speed."""
     commas = body.count(b",")
     if commas > 4 * max_items + 16:
-        raise PayloadTooLarge(f"the body holds {commas + 1} or more JSON values, more than max_items={max_items} "
-                              "items can have")
+        raise PayloadTooLarge(
+            f"the body holds {commas + 1} or more JSON values, more than max_items={max_items} items can have"
+        )
 
 
 async def parse(request: Request, model: type[M], limit: int, max_items: int) -> M:
@@ -134,8 +125,9 @@ async def parse(request: Request, model: type[M], limit: int, max_items: int) ->
     checked before the body is read)."""
     media = _media_type(request.headers.get("content-type"))
     if media not in MSGPACK_TYPES and media not in ("application/json", ""):
-        raise UnsupportedMediaType(f"Content-Type {media!r} is not supported; use application/json or "
-                                   "application/msgpack")
+        raise UnsupportedMediaType(
+            f"Content-Type {media!r} is not supported; use application/json or application/msgpack"
+        )
     body = await read_body(request, limit)
     try:
         if media in MSGPACK_TYPES:
@@ -146,8 +138,9 @@ async def parse(request: Request, model: type[M], limit: int, max_items: int) ->
         raise InvalidBody(f"invalid request: {_validation_message(e)}") from e
 
 
-def render(request: Request, payload: dict[str, Any], status_code: int = 200,
-           headers: dict[str, str] | None = None) -> Response:
+def render(
+    request: Request, payload: dict[str, Any], status_code: int = 200, headers: dict[str, str] | None = None
+) -> Response:
     if wants_msgpack(request):
         return Response(msgpack.packb(payload), status_code, headers, media_type="application/msgpack")
     body = json.dumps(payload, separators=(",", ":")).encode()
@@ -157,8 +150,9 @@ def render(request: Request, payload: dict[str, Any], status_code: int = 200,
 class ChunksResponse(Response):
     """A body sent as several buffers (views into cached entries), never joined into one."""
 
-    def __init__(self, chunks: Sequence[bytes | memoryview], media_type: str,
-                 headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, chunks: Sequence[bytes | memoryview], media_type: str, headers: dict[str, str] | None = None
+    ) -> None:
         self.chunks = [c for c in chunks if len(c)]
         super().__init__(None, 200, headers, media_type)
         self.headers["content-length"] = str(sum(len(c) for c in self.chunks))
@@ -181,6 +175,4 @@ def error_response(exc: VisencError) -> JSONResponse:
     headers; an internal error answers a generic 500 that echoes nothing."""
     if not exc.public:
         return JSONResponse({"error": {"kind": "internal", "message": "internal error"}}, 500)
-    return JSONResponse({"error": {"kind": exc.kind, "message": exc.message}}, exc.status_code,
-                        exc.headers or None)
-
+    return JSONResponse({"error": {"kind": exc.kind, "message": exc.message}}, exc.status_code, exc.headers or None)

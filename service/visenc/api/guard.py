@@ -62,8 +62,7 @@ async def guarded(request: Request, coro: Awaitable[T], deadline: float, what: s
     work = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_until_disconnected(request))
     try:
-        done, _ = await asyncio.wait({work, watcher}, timeout=remaining(deadline),
-                                     return_when=asyncio.FIRST_COMPLETED)
+        done, _ = await asyncio.wait({work, watcher}, timeout=remaining(deadline), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
         await _cancel(work)
         raise

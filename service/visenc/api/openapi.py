@@ -39,18 +39,29 @@ _REASONS = {
     503: "Not ready: starting, shutting down, or the device worker is stalled",
     504: "Deadline exceeded (request_timeout_s / fetch_timeout_s)",
 }
-_RETRY_AFTER = {"Retry-After": {"description": "Seconds to wait before retrying.",
-                                "schema": {"type": "string", "pattern": "^[0-9]+$"}}}
+_RETRY_AFTER = {
+    "Retry-After": {
+        "description": "Seconds to wait before retrying.",
+        "schema": {"type": "string", "pattern": "^[0-9]+$"},
+    }
+}
 _ROW_HEADERS = {
     name: {"description": text, "required": True, "schema": {"type": "string"}}
-    for name, text in [("X-Visenc-Shape", "rows,hidden of the body"), ("X-Visenc-Dtype", "element dtype"),
-                       ("X-Visenc-Rows", "start-end token rows served"),
-                       ("X-Visenc-Total-Rows", "token rows of the whole image"),
-                       ("X-Visenc-Grid-Thw", "t,h,w patch grid")]
+    for name, text in [
+        ("X-Visenc-Shape", "rows,hidden of the body"),
+        ("X-Visenc-Dtype", "element dtype"),
+        ("X-Visenc-Rows", "start-end token rows served"),
+        ("X-Visenc-Total-Rows", "token rows of the whole image"),
+        ("X-Visenc-Grid-Thw", "t,h,w patch grid"),
+    ]
 }
-_NAMESPACE = {"name": "X-Visenc-Namespace", "in": "header", "required": False,
-              "description": "Key namespace (tenant) when API keys are off; ignored when they are on.",
-              "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"}}
+_NAMESPACE = {
+    "name": "X-Visenc-Namespace",
+    "in": "header",
+    "required": False,
+    "description": "Key namespace (tenant) when API keys are off; ignored when they are on.",
+    "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
+}
 _HASH_PARAM = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 
 #: path → (request body model, JSON/msgpack response model or None, error statuses)
@@ -63,12 +74,20 @@ _V1: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, tuple[int, 
 }
 _TIMING_HEADERS = {
     name: {"description": text, "required": True, "schema": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+$"}}
-    for name, text in [("X-Visenc-Queue-Time", "seconds the images of this response waited in the queue"),
-                       ("X-Visenc-Encode-Time", "seconds their forwards took")]
+    for name, text in [
+        ("X-Visenc-Queue-Time", "seconds the images of this response waited in the queue"),
+        ("X-Visenc-Encode-Time", "seconds their forwards took"),
+    ]
 }
-_SHM_OUT = {"type": "object", "required": ["dir", "lease_s", "items"], "properties": {
-    "dir": {"type": "string"}, "lease_s": {"type": "number"},
-    "items": {"type": "array", "items": {"type": "object", "required": ["hash"]}}}}
+_SHM_OUT = {
+    "type": "object",
+    "required": ["dir", "lease_s", "items"],
+    "properties": {
+        "dir": {"type": "string"},
+        "lease_s": {"type": "number"},
+        "items": {"type": "array", "items": {"type": "object", "required": ["hash"]}},
+    },
+}
 
 
 def _ref(model: type[BaseModel]) -> dict[str, str]:
@@ -76,8 +95,7 @@ def _ref(model: type[BaseModel]) -> dict[str, str]:
 
 
 def _error(status: int) -> dict[str, Any]:
-    out: dict[str, Any] = {"description": _REASONS[status],
-                           "content": {JSON: {"schema": _ref(ErrorResponse)}}}
+    out: dict[str, Any] = {"description": _REASONS[status], "content": {JSON: {"schema": _ref(ErrorResponse)}}}
     if status in (429, 503):
         out["headers"] = _RETRY_AFTER
     return out
@@ -111,20 +129,25 @@ def build_openapi(app: FastAPI, *, auth: bool, max_items: int) -> dict[str, Any]
                     p["schema"] = _HASH_PARAM
             op["parameters"] = [*params, _NAMESPACE]
             if body is not None:
-                op["requestBody"] = {"required": True, "content": {JSON: {"schema": _ref(body)},
-                                                                    MSGPACK: {"schema": _ref(body)}}}
+                op["requestBody"] = {
+                    "required": True,
+                    "content": {JSON: {"schema": _ref(body)}, MSGPACK: {"schema": _ref(body)}},
+                }
             responses = {"200": op["responses"]["200"]}
             if out is not None:
                 responses["200"] = _both(out, responses["200"].get("description") or "OK")
             if path == "/v1/encode":
                 responses["200"]["headers"] = _TIMING_HEADERS
             if path == "/v1/embeddings/shm":
-                responses["200"] = {"description": "Shared-memory handles of the ranges", "content": {
-                    JSON: {"schema": _SHM_OUT}, MSGPACK: {"schema": _SHM_OUT}}}
+                responses["200"] = {
+                    "description": "Shared-memory handles of the ranges",
+                    "content": {JSON: {"schema": _SHM_OUT}, MSGPACK: {"schema": _SHM_OUT}},
+                }
             if path == "/v1/embeddings/{image_hash}":
                 responses["200"]["headers"] = _ROW_HEADERS
-                responses["200"]["content"] = {"application/octet-stream": {
-                    "schema": {"type": "string", "format": "binary"}}}
+                responses["200"]["content"] = {
+                    "application/octet-stream": {"schema": {"type": "string", "format": "binary"}}
+                }
             if path == "/v1/embeddings/fetch":
                 responses["200"]["content"] = {ROWS_MEDIA_TYPE: {"schema": {"type": "string", "format": "binary"}}}
             for status in (*errors, *((401,) if auth else ())):
@@ -135,8 +158,9 @@ def build_openapi(app: FastAPI, *, auth: bool, max_items: int) -> dict[str, Any]
     doc["paths"]["/readyz"]["get"]["responses"] = {"200": _both(ReadyOut, "Ready"), "503": _error(503)}
     doc["paths"]["/healthz"]["get"]["responses"]["200"]["content"] = {"text/plain": {"schema": {"type": "string"}}}
     if auth:
-        doc["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer",
-                                                           "description": "An API key from api_keys."}}
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer", "description": "An API key from api_keys."}
+        }
     return doc
 
 

@@ -12,7 +12,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-HASH_PATTERN = r"^[0-9a-f]{64}$"
+from visenc_client.format import HASH_PATTERN, Reason, Status
+
 #: bound of a token-row index (no image comes near it; keeps every integer a fixed-width msgpack int)
 MAX_ROW = 2**31 - 1
 
@@ -21,13 +22,14 @@ class _Wire(BaseModel):
     model_config = ConfigDict(extra="forbid", val_json_bytes="base64", ser_json_bytes="base64", strict=True)
 
 
-# the hash pattern is documented here and checked by the engine (a 400 that names the item)
-_HASH_DOC: dict[str, Any] = {"pattern": HASH_PATTERN}
-
-
 class EncodeItemIn(_Wire):
-    hash: str | None = Field(None, description="SHA-256 of the image bytes, 64 lowercase hex digits.",
-                             json_schema_extra=_HASH_DOC)
+    # the hash is checked per item by the engine: a malformed one is that item's error (reason
+    # invalid_hash), not a rejection of the whole request, so the schema states no pattern
+    hash: str | None = Field(
+        None,
+        description=f"SHA-256 of the image bytes, 64 lowercase hex digits ({HASH_PATTERN}); a malformed "
+        "one makes this item an error with reason invalid_hash.",
+    )
     data: bytes | None = Field(None, description="The encoded image (JPEG, PNG, WebP, ...).")
 
 
@@ -35,19 +37,21 @@ class EncodeRequest(_Wire):
     items: list[EncodeItemIn] = Field(..., min_length=1, description="Images, in prompt order.")
     wait: bool = Field(True, description="Wait until every image is encoded (false: answer at once).")
     include_rows: bool = Field(
-        False, description="Also return each ready image's rows inline (``rows``: raw little-endian bytes, "
+        False,
+        description="Also return each ready image's rows inline (``rows``: raw little-endian bytes, "
         "base64 in JSON), saving a fetch. For small embeddings (CLIP-style); requires wait=true.",
     )
 
 
 class HandleOut(_Wire):
     hash: str
-    status: Literal["ready", "pending", "missing", "error"]
+    status: Status
     num_tokens: int | None = Field(None, description="Token rows the image becomes (known while pending).")
     hidden_size: int | None = None
     dtype: str | None = None
     grid_thw: list[int] | None = None
-    error: str | None = None
+    error: str | None = Field(None, description="What went wrong with this item (status 'error').")
+    reason: Reason | None = Field(None, description="Stable reason code of an 'error' item (docs/api.md).")
     rows: bytes | None = Field(None, description="The rows, when include_rows was asked (ready images only).")
 
 

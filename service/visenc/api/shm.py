@@ -12,14 +12,14 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from visenc.api.codec import render
-from visenc.api.routes import _ERRORS, _body_schema, _encoder, namespace_of, resolve_ranges
+from visenc.api.deps import ERRORS, body_schema, engine_of, namespace_of
+from visenc.api.embeddings import resolve_ranges
 from visenc.api.schemas import FetchRequest
 from visenc.config import Settings
 from visenc.errors import TransportDisabled
-from visenc.index.format import DATA_OFFSET
-from visenc.index.keys import entry_key
 from visenc.metrics import Metrics
 from visenc.shm import SegmentPool
+from visenc_client.format import DATA_OFFSET, entry_key
 
 router = APIRouter()
 
@@ -27,8 +27,9 @@ router = APIRouter()
 async def start_pool(settings: Settings, metrics: Metrics) -> SegmentPool | None:
     if not settings.shm_enabled:
         return None
-    pool = SegmentPool(settings.shm_dir, lease_s=settings.shm_lease_s, max_bytes=settings.shm_max_bytes,
-                       metrics=metrics)
+    pool = SegmentPool(
+        settings.shm_dir, lease_s=settings.shm_lease_s, max_bytes=settings.shm_max_bytes, metrics=metrics
+    )
     await pool.start()
     return pool
 
@@ -38,7 +39,7 @@ async def stop_pool(pool: SegmentPool | None) -> None:
         await pool.close()
 
 
-@router.post("/v1/embeddings/shm", responses=_ERRORS, openapi_extra=_body_schema(FetchRequest))
+@router.post("/v1/embeddings/shm", responses=ERRORS, openapi_extra=body_schema(FetchRequest))
 async def fetch_shm(request: Request) -> Response:
     """Several ``(hash, start, end)`` ranges as shared-memory handles instead of bytes.
 
@@ -49,7 +50,7 @@ async def fetch_shm(request: Request) -> Response:
     pool: SegmentPool | None = getattr(request.app.state, "shm", None)
     if pool is None:
         raise TransportDisabled("the shared-memory transport is off (start the service with --shm-enabled true)")
-    encoder = _encoder(request)
+    engine = engine_of(request)
     ns = namespace_of(request)
     items: list[dict[str, Any]] = []
     served = 0
@@ -57,11 +58,20 @@ async def fetch_shm(request: Request) -> Response:
         if isinstance(r, dict):
             items.append(r)
             continue
-        segment = await pool.export(entry_key(ns, encoder.fingerprint, r.hash), r.entry)
+        segment = await pool.export(entry_key(ns, engine.fingerprint, r.hash), r.entry)
         nbytes = (r.end - r.start) * r.entry.row_bytes
-        items.append({"hash": r.hash, "start": r.start, "end": r.end, "shape": [r.end - r.start, r.entry.hidden],
-                      "dtype": r.entry.dtype, "segment": segment.name,
-                      "offset": DATA_OFFSET + r.start * r.entry.row_bytes, "nbytes": nbytes})
+        items.append(
+            {
+                "hash": r.hash,
+                "start": r.start,
+                "end": r.end,
+                "shape": [r.end - r.start, r.entry.hidden],
+                "dtype": r.entry.dtype,
+                "segment": segment.name,
+                "offset": DATA_OFFSET + r.start * r.entry.row_bytes,
+                "nbytes": nbytes,
+            }
+        )
         served += nbytes
     request.app.state.metrics.bytes_served.labels("shm").inc(served)
     return render(request, {"dir": pool.directory, "lease_s": pool.lease_s, "items": items})

@@ -37,20 +37,15 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
-from visenc.engine.job import Job
-from visenc.errors import VisencError
+from visenc.engine.job import Job, JobState
+from visenc.engine.outputs import Outputs
+from visenc.errors import Cancelled
 from visenc.models.base import Prepared, TokenLayout
 
 log = logging.getLogger(__name__)
 
+#: image bytes -> tower input (decode + the tower's preprocessing), run in the CPU pool
 Preprocess = Callable[[bytes], Prepared]
-Finish = Callable[[Job, BaseException], None]
-
-
-class Cancelled(VisencError):
-    status_code = 499
-    kind = "cancelled"
-    public = True
 
 
 class Scheduler:
@@ -59,7 +54,7 @@ class Scheduler:
         *,
         preprocess: Preprocess,
         pool: Executor,
-        fail: Finish,
+        outputs: Outputs,
         max_batch_tokens: int,
         max_batch_images: int,
         packable: bool,
@@ -70,7 +65,7 @@ class Scheduler:
     ) -> None:
         self._preprocess = preprocess
         self._pool = pool
-        self._fail = fail
+        self._outputs = outputs
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_images = max_batch_images
         self.packable = packable
@@ -97,6 +92,7 @@ class Scheduler:
 
     # --- intake ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
+        job.state = JobState.QUEUED
         self._waiting.append(job)
         self._dispatch()
 
@@ -137,22 +133,24 @@ class Scheduler:
         self.staged_tokens -= sum(j.cost for j in self._ready)
         self._waiting.clear()
         self._ready.clear()
-        for job in jobs:
-            self._fail(job, error)
+        self._outputs.fail(jobs, error)
         return len(jobs)
 
     def _drop_if_unwanted(self, job: Job) -> bool:
         if job.interest > 0:
             return False
-        self._fail(job, Cancelled("every request waiting for this image went away"))
+        self._outputs.fail([job], Cancelled("every request waiting for this image went away"))
         return True
 
     def _dispatch(self) -> None:
         """Start preprocessing the most urgent waiting jobs while the prefetch budget allows."""
         while self._waiting:
             job = min(self._waiting, key=lambda j: j.priority)
-            if job.interest > 0 and self.staged_tokens + job.cost + job.decode_cost > self.prefetch_tokens \
-                    and self.staged_tokens > 0:
+            if (
+                job.interest > 0
+                and self.staged_tokens + job.cost + job.decode_cost > self.prefetch_tokens
+                and self.staged_tokens > 0
+            ):
                 return  # wait for the device to free staged work: priority order is kept
             self._waiting.remove(job)
             self._start(job)
@@ -161,6 +159,7 @@ class Scheduler:
         if self._drop_if_unwanted(job):
             return
         self.staged_tokens += job.cost + job.decode_cost
+        job.state = JobState.PREPARING
         task = asyncio.get_running_loop().create_task(self._prepare(job))
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
@@ -173,7 +172,7 @@ class Scheduler:
             job.prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
         except BaseException as e:
             self.staged_tokens -= job.cost + job.decode_cost
-            self._fail(job, e)
+            self._outputs.fail([job], e)
             self._dispatch()
             if isinstance(e, asyncio.CancelledError):
                 raise
@@ -185,6 +184,7 @@ class Scheduler:
             self.staged_tokens -= job.cost
             self._dispatch()
             return
+        job.state = JobState.READY
         self._ready.append(job)
         self._changed.set()
         if job.decode_cost:
@@ -206,22 +206,25 @@ class Scheduler:
         self._ready.sort(key=lambda j: j.priority)
         head = self._ready[0]
         batch, tokens = [head], head.cost
-        layouts = [head.layout]
+        layouts = [head.shape]
         for job in self._ready[1:]:
             if len(batch) >= self.max_batch_images or (head.urgent and not job.urgent):
                 break  # sorted by priority: the urgent jobs come first
-            if not self.packable and job.layout.bucket != head.layout.bucket:
+            if not self.packable and job.shape.bucket != head.shape.bucket:
                 continue
             if tokens + job.cost > self.max_batch_tokens or (
-                self._batch_bytes is not None and self.max_batch_bytes is not None
-                and self._batch_bytes([*layouts, job.layout]) > self.max_batch_bytes
+                self._batch_bytes is not None
+                and self.max_batch_bytes is not None
+                and self._batch_bytes([*layouts, job.shape]) > self.max_batch_bytes
             ):
                 break  # never let a smaller job behind it overtake the one that did not fit
             batch.append(job)
-            layouts.append(job.layout)
+            layouts.append(job.shape)
             tokens += job.cost
         taken = set(map(id, batch))
         self._ready = [j for j in self._ready if id(j) not in taken]
+        for job in batch:
+            job.state = JobState.RUNNING
         return batch
 
     def done(self, batch: list[Job]) -> None:
@@ -246,9 +249,9 @@ class Scheduler:
         return self.take_batch()
 
     def cancel_all(self, error: BaseException) -> None:
-        """Fail every job not yet on the device (shutdown)."""
-        for job in self._waiting + self._ready:
-            self._fail(job, error)
+        """Fail every job not yet on the device (shutdown, or a device that cannot be restarted)."""
+        self._outputs.fail(self._waiting + self._ready, error)
+        self.staged_tokens -= sum(j.cost for j in self._ready)
         self._waiting.clear()
         self._ready.clear()
         for task in list(self._preparing):

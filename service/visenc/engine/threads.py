@@ -16,9 +16,17 @@ keeps 1 intra-op thread (the host side of a GPU forward is launch-bound).
 
 from __future__ import annotations
 
+import functools
 import os
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Executor, Future
+from typing import Any, TypeVar
 
 import torch
+
+T = TypeVar("T")
 
 
 def available_cores() -> int:
@@ -37,3 +45,38 @@ def default_preprocess_workers(device: torch.device, cores: int | None = None) -
 def default_torch_threads(device: torch.device, cores: int | None = None) -> int:
     cores = cores or available_cores()
     return 1 if device.type == "cuda" else cores
+
+
+class DaemonThread(Executor):
+    """A one-thread executor whose thread is a daemon.
+
+    ``ThreadPoolExecutor`` threads are joined at interpreter exit, so a forward
+    stuck in a kernel would keep a stopping process alive forever. The device
+    worker runs its forwards here instead: a stalled thread is abandoned (a
+    fresh one takes over) and never holds up the exit."""
+
+    def __init__(self, name: str) -> None:
+        self._work: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
+            queue.SimpleQueue()
+        )
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self) -> None:
+        while (item := self._work.get()) is not None:
+            fut, fn, args = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn(*args))
+                except BaseException as e:
+                    fut.set_exception(e)
+
+    def submit(self, fn: Callable[..., T], /, *args: Any, **kwargs: Any) -> Future[T]:
+        fut: Future[T] = Future()
+        self._work.put((fut, functools.partial(fn, **kwargs) if kwargs else fn, args))
+        return fut
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._work.put(None)
+        if wait:
+            self._thread.join()

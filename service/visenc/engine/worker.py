@@ -1,52 +1,63 @@
 """The device worker: one loop per device that feeds the tower batch after batch.
 
-The loop itself is an asyncio task (batch formation and future resolution stay
-on the event loop thread); the forward and the copy of its output into stored
-values run on a single dedicated thread, so device work is serialised and the
-event loop never blocks. A batch that raises fails only its own jobs; the loop
-lives on.
+The loop is an asyncio task (batch formation stays on the event loop thread);
+the forward alone runs on one dedicated daemon thread, so device work is
+serialised and the event loop never blocks. The forward's outputs go straight
+to the outputs stage (``engine/outputs.py``), which copies and packs them on
+its own thread while this loop starts the next forward.
 
 Overlap: while the device thread runs batch N, the scheduler's CPU pool
-preprocesses batch N+1 (up to ``prefetch_tokens`` staged), so the next forward
-starts as soon as this one returns. On CUDA the worker owns one stream: its
-host→device copies, kernels and the non-blocking device→host copies into
-pinned memory are ordered on it, and only that stream is waited on.
-``heartbeat`` advances every time the loop makes progress, so a stalled
-forward is visible to readiness checks.
+preprocesses batch N+1 and the outputs stage copies out batch N-1. On CUDA the
+worker owns one stream: host→device copies and kernels are ordered on it, and
+an event recorded behind each forward tells the outputs stage when to copy.
+
+Failure semantics (every waiter is answered; nothing hangs):
+
+* **A forward raises** (or the loop itself hits a bug): every job of that batch
+  fails at once with 503 and the reason; the worker turns unhealthy (readiness
+  false, new misses refused with 503; hits still answered) and restarts: a
+  probe forward on a fresh thread. Queued work waits for the restart.
+* **A forward stalls** past ``stall_timeout_s``: handled the same way; the stuck
+  thread is abandoned (it is a daemon: it cannot hold up the exit) and its
+  late result, if any, is dropped.
+* **The restart fails** ``restart_attempts`` times: every queued job fails with
+  503 and ``on_fatal`` is called, which stops the process with a non-zero
+  status so that a supervisor (Docker, Kubernetes, systemd) restarts it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import enum
 import logging
 import time
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
-import numpy as np
 import torch
+from PIL import Image
 
 from visenc.engine.job import Job
+from visenc.engine.outputs import Forwarded, Outputs
 from visenc.engine.scheduler import Scheduler
-from visenc.errors import EncodeFailed
-from visenc.index.format import Entry, pack_entry
+from visenc.engine.threads import DaemonThread
+from visenc.errors import NotReady
 from visenc.metrics import Metrics
-from visenc.models.base import VisionTower
+from visenc.models.base import Prepared, VisionTower
 
 log = logging.getLogger(__name__)
 
-Complete = Callable[[Job, Entry], None]
-Fail = Callable[[Job, BaseException], None]
+#: size of the probe image a restart runs through the tower
+PROBE_SIZE = (224, 224)
 
 
-def _raw_rows(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as numpy without a copy (bfloat16 as its 16-bit words)."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy()
+class WorkerState(enum.Enum):
+    HEALTHY = "healthy"
+    RESTARTING = "restarting"
+    DEAD = "dead"
+    STOPPED = "stopped"
 
 
 def compile_tower(tower: VisionTower, max_graphs: int = 64) -> None:
@@ -66,115 +77,172 @@ class DeviceWorker:
         self,
         tower: VisionTower,
         scheduler: Scheduler,
+        outputs: Outputs,
         *,
-        complete: Complete,
-        fail: Fail,
         metrics: Metrics,
         max_wait_s: float,
+        stall_timeout_s: float,
+        restart_attempts: int = 2,
         compile_buckets: bool = False,
-        stall_timeout_s: float = float("inf"),
     ) -> None:
         self.tower = tower
         self.scheduler = scheduler
-        self._complete = complete
-        self._fail = fail
+        self.outputs = outputs
         self.metrics = metrics
         self.max_wait_s = max_wait_s
         self.stall_timeout_s = stall_timeout_s
-        self._thread = ThreadPoolExecutor(1, thread_name_prefix="visenc-device")
-        self._task: asyncio.Task[None] | None = None
-        self._dtype = str(tower.dtype).removeprefix("torch.")
+        self.restart_attempts = restart_attempts
         if compile_buckets:
             compile_tower(tower)
         self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
-        #: monotonic time of the last sign of life; ``busy_since`` is set while a forward runs
-        self.heartbeat = time.monotonic()
-        self.busy_since: float | None = None
+        self._thread = DaemonThread("visenc-device")
+        self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        self.state = WorkerState.HEALTHY
+        #: why the worker is not healthy (``None`` while it is)
+        self.reason: str | None = None
+        #: monotonic start of the forward in progress (``None`` between forwards)
+        self.busy_since: float | None = None
+        #: called once, on the event loop, when the device cannot be restarted
+        self.on_fatal: Callable[[str], None] | None = None
 
+    # --- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="visenc-device-worker")
+        self.metrics.worker_alive.set(1)
 
     @property
-    def alive(self) -> bool:
-        return self._task is not None and not self._task.done()
+    def healthy(self) -> bool:
+        return self.state is WorkerState.HEALTHY and self._task is not None and not self._task.done()
 
-    @property
-    def stalled(self) -> bool:
-        """A forward has run longer than ``stall_timeout_s`` (it cannot be interrupted: the
-        device thread is stuck in it; the flag clears when it returns)."""
-        busy = self.busy_since
-        return busy is not None and time.monotonic() - busy > self.stall_timeout_s
-
-    async def stop(self) -> None:
+    async def stop(self, timeout_s: float) -> None:
+        """Let the forward in progress finish (up to ``timeout_s``), then stop; never hangs."""
         self._stopping = True
-        while self._task is not None and not self._task.done():
-            # Python 3.11's wait_for swallows a cancel that lands as its inner wait completes
-            # (the loop in ``next_batch``): cancel again until the task is really gone
-            self._task.cancel()
-            await asyncio.wait({self._task}, timeout=1.0)
-        self._thread.shutdown(wait=True, cancel_futures=True)
+        if self._task is not None and not self._task.done():
+            await asyncio.wait({self._task}, timeout=timeout_s)
+            if not self._task.done():
+                log.warning("device worker did not finish its forward within %.1f s; abandoning it", timeout_s)
+                self._task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await self._task
+        self._thread.shutdown(wait=False)
+        self.state = WorkerState.STOPPED
+        self.metrics.worker_alive.set(0)
 
+    # --- the loop ----------------------------------------------------------------------
     async def _run(self) -> None:
-        loop = asyncio.get_running_loop()
-        while not self._stopping:
-            self.heartbeat = time.monotonic()
-            batch = await self.scheduler.next_batch(self.max_wait_s, timeout_s=1.0)
-            if not batch:
-                continue
-            started = time.monotonic()
-            for job in batch:
-                job.started_at = started
-                self.metrics.queue_wait_seconds.observe(started - job.admitted_at)
-            self.busy_since = started
+        while not self._stopping and self.state is not WorkerState.DEAD:
+            batch: list[Job] = []
             try:
-                entries = await loop.run_in_executor(self._thread, self._forward, batch)
+                batch = await self.scheduler.next_batch(self.max_wait_s, timeout_s=0.25)
+                if batch:
+                    await self._run_batch(batch)
             except asyncio.CancelledError:
-                for job in batch:
-                    self._fail(job, EncodeFailed("the encoder shut down"))
+                self.outputs.fail(batch, NotReady("the service is shutting down"))
                 raise
-            except Exception as e:
-                log.exception("forward of %d images failed", len(batch))
-                self.metrics.encode_failures.labels(type(e).__name__).inc(len(batch))
-                err = EncodeFailed(f"encoding failed: {type(e).__name__}")
-                for job in batch:
-                    self._fail(job, err)
-            else:
-                elapsed = time.monotonic() - started
-                self.metrics.forward_seconds.observe(elapsed)
-                self.metrics.forwards.inc()
-                self.metrics.batch_images.observe(len(batch))
-                self.metrics.batch_tokens.observe(sum(j.cost for j in batch))
-                self.metrics.encoded_images.inc(len(batch))
-                self.metrics.encoded_tokens.inc(sum(e.rows for e in entries))
-                for job, entry in zip(batch, entries):
-                    job.forward_s = elapsed
-                    self._complete(job, entry)
-            finally:
-                self.busy_since = None
-                self.scheduler.done(batch)
+            except Exception as e:  # a bug in the loop itself: same as a failed forward
+                log.exception("device worker loop failed")
+                await self._failed(batch, f"the device worker failed: {type(e).__name__}")
+
+    async def _run_batch(self, batch: list[Job]) -> None:
+        loop = asyncio.get_running_loop()
+        started = self.busy_since = time.monotonic()
+        for job in batch:
+            job.started_at = started
+            self.metrics.queue_wait_seconds.observe(started - job.admitted_at)
+        prepared: list[Prepared] = [job.prepared for job in batch if job.prepared is not None]
+        forward = loop.run_in_executor(self._thread, self._forward, prepared)
+        try:
+            done, _ = await asyncio.wait({forward}, timeout=self.stall_timeout_s)
+        finally:
+            self.busy_since = None
+            self.scheduler.done(batch)
+        if not done:
+            forward.add_done_callback(_drop_result)  # the late result of a stalled forward is not used
+            self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the forward
+            self._thread = DaemonThread("visenc-device")
+            self.metrics.worker_stalls.inc()
+            self.metrics.encode_failures.labels("stall").inc(len(batch))
+            await self._failed(
+                batch, f"the device worker stalled: a forward ran longer than stall_timeout_s={self.stall_timeout_s}"
+            )
+            return
+        error = forward.exception()
+        if error is not None:
+            log.error("forward of %d images failed: %r", len(batch), error)
+            self.metrics.encode_failures.labels("forward").inc(len(batch))
+            await self._failed(batch, f"the device worker failed: {type(error).__name__}")
+            return
+        outputs, event = forward.result()
+        elapsed = time.monotonic() - started
+        self.metrics.forward_seconds.observe(elapsed)
+        self.metrics.forwards.inc()
+        self.metrics.batch_images.observe(len(batch))
+        self.metrics.batch_tokens.observe(sum(j.cost for j in batch))
+        for job in batch:
+            job.forward_s = elapsed
+            job.prepared = None  # free the pixels now, not when the request ends
+        self.outputs.submit(Forwarded(batch, outputs, event))
 
     def _on_stream(self) -> AbstractContextManager[Any]:
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
-    def _forward(self, batch: list[Job]) -> list[Entry]:
-        """Device thread: one forward for the batch, then each image's rows into its stored value."""
-        prepared = [job.prepared for job in batch]
-        assert all(p is not None for p in prepared)
+    def _forward(self, prepared: Sequence[Prepared]) -> tuple[list[torch.Tensor], Any]:
+        """Device thread: the forward alone, and an event behind it on CUDA."""
         with self._on_stream():
-            outputs = self.tower.forward(prepared)  # type: ignore[arg-type]
-        if len(outputs) != len(batch):
-            raise RuntimeError(f"tower returned {len(outputs)} outputs for {len(batch)} images")
-        entries = []
-        for job, out in zip(batch, outputs):
-            if tuple(out.shape) != (job.layout.num_tokens, self.tower.hidden_size):
-                raise RuntimeError(
-                    f"encoder produced {tuple(out.shape)}, expected ({job.layout.num_tokens}, "
-                    f"{self.tower.hidden_size})"
-                )
-            entries.append(
-                pack_entry(_raw_rows(out), dtype=self._dtype, grid_thw=job.layout.grid_thw,
-                           fingerprint=self.tower.fingerprint, hash=job.image_hash)
-            )
-            job.prepared = None  # free the pixels now, not when the request ends
-        return entries
+            outputs = self.tower.forward(prepared)
+            event = None
+            if self._stream is not None:
+                event = torch.cuda.Event()
+                event.record(self._stream)
+        return outputs, event
+
+    # --- failure and restart ----------------------------------------------------------
+    async def _failed(self, batch: list[Job], reason: str) -> None:
+        """Answer the batch's waiters now (503), then restart the device or give up."""
+        log.error("%s; restarting it", reason)
+        self.outputs.fail(batch, NotReady(f"{reason}; retry"))
+        self.state, self.reason = WorkerState.RESTARTING, reason
+        self.metrics.worker_alive.set(0)
+        for attempt in range(1, self.restart_attempts + 1):
+            self.metrics.worker_restarts.inc()
+            problem = await self._probe()
+            if problem is None:
+                log.warning("device worker restarted (attempt %d) after: %s", attempt, reason)
+                self.state, self.reason = WorkerState.HEALTHY, None
+                self.metrics.worker_alive.set(1)
+                return
+            log.error("device worker restart %d/%d failed: %s", attempt, self.restart_attempts, problem)
+            reason = f"{reason}; the restart failed: {problem}"
+        self.state, self.reason = WorkerState.DEAD, reason
+        self.scheduler.cancel_all(NotReady(f"the device cannot be used: {reason}"))
+        log.critical("device worker cannot be restarted: %s", reason)
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    async def _probe(self) -> str | None:
+        """One small forward on the (fresh) device thread: ``None`` if the device works, else why not."""
+        loop = asyncio.get_running_loop()
+        image = Image.new("RGB", PROBE_SIZE, (127, 127, 127))
+        forward = loop.run_in_executor(self._thread, self._probe_forward, image)
+        done, _ = await asyncio.wait({forward}, timeout=self.stall_timeout_s)
+        if not done:
+            forward.add_done_callback(_drop_result)
+            self._thread.shutdown(wait=False)
+            self._thread = DaemonThread("visenc-device")
+            return f"the probe forward ran longer than stall_timeout_s={self.stall_timeout_s}"
+        error = forward.exception()
+        return None if error is None else f"{type(error).__name__}: {error}"
+
+    def _probe_forward(self, image: Image.Image) -> None:
+        prepared = self.tower.preprocess(image)
+        (out,), event = self._forward([prepared])
+        if event is not None:
+            event.synchronize()
+        if out.shape[0] != prepared.layout.num_tokens:
+            raise RuntimeError(f"probe produced {out.shape[0]} rows, expected {prepared.layout.num_tokens}")
+
+
+def _drop_result(fut: asyncio.Future[Any]) -> None:
+    if not fut.cancelled():
+        fut.exception()  # retrieved: a late failure is not logged as "never retrieved"

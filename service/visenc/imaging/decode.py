@@ -10,12 +10,12 @@ Contract:
 - EXIF orientation is *not* applied: transformers' processors do not apply it,
   and outputs must equal theirs.
 - Errors: ``InvalidImage`` for anything that is not a decodable image (empty,
-  random, truncated, corrupt, unsupported); ``PayloadTooLarge`` when
+  random, truncated, corrupt, unsupported); ``ImageTooLarge`` when
   ``width * height > max_pixels``, decided from the header alone.
 
 The limit does not rely on Pillow's global ``Image.MAX_IMAGE_PIXELS`` (process
 state another library may change); Pillow's own bomb check still fires at
-open for absurd sizes, and is reported as ``PayloadTooLarge`` too.
+open for absurd sizes, and is reported as ``ImageTooLarge`` too.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import io
 
 from PIL import Image, UnidentifiedImageError
 
-from visenc.errors import InvalidImage, PayloadTooLarge
+from visenc.errors import ImageTooLarge, InvalidImage
 
 # What Pillow raises on bad input: header parse errors (SyntaxError from some
 # plugins), truncated/corrupt streams (OSError), bad parameters (ValueError),
@@ -41,7 +41,7 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     except Image.DecompressionBombError as e:
         # Pillow refuses sizes above 2 * MAX_IMAGE_PIXELS at open, before we can
         # read the size: such an image is over any sane limit.
-        raise PayloadTooLarge(f"image has more pixels than the limit max_pixels={max_pixels}") from e
+        raise ImageTooLarge(f"image has more pixels than the limit max_image_pixels={max_pixels}") from e
     except UnidentifiedImageError as e:
         raise InvalidImage("unsupported or unrecognised image format") from e
     except _PIL_ERRORS as e:
@@ -50,8 +50,8 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     if width <= 0 or height <= 0:
         raise InvalidImage(f"image has an empty size {width}x{height}")
     if width * height > max_pixels:
-        raise PayloadTooLarge(
-            f"image is {width}x{height} = {width * height} pixels, over the limit max_pixels={max_pixels}"
+        raise ImageTooLarge(
+            f"image is {width}x{height} = {width * height} pixels, over the limit max_image_pixels={max_pixels}"
         )
     return image
 
@@ -92,7 +92,7 @@ def decode(data: bytes, *, max_pixels: int) -> Image.Image:
         rgb.load()
     except Image.DecompressionBombError as e:
         image.close()
-        raise PayloadTooLarge(f"image has more pixels than the limit max_pixels={max_pixels}") from e
+        raise ImageTooLarge(f"image has more pixels than the limit max_image_pixels={max_pixels}") from e
     except _PIL_ERRORS as e:
         image.close()
         raise InvalidImage(f"corrupt or truncated image data: {type(e).__name__}") from e

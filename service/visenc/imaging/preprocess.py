@@ -41,9 +41,7 @@ BICUBIC = int(Image.Resampling.BICUBIC)
 MAX_ASPECT_RATIO = 200
 
 
-def smart_resize(
-    height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int
-) -> tuple[int, int]:
+def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
     """Qwen2-VL target ``(height, width)``: both multiples of ``factor``, area within
     ``[min_pixels, max_pixels]``, aspect ratio kept as closely as possible.
 
@@ -55,8 +53,7 @@ def smart_resize(
         raise InvalidImage(f"image has an empty size {width}x{height}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
         raise InvalidImage(
-            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the limit "
-            f"{MAX_ASPECT_RATIO}"
+            f"image aspect ratio {max(height, width) / min(height, width):.1f} is over the limit {MAX_ASPECT_RATIO}"
         )
     h_bar = round(height / factor) * factor
     w_bar = round(width / factor) * factor
@@ -129,9 +126,7 @@ class Normalizer:
             values = values * rescale_factor
         table = np.repeat(values.astype(np.float32)[None, :], channels, axis=0)
         if mean is not None and std is not None:
-            table = (table - np.asarray(mean, dtype=np.float32)[:, None]) / np.asarray(std, dtype=np.float32)[
-                :, None
-            ]
+            table = (table - np.asarray(mean, dtype=np.float32)[:, None]) / np.asarray(std, dtype=np.float32)[:, None]
         self.lut: np.ndarray = np.ascontiguousarray(table, dtype=np.float32)  # [channels, 256]
         self.lut.setflags(write=False)
         # Pair table: two adjacent uint8 pixels (read as one uint16) → their two float32

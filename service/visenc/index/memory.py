@@ -15,12 +15,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 
-from visenc.index.base import Index
-from visenc.index.format import Entry
 from visenc.metrics import Metrics
+from visenc_client.format import Entry
 
 
-class MemoryIndex(Index):
+class MemoryLRU:
     tier = "memory"
 
     def __init__(self, max_bytes: int, metrics: Metrics | None = None) -> None:
@@ -35,22 +34,19 @@ class MemoryIndex(Index):
     def __contains__(self, key: str) -> bool:
         return key in self._entries
 
-    def peek(self, key: str) -> Entry | None:
+    def get(self, key: str) -> Entry | None:
         entry = self._entries.get(key)
         if entry is not None:
             self._entries.move_to_end(key)
         return entry
 
     def lookup(self, keys: Sequence[str]) -> list[Entry | None]:
-        found = [self.peek(k) for k in keys]
+        found = [self.get(k) for k in keys]
         if self._metrics is not None:
             hits = sum(e is not None for e in found)
             self._metrics.cache_lookups.labels(self.tier, "hit").inc(hits)
             self._metrics.cache_lookups.labels(self.tier, "miss").inc(len(found) - hits)
         return found
-
-    async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
-        return self.lookup(keys)
 
     def store(self, key: str, entry: Entry) -> None:
         if entry.nbytes > self.max_bytes:
@@ -65,23 +61,26 @@ class MemoryIndex(Index):
             _, victim = self._entries.popitem(last=False)
             self.bytes -= victim.nbytes
             evicted += 1
-        if self._metrics is not None:
-            if evicted:
-                self._metrics.cache_evictions.labels(self.tier).inc(evicted)
-            self._metrics.cache_bytes.labels(self.tier).set(self.bytes)
-            self._metrics.cache_entries.labels(self.tier).set(len(self._entries))
+        if self._metrics is not None and evicted:
+            self._metrics.cache_evictions.labels(self.tier).inc(evicted)
+        self._report()
 
-    def store_local(self, key: str, entry: Entry) -> None:
-        self.store(key, entry)
-
-    def discard_local(self, key: str) -> None:
+    def discard(self, key: str) -> None:
         old = self._entries.pop(key, None)
         if old is not None:
             self.bytes -= old.nbytes
-            if self._metrics is not None:
-                self._metrics.cache_bytes.labels(self.tier).set(self.bytes)
-                self._metrics.cache_entries.labels(self.tier).set(len(self._entries))
+            self._report()
+
+    def _report(self) -> None:
+        if self._metrics is not None:
+            self._metrics.cache_bytes.labels(self.tier).set(self.bytes)
+            self._metrics.cache_entries.labels(self.tier).set(len(self._entries))
 
     def health(self) -> dict[str, object]:
-        return {"tier": self.tier, "ok": True, "entries": len(self._entries), "bytes": self.bytes,
-                "max_bytes": self.max_bytes}
+        return {
+            "tier": self.tier,
+            "ok": True,
+            "entries": len(self._entries),
+            "bytes": self.bytes,
+            "max_bytes": self.max_bytes,
+        }

@@ -15,8 +15,9 @@ each with its own contract:
     Device work, called from the one worker thread of the device. Images of
     one bucket have equal input shapes and always share a forward; a
     ``packable`` tower also accepts images of different buckets in one call.
-    Returns one ``[num_tokens, hidden_size]`` tensor per image, in order,
-    on the CPU, contiguous, in ``dtype`` (views into one output are fine).
+    Returns one ``[num_tokens, hidden_size]`` tensor per image, in order, on
+    the tower's device, in ``dtype`` (views into one output are fine): the
+    engine's outputs stage copies them to the host off the device thread.
 
 Invariant checked by the engine: ``forward(batch)[i].shape[0] ==
 batch[i].layout.num_tokens``.
@@ -108,17 +109,6 @@ class VisionTower(ABC):
         if self.device.type == "cuda":
             return pixels.pin_memory().to(self.device, self.dtype, non_blocking=True)
         return pixels.to(self.device, self.dtype)
-
-    def to_host(self, out: torch.Tensor) -> torch.Tensor:
-        """Device output → a contiguous CPU tensor. On CUDA: a non-blocking copy into
-        pinned host memory (torch's caching host allocator reuses the blocks), then
-        a wait on the current stream only, so other streams keep running."""
-        if self.device.type != "cuda":
-            return out.to("cpu").contiguous()
-        host = torch.empty(out.shape, dtype=out.dtype, pin_memory=True)
-        host.copy_(out, non_blocking=True)
-        torch.cuda.current_stream(self.device).synchronize()
-        return host
 
     @property
     def fingerprint(self) -> str:

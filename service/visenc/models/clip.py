@@ -149,8 +149,7 @@ class FixedResolutionTower(VisionTower):
         image_size = config.image_size
         if preprocess.output_size != (image_size, image_size):
             raise ValueError(
-                f"preprocessing gives {preprocess.output_size} inputs, "
-                f"the model expects {image_size}x{image_size}"
+                f"preprocessing gives {preprocess.output_size} inputs, the model expects {image_size}x{image_size}"
             )
         self.name = name
         module: torch.nn.Module = model  # PreTrainedModel.to's wrapper confuses type checkers
@@ -197,7 +196,7 @@ class FixedResolutionTower(VisionTower):
         pixels = torch.from_numpy(np.stack([p.pixels for p in batch]))
         with torch.inference_mode():
             outputs = self.model(pixel_values=self.to_device(pixels))
-            embeds = self.to_host(outputs.image_embeds if self._is_clip else outputs.pooler_output)
+            embeds = outputs.image_embeds if self._is_clip else outputs.pooler_output
         return [embeds[i : i + 1] for i in range(len(batch))]
 
     def fingerprint_fields(self) -> dict[str, Any]:
@@ -219,10 +218,10 @@ class FixedResolutionTower(VisionTower):
         over its ``(size/patch)² + 1`` positions."""
         config = self.model.config
         item = self.dtype.itemsize
-        per_image = (
-            self.input_bytes_per_token() * (1 + memory.cast_bytes(item) / 4)
-            + self._positions_per_image
-            * memory.block_bytes_per_position(config.hidden_size, config.intermediate_size, item)
+        per_image = self.input_bytes_per_token() * (
+            1 + memory.cast_bytes(item) / 4
+        ) + self._positions_per_image * memory.block_bytes_per_position(
+            config.hidden_size, config.intermediate_size, item
         )
         return int(memory.SAFETY * per_image)
 
@@ -230,10 +229,13 @@ class FixedResolutionTower(VisionTower):
         """Images are stacked, so every image's attention scores are live at once."""
         config = self.model.config
         scores = memory.attention_score_bytes(
-            config.num_attention_heads, self._positions_per_image, self.dtype.itemsize,
+            config.num_attention_heads,
+            self._positions_per_image,
+            self.dtype.itemsize,
             materialised=memory.materialises_scores(config),
         )
         return len(layouts) * (self.activation_bytes_per_token() + int(memory.SAFETY * scores))
+
 
 def tiny_clip_config() -> CLIPVisionConfig:
     """The peer benchmark's tiny CLIP vision side (infinity ``make_tiny_clip.py``):

@@ -67,21 +67,16 @@ def load_tower(
     torch_dtype = resolve_dtype(dtype)
     torch_device = torch.device(device)
     if spec in REGISTRY:
-        return build_registered(
-            spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed
-        )
+        return build_registered(spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed)
     path = Path(spec)
     if not (path / "config.json").is_file():
         raise ValueError(
-            f"unknown tower {spec!r}: neither a built-in name ({sorted(REGISTRY)}) "
-            "nor a folder with config.json"
+            f"unknown tower {spec!r}: neither a built-in name ({sorted(REGISTRY)}) nor a folder with config.json"
         )
     return _load_checkpoint(path, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels)
 
 
-def _load_checkpoint(
-    path: Path, *, dtype: torch.dtype, device: torch.device, max_pixels: int | None
-) -> VisionTower:
+def _load_checkpoint(path: Path, *, dtype: torch.dtype, device: torch.device, max_pixels: int | None) -> VisionTower:
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
     processor_cfg = _read_json(path / "preprocessor_config.json")
     if model_type in ARCHITECTURES:

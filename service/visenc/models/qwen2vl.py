@@ -155,9 +155,7 @@ class QwenVisionTower(VisionTower):
 
     def _resized(self, width: int, height: int) -> tuple[int, int]:
         s = self.settings
-        return smart_resize(
-            height, width, factor=self._factor, min_pixels=s.min_pixels, max_pixels=s.max_pixels
-        )
+        return smart_resize(height, width, factor=self._factor, min_pixels=s.min_pixels, max_pixels=s.max_pixels)
 
     def layout(self, width: int, height: int) -> TokenLayout:
         resized_h, resized_w = self._resized(width, height)
@@ -185,7 +183,7 @@ class QwenVisionTower(VisionTower):
 
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
         """One packed forward for the batch; outputs are views, one ``[num_tokens, hidden]``
-        per image, on the CPU.
+        per image, on the device.
 
         On a CPU the attention kernels run image by image anyway, so packing only
         saves per-call overhead: that pays for small images and loses to cache
@@ -211,7 +209,7 @@ class QwenVisionTower(VisionTower):
         pixels = torch.from_numpy(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
         grid_thw = torch.tensor([p.layout.grid_thw for p in batch], dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            out = self.to_host(self.model(self.to_device(pixels), grid_thw=grid_thw).pooler_output)
+            out = self.model(self.to_device(pixels), grid_thw=grid_thw).pooler_output
         return list(torch.split(out, [p.layout.num_tokens for p in batch]))
 
     def fingerprint_fields(self) -> dict[str, Any]:
@@ -252,10 +250,13 @@ class QwenVisionTower(VisionTower):
             return 0
         seqs = [self.input_tokens(lay) for lay in layouts]
         scores = memory.attention_score_bytes(
-            self.model.config.num_heads, max(seqs), self.dtype.itemsize,
+            self.model.config.num_heads,
+            max(seqs),
+            self.dtype.itemsize,
             materialised=memory.materialises_scores(self.model.config),
         )
         return self.activation_bytes_per_token() * sum(seqs) + int(memory.SAFETY * scores)
+
 
 def tiny_qwen2_vl_config() -> Qwen2VLVisionConfig:
     """The built-in default: Qwen2-VL's vision architecture, downsized for CPU.

@@ -68,9 +68,7 @@ def build_registered(
     source = {"registry": name, "seed": seed}
     if entry.family == "qwen":
         settings = QwenPreprocess(max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
-        return QwenVisionTower(
-            name=name, model=model, preprocess=settings, source=source, dtype=dtype, device=device
-        )
+        return QwenVisionTower(name=name, model=model, preprocess=settings, source=source, dtype=dtype, device=device)
     fixed = FixedPreprocess.clip_default() if entry.family == "clip" else FixedPreprocess.siglip_default()
     return FixedResolutionTower(
         name=name,

@@ -1,6 +1,9 @@
-"""The stored value of one image's embedding: a versioned header, then rows.
+"""What the service and its clients agree on, defined once: the stored value of
+an embedding, index keys, image hashes, namespaces, handle statuses and the
+per-item error reasons. Pure Python + numpy + msgpack (no torch, no I/O), so
+the service and every client import the same definitions.
 
-Layout, version 1 (all integers little-endian)::
+Stored value, version 1 (all integers little-endian)::
 
     offset  size  field
     0       4     magic  b"VENC"
@@ -17,12 +20,20 @@ are the byte range ``256 + start*row_bytes .. 256 + end*row_bytes``: one Redis
 ``GETRANGE``, or one ``memoryview`` slice in memory. A value whose length,
 magic, version or header does not match is corrupt and must be treated as a
 miss (never served). No pickle: the header is msgpack of plain types.
+
+Index keys are ``visenc:{namespace}:{fingerprint}:{image_hash}``. The
+fingerprint covers the model, its weights, dtype and preprocessing, so two
+models or two resolutions never share an entry; the namespace isolates tenants.
+None of the three parts contains ``:``, so a key splits back unambiguously.
 """
 
 from __future__ import annotations
 
+import hashlib
+import re
 import struct
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import msgpack
 import numpy as np
@@ -76,9 +87,7 @@ class Entry:
         return np.frombuffer(self.rows_view(), dtype=DTYPES[self.dtype][1]).reshape(self.rows, self.hidden)
 
 
-def pack_entry(
-    rows: np.ndarray, *, dtype: str, grid_thw: tuple[int, int, int], fingerprint: str, hash: str
-) -> Entry:
+def pack_entry(rows: np.ndarray, *, dtype: str, grid_thw: tuple[int, int, int], fingerprint: str, hash: str) -> Entry:
     """Build a stored value from a ``[rows, hidden]`` array, copying the rows once.
 
     ``rows`` holds the tensor's raw values (for bfloat16, its 16-bit words)."""
@@ -88,8 +97,7 @@ def pack_entry(
         raise ValueError(f"rows must be 2-D, got shape {rows.shape}")
     n, hidden = (int(x) for x in rows.shape)
     header = msgpack.packb(
-        {"shape": [n, hidden], "dtype": dtype, "grid_thw": list(grid_thw), "fingerprint": fingerprint,
-         "hash": hash}
+        {"shape": [n, hidden], "dtype": dtype, "grid_thw": list(grid_thw), "fingerprint": fingerprint, "hash": hash}
     )
     if _PREFIX.size + len(header) > DATA_OFFSET:
         raise ValueError("entry header does not fit before DATA_OFFSET")
@@ -125,9 +133,7 @@ def parse_header(prefix: bytes | bytearray | memoryview) -> dict:
     return header
 
 
-def unpack_entry(
-    blob: bytes | bytearray, *, fingerprint: str | None = None, hash: str | None = None
-) -> Entry:
+def unpack_entry(blob: bytes | bytearray, *, fingerprint: str | None = None, hash: str | None = None) -> Entry:
     """Check a stored value against its header (and the expected key) and wrap it without copying."""
     header = parse_header(memoryview(blob)[:DATA_OFFSET])
     rows, hidden = header["shape"]
@@ -140,3 +146,56 @@ def unpack_entry(
     if hash is not None and header["hash"] != hash:
         raise CorruptEntry("image hash does not match the key")
     return Entry(blob, rows, hidden, dtype, tuple(header["grid_thw"]), header["fingerprint"], header["hash"])
+
+
+# --- keys, hashes, namespaces -------------------------------------------------------------
+#: a tenant / key namespace: 1-64 characters of [A-Za-z0-9_.-]
+NAMESPACE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
+NAMESPACE_RULE = "1-64 characters of [A-Za-z0-9_.-]"
+_NAMESPACE_RE = re.compile(NAMESPACE_PATTERN)
+#: an image hash: SHA-256 of the raw image bytes, 64 lowercase hex digits
+HASH_PATTERN = r"^[0-9a-f]{64}$"
+_HASH_RE = re.compile(HASH_PATTERN)
+
+
+def image_hash(data: bytes | bytearray | memoryview) -> str:
+    """The image key: SHA-256 of the raw image bytes, 64 lowercase hex digits."""
+    return hashlib.sha256(data).hexdigest()
+
+
+def is_valid_hash(value: str) -> bool:
+    return _HASH_RE.fullmatch(value) is not None
+
+
+def is_valid_namespace(value: str) -> bool:
+    return _NAMESPACE_RE.fullmatch(value) is not None
+
+
+def entry_key(namespace: str, fingerprint: str, image_hash: str) -> str:
+    """The index key of one image's embedding."""
+    return f"visenc:{namespace}:{fingerprint}:{image_hash}"
+
+
+def split_key(key: str) -> tuple[str, str, str]:
+    """``(namespace, fingerprint, image_hash)`` of an entry key."""
+    prefix, namespace, fingerprint, image_hash = key.split(":")
+    if prefix != "visenc":
+        raise ValueError(f"not an entry key: {key!r}")
+    return namespace, fingerprint, image_hash
+
+
+# --- handles ---------------------------------------------------------------------------------
+#: ``ready``: fetch now; ``pending``: being encoded (a fetch waits); ``missing``: not in the
+#: index and no bytes were sent; ``error``: this item failed (see ``reason``)
+Status = Literal["ready", "pending", "missing", "error"]
+STATUSES: tuple[str, ...] = get_args(Status)
+
+#: the stable reason code of an item whose ``status`` is ``error`` (the table is in docs/api.md)
+Reason = Literal[
+    "invalid_hash",  # 'hash' is not 64 lowercase hex digits
+    "hash_mismatch",  # the uploaded bytes hash to another value than the given 'hash'
+    "invalid_image",  # the bytes are not a decodable image (empty, unknown format, corrupt, truncated)
+    "image_too_large",  # over max_image_bytes, or over max_image_pixels (decided from the header)
+    "encode_failed",  # the image decoded but the model could not encode it
+]
+REASONS: tuple[str, ...] = get_args(Reason)

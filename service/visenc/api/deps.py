@@ -1,0 +1,62 @@
+"""What every route needs: the engine, the caller's namespace, a range check, OpenAPI bits."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import Request
+
+from visenc.api.schemas import ErrorResponse
+from visenc.engine.interface import EngineAPI
+from visenc.errors import BadRequest, NotReady
+from visenc_client.format import NAMESPACE_RULE, Entry, is_valid_namespace
+
+#: the error answers every /v1 route may give, for the OpenAPI document
+ERRORS: dict[int | str, dict[str, Any]] = {
+    code: {"model": ErrorResponse, "description": text}
+    for code, text in [
+        (400, "Bad input"),
+        (404, "Unknown image"),
+        (413, "Over a limit"),
+        (415, "Unsupported content type"),
+        (422, "Invalid body"),
+        (429, "Queue full"),
+        (503, "Not ready"),
+        (504, "Deadline exceeded"),
+    ]
+}
+
+
+def body_schema(model: type) -> dict[str, Any]:
+    """OpenAPI ``requestBody`` for a route that reads ``model`` as JSON or msgpack itself."""
+    ref = {"$ref": f"#/components/schemas/{model.__name__}"}
+    content = {"application/json": {"schema": ref}, "application/msgpack": {"schema": ref}}
+    return {"requestBody": {"required": True, "content": content}}
+
+
+def engine_of(request: Request) -> EngineAPI:
+    engine: EngineAPI | None = getattr(request.app.state, "engine", None)
+    if engine is None:
+        raise NotReady("the model is loading")
+    return engine
+
+
+def namespace_of(request: Request) -> str:
+    """The caller's key namespace: set by auth when enabled, else the header or the default."""
+    ns = getattr(request.state, "namespace", None)
+    if ns is not None:
+        return str(ns)
+    ns = request.headers.get("x-visenc-namespace")
+    if ns is None:  # present but empty is malformed, not the default
+        ns = request.app.state.settings.namespace
+    if not is_valid_namespace(ns):
+        raise BadRequest(f"X-Visenc-Namespace must be {NAMESPACE_RULE}")
+    return ns
+
+
+def check_range(entry: Entry, start: int | None, end: int | None) -> tuple[int, int]:
+    s = 0 if start is None else start
+    e = entry.rows if end is None else end
+    if not 0 <= s <= e <= entry.rows:
+        raise BadRequest(f"range [{s}, {e}) is outside the image's {entry.rows} token rows")
+    return s, e

@@ -1,0 +1,75 @@
+"""``POST /v1/encode``: look images up by hash and encode the misses that came with bytes."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+from fastapi import APIRouter, Request
+from fastapi.responses import Response
+
+from visenc.api.codec import parse, render, wants_msgpack
+from visenc.api.deps import ERRORS, body_schema, engine_of, namespace_of
+from visenc.api.guard import guarded, remaining, within
+from visenc.api.schemas import EncodeRequest, EncodeResponse
+from visenc.engine.interface import EncodeItem, Timing
+from visenc.errors import PayloadTooLarge
+
+router = APIRouter()
+
+
+@router.post("/v1/encode", response_model=EncodeResponse, responses=ERRORS, openapi_extra=body_schema(EncodeRequest))
+async def encode(request: Request) -> Response:
+    """Look images up by hash and encode the misses that came with bytes.
+
+    Each item is ``{"hash"}``, ``{"data"}`` or both. A hash-only item that is not
+    in the index answers ``missing`` (upload its bytes next: hash-first). With
+    ``wait=false`` the answer comes at once with ``pending`` handles that already
+    carry ``num_tokens``; fetch the rows later. An item that cannot be used
+    (bad hash, not an image, over a limit, not encodable) answers ``error`` with
+    a ``reason`` code; the other items proceed.
+
+    ``X-Visenc-Queue-Time`` / ``X-Visenc-Encode-Time`` (seconds) say how long the
+    images this response waited for queued and how long their forwards took."""
+    settings = request.app.state.settings
+    limit = f"request_timeout_s={settings.request_timeout_s}"
+    deadline = asyncio.get_running_loop().time() + settings.request_timeout_s
+    ns = namespace_of(request)
+    engine = engine_of(request)
+    body = await within(
+        parse(request, EncodeRequest, settings.max_body_bytes, settings.max_items),
+        deadline,
+        f"the request body did not arrive within {limit}",
+    )
+    inputs = [EncodeItem(it.hash, it.data) for it in body.items]
+    timing = Timing()
+    # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
+    # cancels the wait if the client goes away first
+    handles = await guarded(
+        request,
+        engine.encode(inputs, ns, wait=body.wait, timing=timing, timeout_s=remaining(deadline)),
+        deadline + 1.0,
+        f"the request was not answered within {limit}",
+    )
+    items = [h.to_wire() for h in handles]
+    if body.include_rows:
+        await _inline_rows(request, items, settings.max_body_bytes)
+    headers = {"X-Visenc-Queue-Time": f"{timing.queue_s:.6f}", "X-Visenc-Encode-Time": f"{timing.encode_s:.6f}"}
+    return render(request, {"model": engine.fingerprint, "items": items}, headers=headers)
+
+
+async def _inline_rows(request: Request, items: list[dict[str, Any]], limit: int) -> None:
+    """Put each ready item's rows into its answer: views for msgpack, base64 text for JSON."""
+    engine = engine_of(request)
+    ns = namespace_of(request)
+    ready = [it for it in items if it["status"] == "ready"]
+    entries = [await engine.lookup(it["hash"], ns) for it in ready]
+    total = sum(len(e.rows_view()) for e in entries)
+    if total > limit:
+        raise PayloadTooLarge(f"{total} bytes of rows exceed max_body_bytes={limit} inline; fetch them instead")
+    binary = wants_msgpack(request)
+    for it, entry in zip(ready, entries):
+        view = entry.rows_view()
+        it["rows"] = view if binary else base64.b64encode(view).decode()
+    request.app.state.metrics.bytes_served.labels("inline").inc(total)

@@ -1,0 +1,50 @@
+"""Operations: model info, liveness, readiness, Prometheus metrics."""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from visenc.api.codec import render
+from visenc.api.deps import engine_of
+from visenc.errors import NotReady
+
+router = APIRouter()
+
+
+@router.get("/v1/model")
+async def model_info(request: Request) -> Response:
+    """The served tower: name, fingerprint, hidden size, dtype, device."""
+    return render(request, engine_of(request).describe())
+
+
+@router.get("/healthz", response_class=PlainTextResponse)
+async def healthz() -> str:
+    """Liveness: the process answers."""
+    return "ok"
+
+
+@router.get("/readyz")
+async def readyz(request: Request) -> Response:
+    """Readiness: model loaded and device worker healthy (503 with the reason otherwise).
+
+    ``status`` is ``degraded`` (still 200: the replica serves from its own LRU and
+    by encoding) while the shared Redis index is unreachable, else ``ready``."""
+    engine = engine_of(request)
+    reason = engine.not_ready_reason()
+    if reason is not None:
+        raise NotReady(reason)
+    health = engine.health()
+    index = health["index"]
+    status = "ready" if index.get("ok", True) else "degraded"
+    return render(request, {"status": status, "index": index, "queue_depth": health["queue_depth"]})
+
+
+@router.get("/metrics", response_class=PlainTextResponse)
+async def metrics(request: Request) -> Response:
+    """Prometheus exposition."""
+    engine = getattr(request.app.state, "engine", None)
+    if engine is not None:
+        engine.export_gauges()
+    return Response(generate_latest(request.app.state.metrics.registry), media_type=CONTENT_TYPE_LATEST)

@@ -1,0 +1,101 @@
+"""``create_app(settings)``: the one place where every part is built and wired.
+
+Nothing happens at import time: the tower is loaded (off the event loop), the
+index and the engine are built and started in the app's lifespan, and stopped
+in reverse order at shutdown. The HTTP layer (``visenc.api``) only ever sees
+the engine through ``EngineAPI``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from visenc.api.app import create_api
+from visenc.config import Settings
+from visenc.engine.core import Engine
+from visenc.index.memory import MemoryLRU
+from visenc.index.redis_claims import RedisClaims
+from visenc.index.tiered import Index
+from visenc.metrics import Metrics
+from visenc.models.base import VisionTower
+
+log = logging.getLogger("visenc")
+
+
+def build_index(settings: Settings, metrics: Metrics) -> tuple[Index, RedisClaims | None]:
+    """The in-process LRU; with ``redis_url``, in front of the shared Redis store, whose
+    connection also carries the cross-replica claims."""
+    local = MemoryLRU(settings.cache_bytes, metrics)
+    if settings.redis_url is None:
+        return Index(local), None
+    from visenc.index.redis_conn import RedisConnection
+    from visenc.index.redis_store import RedisStore
+
+    conn = RedisConnection.from_settings(settings, metrics)
+    log.info("shared index: redis %s (%s)", conn.location, settings.redis_mode)
+    store = RedisStore(conn, ttl_s=settings.cache_ttl_s)
+    metrics.preset_tiers([store.tier])
+    return Index(local, store), RedisClaims(store)
+
+
+def load_tower(settings: Settings) -> VisionTower:
+    import torch
+
+    from visenc.engine.threads import default_torch_threads
+    from visenc.models.loading import load_tower as load
+
+    device = settings.device
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = settings.dtype
+    if dtype == "auto":
+        dtype = "bfloat16" if device.startswith("cuda") else "float32"
+    torch.set_num_threads(settings.torch_threads or default_torch_threads(torch.device(device)))
+    return load(settings.model, dtype=dtype, device=device, max_pixels=settings.max_pixels)
+
+
+def create_app(
+    settings: Settings | None = None,
+    *,
+    tower: VisionTower | None = None,
+    index: Callable[[Settings, Metrics], tuple[Index, RedisClaims | None]] = build_index,
+) -> FastAPI:
+    """Build the service. ``tower`` may be passed in (tests share one loaded tower, or wrap it);
+    ``index`` builds the index (tests wrap it).
+
+    If the device worker cannot be restarted, ``app.state.fatal`` holds the reason and
+    ``app.state.stop_server()`` (set by the CLI) is called so that the process exits non-zero."""
+    settings = settings or Settings()
+    metrics = Metrics()
+
+    @asynccontextmanager
+    async def engine(app: FastAPI) -> AsyncIterator[Engine]:
+        loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
+        built_index, claims = index(settings, metrics)
+        core = Engine(loaded, built_index, settings, metrics, claim_store=claims)
+        d = loaded.describe()
+        metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"], str(d["hidden_size"])).set(1)
+
+        def fatal(reason: str) -> None:
+            app.state.fatal = reason
+            stop = app.state.stop_server
+            if stop is not None:
+                stop()
+
+        await core.start(on_fatal=fatal)
+        log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"], settings.redacted())
+        try:
+            yield core
+        finally:
+            await core.stop()
+            await built_index.close()
+
+    app = create_api(settings, metrics, engine)
+    app.state.fatal = None
+    app.state.stop_server = None  # the CLI sets it: how to stop the server from inside
+    return app

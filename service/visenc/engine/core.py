@@ -1,0 +1,179 @@
+"""The engine, wired: intake → scheduler → device worker → outputs, one direction.
+
+``Engine`` builds the stages, starts and stops them in order, and is the one
+object the API talks to (``interface.EngineAPI``)::
+
+    api ─▶ intake (admit, dedup, claim) ─▶ scheduler (bucket, budget, priority)
+        ─▶ device worker (forward only) ─▶ outputs (D2H, pack, index, futures)
+
+Each stage is handed the public objects of the stages after it, never a
+private method of the one before it.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from visenc.config import Settings
+from visenc.engine.budget import device_memory_budget, plan_budget
+from visenc.engine.claims import Claims
+from visenc.engine.intake import Intake
+from visenc.engine.interface import EncodeItem, Handle, Timing
+from visenc.engine.outputs import Outputs
+from visenc.engine.prepare import ImagePrep
+from visenc.engine.remote import RemoteWaits
+from visenc.engine.scheduler import Scheduler
+from visenc.engine.threads import default_preprocess_workers
+from visenc.engine.worker import DeviceWorker
+from visenc.errors import NotReady
+from visenc.index.redis_claims import RedisClaims
+from visenc.index.tiered import Index
+from visenc.metrics import Metrics
+from visenc.models.base import VisionTower
+from visenc_client.format import Entry
+
+log = logging.getLogger(__name__)
+
+
+class Engine:
+    def __init__(
+        self,
+        tower: VisionTower,
+        index: Index,
+        settings: Settings,
+        metrics: Metrics,
+        claim_store: RedisClaims | None = None,
+    ) -> None:
+        self.tower = tower
+        self.index = index
+        self.settings = settings
+        self.metrics = metrics
+        self.fingerprint = tower.fingerprint
+        workers = settings.preprocess_workers or default_preprocess_workers(tower.device)
+        self.pool = ThreadPoolExecutor(workers, thread_name_prefix="visenc-pre")
+        self.budget = plan_budget(
+            tower,
+            settings.memory_budget_bytes or device_memory_budget(tower.device, settings.memory_fraction),
+            max_batch_tokens=settings.max_batch_tokens,
+            prefetch_tokens=settings.prefetch_tokens,
+        )
+        log.info("batch budget: %s", self.budget)
+        self.claims = (
+            None if claim_store is None else Claims(claim_store, ttl_ms=settings.claim_ttl_ms, metrics=metrics)
+        )
+        self.outputs = Outputs(
+            index=index,
+            metrics=metrics,
+            fingerprint=tower.fingerprint,
+            hidden_size=tower.hidden_size,
+            device=tower.device,
+            claims=self.claims,
+        )
+        prep = ImagePrep(tower, max_image_bytes=settings.max_image_bytes, max_image_pixels=settings.max_image_pixels)
+        self.scheduler = Scheduler(
+            preprocess=prep.preprocess,
+            pool=self.pool,
+            outputs=self.outputs,
+            max_batch_tokens=self.budget.max_batch_tokens,
+            max_batch_images=settings.max_batch_images,
+            packable=tower.packable,
+            prefetch_tokens=self.budget.prefetch_tokens,
+            max_batch_bytes=self.budget.max_batch_bytes,
+            batch_bytes=tower.forward_bytes,
+            on_prepared=lambda job, s: metrics.preprocess_seconds.observe(s),
+        )
+        self.worker = DeviceWorker(
+            tower,
+            self.scheduler,
+            self.outputs,
+            metrics=metrics,
+            max_wait_s=settings.max_wait_ms / 1000,
+            stall_timeout_s=settings.stall_timeout_s,
+            restart_attempts=settings.worker_restart_attempts,
+            compile_buckets=settings.compile_buckets,
+        )
+        self.remote = (
+            None
+            if self.claims is None
+            else RemoteWaits(
+                self.claims,
+                self.scheduler,
+                self.outputs,
+                poll_max_s=settings.claim_poll_ms / 1000,
+                wait_s=settings.claim_wait_s,
+                metrics=metrics,
+            )
+        )
+        self.intake = Intake(
+            index=index,
+            prep=prep,
+            pool=self.pool,
+            scheduler=self.scheduler,
+            worker=self.worker,
+            settings=settings,
+            metrics=metrics,
+            claims=self.claims,
+            remote=self.remote,
+        )
+
+    # --- lifecycle ---------------------------------------------------------------------
+    async def start(self, on_fatal: Callable[[str], None] | None = None) -> None:
+        """Start every stage; ``on_fatal(reason)`` is called if the device cannot be restarted."""
+        self.worker.on_fatal = on_fatal
+        self.outputs.start()
+        self.worker.start()
+        if self.claims is not None and self.remote is not None:
+            self.claims.start()
+            self.remote.start()
+        self.metrics.queue_capacity.set(self.settings.max_queue_images)
+        self.export_gauges()
+
+    async def stop(self) -> None:
+        """Drain within ``shutdown_timeout_s``: refuse new work, let the forward in progress
+        finish, answer every waiter, release claims. Never hangs on a stalled device."""
+        timeout_s = self.settings.shutdown_timeout_s
+        self.intake.closing = True
+        self.scheduler.cancel_all(NotReady("the service is shutting down"))
+        await self.worker.stop(timeout_s)
+        if self.remote is not None:
+            await self.remote.stop()
+        await self.outputs.stop(timeout_s)
+        if self.claims is not None:
+            await self.claims.stop()
+        self.pool.shutdown(wait=False, cancel_futures=True)
+
+    # --- EngineAPI ---------------------------------------------------------------------
+    async def encode(
+        self,
+        items: Sequence[EncodeItem],
+        namespace: str,
+        *,
+        wait: bool,
+        timing: Timing | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Handle]:
+        return await self.intake.encode(items, namespace, wait=wait, timing=timing, timeout_s=timeout_s)
+
+    async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
+        return await self.intake.lookup(image_hash, namespace, timeout_s=timeout_s)
+
+    def not_ready_reason(self) -> str | None:
+        if self.intake.closing:
+            return "the service is shutting down"
+        if not self.worker.healthy:
+            return self.worker.reason or "the device worker is not running"
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        return self.tower.describe()
+
+    def health(self) -> dict[str, Any]:
+        return {"index": self.index.health(), "queue_depth": self.scheduler.depth}
+
+    def export_gauges(self) -> None:
+        self.metrics.queue_depth.set(self.scheduler.depth)
+        self.metrics.worker_alive.set(1 if self.not_ready_reason() is None else 0)
+        self.metrics.export_index_health(self.index.health())

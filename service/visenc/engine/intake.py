@@ -1,0 +1,398 @@
+"""Intake: the front of the engine. Admission, single-flight, lookups, waiting.
+
+``Intake.encode`` turns a request's items into handles:
+
+* every item is checked on its own: a bad hash, over-limit bytes, bytes that do
+  not hash to the given hash or are not an image get that item a per-item
+  ``error`` with a reason code; the other items proceed;
+* uploaded bytes are hashed (and checked against a given hash) off the event
+  loop, so no request can write an entry under a hash its bytes do not have; a
+  hash-only item can only *hit*, never create;
+* lookups go in-flight map → the index tiers, one round trip for the whole request;
+* a miss with bytes becomes one ``Job`` per distinct key (**single-flight**:
+  concurrent requests for the same new image join the job in flight); with a
+  shared index the image is also claimed across replicas (``claims.py``), and an
+  image another replica is encoding is waited for (``remote.py``), not encoded again;
+* every entry read from any tier is checked against its header and its key
+  before it is used: a corrupt or truncated one is a miss, never served;
+* a waiter that goes away (deadline, client disconnect) releases its interest;
+  a queued job nobody wants any more is dropped before its forward.
+
+Intake owns the in-flight map: it adds a job when it admits it and removes it
+when the job's future is resolved (by ``outputs.py``, the only stage that does).
+A finished job still in the map is never joined.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import time
+from collections.abc import Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass
+
+from visenc.config import Settings
+from visenc.engine.claims import Claims
+from visenc.engine.interface import EncodeItem, Handle, Timing
+from visenc.engine.job import Job
+from visenc.engine.prepare import ImagePrep, Inspected
+from visenc.engine.remote import RemoteWaits
+from visenc.engine.scheduler import Scheduler
+from visenc.engine.worker import DeviceWorker
+from visenc.errors import (
+    DeadlineExceeded,
+    EncodeFailed,
+    InvalidHash,
+    NotFound,
+    NotReady,
+    Overloaded,
+    PayloadTooLarge,
+    VisencError,
+)
+from visenc.index.tiered import Index
+from visenc.metrics import Metrics
+from visenc_client.format import CorruptEntry, Entry, entry_key, is_valid_hash, unpack_entry
+
+log = logging.getLogger(__name__)
+
+HASH_RULE = "'hash' must be 64 lowercase hex digits (SHA-256 of the bytes)"
+
+
+@dataclass(slots=True)
+class _Item:
+    """One request item as intake works on it."""
+
+    hash: str
+    data: bytes | None = None
+    inspected: Inspected | None = None
+    error: VisencError | None = None
+    key: str = ""
+    entry: Entry | None = None
+
+
+class Intake:
+    def __init__(
+        self,
+        *,
+        index: Index,
+        prep: ImagePrep,
+        pool: Executor,
+        scheduler: Scheduler,
+        worker: DeviceWorker,
+        settings: Settings,
+        metrics: Metrics,
+        claims: Claims | None = None,
+        remote: RemoteWaits | None = None,
+    ) -> None:
+        self.index = index
+        self.prep = prep
+        self.pool = pool
+        self.scheduler = scheduler
+        self.worker = worker
+        self.settings = settings
+        self.metrics = metrics
+        self.claims = claims
+        self.remote = remote
+        tower = prep.tower
+        self.fingerprint = tower.fingerprint
+        self.hidden_size = tower.hidden_size
+        self.dtype = str(tower.dtype).removeprefix("torch.")
+        self.inflight: dict[str, Job] = {}
+        self._requests = itertools.count()
+        self.closing = False
+
+    # --- the in-flight map ---------------------------------------------------------------
+    def _joinable(self, key: str) -> Job | None:
+        job = self.inflight.get(key)
+        return None if job is None or job.finished else job
+
+    def _admit(self, key: str, image_hash: str, order: tuple[int, int]) -> Job:
+        loop = asyncio.get_running_loop()
+        job = Job(
+            key=key,
+            image_hash=image_hash,
+            layout=None,
+            cost=0,
+            order=order,
+            future=loop.create_future(),
+            admitted_at=time.monotonic(),
+        )
+        self.inflight[key] = job
+        job.future.add_done_callback(lambda _: self._forget(job))
+        self.metrics.inflight.set(len(self.inflight))
+        return job
+
+    def _forget(self, job: Job) -> None:
+        if self.inflight.get(job.key) is job:
+            del self.inflight[job.key]
+        self.metrics.inflight.set(len(self.inflight))
+        if not job.future.cancelled():
+            job.future.exception()  # retrieved: a failed job nobody waits for is not logged
+
+    @staticmethod
+    def _give_bytes(job: Job, data: bytes | None, inspected: Inspected) -> None:
+        job.data, job.layout = data, inspected.layout
+        job.cost, job.decode_cost = inspected.cost, inspected.decode_cost
+
+    # --- entries ---------------------------------------------------------------------------
+    def _checked(self, key: str, image_hash: str, entry: Entry | None) -> Entry | None:
+        """``entry`` if its stored value matches its header and this key, else ``None`` (a miss).
+
+        O(1): parses the ~200-byte header, checks the length; the rows are not read."""
+        if entry is None:
+            return None
+        try:
+            stored = unpack_entry(entry.blob, fingerprint=self.fingerprint, hash=image_hash)
+            if (stored.rows, stored.hidden, stored.dtype, stored.grid_thw) != (
+                entry.rows,
+                entry.hidden,
+                entry.dtype,
+                entry.grid_thw,
+            ):
+                raise CorruptEntry("entry fields differ from its stored header")
+            if stored.hidden != self.hidden_size or stored.dtype != self.dtype:
+                raise CorruptEntry(
+                    f"entry is [{stored.rows}, {stored.hidden}] {stored.dtype}, the tower "
+                    f"makes rows of {self.hidden_size} {self.dtype}"
+                )
+        except CorruptEntry as e:
+            log.warning("corrupt index entry for image %s treated as a miss: %s", image_hash, e)
+            self.metrics.corrupt_entries.inc()
+            self.index.discard(key)
+            return None
+        return entry
+
+    def _peek(self, key: str, image_hash: str) -> Entry | None:
+        return self._checked(key, image_hash, self.index.peek(key))
+
+    def _handle(self, item: _Item, status: str, job: Job | None = None) -> Handle:
+        if item.error is not None:
+            return Handle(item.hash, "error", error=item.error.message, reason=item.error.item_reason)
+        if item.entry is not None:
+            e = item.entry
+            return Handle(item.hash, "ready", e.rows, e.hidden, e.dtype, e.grid_thw)
+        if job is not None and job.layout is not None:
+            lay = job.layout
+            return Handle(item.hash, "pending", lay.num_tokens, self.hidden_size, self.dtype, lay.grid_thw)
+        return Handle(item.hash, status)  # type: ignore[arg-type]
+
+    # --- the request path --------------------------------------------------------------------
+    def check_accepting(self) -> None:
+        """503 unless new work (misses) can be taken now."""
+        if self.closing:
+            raise NotReady("the service is shutting down")
+        if not self.worker.healthy:
+            raise NotReady(self.worker.reason or "the device worker is not running")
+
+    def _itemise(self, items: Sequence[EncodeItem]) -> list[_Item]:
+        """Per-item checks that need no work: the hash's syntax (the bytes are checked in ``_inspect``)."""
+        out = []
+        for item in items:
+            it = _Item(item.hash or "", item.data)
+            if item.hash is not None and not is_valid_hash(item.hash):
+                it.error = InvalidHash(HASH_RULE)
+            elif item.data is None and item.hash is None:
+                it.error = InvalidHash(HASH_RULE)
+            out.append(it)
+        return out
+
+    async def _inspect(self, items: list[_Item]) -> None:
+        """Hash and probe every upload in the pool; a failure is that item's error."""
+        loop = asyncio.get_running_loop()
+        uploads = [(it, it.data) for it in items if it.data is not None and it.error is None]
+        results = await asyncio.gather(
+            *(loop.run_in_executor(self.pool, self.prep.inspect, data, it.hash or None) for it, data in uploads),
+            return_exceptions=True,
+        )
+        for (it, _), res in zip(uploads, results):
+            if isinstance(res, BaseException):
+                raise res  # a bug, not the image's fault
+            digest, outcome = res
+            if isinstance(outcome, VisencError):
+                it.error, it.hash = outcome, it.hash or digest
+            else:
+                it.hash, it.inspected = digest, outcome
+
+    async def _lookup(self, items: list[_Item], namespace: str) -> None:
+        """Every tier, one round trip for the whole request (images in flight are not looked up)."""
+        live = [it for it in items if it.error is None]
+        for it in live:
+            it.key = entry_key(namespace, self.fingerprint, it.hash)
+        todo = [it for it in live if self._joinable(it.key) is None]
+        if todo:
+            for it, entry in zip(todo, await self.index.get_many([it.key for it in todo])):
+                it.entry = self._checked(it.key, it.hash, entry)
+
+    def _admission(self, items: list[_Item]) -> set[str]:
+        """Keys this request would queue; 503 / 429 when it cannot."""
+        live = [it for it in items if it.error is None and it.entry is None]
+        new = {it.key for it in live if it.inspected is not None and self._joinable(it.key) is None}
+        if new or any(self._joinable(it.key) for it in live):
+            self.check_accepting()
+        if self.scheduler.depth + len(new) > self.settings.max_queue_images:
+            raise Overloaded(
+                f"encoder queue is full (max_queue_images={self.settings.max_queue_images})", retry_after_s=1.0
+            )
+        return new
+
+    async def _claim(self, items: list[_Item], new: set[str]) -> dict[str, Entry | bool]:
+        if self.claims is None or not new:
+            return {}
+        claimed = await self.claims.claim(sorted(new))  # one round trip: entry, or claim, or wait
+        for it in items:
+            got = claimed.get(it.key)
+            if it.inspected is not None and isinstance(got, Entry):
+                it.entry = self._checked(it.key, it.hash, got)
+                if it.entry is not None:
+                    self.index.store_local(it.key, it.entry)
+        return claimed
+
+    def _start(self, it: _Item, order: tuple[int, int], claimed: dict[str, Entry | bool]) -> Job:
+        assert it.inspected is not None
+        job = self._admit(it.key, it.hash, order)
+        job.interest = 1
+        self._give_bytes(job, it.data, it.inspected)
+        if claimed.get(it.key, True) is False:
+            assert self.remote is not None
+            self.remote.watch(job)  # another replica encodes it
+        else:
+            if self.claims is not None:
+                self.claims.own(job)
+            self.scheduler.submit(job)
+        return job
+
+    async def encode(
+        self,
+        items: Sequence[EncodeItem],
+        namespace: str,
+        *,
+        wait: bool,
+        timing: Timing | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Handle]:
+        """Handles for ``items`` in order; with ``wait``, every admitted image is finished first,
+        waiting up to ``timeout_s`` (default ``request_timeout_s``)."""
+        if self.closing:
+            raise NotReady("the service is shutting down")
+        if len(items) > self.settings.max_items:
+            raise PayloadTooLarge(f"{len(items)} items exceed the limit of max_items={self.settings.max_items}")
+        work = self._itemise(items)
+        await self._inspect(work)
+        await self._lookup(work, namespace)
+        claimed = await self._claim(work, self._admission(work))
+        order, admitted = next(self._requests), time.monotonic()
+        handles: list[Handle] = []
+        joined: dict[int, Job] = {}
+        for i, it in enumerate(work):
+            if it.error is None and it.entry is None:
+                it.entry = self._peek(it.key, it.hash)  # finished while we looked elsewhere
+            job = None if it.error is not None or it.entry is not None else self._joinable(it.key)
+            if job is None and it.error is None and it.entry is None and it.inspected is not None:
+                job = self._start(it, (order, i), claimed)
+            elif job is not None:
+                self.metrics.singleflight_joins.inc()
+                job.interest += 1
+                if job.layout is None and it.inspected is not None:  # adopt a fetch's remote wait
+                    self._give_bytes(job, it.data, it.inspected)
+            if job is not None:
+                joined[i] = job
+            handles.append(self._handle(it, "pending" if job is not None else "missing", job))
+        self.metrics.queue_depth.set(self.scheduler.depth)
+        if wait and joined:
+            await self._wait(joined, handles, work, admitted, timing, timeout_s)
+        return handles
+
+    async def _wait(
+        self,
+        joined: dict[int, Job],
+        handles: list[Handle],
+        work: list[_Item],
+        admitted: float,
+        timing: Timing | None,
+        timeout_s: float | None,
+    ) -> None:
+        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        try:
+            _, not_done = await asyncio.wait({j.future for j in joined.values()}, timeout=max(0.0, timeout_s))
+            if not_done:
+                raise DeadlineExceeded(
+                    f"{len(not_done)} images were not encoded within request_timeout_s="
+                    f"{self.settings.request_timeout_s}"
+                )
+        finally:
+            for job in joined.values():  # also on cancellation (the client went away)
+                self._release(job)
+        if timing is not None:
+            jobs = list(joined.values())
+            timing.queue_s = max((max(0.0, j.started_at - admitted) for j in jobs if j.started_at), default=0.0)
+            timing.encode_s = sum({j.started_at: j.forward_s or 0.0 for j in jobs if j.started_at}.values())
+        for i, job in joined.items():
+            error = job.future.exception()
+            if isinstance(error, NotReady):
+                raise error  # device failed, stalled or shutting down: retry (503), not a per-image failure
+            it = work[i]
+            if isinstance(error, VisencError) and error.item_reason is None:
+                error = EncodeFailed(error.message)
+            if error is not None:
+                it.error = error if isinstance(error, VisencError) else EncodeFailed("encoding failed")
+            else:
+                it.entry = job.future.result()
+            handles[i] = self._handle(it, "ready")
+
+    def _release(self, job: Job) -> None:
+        """One waiter is done with ``job``; drop it if it is queued and nobody else wants it."""
+        job.interest -= 1
+        if job.interest <= 0 and not job.finished:
+            self.scheduler.release(job)
+
+    # --- fetch ---------------------------------------------------------------------------------
+    async def _watch_remote(self, key: str, image_hash: str) -> Job | None:
+        """A job waiting for another replica's encode of ``key`` (its claim is held), or ``None``.
+
+        The job has no bytes and no layout yet; it sits in the in-flight map so later local
+        requests join it, and a local encode that brings the bytes adopts it."""
+        if self.claims is None or self.remote is None or not await self.claims.held(key):
+            return None
+        job = self._joinable(key)  # a local encode may have started while we asked
+        if job is None:
+            job = self._admit(key, image_hash, (next(self._requests), 0))
+            self.remote.watch(job)
+            self.metrics.claims.labels("fetch_wait").inc()
+        return job
+
+    async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
+        """The entry of an image, waiting (and raising its priority) if it is being encoded."""
+        if not is_valid_hash(image_hash):
+            raise InvalidHash("hash must be 64 lowercase hex digits (SHA-256 of the image bytes)")
+        key = entry_key(namespace, self.fingerprint, image_hash)
+        entry = self._peek(key, image_hash)
+        if entry is not None:
+            return entry
+        job = self._joinable(key)
+        if job is None:
+            (entry,) = await self.index.get_many([key])
+            entry = self._checked(key, image_hash, entry) or self._peek(key, image_hash)
+            if entry is not None:
+                return entry
+            job = self._joinable(key) or await self._watch_remote(key, image_hash)
+            if job is None:
+                raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
+        return await self._wait_one(job, image_hash, timeout_s)
+
+    async def _wait_one(self, job: Job, image_hash: str, timeout_s: float | None) -> Entry:
+        timeout_s = self.settings.fetch_timeout_s if timeout_s is None else timeout_s
+        self.scheduler.bump(job)
+        job.interest += 1
+        self.metrics.singleflight_waits.inc()
+        try:
+            done, _ = await asyncio.wait({job.future}, timeout=max(0.0, timeout_s))
+        finally:
+            self._release(job)
+            self.metrics.singleflight_waits.dec()
+        if not done:
+            raise DeadlineExceeded(
+                f"image {image_hash} was not encoded within fetch_timeout_s={self.settings.fetch_timeout_s}"
+            )
+        return job.future.result()

@@ -1,0 +1,103 @@
+"""What the HTTP layer sees of the engine: plain data and one typed interface.
+
+Nothing here imports torch: ``visenc.api`` depends on this module only, so the
+API can be imported, tested and documented without the model stack.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from visenc_client.format import Entry, Status
+
+
+@dataclass(slots=True)
+class EncodeItem:
+    """One item of an encode request: a hash, bytes, or both."""
+
+    hash: str | None = None
+    data: bytes | None = None
+
+
+@dataclass(slots=True)
+class Handle:
+    """What a caller learns about one image: enough to lay out its prompt."""
+
+    hash: str
+    status: Status
+    num_tokens: int | None = None
+    hidden_size: int | None = None
+    dtype: str | None = None
+    grid_thw: tuple[int, int, int] | None = None
+    error: str | None = None
+    #: the stable reason code when ``status == "error"`` (``visenc_client.format.Reason``)
+    reason: str | None = None
+
+    def to_wire(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "hash": self.hash,
+            "status": self.status,
+            "num_tokens": self.num_tokens,
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "grid_thw": list(self.grid_thw) if self.grid_thw else None,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+            out["reason"] = self.reason
+        return out
+
+
+@dataclass(slots=True)
+class Timing:
+    """Where one encode request's time went (seconds), for the response's timing headers.
+
+    ``queue_s``: from the request's admission to the start of the last forward it
+    waited for (preprocessing included; 0 when it waited for none).
+    ``encode_s``: total duration of the distinct forwards that encoded the images
+    it waited for (a batch shared with other requests counts once).
+    Both stay 0 for an all-hit request and for ``wait=false``.
+    """
+
+    queue_s: float = 0.0
+    encode_s: float = 0.0
+
+
+class EngineAPI(Protocol):
+    """The engine as the API uses it (``engine/core.py`` implements it)."""
+
+    fingerprint: str
+
+    async def encode(
+        self,
+        items: Sequence[EncodeItem],
+        namespace: str,
+        *,
+        wait: bool,
+        timing: Timing | None = None,
+        timeout_s: float | None = None,
+    ) -> list[Handle]:
+        """Handles for ``items`` in order (per-item errors inside); raises only for the whole request."""
+        ...
+
+    async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
+        """The entry of an image, waiting (and raising its priority) while it is being encoded."""
+        ...
+
+    def not_ready_reason(self) -> str | None:
+        """Why the engine cannot take new work now (``None`` when it can)."""
+        ...
+
+    def describe(self) -> dict[str, Any]:
+        """The served model: name, fingerprint, hidden size, dtype, device, packable."""
+        ...
+
+    def health(self) -> dict[str, Any]:
+        """Index tiers and queue: what ``/readyz`` reports."""
+        ...
+
+    def export_gauges(self) -> None:
+        """Refresh the gauges that are read, not pushed (queue depth, worker health, index health)."""
+        ...

@@ -1,0 +1,259 @@
+"""Outputs: from a forward's device tensors to resolved futures, off the device thread.
+
+The device worker hands each finished forward here and goes straight on to
+the next one. This stage then
+
+1. copies the outputs to the host and packs each image's rows into its stored
+   value, on its own thread (``visenc-output``), so forward N+1 runs while N's
+   outputs are copied and packed;
+2. puts the result on one queue that **one output task** on the event loop
+   drains, in the manner of vLLM v1's output handler: it stores each entry in
+   the local index *before* resolving the job's future (a later lookup finds
+   one or the other, so an image is never encoded twice), resolves the future,
+   and writes the entry through to the shared index, then lets the job's
+   cross-replica claim go (entry first, then claim: a waiter never sees neither).
+
+Every failure of every stage comes through here too (``fail``): the job is
+marked failed at once, so intake never joins it again, and its waiters are
+answered by the same task. This is the only module that resolves a job's future.
+
+On CUDA the forward's outputs are read on this stage's own stream after waiting
+on an event the worker recorded behind the forward, and the tensors are marked
+as used by that stream, so the caching allocator cannot hand their memory to
+the next forward before the copy is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from visenc.engine.claims import Claims
+from visenc.engine.job import Job, JobState
+from visenc.errors import Cancelled, EncodeFailed, VisencError
+from visenc.index.tiered import Index
+from visenc.metrics import Metrics
+from visenc_client.format import Entry, pack_entry
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class Forwarded:
+    """A finished forward, as the worker hands it over: one device tensor per job, in order."""
+
+    batch: list[Job]
+    outputs: list[torch.Tensor]
+    #: CUDA event recorded on the worker's stream behind the forward (``None`` on CPU)
+    event: Any = None
+
+
+@dataclass(slots=True)
+class _Done:
+    jobs: list[Job]
+    entries: list[Entry]
+
+
+@dataclass(slots=True)
+class _Failed:
+    jobs: list[Job]
+    error: BaseException
+
+
+def raw_rows(t: torch.Tensor) -> np.ndarray:
+    """A CPU tensor's values as numpy without a copy (bfloat16 as its 16-bit words)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    return t.numpy()
+
+
+class Outputs:
+    def __init__(
+        self,
+        *,
+        index: Index,
+        metrics: Metrics,
+        fingerprint: str,
+        hidden_size: int,
+        device: torch.device,
+        claims: Claims | None = None,
+    ) -> None:
+        self.index = index
+        self.metrics = metrics
+        self.fingerprint = fingerprint
+        self.hidden_size = hidden_size
+        self.claims = claims
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="visenc-output")
+        self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self._queue: asyncio.Queue[_Done | _Failed] = asyncio.Queue()
+        self._task: asyncio.Task[None] | None = None
+        self._copies: set[asyncio.Future[Any]] = set()
+        self._writes: set[asyncio.Task[None]] = set()
+        #: called on the loop with (batch, seconds) after each batch's outputs are materialised
+        self.on_materialised: Callable[[list[Job], float], None] | None = None
+
+    # --- lifecycle -------------------------------------------------------------------
+    def start(self) -> None:
+        self._task = asyncio.get_running_loop().create_task(self._run(), name="visenc-outputs")
+
+    async def stop(self, timeout_s: float) -> None:
+        """Finish the copies in progress (up to ``timeout_s``), answer everything queued, stop."""
+        if self._copies:
+            await asyncio.wait(self._copies, timeout=timeout_s)
+        await self._drain()
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        if self._writes:
+            await asyncio.wait(self._writes, timeout=timeout_s)
+        self._thread.shutdown(wait=False, cancel_futures=True)
+
+    @property
+    def pending_writes(self) -> int:
+        """Write-throughs (and claim releases) still in progress."""
+        return len(self._writes)
+
+    # --- what the other stages hand in (event loop thread) ---------------------------
+    def submit(self, forwarded: Forwarded) -> None:
+        """A forward finished: copy and pack its outputs on the output thread, then answer."""
+        loop = asyncio.get_running_loop()
+        t0 = time.perf_counter()
+        copy = loop.run_in_executor(self._thread, self._materialise, forwarded)
+        self._copies.add(copy)
+
+        def landed(fut: asyncio.Future[list[Entry]]) -> None:
+            self._copies.discard(fut)
+            if fut.cancelled():
+                self._queue.put_nowait(_Failed(forwarded.batch, EncodeFailed("encoding was cancelled")))
+                return
+            error = fut.exception()
+            if error is not None:
+                log.error("copying out a forward of %d images failed: %r", len(forwarded.batch), error)
+                self.metrics.encode_failures.labels("output").inc(len(forwarded.batch))
+                self._queue.put_nowait(
+                    _Failed(forwarded.batch, EncodeFailed(f"encoding failed: {type(error).__name__}"))
+                )
+                return
+            if self.on_materialised is not None:
+                self.on_materialised(forwarded.batch, time.perf_counter() - t0)
+            self.metrics.output_seconds.observe(time.perf_counter() - t0)
+            self._queue.put_nowait(_Done(forwarded.batch, fut.result()))
+
+        copy.add_done_callback(landed)
+
+    def fail(self, jobs: Sequence[Job], error: BaseException) -> None:
+        """Fail ``jobs`` (any stage, any reason): marked failed now, answered by the output task."""
+        live = [j for j in jobs if not j.finished]
+        for job in live:
+            job.state = JobState.FAILED
+        if live:
+            self._queue.put_nowait(_Failed(live, error))
+
+    def complete_remote(self, job: Job, entry: Entry) -> None:
+        """Another replica encoded ``job``: take its entry, no forward here, nothing to write."""
+        if not job.finished:
+            self._queue.put_nowait(_Done([job], [entry]))
+
+    # --- the output thread ------------------------------------------------------------
+    def _materialise(self, forwarded: Forwarded) -> list[Entry]:
+        """Device outputs → host → each image's stored value (one copy of the rows)."""
+        batch, outputs = forwarded.batch, forwarded.outputs
+        if len(outputs) != len(batch):
+            raise RuntimeError(f"tower returned {len(outputs)} outputs for {len(batch)} images")
+        hosts = self._to_host(outputs, forwarded.event)
+        entries = []
+        for job, out in zip(batch, hosts):
+            assert job.layout is not None
+            if tuple(out.shape) != (job.layout.num_tokens, self.hidden_size):
+                raise RuntimeError(
+                    f"encoder produced {tuple(out.shape)}, expected ({job.layout.num_tokens}, {self.hidden_size})"
+                )
+            dtype = str(out.dtype).removeprefix("torch.")
+            entries.append(
+                pack_entry(
+                    raw_rows(out),
+                    dtype=dtype,
+                    grid_thw=job.layout.grid_thw,
+                    fingerprint=self.fingerprint,
+                    hash=job.image_hash,
+                )
+            )
+        return entries
+
+    def _to_host(self, outputs: list[torch.Tensor], event: Any) -> list[torch.Tensor]:
+        if self._stream is None:
+            return [o.contiguous() for o in outputs]
+        with torch.cuda.stream(self._stream):
+            if event is not None:
+                self._stream.wait_event(event)
+            hosts = []
+            for o in outputs:
+                o.record_stream(self._stream)  # the allocator keeps it until this stream is done
+                host = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
+                host.copy_(o, non_blocking=True)
+                hosts.append(host)
+        self._stream.synchronize()
+        return hosts
+
+    # --- the output task (event loop thread) -----------------------------------------
+    async def _run(self) -> None:
+        while True:
+            self._answer(await self._queue.get())
+
+    async def _drain(self) -> None:
+        while not self._queue.empty():
+            self._answer(self._queue.get_nowait())
+
+    def _answer(self, item: _Done | _Failed) -> None:
+        if isinstance(item, _Done):
+            for job, entry in zip(item.jobs, item.entries):
+                self._complete(job, entry)
+        else:
+            for job in item.jobs:
+                self._fail_now(job, item.error)
+
+    def _complete(self, job: Job, entry: Entry) -> None:
+        remote = job.state is JobState.WATCHING
+        if job.future.done():
+            return
+        self.index.store_local(job.key, entry)
+        job.state = JobState.DONE
+        job.future.set_result(entry)
+        if remote:
+            return
+        self.metrics.encoded_images.inc()
+        self.metrics.encoded_tokens.inc(entry.rows)
+        self._spawn(self._write_through(job.key, entry))
+
+    def _fail_now(self, job: Job, error: BaseException) -> None:
+        job.state = JobState.FAILED
+        if isinstance(error, Cancelled):
+            self.metrics.cancelled_images.inc()
+        if not isinstance(error, VisencError):  # a bug in a stage: logged, answered without internals
+            log.error("encode of %s failed: %r", job.image_hash, error)
+            error = EncodeFailed(f"encoding failed: {type(error).__name__}")
+        if self.claims is not None:
+            self._spawn(self.claims.release(job.key))
+        if not job.future.done():
+            job.future.set_exception(error)
+
+    async def _write_through(self, key: str, entry: Entry) -> None:
+        await self.index.write_through(key, entry)
+        if self.claims is not None:
+            await self.claims.release(key)
+
+    def _spawn(self, coro: Any) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._writes.add(task)
+        task.add_done_callback(self._writes.discard)

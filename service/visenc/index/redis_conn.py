@@ -1,0 +1,140 @@
+"""One Redis connection (standalone or cluster) and its failure policy, shared by
+the entry store (``redis_store.py``) and the cross-replica claims (``redis_claims.py``).
+
+**Outages degrade, never fail.** A connection error or timeout is counted
+(``visenc_redis_errors{op}``), turns ``up`` (``visenc_index_up{tier="redis"}``)
+false and makes Redis be *skipped* for ``redis_retry_s``: every operation then
+answers ``None`` at once, so no request waits on a dead server. The next call
+after that tries again, so a restarted Redis is used again without restarting
+the service. Each command has socket timeouts (``redis_timeout_s``) and one
+immediate retry (a pooled connection broken by a Redis restart is replaced
+transparently).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+from urllib.parse import urlsplit
+
+from redis.asyncio import Redis
+from redis.asyncio.cluster import RedisCluster
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import ClusterError, RedisError
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.utils import HIREDIS_AVAILABLE
+
+from visenc.config import Settings
+from visenc.metrics import Metrics
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+#: errors that mean "Redis is unreachable or failing over": skip it for a while
+_OUTAGE = (RedisConnectionError, RedisTimeoutError, ClusterError, OSError, asyncio.TimeoutError)
+
+
+def redacted_location(url: str) -> str:
+    """``scheme://host:port/db`` of a Redis URL, without user or password (safe to log)."""
+    parts = urlsplit(url)
+    if parts.scheme == "unix":
+        return f"unix://{parts.path}"
+    host = parts.hostname or "localhost"
+    return f"{parts.scheme}://{host}:{parts.port or 6379}{parts.path}"
+
+
+class RedisConnection:
+    tier = "redis"
+
+    def __init__(
+        self,
+        client: Redis | RedisCluster,
+        *,
+        retry_after_s: float,
+        metrics: Metrics | None = None,
+        mode: str = "standalone",
+        location: str = "",
+    ) -> None:
+        self.client = client
+        self.retry_after_s = retry_after_s
+        self.mode = mode
+        self.location = location
+        self.metrics = metrics
+        self._down_until = 0.0
+        self._up = True
+        self.errors = 0
+
+    @classmethod
+    def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> RedisConnection:
+        assert settings.redis_url is not None
+        url = settings.redis_url.get_secret_value()
+        if not HIREDIS_AVAILABLE:  # ~10x slower on multi-MiB values; still correct
+            log.warning("hiredis is not installed: Redis replies are parsed in pure Python")
+        options: dict[str, Any] = {
+            "socket_timeout": settings.redis_timeout_s,
+            "socket_connect_timeout": settings.redis_timeout_s,
+            # one immediate retry: replaces a pooled connection a Redis restart broke; no backoff
+            # sleeps on the request path (an outage is handled by skipping Redis, below)
+            "retry": Retry(NoBackoff(), 1),
+        }
+        client: Redis | RedisCluster
+        if settings.redis_mode == "cluster":
+            client = RedisCluster.from_url(url, **options)
+        else:
+            client = Redis.from_url(url, health_check_interval=30, **options)
+        return cls(
+            client,
+            retry_after_s=settings.redis_retry_s,
+            metrics=metrics,
+            mode=settings.redis_mode,
+            location=redacted_location(url),
+        )
+
+    @property
+    def up(self) -> bool:
+        """False while Redis is skipped after a failure."""
+        return self._up
+
+    @property
+    def cluster(self) -> bool:
+        return isinstance(self.client, RedisCluster)
+
+    async def run(self, op: str, call: Callable[[], Awaitable[T]]) -> T | None:
+        """Run one Redis operation; ``None`` if Redis is skipped or the operation failed (counted)."""
+        if not self._up and time.monotonic() < self._down_until:
+            return None
+        try:
+            result = await call()
+        except (RedisError, *_OUTAGE) as e:
+            self.errors += 1
+            if self.metrics is not None:
+                self.metrics.redis_errors.labels(op).inc()
+            if isinstance(e, _OUTAGE):
+                self._down_until = time.monotonic() + self.retry_after_s
+                if self._up:
+                    log.warning(
+                        "redis %s unavailable (%s: %s); skipping it for %.1f s",
+                        self.location,
+                        type(e).__name__,
+                        e,
+                        self.retry_after_s,
+                    )
+                    self._up = False
+            else:
+                log.warning("redis %s failed on %s: %s: %s", self.location, op, type(e).__name__, e)
+            return None
+        if not self._up:
+            log.warning("redis %s is back", self.location)
+            self._up = True
+        return result
+
+    async def close(self) -> None:
+        await self.client.aclose()
+
+    def health(self) -> dict[str, object]:
+        return {"tier": self.tier, "ok": self._up, "mode": self.mode, "location": self.location, "errors": self.errors}

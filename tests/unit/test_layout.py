@@ -1,0 +1,89 @@
+"""The layout shows the request path, and keeps doing so: imports point one way, the HTTP layer
+never imports torch, fault injection lives in the tests, and files and functions stay small."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.conftest import ROOT
+
+SERVICE = ROOT / "service" / "visenc"
+#: engine modules by stage: a module may import only modules of a lower rank (data flows one way)
+ENGINE_RANKS = {
+    "interface": 0,
+    "job": 0,
+    "threads": 0,
+    "budget": 0,
+    "prepare": 0,
+    "claims": 1,
+    "outputs": 2,
+    "scheduler": 3,
+    "worker": 4,
+    "remote": 4,
+    "intake": 5,
+    "core": 6,
+}
+#: deliberate exceptions to the size limits, with the reason
+MAX_FILE_LINES = 400
+MAX_FUNCTION_LINES = 80
+
+
+def visenc_imports(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text())
+    names = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("visenc."):
+            names.add(node.module)
+        elif isinstance(node, ast.Import):
+            names.update(a.name for a in node.names if a.name.startswith("visenc."))
+    return names
+
+
+def test_engine_imports_point_one_way():
+    assert {p.stem for p in (SERVICE / "engine").glob("*.py")} - {"__init__"} == set(ENGINE_RANKS)
+    for stem, rank in ENGINE_RANKS.items():
+        for module in visenc_imports(SERVICE / "engine" / f"{stem}.py"):
+            if module.startswith("visenc.engine."):
+                other = module.removeprefix("visenc.engine.")
+                assert ENGINE_RANKS[other] < rank, f"engine/{stem}.py imports engine/{other}.py (upstream)"
+            assert not module.startswith(("visenc.api", "visenc.bootstrap")), f"engine/{stem}.py imports {module}"
+
+
+def test_api_sees_the_engine_only_through_its_interface():
+    for path in (SERVICE / "api").glob("*.py"):
+        for module in visenc_imports(path):
+            assert not module.startswith(("visenc.models", "visenc.index", "visenc.bootstrap")), (path, module)
+            if module.startswith("visenc.engine"):
+                assert module == "visenc.engine.interface", (path, module)
+
+
+def test_importing_the_api_does_not_import_torch():
+    modules = sorted(f"visenc.api.{p.stem}" for p in (SERVICE / "api").glob("*.py") if p.stem != "__init__")
+    code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False", f"importing {modules} imported torch"
+
+
+def test_no_fault_injection_ships_in_the_service():
+    from visenc.config import Settings
+
+    assert not [f for f in Settings.model_fields if "fault" in f]
+    for path in SERVICE.rglob("*.py"):
+        assert "inject" not in path.read_text().lower(), f"{path} mentions fault injection"
+
+
+def test_files_and_functions_stay_small():
+    too_big = []
+    for path in SERVICE.rglob("*.py"):
+        text = path.read_text()
+        if text.count("\n") > MAX_FILE_LINES:
+            too_big.append(f"{path.relative_to(ROOT)}: {text.count(chr(10))} lines")
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                length = (node.end_lineno or node.lineno) - node.lineno + 1
+                if length > MAX_FUNCTION_LINES:
+                    too_big.append(f"{path.relative_to(ROOT)}: {node.name}() is {length} lines")
+    assert too_big == []

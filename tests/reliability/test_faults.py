@@ -216,3 +216,28 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
     text = log.read_text()
     assert "Waiting for connections to close" in text  # uvicorn did wait for the in-flight request
     assert "Traceback" not in text
+
+
+async def test_a_crash_of_the_worker_loop_itself_fails_its_batch_and_restarts(tiny_tower, monkeypatch):
+    """Not the forward: the loop around it raises (a bug). The batch it held is answered with 503
+    at once, the worker restarts, and the next request is served."""
+    async with running_app(tiny_tower) as client:
+        engine = client.app.state.engine
+        real = engine.worker._run_batch
+        calls = {"n": 0}
+
+        async def crashing(batch):
+            calls["n"] += 1
+            if calls["n"] == 1:
+                raise KeyError("a bug in the loop")
+            await real(batch)
+
+        monkeypatch.setattr(engine.worker, "_run_batch", crashing)
+        t0 = time.monotonic()
+        r = await encode_json(client, [{"data": png_bytes(770, 28, 28)}])
+        assert r.status_code == 503 and "KeyError" in r.json()["error"]["message"]
+        assert time.monotonic() - t0 < 1.0
+        await until(lambda: engine.worker.state is WorkerState.HEALTHY)
+        r = await encode_json(client, [{"data": png_bytes(771, 28, 28)}])
+        assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
+        assert engine.intake.inflight == {} and engine.scheduler.staged_tokens == 0

@@ -98,6 +98,8 @@ class DeviceWorker:
         self._thread = DaemonThread("visenc-device")
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
+        #: the batch taken from the scheduler and not yet given back to its budget
+        self._held: list[Job] = []
         self.state = WorkerState.HEALTHY
         #: why the worker is not healthy (``None`` while it is)
         self.reason: str | None = None
@@ -136,13 +138,22 @@ class DeviceWorker:
             try:
                 batch = await self.scheduler.next_batch(self.max_wait_s, timeout_s=0.25)
                 if batch:
+                    self._held = batch
                     await self._run_batch(batch)
             except asyncio.CancelledError:
+                self._release_held()
                 self.outputs.fail(batch, NotReady("the service is shutting down"))
                 raise
             except Exception as e:  # a bug in the loop itself: same as a failed forward
                 log.exception("device worker loop failed")
+                self._release_held()
                 await self._failed(batch, f"the device worker failed: {type(e).__name__}")
+
+    def _release_held(self) -> None:
+        """Give the batch taken from the scheduler back to its budget (once)."""
+        if self._held:
+            self.scheduler.done(self._held)
+            self._held = []
 
     async def _run_batch(self, batch: list[Job]) -> None:
         loop = asyncio.get_running_loop()
@@ -156,7 +167,7 @@ class DeviceWorker:
             done, _ = await asyncio.wait({forward}, timeout=self.stall_timeout_s)
         finally:
             self.busy_since = None
-            self.scheduler.done(batch)
+            self._release_held()
         if not done:
             forward.add_done_callback(_drop_result)  # the late result of a stalled forward is not used
             self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the forward

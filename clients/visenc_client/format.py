@@ -197,5 +197,6 @@ Reason = Literal[
     "invalid_image",  # the bytes are not a decodable image (empty, unknown format, corrupt, truncated)
     "image_too_large",  # over max_image_bytes, or over max_image_pixels (decided from the header)
     "encode_failed",  # the image decoded but the model could not encode it
+    "out_of_memory",  # the image alone does not fit in the device's memory (batches are split and retried first)
 ]
 REASONS: tuple[str, ...] = get_args(Reason)

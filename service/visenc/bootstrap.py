@@ -56,7 +56,9 @@ def load_tower(settings: Settings) -> VisionTower:
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     torch.set_num_threads(settings.torch_threads or default_torch_threads(torch.device(device)))
-    return load(settings.model, dtype=dtype, device=device, max_pixels=settings.max_pixels)
+    return load(
+        settings.model, dtype=dtype, device=device, max_pixels=settings.max_pixels, image_loader=settings.image_loader
+    )
 
 
 def create_app(

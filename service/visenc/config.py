@@ -39,6 +39,12 @@ class Settings(BaseSettings):
     max_pixels: int | None = Field(
         None, gt=0, description="Override the tower's max pixels after resize (variable-resolution towers)."
     )
+    image_loader: Literal["vllm", "sglang", "transformers"] = Field(
+        "vllm",
+        description="Whose image loader the rows must match (it decides how RGBA, LA, palette transparency "
+        "become RGB): vllm (RGBA onto white, other alpha dropped), sglang (all alpha dropped), transformers "
+        "(all transparency onto white). Part of the model fingerprint.",
+    )
     torch_threads: int | None = Field(
         None,
         gt=0,

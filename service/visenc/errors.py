@@ -17,6 +17,7 @@
     ├── Cancelled               499  every request waiting for an image went away; it was dropped
     ├── ClientClosed            499  the client went away before the answer (nothing is sent)
     ├── EncodeFailed            500  the model could not encode this image        (item: encode_failed)
+    │   └── OutOfMemory         500  the image alone does not fit in device memory (item: out_of_memory)
     ├── NotReady                503  model loading, device worker failed/stalled/restarting, shutting down
     └── DeadlineExceeded        504  the result was not ready within the deadline
 
@@ -139,6 +140,11 @@ class EncodeFailed(VisencError):
     kind = "encode_failed"
     public = True
     item_reason = "encode_failed"
+
+
+class OutOfMemory(EncodeFailed):
+    kind = "out_of_memory"
+    item_reason = "out_of_memory"
 
 
 class NotReady(VisencError):

@@ -122,6 +122,11 @@ class Metrics:
             ["kind"],
             registry=r,
         )
+        self.oom_splits = Counter(
+            "visenc_oom_splits",
+            "Forwards that ran out of memory and were split in two (or, for one image, failed it).",
+            registry=r,
+        )
         self.cancelled_images = Counter(
             "visenc_cancelled_images",
             "Images dropped before their forward because every request waiting for them went away.",

@@ -2,7 +2,8 @@
 
 Reference: ``Qwen2VLImageProcessorPil``, ``CLIPImageProcessorPil``,
 ``SiglipImageProcessorPil`` (transformers 5.x) given the *original* decoded
-image (any mode), ours given ``decode()``'s RGB image.
+image (any mode), ours given ``decode(..., loader="transformers")``'s RGB image (what a bare
+processor sees; the engines' loaders are tested in ``test_odd_images.py``).
 
 Tolerance: max abs diff ≤ ``TOL`` = 1e-6 in float32. In practice the outputs
 are bit-identical (0.0): same PIL resize, and the lookup table reproduces
@@ -93,7 +94,7 @@ def test_qwen_equals_processor(qwen: QwenVisionTower, case: tuple, max_pixels: i
     )
     processor = Qwen2VLImageProcessorPil(**tower_settings.processor_kwargs())
     ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="np")
-    prepared = tower.preprocess(decode(data, max_pixels=LIMIT))
+    prepared = tower.preprocess(decode(data, max_pixels=LIMIT, loader="transformers"))
     assert prepared.layout.grid_thw == tuple(ref["image_grid_thw"][0])
     assert _max_diff(prepared.pixels, ref["pixel_values"]) <= TOL
     # layout() from the size alone agrees with what preprocess produced
@@ -104,7 +105,7 @@ def test_qwen_equals_processor_at_1280x720(qwen: QwenVisionTower) -> None:
     data = encode(make_image(1280, 720, seed=3), "JPEG", quality=92)
     processor = Qwen2VLImageProcessorPil(**qwen.settings.processor_kwargs())
     ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="np")
-    prepared = qwen.preprocess(decode(data, max_pixels=LIMIT))
+    prepared = qwen.preprocess(decode(data, max_pixels=LIMIT, loader="transformers"))
     assert prepared.pixels.shape == (52 * 92, 3 * 2 * 14 * 14)
     assert _max_diff(prepared.pixels, ref["pixel_values"]) <= TOL
 
@@ -114,7 +115,7 @@ def test_clip_equals_processor(clip: FixedResolutionTower, case: tuple) -> None:
     data = _source(case)
     processor = CLIPImageProcessorPil(**clip.settings.processor_kwargs())
     ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="np")["pixel_values"]
-    prepared = clip.preprocess(decode(data, max_pixels=LIMIT))
+    prepared = clip.preprocess(decode(data, max_pixels=LIMIT, loader="transformers"))
     assert _max_diff(prepared.pixels, ref[0]) <= TOL
 
 
@@ -127,7 +128,7 @@ def test_clip_center_crop_pads_like_processor(clip: FixedResolutionTower) -> Non
     data = _source((150, 97, "RGB", "PNG"))
     processor = CLIPImageProcessorPil(**settings.processor_kwargs())
     ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="np")["pixel_values"]
-    assert _max_diff(tower.preprocess(decode(data, max_pixels=LIMIT)).pixels, ref[0]) <= TOL
+    assert _max_diff(tower.preprocess(decode(data, max_pixels=LIMIT, loader="transformers")).pixels, ref[0]) <= TOL
 
 
 @pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[0]}x{c[1]}-{c[2]}-{c[3]}")
@@ -135,7 +136,7 @@ def test_siglip_equals_processor(siglip: FixedResolutionTower, case: tuple) -> N
     data = _source(case)
     processor = SiglipImageProcessorPil(**siglip.settings.processor_kwargs())
     ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="np")["pixel_values"]
-    prepared = siglip.preprocess(decode(data, max_pixels=LIMIT))
+    prepared = siglip.preprocess(decode(data, max_pixels=LIMIT, loader="transformers"))
     assert _max_diff(prepared.pixels, ref[0]) <= TOL
 
 

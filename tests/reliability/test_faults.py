@@ -241,3 +241,24 @@ async def test_a_crash_of_the_worker_loop_itself_fails_its_batch_and_restarts(ti
         r = await encode_json(client, [{"data": png_bytes(771, 28, 28)}])
         assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
         assert engine.intake.inflight == {} and engine.scheduler.staged_tokens == 0
+
+
+async def test_out_of_memory_splits_the_batch_and_retries_down_to_one_image(tiny_tower):
+    """A forward that runs out of memory is split in halves and retried; only an image that does not
+    fit even alone fails, with a per-item ``out_of_memory`` error. The rows equal the single-image forward."""
+    small = [png_bytes(780 + i, 56, 56) for i in range(4)]  # 16 patches each
+    big = png_bytes(790, 112, 112)  # 64 patches: over the limit even alone
+    tower = FaultyTower(tiny_tower, oom_above_tokens=40)
+    async with running_app(tower, max_batch_images=8) as client:
+        r = await encode_json(client, [{"data": d} for d in [*small, big]])
+        assert r.status_code == 200, r.text
+        items = r.json()["items"]
+        assert [it["status"] for it in items] == ["ready"] * 4 + ["error"]
+        assert items[4]["reason"] == "out_of_memory"
+        for data in small:
+            np.testing.assert_allclose(await fetch_rows(client, sha(data)), reference(tiny_tower, data), atol=1e-5)
+        assert max(n for n in tower.batch_sizes[-3:]) <= 2  # the successful forwards were halves
+        assert (await client.get("/readyz")).status_code == 200  # an OOM is not a device failure
+        m = (await client.get("/metrics")).text
+        assert metric(m, "visenc_oom_splits_total") >= 2
+        assert metric(m, "visenc_worker_restarts_total") == 0

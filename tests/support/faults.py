@@ -42,6 +42,7 @@ class FaultyTower(VisionTower):
         delay_s: float = 0.0,
         delay_first: int | None = None,
         output_delay_s: float = 0.0,
+        oom_above_tokens: int | None = None,
         seed: int = 0,
     ) -> None:
         self.inner = inner
@@ -50,12 +51,16 @@ class FaultyTower(VisionTower):
         self.dtype = inner.dtype
         self.device = inner.device
         self.packable = inner.packable
+        self.image_loader = inner.image_loader
         self.fail_rate = fail_rate
         self.fail_first = fail_first
         self.delay_s = delay_s
         self.delay_first = delay_first
         self.output_delay_s = output_delay_s
+        #: a forward of more input tokens than this raises an out-of-memory error (as a full device would)
+        self.oom_above_tokens = oom_above_tokens
         self.forwards = 0
+        self.batch_sizes: list[int] = []
         self._random = random.Random(seed)
         self._lock = threading.Lock()
 
@@ -68,8 +73,12 @@ class FaultyTower(VisionTower):
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
         with self._lock:
             self.forwards += 1
+            self.batch_sizes.append(len(batch))
             n = self.forwards
             fail = n <= self.fail_first or self._random.random() < self.fail_rate
+        tokens = sum(self.inner.input_tokens(p.layout) for p in batch)
+        if self.oom_above_tokens is not None and tokens > self.oom_above_tokens:
+            raise torch.OutOfMemoryError(f"injected: {tokens} tokens do not fit (limit {self.oom_above_tokens})")
         if self.delay_s and (self.delay_first is None or n <= self.delay_first):
             time.sleep(self.delay_s)  # device thread: a stalled device blocks it just like this
         if fail:

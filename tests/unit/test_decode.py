@@ -28,13 +28,13 @@ def test_probe_and_decode_good_images(fmt: str) -> None:
 
 
 @pytest.mark.parametrize("mode", ["RGBA", "LA", "L", "P", "CMYK"])
-def test_decode_converts_like_transformers(mode: str) -> None:
+def test_the_transformers_loader_converts_like_transformers(mode: str) -> None:
     source = make_image(40, 30, mode=mode, seed=1)  # seed 1: P gets a transparent index
     fmt = "JPEG" if mode == "CMYK" else "PNG"
     data = encode(source, fmt)
     reopened = Image.open(io.BytesIO(data))
     expected = convert_to_rgb(reopened, return_numpy=True)
-    np.testing.assert_array_equal(np.asarray(decode(data, max_pixels=LIMIT)), expected)
+    np.testing.assert_array_equal(np.asarray(decode(data, max_pixels=LIMIT, loader="transformers")), expected)
 
 
 def test_decode_does_not_apply_exif_orientation() -> None:

@@ -15,8 +15,9 @@ SERVICE = ROOT / "service" / "visenc"
 ENGINE_RANKS = {
     "interface": 0,
     "job": 0,
-    "threads": 0,
-    "budget": 0,
+    "threads": 1,
+    "budget": 1,
+    "limits": 0,
     "prepare": 0,
     "claims": 1,
     "outputs": 2,

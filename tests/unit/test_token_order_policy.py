@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from tests.unit.test_scheduler import drain_ready, job, make_scheduler
 
 
@@ -39,3 +41,28 @@ async def test_an_urgent_batch_is_not_padded_with_work_nobody_waits_for():
     s.bump(jobs[1])
     assert s.take_batch() == [jobs[1], jobs[3]]
     assert s.take_batch() == [jobs[0], jobs[2], jobs[4], jobs[5]]
+
+
+async def test_bumps_stage_at_most_one_batch_past_the_prefetch_gate():
+    """Fetches bumping every queued image (300 of them) never stage more than prefetch_tokens plus one
+    batch: the rest wait, urgent and first in line, for the device to free staged work."""
+    prefetch, batch = 40, 20
+    s = make_scheduler(prefetch=prefetch, max_tokens=batch, max_images=2)
+    jobs = [job(10, (0, i), "A") for i in range(300)]
+    for j in jobs:
+        s.submit(j)
+    peak = s.staged_tokens
+    for j in reversed(jobs):
+        s.bump(j)
+        peak = max(peak, s.staged_tokens)
+    assert peak <= prefetch + batch
+    done = 0
+    while done < len(jobs):  # the device drains it all, the bound holds throughout
+        await asyncio.sleep(0)
+        got = s.take_batch()
+        if got:
+            assert all(j.urgent for j in got)
+            s.done(got)
+            done += len(got)
+        peak = max(peak, s.staged_tokens)
+    assert peak <= prefetch + batch and s.staged_tokens == 0

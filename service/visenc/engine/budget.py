@@ -22,11 +22,11 @@ A single image larger than the batch limits still runs, alone.
 from __future__ import annotations
 
 import logging
-import os
 from dataclasses import dataclass
 
 import torch
 
+from visenc.engine.limits import usable_memory_bytes
 from visenc.models.base import VisionTower
 
 log = logging.getLogger(__name__)
@@ -54,18 +54,14 @@ class BatchBudget:
     prefetch_tokens: int
 
 
-def physical_memory_bytes() -> int:
-    """Physical RAM of this host (Linux/macOS ``sysconf``)."""
-    return int(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
-
-
 def device_memory_budget(device: torch.device, fraction: float) -> int:
     """``fraction`` of the device's memory: CUDA total memory, but never more than
-    what is free now (after the weights are loaded); CPU: physical RAM."""
+    what is free now (after the weights are loaded); CPU: physical RAM, or the
+    container's memory limit (cgroup v1 or v2) when that is lower."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         return int(min(fraction * total, free))
-    return int(fraction * physical_memory_bytes())
+    return int(fraction * usable_memory_bytes())
 
 
 def plan_budget(

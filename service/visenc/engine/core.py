@@ -47,6 +47,11 @@ class Engine:
         metrics: Metrics,
         claim_store: RedisClaims | None = None,
     ) -> None:
+        if tower.image_loader != settings.image_loader:
+            raise ValueError(
+                f"the tower's inputs follow the {tower.image_loader!r} image loader, the settings say "
+                f"{settings.image_loader!r}: load it with image_loader={settings.image_loader!r}"
+            )
         self.tower = tower
         self.index = index
         self.settings = settings
@@ -61,6 +66,14 @@ class Engine:
             prefetch_tokens=settings.prefetch_tokens,
         )
         log.info("batch budget: %s", self.budget)
+        self._build_stages(
+            ImagePrep(tower, max_image_bytes=settings.max_image_bytes, max_image_pixels=settings.max_image_pixels),
+            claim_store,
+        )
+
+    def _build_stages(self, prep: ImagePrep, claim_store: RedisClaims | None) -> None:
+        """The stages, from the last to the first: each is handed the ones after it."""
+        tower, index, settings, metrics = self.tower, self.index, self.settings, self.metrics
         self.claims = (
             None if claim_store is None else Claims(claim_store, ttl_ms=settings.claim_ttl_ms, metrics=metrics)
         )
@@ -72,7 +85,6 @@ class Engine:
             device=tower.device,
             claims=self.claims,
         )
-        prep = ImagePrep(tower, max_image_bytes=settings.max_image_bytes, max_image_pixels=settings.max_image_pixels)
         self.scheduler = Scheduler(
             preprocess=prep.preprocess,
             pool=self.pool,

@@ -45,11 +45,11 @@ class ImagePrep:
             return digest, ImageTooLarge(f"{len(data)} bytes exceed max_image_bytes={self.max_image_bytes}")
         try:
             width, height = probe(data, max_pixels=self.max_image_pixels)
+            layout = self.tower.layout(width, height)  # InvalidImage where the processor refuses the size
         except VisencError as e:
             return digest, e
-        layout = self.tower.layout(width, height)
         decode_cost = -(-DECODE_BYTES_PER_PIXEL * width * height // self._input_bytes)
         return digest, Inspected(digest, layout, self.tower.input_tokens(layout), decode_cost)
 
     def preprocess(self, data: bytes) -> Prepared:
-        return self.tower.preprocess(decode(data, max_pixels=self.max_image_pixels))
+        return self.tower.preprocess(decode(data, max_pixels=self.max_image_pixels, loader=self.tower.image_loader))

@@ -101,16 +101,21 @@ class Scheduler:
 
         A job still waiting for preprocessing starts it now, past the prefetch
         gate: the staged work ahead of it is all lower priority, and waiting for
-        it to drain would put the urgent job one or more batches back."""
+        it to drain would put the urgent job one or more batches back. The
+        overshoot is bounded: bumped jobs may stage at most one more batch
+        (``max_batch_tokens``) beyond ``prefetch_tokens``; past that a bumped job
+        waits, first in line, for the device to free staged work."""
         if job.urgent:
             return
         job.urgent = True
-        for i, waiting in enumerate(self._waiting):
-            if waiting is job:
-                del self._waiting[i]
-                self._start(job)
-                break
+        if job in self._waiting and self._fits(job, self.prefetch_tokens + self.max_batch_tokens):
+            self._waiting.remove(job)
+            self._start(job)
         self._changed.set()
+
+    def _fits(self, job: Job, bound: int) -> bool:
+        """Whether staging ``job`` keeps the staged tokens within ``bound`` (a lone job always fits)."""
+        return self.staged_tokens == 0 or self.staged_tokens + job.cost + job.decode_cost <= bound
 
     def release(self, job: Job) -> None:
         """A waiter went away: if nobody else wants ``job`` and it is still queued, drop it now
@@ -146,11 +151,8 @@ class Scheduler:
         """Start preprocessing the most urgent waiting jobs while the prefetch budget allows."""
         while self._waiting:
             job = min(self._waiting, key=lambda j: j.priority)
-            if (
-                job.interest > 0
-                and self.staged_tokens + job.cost + job.decode_cost > self.prefetch_tokens
-                and self.staged_tokens > 0
-            ):
+            bound = self.prefetch_tokens + (self.max_batch_tokens if job.urgent else 0)
+            if job.interest > 0 and not self._fits(job, bound):
                 return  # wait for the device to free staged work: priority order is kept
             self._waiting.remove(job)
             self._start(job)

@@ -17,7 +17,6 @@ keeps 1 intra-op thread (the host side of a GPU forward is launch-bound).
 from __future__ import annotations
 
 import functools
-import os
 import queue
 import threading
 from collections.abc import Callable
@@ -26,15 +25,14 @@ from typing import Any, TypeVar
 
 import torch
 
+from visenc.engine.limits import usable_cores
+
 T = TypeVar("T")
 
 
 def available_cores() -> int:
-    """Cores this process may run on (CPU affinity, else the machine's count)."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
+    """Cores this process may run on: CPU affinity, capped by the container's CPU quota."""
+    return usable_cores()
 
 
 def default_preprocess_workers(device: torch.device, cores: int | None = None) -> int:

@@ -43,14 +43,15 @@ from visenc.engine.job import Job
 from visenc.engine.outputs import Forwarded, Outputs
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.threads import DaemonThread
-from visenc.errors import NotReady
+from visenc.errors import NotReady, OutOfMemory
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, VisionTower
 
 log = logging.getLogger(__name__)
 
-#: size of the probe image a restart runs through the tower
-PROBE_SIZE = (224, 224)
+#: size of the probe image a restart runs through the tower: the smallest that every tower accepts
+#: (Qwen's processors refuse less than 56x56); one merged token on a Qwen tower
+PROBE_SIZE = (56, 56)
 
 
 class WorkerState(enum.Enum):
@@ -156,44 +157,73 @@ class DeviceWorker:
             self._held = []
 
     async def _run_batch(self, batch: list[Job]) -> None:
-        loop = asyncio.get_running_loop()
+        """Forward ``batch`` (split on out-of-memory) and hand each finished piece to the outputs."""
         started = self.busy_since = time.monotonic()
         for job in batch:
             job.started_at = started
             self.metrics.queue_wait_seconds.observe(started - job.admitted_at)
-        prepared: list[Prepared] = [job.prepared for job in batch if job.prepared is not None]
-        forward = loop.run_in_executor(self._thread, self._forward, prepared)
         try:
-            done, _ = await asyncio.wait({forward}, timeout=self.stall_timeout_s)
+            await self._forward_fitting(batch)
+        except _Stalled:
+            self.metrics.worker_stalls.inc()
+            self.metrics.encode_failures.labels("stall").inc(sum(not j.finished for j in batch))
+            reason = f"the device worker stalled: a forward ran longer than stall_timeout_s={self.stall_timeout_s}"
+            await self._failed([j for j in batch if j.prepared is not None], reason)
+        except Exception as error:
+            log.error("forward of %d images failed: %r", len(batch), error)
+            self.metrics.encode_failures.labels("forward").inc(sum(j.prepared is not None for j in batch))
+            await self._failed(
+                [j for j in batch if j.prepared is not None], f"the device worker failed: {type(error).__name__}"
+            )
         finally:
             self.busy_since = None
             self._release_held()
+
+    async def _forward_fitting(self, jobs: list[Job]) -> None:
+        """One forward of ``jobs``; if it runs out of memory, the halves in turn, down to one image.
+        An image that does not fit even alone fails with ``OutOfMemory`` (a per-item error)."""
+        started = time.monotonic()
+        try:
+            outputs, event = await self._call([j.prepared for j in jobs if j.prepared is not None])
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            self.metrics.oom_splits.inc()
+            if self.tower.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(jobs) == 1:
+                log.warning("image %s does not fit in device memory alone: %r", jobs[0].image_hash, error)
+                jobs[0].prepared = None
+                self.outputs.fail(
+                    jobs, OutOfMemory(f"the image does not fit in the device's memory alone ({type(error).__name__})")
+                )
+                return
+            log.info("forward of %d images ran out of memory; splitting it in two", len(jobs))
+            half = len(jobs) // 2
+            await self._forward_fitting(jobs[:half])
+            await self._forward_fitting(jobs[half:])
+            return
+        elapsed = time.monotonic() - started
+        self.metrics.forward_seconds.observe(elapsed)
+        self.metrics.forwards.inc()
+        self.metrics.batch_images.observe(len(jobs))
+        self.metrics.batch_tokens.observe(sum(j.cost for j in jobs))
+        for job in jobs:
+            job.forward_s = elapsed
+            job.prepared = None  # free the pixels now, not when the request ends; marks the job forwarded
+        self.outputs.submit(Forwarded(jobs, outputs, event))
+
+    async def _call(self, prepared: list[Prepared]) -> tuple[list[torch.Tensor], Any]:
+        """The forward on the device thread, bounded by ``stall_timeout_s`` (``_Stalled`` past it:
+        the thread is abandoned and a fresh one takes its place)."""
+        forward = asyncio.get_running_loop().run_in_executor(self._thread, self._forward, prepared)
+        done, _ = await asyncio.wait({forward}, timeout=self.stall_timeout_s)
         if not done:
             forward.add_done_callback(_drop_result)  # the late result of a stalled forward is not used
             self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the forward
             self._thread = DaemonThread("visenc-device")
-            self.metrics.worker_stalls.inc()
-            self.metrics.encode_failures.labels("stall").inc(len(batch))
-            await self._failed(
-                batch, f"the device worker stalled: a forward ran longer than stall_timeout_s={self.stall_timeout_s}"
-            )
-            return
-        error = forward.exception()
-        if error is not None:
-            log.error("forward of %d images failed: %r", len(batch), error)
-            self.metrics.encode_failures.labels("forward").inc(len(batch))
-            await self._failed(batch, f"the device worker failed: {type(error).__name__}")
-            return
-        outputs, event = forward.result()
-        elapsed = time.monotonic() - started
-        self.metrics.forward_seconds.observe(elapsed)
-        self.metrics.forwards.inc()
-        self.metrics.batch_images.observe(len(batch))
-        self.metrics.batch_tokens.observe(sum(j.cost for j in batch))
-        for job in batch:
-            job.forward_s = elapsed
-            job.prepared = None  # free the pixels now, not when the request ends
-        self.outputs.submit(Forwarded(batch, outputs, event))
+            raise _Stalled
+        return forward.result()
 
     def _on_stream(self) -> AbstractContextManager[Any]:
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
@@ -252,6 +282,18 @@ class DeviceWorker:
             event.synchronize()
         if out.shape[0] != prepared.layout.num_tokens:
             raise RuntimeError(f"probe produced {out.shape[0]} rows, expected {prepared.layout.num_tokens}")
+
+
+class _Stalled(Exception):
+    """A forward ran past ``stall_timeout_s``."""
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A device or host allocation failure (CUDA OOM, a CPU allocator refusal, ``MemoryError``)."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def _drop_result(fut: asyncio.Future[Any]) -> None:

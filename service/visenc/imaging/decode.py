@@ -4,11 +4,12 @@ Contract:
 
 - ``probe`` reads only the header (Pillow opens lazily) and returns
   ``(width, height)``; cheap enough to run on every upload before queueing.
-- ``decode`` returns a fully loaded RGB image, converted exactly as the
-  transformers image processors do with ``do_convert_rgb=True``
-  (``to_rgb``), so towers see the same pixels the reference processor sees.
-- EXIF orientation is *not* applied: transformers' processors do not apply it,
-  and outputs must equal theirs.
+- ``decode`` returns a fully loaded RGB image, converted exactly as the serving
+  engine's loader converts it before its processor runs (``LOADERS``: vLLM by
+  default, SGLang, or a bare transformers processor), so the rows equal the
+  engine's own.
+- EXIF orientation is *not* applied: neither the engines' loaders nor
+  transformers' processors apply it, and outputs must equal theirs.
 - Errors: ``InvalidImage`` for anything that is not a decodable image (empty,
   random, truncated, corrupt, unsupported); ``ImageTooLarge`` when
   ``width * height > max_pixels``, decided from the header alone.
@@ -65,26 +66,46 @@ def probe(data: bytes, *, max_pixels: int) -> tuple[int, int]:
         image.close()
 
 
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Convert to RGB as transformers' ``convert_to_rgb`` does.
+def rgb_like_vllm(image: Image.Image) -> Image.Image:
+    """vLLM's loader (``ImageMediaIO``): RGB as it is; RGBA pasted onto white through its alpha;
+    every other mode through ``convert("RGB")`` (so the alpha of LA, and of a palette with
+    transparency, is dropped, not composited)."""
+    if image.mode == "RGB":
+        return image
+    if image.mode == "RGBA":
+        converted = Image.new("RGB", image.size, (255, 255, 255))
+        converted.paste(image, mask=image.split()[3])
+        return converted
+    return image.convert("RGB")
 
-    Any transparency (an alpha band, or a ``transparency`` entry in the info
-    of P/L/RGB images) is composited onto an opaque white background; other
-    modes (L, P, CMYK, I, ...) use Pillow's ``convert("RGB")``. An RGB image
-    with no transparency is returned as is (no copy).
-    """
+
+def rgb_like_sglang(image: Image.Image) -> Image.Image:
+    """SGLang's loader: every mode that is not RGB through ``convert("RGB")`` (RGBA's alpha dropped too)."""
+    return image if image.mode == "RGB" else image.convert("RGB")
+
+
+def rgb_like_transformers(image: Image.Image) -> Image.Image:
+    """transformers' ``convert_to_rgb`` (a processor handed the image as the file holds it):
+    any transparency (an alpha band, or a ``transparency`` entry of P/L/RGB images) is
+    composited onto opaque white; other modes use ``convert("RGB")``."""
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     if has_alpha:
         rgba = image.convert("RGBA")
         background = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
         return Image.alpha_composite(background, rgba).convert("RGB")
-    if image.mode == "RGB":
-        return image
-    return image.convert("RGB")
+    return image if image.mode == "RGB" else image.convert("RGB")
 
 
-def decode(data: bytes, *, max_pixels: int) -> Image.Image:
-    """Fully decoded RGB image (first frame of animations), pixel limit checked first."""
+#: how each serving engine turns a decoded file into the RGB image its processor sees
+#: (``--image-loader``; part of the model fingerprint: rows differ where these differ)
+LOADERS = {"vllm": rgb_like_vllm, "sglang": rgb_like_sglang, "transformers": rgb_like_transformers}
+
+
+def decode(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Image.Image:
+    """Fully decoded RGB image, converted as ``loader``'s engine converts it (``LOADERS``);
+    the first frame of an animation (GIF, WebP, APNG), as every engine's loader takes it;
+    no EXIF rotation (no engine applies it). The pixel limit is checked before decoding."""
+    to_rgb = LOADERS[loader]
     image = _open(data, max_pixels)
     try:
         image.load()

@@ -64,6 +64,9 @@ class VisionTower(ABC):
     device: torch.device
     #: images of different buckets may share one forward (variable-resolution towers)
     packable: bool = False
+    #: whose loader turns a file into the RGB image ``preprocess`` gets (``imaging.decode.LOADERS``);
+    #: set before the fingerprint is first read (``models.loading.load_tower``)
+    image_loader: str = "vllm"
 
     @abstractmethod
     def layout(self, width: int, height: int) -> TokenLayout: ...
@@ -112,10 +115,11 @@ class VisionTower(ABC):
 
     @property
     def fingerprint(self) -> str:
-        """128-bit digest (32 hex) of ``fingerprint_fields``; goes into every index key."""
+        """128-bit digest (32 hex) of ``fingerprint_fields`` and the image loader; goes into every index key."""
         cached = getattr(self, "_fingerprint", None)
         if cached is None:
-            blob = json.dumps(self.fingerprint_fields(), sort_keys=True, default=str).encode()
+            fields = {**self.fingerprint_fields(), "image_loader": self.image_loader}
+            blob = json.dumps(fields, sort_keys=True, default=str).encode()
             cached = hashlib.sha256(blob).hexdigest()[:32]
             self._fingerprint = cached
         return cached
@@ -128,4 +132,5 @@ class VisionTower(ABC):
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "packable": self.packable,
+            "image_loader": self.image_loader,
         }

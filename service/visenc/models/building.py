@@ -71,3 +71,23 @@ def build_empty(factory: Callable[[], M]) -> M:
     with no_init_weights():
         module = factory()
     return module.eval()
+
+
+#: buffers that hold rotary frequency tables: transformers computes them in float32 and keeps them
+#: there whatever the weights' dtype (cast to bfloat16 they would shift every rotary angle)
+FP32_BUFFERS = ("inv_freq", "original_inv_freq")
+
+
+def cast_module(model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
+    """``model.to(device, dtype)``, except that rotary frequency tables stay float32, as in a model
+    transformers loads with ``dtype=...``."""
+    keep = {
+        name: buf.detach().clone()
+        for name, buf in model.named_buffers()
+        if name.rpartition(".")[2] in FP32_BUFFERS and buf.dtype == torch.float32
+    }
+    model = model.to(device=device, dtype=dtype)
+    for name, buf in keep.items():
+        owner, _, attr = name.rpartition(".")
+        model.get_submodule(owner)._buffers[attr] = buf.to(device)
+    return model

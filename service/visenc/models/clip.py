@@ -24,7 +24,7 @@ from transformers import (
 )
 
 from visenc.errors import InvalidImage
-from visenc.imaging.decode import to_rgb
+from visenc.imaging.decode import rgb_like_transformers
 from visenc.imaging.preprocess import (
     BICUBIC,
     IMAGENET_STANDARD_MEAN,
@@ -39,7 +39,7 @@ from visenc.imaging.preprocess import (
 )
 from visenc.models import memory
 from visenc.models.base import Prepared, TokenLayout, VisionTower
-from visenc.models.building import config_fields
+from visenc.models.building import cast_module, config_fields
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ class FixedResolutionTower(VisionTower):
             )
         self.name = name
         module: torch.nn.Module = model  # PreTrainedModel.to's wrapper confuses type checkers
-        self.model = module.to(device=device, dtype=dtype).eval()
+        self.model = cast_module(module, device=device, dtype=dtype).eval()
         self.settings = preprocess
         self.source = source
         self.dtype = dtype
@@ -176,7 +176,7 @@ class FixedResolutionTower(VisionTower):
 
     def preprocess(self, image: Image.Image) -> Prepared:
         """RGB image → ``[C, H, W]`` float32, equal to the processor's ``pixel_values[0]``."""
-        image = to_rgb(image)
+        image = rgb_like_transformers(image)  # the processor's own do_convert_rgb (no-op on RGB)
         s = self.settings
         width, height = image.size
         if s.shortest_edge is not None:

@@ -55,25 +55,31 @@ def load_tower(
     device: str = "cpu",
     max_pixels: int | None = None,
     seed: int = 0,
+    image_loader: str = "vllm",
 ) -> VisionTower:
     """Build a tower from a registry name (``REGISTRY``) or a local checkpoint folder.
 
     ``dtype``: ``float32`` (CPU) or ``bfloat16``/``float16`` (GPU hosts);
     ``device``: any torch device string; ``max_pixels``: Qwen resize ceiling
     (overrides the checkpoint's preprocessor config); ``seed``: weights of
-    registry towers. Raises ``ValueError`` for unknown specs, unsupported
-    model types, or checkpoints without vision weights.
+    registry towers; ``image_loader``: whose loader's RGB conversion the tower's
+    inputs follow (``imaging.decode.LOADERS``, part of the fingerprint). Raises
+    ``ValueError`` for unknown specs, unsupported model types, or checkpoints
+    without vision weights.
     """
     torch_dtype = resolve_dtype(dtype)
     torch_device = torch.device(device)
     if spec in REGISTRY:
-        return build_registered(spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed)
-    path = Path(spec)
-    if not (path / "config.json").is_file():
-        raise ValueError(
-            f"unknown tower {spec!r}: neither a built-in name ({sorted(REGISTRY)}) nor a folder with config.json"
-        )
-    return _load_checkpoint(path, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels)
+        tower = build_registered(spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed)
+    else:
+        path = Path(spec)
+        if not (path / "config.json").is_file():
+            raise ValueError(
+                f"unknown tower {spec!r}: neither a built-in name ({sorted(REGISTRY)}) nor a folder with config.json"
+            )
+        tower = _load_checkpoint(path, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels)
+    tower.image_loader = image_loader
+    return tower
 
 
 def _load_checkpoint(path: Path, *, dtype: torch.dtype, device: torch.device, max_pixels: int | None) -> VisionTower:

@@ -26,7 +26,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTra
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
-from visenc.imaging.decode import to_rgb
+from visenc.imaging.decode import rgb_like_transformers
 from visenc.imaging.preprocess import (
     BICUBIC,
     OPENAI_CLIP_MEAN,
@@ -39,7 +39,7 @@ from visenc.imaging.preprocess import (
 )
 from visenc.models import memory
 from visenc.models.base import Prepared, TokenLayout, VisionTower
-from visenc.models.building import config_fields
+from visenc.models.building import cast_module, config_fields
 
 #: default resize ceiling for the service: 1280 merged tokens (≈1.0 Mpx), as Qwen2-VL's processor
 DEFAULT_MAX_PIXELS = 1280 * 28 * 28
@@ -138,7 +138,7 @@ class QwenVisionTower(VisionTower):
         if preprocess.temporal_patch_size != config.temporal_patch_size:
             raise ValueError("preprocessing temporal_patch_size does not match the model's")
         self.name = name
-        self.model: torch.nn.Module = model.to(device=device, dtype=dtype).eval()
+        self.model: torch.nn.Module = cast_module(model, device=device, dtype=dtype).eval()
         self.settings = preprocess
         self.source = source
         self.dtype = dtype
@@ -166,7 +166,7 @@ class QwenVisionTower(VisionTower):
     def preprocess(self, image: Image.Image) -> Prepared:
         """RGB image → ``[grid_h * grid_w, C * T * P * P]`` float32, equal to the
         processor's ``pixel_values`` for this image."""
-        image = to_rgb(image)
+        image = rgb_like_transformers(image)  # the processor's own do_convert_rgb (no-op on RGB)
         width, height = image.size
         layout = self.layout(width, height)
         s = self.settings

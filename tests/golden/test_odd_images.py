@@ -1,0 +1,160 @@
+"""Odd but valid images decode to exactly what the serving engine's loader hands its processor,
+and the service's rows for them equal the tower's forward of that image.
+
+vLLM's loader (the default): RGB as it is, RGBA pasted onto white through its alpha, every other
+mode through ``convert("RGB")`` (the alpha of LA and of a palette with transparency is dropped),
+the first frame of an animation, no EXIF rotation. SGLang drops every alpha; a bare transformers
+processor composites every transparency onto white."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+from PIL import Image
+from tests.conftest import running_app
+from tests.service.test_api import encode_json, fetch_rows, sha
+
+from visenc.imaging.decode import decode
+from visenc.models.loading import load_tower
+
+LIMIT = 1 << 26
+RNG = np.random.default_rng(7)
+
+
+def save(image: Image.Image, fmt: str, **options) -> bytes:
+    buf = io.BytesIO()
+    image.save(buf, format=fmt, **options)
+    return buf.getvalue()
+
+
+def noise(width: int, height: int, channels: int = 3) -> np.ndarray:
+    shape = (height, width, channels) if channels > 1 else (height, width)
+    return RNG.integers(0, 256, shape, dtype=np.uint8)
+
+
+def rgba_image() -> Image.Image:
+    rgba = noise(60, 44, 4)
+    rgba[:10, :, 3] = 0  # fully transparent band
+    rgba[10:20, :, 3] = 128  # half transparent band
+    return Image.fromarray(rgba, "RGBA")
+
+
+def la_image() -> Image.Image:
+    la = noise(50, 40, 2)
+    la[:, :10, 1] = 0
+    return Image.fromarray(la, "LA")
+
+
+def palette_with_transparency() -> Image.Image:
+    p = Image.fromarray(noise(48, 36, 1).squeeze() % 16, "L").convert("P")
+    p.putpalette([v for i in range(16) for v in (i * 15, 255 - i * 15, (i * 40) % 256)])
+    p.info["transparency"] = 3
+    return p
+
+
+def animation(fmt: str) -> bytes:
+    frames = [Image.new("RGB", (40, 30), color) for color in ((200, 20, 20), (20, 20, 200))]
+    return save(frames[0], fmt, save_all=True, append_images=frames[1:], duration=100, loop=0)
+
+
+def corpus() -> dict[str, tuple[bytes, np.ndarray]]:
+    """name -> (file bytes, the RGB array vLLM's loader makes of it), built independently of visenc."""
+    rgb = Image.fromarray(noise(64, 48), "RGB")
+    gray16 = Image.fromarray(noise(40, 30, 1).squeeze().astype(np.uint16) * 257)  # mode I;16
+    rgba, la, pal = rgba_image(), la_image(), palette_with_transparency()
+    cmyk = Image.fromarray(noise(40, 32, 4), "CMYK")
+    files = {
+        "png-rgb": save(rgb, "PNG"),
+        "png-16bit-gray": save(gray16, "PNG"),
+        "png-rgba": save(rgba, "PNG"),
+        "png-la": save(la, "PNG"),
+        "png-palette-transparency": save(pal, "PNG", transparency=3),
+        "jpeg-cmyk": save(cmyk, "JPEG", quality=95),
+        "jpeg-progressive": save(rgb, "JPEG", quality=90, progressive=True),
+        "jpeg-gray": save(Image.fromarray(noise(50, 30, 1).squeeze(), "L"), "JPEG"),
+        "webp-lossless": save(rgb, "WEBP", lossless=True),
+        "bmp": save(rgb, "BMP"),
+        "tiff": save(rgb, "TIFF"),
+        "tall-200-to-1": save(Image.fromarray(noise(2, 400), "RGB"), "PNG"),
+        "wide-200-to-1": save(Image.fromarray(noise(400, 2), "RGB"), "PNG"),
+        "one-pixel": save(Image.fromarray(noise(1, 1), "RGB"), "PNG"),
+        "gif-animated": animation("GIF"),
+        "webp-animated": animation("WEBP"),
+    }
+    expected = {}
+    for name, data in files.items():
+        image = Image.open(io.BytesIO(data))
+        if image.mode == "RGBA":  # onto white through the alpha: out = src*a + 255*(1-a)
+            arr = np.asarray(image).astype(np.float64)
+            a = arr[..., 3:] / 255
+            want = np.rint(arr[..., :3] * a + 255 * (1 - a))
+        else:
+            want = np.asarray(image.convert("RGB")).astype(np.float64)
+        expected[name] = (data, want)
+    return expected
+
+
+CORPUS = corpus()
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_decode_equals_the_vllm_loader(name):
+    data, want = CORPUS[name]
+    got = np.asarray(decode(data, max_pixels=LIMIT)).astype(np.float64)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, atol=1, rtol=0)  # PIL's paste rounds its blend (±1 level)
+
+
+def test_alpha_semantics_per_loader():
+    la = save(la_image(), "PNG")
+    rgba = save(rgba_image(), "PNG")
+    pal = save(palette_with_transparency(), "PNG", transparency=3)
+    gray = np.asarray(Image.open(io.BytesIO(la)).convert("L"))
+    # vLLM: LA's alpha dropped (the gray value, not white); RGBA onto white; palette colours kept
+    np.testing.assert_array_equal(np.asarray(decode(la, max_pixels=LIMIT))[:, :10, 0], gray[:, :10])
+    assert (np.asarray(decode(rgba, max_pixels=LIMIT))[:10] == 255).all()
+    p_rgb = np.asarray(decode(pal, max_pixels=LIMIT))
+    assert (p_rgb == Image.open(io.BytesIO(pal)).convert("RGB")).all()
+    # SGLang: RGBA's alpha dropped too
+    src = np.asarray(Image.open(io.BytesIO(rgba)))
+    np.testing.assert_array_equal(np.asarray(decode(rgba, max_pixels=LIMIT, loader="sglang")), src[..., :3])
+    # transformers: LA composited onto white where transparent
+    assert (np.asarray(decode(la, max_pixels=LIMIT, loader="transformers"))[:, :10] == 255).all()
+
+
+def test_animations_give_their_first_frame():
+    for name in ("gif-animated", "webp-animated"):
+        rgb = np.asarray(decode(CORPUS[name][0], max_pixels=LIMIT))
+        assert np.abs(rgb.reshape(-1, 3).mean(0) - (200, 20, 20)).max() < 4, name
+
+
+def test_the_loader_is_part_of_the_fingerprint():
+    fingerprints = {load_tower("tiny-qwen2-vl", image_loader=loader).fingerprint for loader in ("vllm", "sglang")}
+    assert len(fingerprints) == 2
+
+
+async def test_service_rows_for_odd_images_equal_the_forward_of_the_loaded_image(tiny_tower):
+    names = sorted(CORPUS)
+    async with running_app(tiny_tower, max_image_pixels=LIMIT) as client:
+        r = await encode_json(client, [{"data": CORPUS[n][0]} for n in names])
+        assert r.status_code == 200, r.text
+        items = r.json()["items"]
+        for name, item in zip(names, items):
+            assert item["status"] == "ready", (name, item)
+            data, _ = CORPUS[name]
+            image = decode(data, max_pixels=LIMIT)
+            prepared = tiny_tower.preprocess(image)
+            assert item["num_tokens"] == prepared.layout.num_tokens == tiny_tower.layout(*image.size).num_tokens
+            want = tiny_tower.forward([prepared])[0].numpy()
+            np.testing.assert_allclose(await fetch_rows(client, sha(data)), want, atol=1e-5, rtol=0, err_msg=name)
+
+
+async def test_a_size_the_processor_refuses_is_an_item_error(tiny_tower):
+    over = save(Image.fromarray(noise(2, 500), "RGB"), "PNG")  # aspect ratio 250: Qwen refuses over 200
+    async with running_app(tiny_tower) as client:
+        r = await encode_json(client, [{"data": over}, {"data": CORPUS["png-rgb"][0]}])
+        bad, good = r.json()["items"]
+        assert bad["status"] == "error" and bad["reason"] == "invalid_image" and "aspect ratio" in bad["error"]
+        assert good["status"] == "ready"

@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 import threading
 import time
 
 import httpx
 import numpy as np
-from tests.conftest import ROOT, free_port, running_app, stop_process, wait_ready
+from tests.conftest import running_app, serve_subprocess
 from tests.images import png_bytes
 from tests.reliability.test_backpressure import _b64, until
 from tests.service.test_api import encode_json, fetch_rows, metric, reference, sha
@@ -95,32 +93,11 @@ async def test_hits_are_answered_while_the_device_is_down(tiny_tower):
 
 
 def test_device_that_cannot_be_restarted_exits_non_zero(tmp_path):
-    port = free_port()
     log = tmp_path / "serve.log"
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.support.serve_faulty",
-        "--fail-always",
-        "--",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-wait-ms",
-        "1",
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_ready(url, proc)
+    with serve_subprocess("--max-wait-ms", "1", log=log, faults=("--fail-always",)) as (url, proc):
         r = httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(png_bytes(730, 28, 28))}]}, timeout=30)
         assert r.status_code == 503
         assert proc.wait(timeout=30) == 3  # EXIT_DEVICE_FAILED: a supervisor restarts the process
-    finally:
-        if proc.poll() is None:
-            stop_process(proc)
     assert "device worker cannot be restarted" in log.read_text()
 
 
@@ -172,26 +149,7 @@ async def test_shutdown_never_hangs_on_a_stalled_forward(tiny_tower):
 
 def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
     log = tmp_path / "serve.log"
-    port = free_port()
-    cmd = [
-        sys.executable,
-        "-m",
-        "tests.support.serve_faulty",
-        "--forward-delay-s",
-        "2",
-        "--",
-        "--host",
-        "127.0.0.1",
-        "--port",
-        str(port),
-        "--max-wait-ms",
-        "1",
-    ]
-    with open(log, "wb") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        wait_ready(url, proc)
+    with serve_subprocess("--max-wait-ms", "1", log=log, faults=("--forward-delay-s", "2")) as (url, proc):
         result: dict[str, object] = {}
 
         def call() -> None:
@@ -210,9 +168,6 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
         assert isinstance(r, httpx.Response) and r.status_code == 200, r
         assert r.json()["items"][0]["status"] == "ready"
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            stop_process(proc)
     text = log.read_text()
     assert "Waiting for connections to close" in text  # uvicorn did wait for the in-flight request
     assert "Traceback" not in text

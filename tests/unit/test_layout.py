@@ -15,17 +15,17 @@ SERVICE = ROOT / "service" / "visenc"
 ENGINE_RANKS = {
     "interface": 0,
     "job": 0,
-    "threads": 1,
-    "budget": 1,
     "limits": 0,
     "prepare": 0,
-    "claims": 1,
-    "outputs": 2,
-    "scheduler": 3,
-    "worker": 4,
-    "remote": 4,
-    "intake": 5,
-    "core": 6,
+    "threads": 1,
+    "budget": 1,
+    "claims": 2,
+    "outputs": 3,
+    "scheduler": 4,
+    "worker": 5,
+    "remote": 5,
+    "intake": 6,
+    "core": 7,
 }
 #: deliberate exceptions to the size limits, with the reason
 MAX_FILE_LINES = 400

@@ -26,6 +26,7 @@ import uuid
 from collections.abc import Sequence
 
 from visenc.engine.job import Job
+from visenc.engine.threads import stop_task
 from visenc.index.redis_claims import RedisClaims
 from visenc.metrics import Metrics
 from visenc_client.format import Entry
@@ -77,11 +78,8 @@ class Claims:
         self._task = asyncio.get_running_loop().create_task(self._renew_loop(), name="visenc-claims")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         owned, self._owned = list(self._owned), {}
         if owned:  # let other replicas take over at once instead of after the claims lapse
             with contextlib.suppress(asyncio.TimeoutError):

@@ -26,7 +26,6 @@ the next forward before the copy is done.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -39,6 +38,7 @@ import torch
 
 from visenc.engine.claims import Claims
 from visenc.engine.job import Job, JobState
+from visenc.engine.threads import stop_task
 from visenc.errors import Cancelled, EncodeFailed, VisencError
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
@@ -111,10 +111,7 @@ class Outputs:
         if self._copies:
             await asyncio.wait(self._copies, timeout=timeout_s)
         await self._drain()
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_task(self._task)
         if self._writes:
             await asyncio.wait(self._writes, timeout=timeout_s)
         self._thread.shutdown(wait=False, cancel_futures=True)

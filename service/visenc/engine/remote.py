@@ -28,6 +28,7 @@ from visenc.engine.claims import Claims
 from visenc.engine.job import Job, JobState
 from visenc.engine.outputs import Outputs
 from visenc.engine.scheduler import Scheduler
+from visenc.engine.threads import stop_task
 from visenc.errors import Cancelled, NotFound, NotReady
 from visenc.metrics import Metrics
 from visenc_client.format import Entry
@@ -83,11 +84,8 @@ class RemoteWaits:
         self._task = asyncio.get_running_loop().create_task(self._run(), name="visenc-remote-waits")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await stop_task(self._task)
+        self._task = None
         watched, self._watched = [w.job for w in self._watched.values()], {}
         self.outputs.fail(watched, NotReady("the service is shutting down"))
         self.metrics.claim_waiting.set(0)

@@ -16,6 +16,8 @@ keeps 1 intra-op thread (the host side of a GPU forward is launch-bound).
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import functools
 import queue
 import threading
@@ -78,3 +80,11 @@ class DaemonThread(Executor):
         self._work.put(None)
         if wait:
             self._thread.join()
+
+
+async def stop_task(task: asyncio.Task[Any] | None) -> None:
+    """Cancel a background task and wait until it has ended."""
+    if task is not None:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task

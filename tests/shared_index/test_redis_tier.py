@@ -162,6 +162,16 @@ async def test_claim_script_semantics(raw, redis_url):
     from redis.crc import key_slot
 
     assert key_slot(claim_key(k1).encode()) == key_slot(k1.encode())
+    # the scripts run by SHA1 from Redis' script cache; an emptied cache is refilled once
+    await raw.config_resetstat()
+    await idx.claim_many([k1, k2], "you", 5000)
+    sent = await commands(raw)
+    assert sent.get("evalsha") == 2 and "eval" not in sent
+    await raw.script_flush()
+    await raw.config_resetstat()
+    assert await idx.claim_many([k2], "you", 5000) == [True]
+    sent = await commands(raw)
+    assert sent.get("script|load") == 1 and "eval" not in sent  # NOSCRIPT, load once, send again
     await idx.conn.close()
 
 

@@ -3,14 +3,19 @@
 A claim key wraps its whole entry key in a hash tag, ``{visenc:ns:fp:hash}:claim``,
 so on Redis Cluster it lives in the *same slot* as its entry and one Lua script
 can read the entry and take the claim atomically; the scripts of one call are
-pipelined (one round trip for all of a request's new images). Every method
+pipelined (one round trip for all of a request's new images; on a cluster, one
+concurrent call per key). Every method
 answers ``None`` (or nothing) while Redis is unavailable: see ``redis_conn.py``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import hashlib
 from collections.abc import Sequence
 from typing import Any
+
+from redis.exceptions import NoScriptError, ResponseError
 
 from visenc.index.redis_conn import RedisConnection
 from visenc.index.redis_store import RedisStore
@@ -54,11 +59,28 @@ class RedisClaims:
     async def _scripts(
         self, op: str, script: str, keys: Sequence[tuple[str, ...]], args: tuple[Any, ...]
     ) -> list[Any] | None:
-        async def call() -> list[Any]:
-            pipe = self.conn.client.pipeline(transaction=False)
+        """Run ``script`` once per key tuple, pipelined, by its SHA1 (``EVALSHA``: the script text is not
+        resent every time); a Redis whose script cache lacks it (new, restarted, flushed) gets it loaded
+        once (``SCRIPT LOAD``, on every primary of a cluster) and the pipeline is sent again."""
+        sha = hashlib.sha1(script.encode()).hexdigest()
+
+        async def send() -> list[Any]:
+            client = self.conn.client
+            if self.conn.cluster:  # redis-py refuses EVALSHA in cluster pipelines: concurrent calls, one per slot owner
+                return list(await asyncio.gather(*(client.evalsha(sha, len(ks), *ks, *args) for ks in keys)))
+            pipe = client.pipeline(transaction=False)
             for ks in keys:
-                pipe.eval(script, len(ks), *ks, *args)
+                pipe.evalsha(sha, len(ks), *ks, *args)
             return list(await pipe.execute())
+
+        async def call() -> list[Any]:
+            try:
+                return await send()
+            except ResponseError as e:  # NoScriptError, or a cluster pipeline's wrapping of it
+                if not isinstance(e, NoScriptError) and "NOSCRIPT" not in str(e) and "No matching script" not in str(e):
+                    raise
+                await self.conn.client.script_load(script)
+                return await send()
 
         return await self.conn.run(op, call) if keys else []
 

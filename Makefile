@@ -23,6 +23,12 @@ $(VENV)/.runtime: $(BIN)/python pyproject.toml
 
 $(VENV)/.test: $(VENV)/.runtime
 	$(BIN)/pip install -q -e '.[test]'
+	# transformers' fast (torchvision) image processors, the reference of the default image backend:
+	# the registry's torchvision is a CUDA build; the shim lets it import beside the CPU torch
+	$(BIN)/pip install -q --no-deps torchvision==0.28.0
+	cp tests/support/torchvision_cpu_shim.py "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/"
+	echo "import torchvision_cpu_shim; torchvision_cpu_shim.install()" > \
+	  "$$($(BIN)/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')/torchvision_cpu_shim.pth"
 	touch $@
 
 install: $(VENV)/.runtime

@@ -1,8 +1,11 @@
-"""Preprocessing speed vs transformers' PIL image processors, and equality.
+"""Preprocessing speed vs transformers' image processors, and equality, for both backends.
 
-For a 1280x720 RGB image (decoded once, outside the timing): per-image time
-of the transformers processor vs the tower's ``preprocess``, their ratio and
-the max abs difference of the outputs; then the tower's forward time.
+For a 1280x720 RGB image (decoded once, outside the timing): per-image time of
+the transformers processor (the fast torchvision one for ``--image-backend
+torchvision``, the PIL one for ``pil``) vs the tower's ``preprocess`` with the
+same backend, their ratio and the max abs difference of the outputs; then the
+tower's forward time. The torchvision processors need torchvision
+(``make install-test`` installs it); without it those rows are skipped.
 
     PYTHONPATH=service python bench/bench_preprocess.py [--repeat 20] [--size 1280x720]
 
@@ -28,11 +31,21 @@ from transformers.models.siglip.image_processing_pil_siglip import SiglipImagePr
 from visenc.imaging.decode import decode
 from visenc.models.loading import load_tower
 
-PROCESSORS: dict[str, Any] = {
-    "tiny-qwen2-vl": Qwen2VLImageProcessorPil,
-    "tiny-clip": CLIPImageProcessorPil,
-    "tiny-siglip": SiglipImageProcessorPil,
+PROCESSORS: dict[tuple[str, str], Any] = {
+    ("tiny-qwen2-vl", "pil"): Qwen2VLImageProcessorPil,
+    ("tiny-clip", "pil"): CLIPImageProcessorPil,
+    ("tiny-siglip", "pil"): SiglipImageProcessorPil,
 }
+try:  # the fast processors import torchvision
+    from transformers import CLIPImageProcessor, Qwen2VLImageProcessor, SiglipImageProcessor
+
+    PROCESSORS |= {
+        ("tiny-qwen2-vl", "torchvision"): Qwen2VLImageProcessor,
+        ("tiny-clip", "torchvision"): CLIPImageProcessor,
+        ("tiny-siglip", "torchvision"): SiglipImageProcessor,
+    }
+except ImportError as e:
+    print(f"no torchvision processors ({e}): only the pil backend is compared")
 
 
 def _image(width: int, height: int) -> Image.Image:
@@ -64,10 +77,10 @@ def main() -> None:
     width, height = (int(v) for v in args.size.split("x"))
     image = _image(width, height)
     print(f"image {width}x{height}, torch threads {torch.get_num_threads()}, median of {args.repeat}")
-    header = ("tower", "transformers ms", "ours ms", "speedup", "max abs diff", "forward ms")
-    print(f"{header[0]:<16}{header[1]:>16}{header[2]:>10}{header[3]:>9}{header[4]:>14}{header[5]:>12}")
-    for name, processor_class in PROCESSORS.items():
-        tower = load_tower(name)
+    header = ("tower", "backend", "transformers ms", "ours ms", "speedup", "max abs diff", "forward ms")
+    print(f"{header[0]:<16}{header[1]:<13}{header[2]:>16}{header[3]:>10}{header[4]:>9}{header[5]:>14}{header[6]:>12}")
+    for (name, backend), processor_class in sorted(PROCESSORS.items()):
+        tower = load_tower(name, image_backend=backend)
         processor = processor_class(**tower.settings.processor_kwargs())  # type: ignore[attr-defined]
         ref = processor(images=[image], return_tensors="np")["pixel_values"]
         ours = tower.preprocess(image).pixels
@@ -78,7 +91,7 @@ def main() -> None:
         prepared = tower.preprocess(image)
         t_fwd = _time(lambda t=tower, p=prepared: t.forward([p]), max(3, args.repeat // 4))
         print(
-            f"{name:<16}{t_ref * 1e3:>16.2f}{t_ours * 1e3:>10.2f}{t_ref / t_ours:>8.2f}x"
+            f"{name:<16}{backend:<13}{t_ref * 1e3:>16.2f}{t_ours * 1e3:>10.2f}{t_ref / t_ours:>8.2f}x"
             f"{diff:>14.3g}{t_fwd * 1e3:>12.1f}"
         )
 

@@ -242,11 +242,18 @@ def _main(argv: Sequence[str] | None = None) -> int:
         )
         layout = prefill.prepare(demo_prompt(len(images)), images)
         logits = chunked_prefill(model, prefill, layout, args.chunk)
+        backend = client.model().get("image_backend")
     print(f"prompt {layout.num_positions} positions, images at {[(p.offset, p.num_tokens) for p in layout.placements]}")
     print(f"next token: {int(logits[-1].argmax())}")
     if args.check:
         full = Qwen2VLForConditionalGeneration.from_pretrained(args.model).eval()
-        processor = Qwen2VLImageProcessorPil.from_pretrained(args.model)
+        # the reference processor is the backend the service reproduces (the fast one needs torchvision)
+        if backend == "torchvision":
+            from transformers import Qwen2VLImageProcessor
+
+            processor = Qwen2VLImageProcessor.from_pretrained(args.model)
+        else:
+            processor = Qwen2VLImageProcessorPil.from_pretrained(args.model)
         pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
         input_ids = torch.from_numpy(layout.input_ids)[None]
         with torch.inference_mode():

@@ -57,7 +57,12 @@ def load_tower(settings: Settings) -> VisionTower:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     torch.set_num_threads(settings.torch_threads or default_torch_threads(torch.device(device)))
     return load(
-        settings.model, dtype=dtype, device=device, max_pixels=settings.max_pixels, image_loader=settings.image_loader
+        settings.model,
+        dtype=dtype,
+        device=device,
+        max_pixels=settings.max_pixels,
+        image_loader=settings.image_loader,
+        image_backend=settings.image_backend,
     )
 
 

@@ -39,6 +39,11 @@ class Settings(BaseSettings):
     max_pixels: int | None = Field(
         None, gt=0, description="Override the tower's max pixels after resize (variable-resolution towers)."
     )
+    image_backend: Literal["torchvision", "pil"] = Field(
+        "torchvision",
+        description="Whose image-processor backend the pixels equal: torchvision (transformers' fast processors, "
+        "what vLLM and SGLang run) or pil. They differ wherever an image is resized. Part of the fingerprint.",
+    )
     image_loader: Literal["vllm", "sglang", "transformers"] = Field(
         "vllm",
         description="Whose image loader the rows must match (it decides how RGBA, LA, palette transparency "

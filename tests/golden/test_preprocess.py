@@ -58,21 +58,21 @@ def _max_diff(ours: np.ndarray, ref: np.ndarray) -> float:
 
 @pytest.fixture(scope="module")
 def qwen() -> QwenVisionTower:
-    tower = load_tower("tiny-qwen2-vl")
+    tower = load_tower("tiny-qwen2-vl", image_backend="pil")
     assert isinstance(tower, QwenVisionTower)
     return tower
 
 
 @pytest.fixture(scope="module")
 def clip() -> FixedResolutionTower:
-    tower = load_tower("tiny-clip")
+    tower = load_tower("tiny-clip", image_backend="pil")
     assert isinstance(tower, FixedResolutionTower)
     return tower
 
 
 @pytest.fixture(scope="module")
 def siglip() -> FixedResolutionTower:
-    tower = load_tower("tiny-siglip")
+    tower = load_tower("tiny-siglip", image_backend="pil")
     assert isinstance(tower, FixedResolutionTower)
     return tower
 
@@ -142,10 +142,10 @@ def test_siglip_equals_processor(siglip: FixedResolutionTower, case: tuple) -> N
 
 def test_processor_config_round_trip(qwen: QwenVisionTower, clip: FixedResolutionTower) -> None:
     """Settings parsed from a processor's own ``to_dict()`` are the settings it was built with."""
-    q = replace(qwen.settings, max_pixels=300_000, min_pixels=10_000)
+    q = replace(qwen.settings, max_pixels=300_000, min_pixels=10_000, backend="torchvision")
     saved = Qwen2VLImageProcessorPil(**q.processor_kwargs()).to_dict()
     assert QwenPreprocess.from_processor_config(saved) == q
     saved = CLIPImageProcessorPil(**clip.settings.processor_kwargs()).to_dict()
-    assert FixedPreprocess.clip_default().with_processor_config(saved) == clip.settings
+    assert FixedPreprocess.clip_default().with_processor_config(saved) == replace(clip.settings, backend="torchvision")
     legacy = {"min_pixels": 3136, "max_pixels": 12845056, "size": {"min_pixels": 3136}}
     assert QwenPreprocess.from_processor_config(legacy).max_pixels == 12845056

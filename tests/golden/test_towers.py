@@ -20,9 +20,9 @@ import pytest
 import torch
 from PIL import Image
 from tests.images import encode, make_image
-from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
+
+# the fast (torchvision) processors: the default image backend's reference (torchvision via the test shim)
+from transformers import CLIPImageProcessor, Qwen2VLImageProcessor, SiglipImageProcessor
 
 from visenc.models.base import VisionTower
 from visenc.models.loading import load_tower
@@ -74,7 +74,7 @@ def test_qwen_equals_transformers_on_processor_output(name: str) -> None:
     module → ``pooler_output`` split per image, as ``Qwen2VLModel.get_image_features``."""
     tower = load_tower(name)
     images = [Image.open(io.BytesIO(encode(img, "PNG"))) for img in _images()]
-    processor = Qwen2VLImageProcessorPil(**tower.settings.processor_kwargs())  # type: ignore[attr-defined]
+    processor = Qwen2VLImageProcessor(**tower.settings.processor_kwargs())  # type: ignore[attr-defined]
     inputs = processor(images=images, return_tensors="pt")
     grid = inputs["image_grid_thw"]
     model = tower.model  # type: ignore[attr-defined]
@@ -91,7 +91,7 @@ def test_qwen_equals_transformers_on_processor_output(name: str) -> None:
 def test_fixed_equals_transformers_on_processor_output(name: str) -> None:
     tower = load_tower(name)
     images = _images()
-    processor_class = CLIPImageProcessorPil if name == "tiny-clip" else SiglipImageProcessorPil
+    processor_class = CLIPImageProcessor if name == "tiny-clip" else SiglipImageProcessor
     processor = processor_class(**tower.settings.processor_kwargs())  # type: ignore[attr-defined]
     pixels = processor(images=images, return_tensors="pt")["pixel_values"]
     with torch.inference_mode():

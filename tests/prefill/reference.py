@@ -2,7 +2,7 @@
 
 The reference is the full Qwen2-VL model's single forward over the expanded
 ``input_ids`` with ``pixel_values`` / ``image_grid_thw`` from transformers'
-``Qwen2VLImageProcessorPil``, expanded by ``Qwen2VLProcessor``'s own
+``Qwen2VLImageProcessor``, expanded by ``Qwen2VLProcessor``'s own
 placeholder rule: its built-in vision path, no visenc involved.
 """
 
@@ -16,8 +16,10 @@ import numpy as np
 import torch
 from PIL import Image
 from tests.images import png_bytes
-from transformers import Qwen2VLForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import (
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,  # the fast (torchvision) processors: the default backend
+)
 from transformers.models.qwen2_vl.processing_qwen2_vl import Qwen2VLProcessor
 
 from examples.qwen2vl_prefill import IMAGE_TOKEN_ID, demo_prompt
@@ -56,7 +58,7 @@ def processor_input_ids(prompt: list[int], image_grid_thw: torch.Tensor, merge_s
 
 
 def full_model_reference(
-    model: Qwen2VLForConditionalGeneration, processor: Qwen2VLImageProcessorPil, prompt: list[int], images: list[bytes]
+    model: Qwen2VLForConditionalGeneration, processor: Qwen2VLImageProcessor, prompt: list[int], images: list[bytes]
 ) -> Reference:
     pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
     input_ids = processor_input_ids(prompt, pixels["image_grid_thw"], processor.merge_size)

@@ -7,8 +7,10 @@ import pytest
 import torch
 from tests.conftest import serve_process
 from tests.prefill.reference import ATOL, full_model_reference, max_abs_diff, prompt_and_images, splits_an_image
-from transformers import Qwen2VLForConditionalGeneration
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import (
+    Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,  # the fast (torchvision) processors: the default backend
+)
 
 from examples.qwen2vl_prefill import (
     IMAGE_TOKEN_ID,
@@ -41,7 +43,7 @@ def server(checkpoint, tmp_path_factory):
 @pytest.fixture(scope="module")
 def reference(checkpoint):
     full = Qwen2VLForConditionalGeneration.from_pretrained(checkpoint).eval()
-    return full_model_reference(full, Qwen2VLImageProcessorPil.from_pretrained(checkpoint), *prompt_and_images())
+    return full_model_reference(full, Qwen2VLImageProcessor.from_pretrained(checkpoint), *prompt_and_images())
 
 
 def test_worker_holds_only_the_language_model(checkpoint):

@@ -19,7 +19,7 @@ from tests.prefill.reference import (
     prompt_and_images,
     splits_an_image,
 )
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+from transformers import Qwen2VLImageProcessor  # the fast (torchvision) processors: the default backend
 
 from examples.qwen2vl_prefill import IMAGE_TOKEN_ID, NoVisionTower, build_tiny_vlm, chunked_prefill
 from visenc_client import Client, ImageEncodeError
@@ -44,7 +44,7 @@ def full_model(tiny_tower):
 
 @pytest.fixture(scope="module")
 def reference(full_model, tiny_tower):
-    processor = Qwen2VLImageProcessorPil(**tiny_tower.settings.processor_kwargs())
+    processor = Qwen2VLImageProcessor(**tiny_tower.settings.processor_kwargs())
     return full_model_reference(full_model, processor, *prompt_and_images())
 
 

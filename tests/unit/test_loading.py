@@ -17,19 +17,19 @@ import safetensors
 import torch
 from safetensors.torch import load_file, save_file
 from tests.images import make_image
-from transformers import (
+from transformers import (  # the fast (torchvision) processors: the default backend
     CLIPConfig,
+    CLIPImageProcessor,
     CLIPModel,
     Qwen2_5_VLConfig,
     Qwen2_5_VLForConditionalGeneration,
     Qwen2VLConfig,
     Qwen2VLForConditionalGeneration,
+    Qwen2VLImageProcessor,
     SiglipConfig,
+    SiglipImageProcessor,
     SiglipModel,
 )
-from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
-from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-from transformers.models.siglip.image_processing_pil_siglip import SiglipImageProcessorPil
 
 import visenc.models.loading as loading
 from visenc.models.loading import load_tower
@@ -114,7 +114,7 @@ def _save_qwen(root: Path, kind: str, seed: int, shard: str | None) -> tuple[Pat
     model = _seeded(lambda: model_class(make_config()), seed)
     path = root / f"{kind}-{seed}-{shard}"
     model.save_pretrained(path, **({"max_shard_size": shard} if shard else {}))
-    Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=60_000).save_pretrained(path)
+    Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=60_000).save_pretrained(path)
     return path, model
 
 
@@ -130,7 +130,7 @@ def qwen_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tupl
 
 
 def _reference_features(model: Any, images: list[Any]) -> tuple[torch.Tensor, ...]:
-    processor = Qwen2VLImageProcessorPil(min_pixels=56 * 56, max_pixels=60_000)
+    processor = Qwen2VLImageProcessor(min_pixels=56 * 56, max_pixels=60_000)
     inputs = processor(images=images, return_tensors="pt")
     with torch.inference_mode():
         out = model.get_image_features(pixel_values=inputs["pixel_values"], image_grid_thw=inputs["image_grid_thw"])
@@ -221,7 +221,7 @@ def test_clip_checkpoint_equals_get_image_features(tmp_path: Path, spy: _Spy) ->
     )
     full = _seeded(lambda: CLIPModel(config), 0)
     full.save_pretrained(tmp_path)
-    processor = CLIPImageProcessorPil(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
+    processor = CLIPImageProcessor(size={"shortest_edge": 64}, crop_size={"height": 64, "width": 64})
     processor.save_pretrained(tmp_path)
     tower = load_tower(str(tmp_path))
     assert tower.hidden_size == 48 and not tower.packable
@@ -248,7 +248,7 @@ def test_siglip_checkpoint_equals_get_image_features(tmp_path: Path, spy: _Spy) 
     tower = load_tower(str(tmp_path))
     assert all(n.startswith("vision_model.") for n in spy.tensors)
     images = [make_image(w, h, seed=i) for i, (w, h) in enumerate([(90, 60), (30, 41)])]
-    pixels = SiglipImageProcessorPil(size={"height": 64, "width": 64})(images=images, return_tensors="pt")
+    pixels = SiglipImageProcessor(size={"height": 64, "width": 64})(images=images, return_tensors="pt")
     with torch.inference_mode():
         reference = full.get_image_features(pixel_values=pixels["pixel_values"]).pooler_output
     ours = torch.cat(tower.forward([tower.preprocess(image) for image in images]))

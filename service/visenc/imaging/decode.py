@@ -76,12 +76,20 @@ def rgb_like_vllm(image: Image.Image) -> Image.Image:
         converted = Image.new("RGB", image.size, (255, 255, 255))
         converted.paste(image, mask=image.split()[3])
         return converted
-    return image.convert("RGB")
+    return _opaque(image.convert("RGB"))
 
 
 def rgb_like_sglang(image: Image.Image) -> Image.Image:
     """SGLang's loader: every mode that is not RGB through ``convert("RGB")`` (RGBA's alpha dropped too)."""
-    return image if image.mode == "RGB" else image.convert("RGB")
+    return image if image.mode == "RGB" else _opaque(image.convert("RGB"))
+
+
+def _opaque(rgb: Image.Image) -> Image.Image:
+    """``convert("RGB")`` of a palette image with transparency keeps the transparent colour as
+    ``info["transparency"]``; the engines' processors (transformers 5.19, vLLM 0.32's) ignore it on an
+    RGB image, while newer ones composite it onto white. The loaders drop the alpha: so must the image."""
+    rgb.info.pop("transparency", None)
+    return rgb
 
 
 def rgb_like_transformers(image: Image.Image) -> Image.Image:

@@ -25,10 +25,13 @@ All arrays here are HWC uint8 in, float32 out. Units: pixels.
 from __future__ import annotations
 
 import math
+import platform
 from collections.abc import Sequence
 
 import numpy as np
+import torch
 from PIL import Image
+from torch.nn import functional
 
 from visenc.errors import InvalidImage
 
@@ -77,18 +80,60 @@ def shortest_edge_size(height: int, width: int, shortest_edge: int) -> tuple[int
     return (new_long, new_short) if width <= height else (new_short, new_long)
 
 
-def resize(image: Image.Image, height: int, width: int, resample: int = BICUBIC) -> np.ndarray:
-    """``Image.resize`` to ``(height, width)`` → HWC uint8 array (RGB input)."""
-    if image.size != (width, height):
-        image = image.resize((width, height), resample=resample)
-    return np.asarray(image)
+#: transformers' two image-processor backends: ``torchvision`` (the fast processors, what vLLM and
+#: SGLang run) and ``pil``. They differ wherever an image is resized (up to ~0.2 in normalised units).
+BACKENDS = ("torchvision", "pil")
+#: PIL resample filter -> torch interpolation mode, as transformers maps them for torchvision
+_TORCH_MODES = {Image.Resampling.NEAREST: "nearest", Image.Resampling.BILINEAR: "bilinear", BICUBIC: "bicubic"}
 
 
-def center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
+def resize(image: Image.Image, height: int, width: int, resample: int = BICUBIC, backend: str = "pil") -> np.ndarray:
+    """``(height, width)`` resize → HWC uint8 array (RGB input), as ``backend`` does it.
+
+    ``pil``: ``Image.resize``. ``torchvision``: what ``torchvision.transforms.v2.functional.resize``
+    does on a CPU to the uint8 tensor a fast processor makes of the image (``pil_to_tensor``): the
+    same ``torch.nn.functional.interpolate`` call on the same memory layout, antialiased, natively in
+    uint8 for bicubic (and bilinear on AVX2/AVX-512/ARM CPUs), else in float32 and rounded back.
+    Pure torch: torchvision itself is not needed, and the output is bit-identical to it."""
+    if backend == "pil":
+        if image.size != (width, height):
+            image = image.resize((width, height), resample=resample)
+        return np.asarray(image)
+    array = np.asarray(image)
+    if array.shape[:2] == (height, width):
+        return array
+    mode = _TORCH_MODES.get(resample)  # type: ignore[call-overload]
+    if mode is None:
+        raise ValueError(f"resample filter {resample} has no torchvision equivalent here; use the pil backend")
+    t = torch.from_numpy(np.array(array)).permute(2, 0, 1).unsqueeze(0)  # 1CHW over HWC memory
+    strides = list(t.stride())
+    strides[0] = t.numel()  # torchvision's restride, so that interpolate keeps channels-last
+    t = t.as_strided(t.shape, strides)
+    smooth = mode != "nearest"
+    native = mode == "nearest" or mode == "bicubic" or _native_uint8_bilinear()
+    x = t if native else t.to(torch.float32)
+    x = functional.interpolate(
+        x, size=[height, width], mode=mode, align_corners=False if smooth else None, antialias=smooth
+    )
+    if not native:
+        if mode == "bicubic":
+            x = x.clamp_(0, 255)
+        x = x.round_().to(torch.uint8)
+    return x[0].permute(1, 2, 0).numpy()
+
+
+def _native_uint8_bilinear() -> bool:
+    return torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512") or platform.machine() in ("aarch64", "arm64")
+
+
+def center_crop(array: np.ndarray, height: int, width: int, backend: str = "pil") -> np.ndarray:
     """Center crop an HWC array to ``(height, width)``, zero-padding where the image
-    is smaller, with transformers' ``center_crop`` offsets (floor for the crop,
-    ceil for the pad). Returns a view when no padding is needed."""
+    is smaller. ``pil``: transformers' ``center_crop`` offsets (floor for the crop,
+    ceil for the pad); ``torchvision``: its torchvision backend's (floor for both).
+    Returns a view when no padding is needed."""
     orig_h, orig_w = array.shape[:2]
+    if backend == "torchvision":
+        return _center_crop_torchvision(array, height, width)
     top = (orig_h - height) // 2
     left = (orig_w - width) // 2
     if top >= 0 and left >= 0:
@@ -103,11 +148,28 @@ def center_crop(array: np.ndarray, height: int, width: int) -> np.ndarray:
     return padded[max(0, top) : min(new_h, top + height), max(0, left) : min(new_w, left + width)]
 
 
+def _center_crop_torchvision(array: np.ndarray, height: int, width: int) -> np.ndarray:
+    orig_h, orig_w = array.shape[:2]
+    if height > orig_h or width > orig_w:
+        pad_top = (height - orig_h) // 2 if height > orig_h else 0
+        pad_left = (width - orig_w) // 2 if width > orig_w else 0
+        new_h, new_w = max(height, orig_h), max(width, orig_w)
+        padded = np.zeros((new_h, new_w, *array.shape[2:]), dtype=array.dtype)
+        padded[pad_top : pad_top + orig_h, pad_left : pad_left + orig_w] = array
+        array, orig_h, orig_w = padded, new_h, new_w
+    top = (orig_h - height) // 2
+    left = (orig_w - width) // 2
+    return array[top : top + height, left : left + width]
+
+
 class Normalizer:
     """uint8 → float32 ``(x * rescale_factor - mean) / std`` per channel, as a lookup table.
 
     ``rescale_factor=None`` skips the rescale, ``mean``/``std`` ``None`` skip the
     normalisation (the processors' ``do_rescale``/``do_normalize`` flags).
+    ``fused``: the torchvision backend's arithmetic, ``(x - mean/r) / (std/r)`` in
+    float32 (rescale folded into mean and std), instead of the PIL backend's
+    float64 rescale, float32 cast, then normalise; both bit-identical to theirs.
     Immutable after construction, so one instance is shared by every thread.
     """
 
@@ -119,14 +181,25 @@ class Normalizer:
         mean: Sequence[float] | None,
         std: Sequence[float] | None,
         channels: int = 3,
+        fused: bool = False,
     ) -> None:
         # transformers' exact op order, so table entries are bit-identical to its outputs
-        values = np.arange(256, dtype=np.float64)
-        if rescale_factor is not None:
-            values = values * rescale_factor
-        table = np.repeat(values.astype(np.float32)[None, :], channels, axis=0)
-        if mean is not None and std is not None:
-            table = (table - np.asarray(mean, dtype=np.float32)[:, None]) / np.asarray(std, dtype=np.float32)[:, None]
+        values: np.ndarray = np.arange(256, dtype=np.float64)
+        normalize = mean is not None and std is not None
+        if fused and normalize and rescale_factor is not None:
+            scale = np.float32(1.0 / rescale_factor)
+            table = np.repeat(values.astype(np.float32)[None, :], channels, axis=0)
+            mean32 = np.asarray(mean, dtype=np.float32) * scale
+            std32 = np.asarray(std, dtype=np.float32) * scale
+            table = (table - mean32[:, None]) / std32[:, None]
+        else:
+            if rescale_factor is not None:
+                values = values.astype(np.float32) * np.float32(rescale_factor) if fused else values * rescale_factor
+            table = np.repeat(values.astype(np.float32)[None, :], channels, axis=0)
+            if normalize:
+                table = (table - np.asarray(mean, dtype=np.float32)[:, None]) / np.asarray(std, dtype=np.float32)[
+                    :, None
+                ]
         self.lut: np.ndarray = np.ascontiguousarray(table, dtype=np.float32)  # [channels, 256]
         self.lut.setflags(write=False)
         # Pair table: two adjacent uint8 pixels (read as one uint16) → their two float32

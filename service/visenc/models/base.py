@@ -82,6 +82,11 @@ class VisionTower(ABC):
         """Everything that changes the output: model id/revision, weights digest
         or seed, architecture config, dtype, preprocessing settings."""
 
+    @property
+    def image_backend(self) -> str:
+        """Whose image-processor backend the pixels equal (``torchvision`` or ``pil``)."""
+        return "pil"
+
     def input_tokens(self, layout: TokenLayout) -> int:
         """Tokens the forward processes for this image: the unit of the batch budget.
         Default: the patch grid (``t*h*w``); fixed-resolution towers override."""
@@ -133,4 +138,5 @@ class VisionTower(ABC):
             "device": str(self.device),
             "packable": self.packable,
             "image_loader": self.image_loader,
+            "image_backend": self.image_backend,
         }

@@ -61,6 +61,8 @@ class FixedPreprocess:
     rescale_factor: float | None = 1 / 255
     do_normalize: bool = True
     resample: int = BICUBIC
+    #: whose image-processor backend the pixels equal: "torchvision" (the fast processor) or "pil"
+    backend: str = "torchvision"
 
     @property
     def output_size(self) -> tuple[int, int]:
@@ -165,9 +167,14 @@ class FixedResolutionTower(VisionTower):
             preprocess.rescale_factor,
             preprocess.image_mean if preprocess.do_normalize else None,
             preprocess.image_std if preprocess.do_normalize else None,
+            fused=preprocess.backend == "torchvision",
         )
         # encoder positions behind the one output row: patches + class token
         self._positions_per_image = (image_size // config.patch_size) ** 2 + 1
+
+    @property
+    def image_backend(self) -> str:
+        return self.settings.backend
 
     def layout(self, width: int, height: int) -> TokenLayout:
         if width <= 0 or height <= 0:
@@ -184,9 +191,9 @@ class FixedResolutionTower(VisionTower):
         else:
             assert s.height is not None and s.width is not None
             target_h, target_w = s.height, s.width
-        array = resize(image, target_h, target_w, s.resample)
+        array = resize(image, target_h, target_w, s.resample, s.backend)
         if s.crop_height is not None and s.crop_width is not None:
-            array = center_crop(array, s.crop_height, s.crop_width)
+            array = center_crop(array, s.crop_height, s.crop_width, s.backend)
         return Prepared(pixels=self._norm.channels_first(array), layout=self._layout)
 
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:

@@ -56,6 +56,7 @@ def load_tower(
     max_pixels: int | None = None,
     seed: int = 0,
     image_loader: str = "vllm",
+    image_backend: str = "torchvision",
 ) -> VisionTower:
     """Build a tower from a registry name (``REGISTRY``) or a local checkpoint folder.
 
@@ -63,26 +64,34 @@ def load_tower(
     ``device``: any torch device string; ``max_pixels``: Qwen resize ceiling
     (overrides the checkpoint's preprocessor config); ``seed``: weights of
     registry towers; ``image_loader``: whose loader's RGB conversion the tower's
-    inputs follow (``imaging.decode.LOADERS``, part of the fingerprint). Raises
+    inputs follow (``imaging.decode.LOADERS``, part of the fingerprint);
+    ``image_backend``: whose image-processor backend the pixels equal,
+    ``torchvision`` (the fast processors engines run) or ``pil``. Raises
     ``ValueError`` for unknown specs, unsupported model types, or checkpoints
     without vision weights.
     """
     torch_dtype = resolve_dtype(dtype)
     torch_device = torch.device(device)
     if spec in REGISTRY:
-        tower = build_registered(spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed)
+        tower = build_registered(
+            spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed, backend=image_backend
+        )
     else:
         path = Path(spec)
         if not (path / "config.json").is_file():
             raise ValueError(
                 f"unknown tower {spec!r}: neither a built-in name ({sorted(REGISTRY)}) nor a folder with config.json"
             )
-        tower = _load_checkpoint(path, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels)
+        tower = _load_checkpoint(
+            path, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, backend=image_backend
+        )
     tower.image_loader = image_loader
     return tower
 
 
-def _load_checkpoint(path: Path, *, dtype: torch.dtype, device: torch.device, max_pixels: int | None) -> VisionTower:
+def _load_checkpoint(
+    path: Path, *, dtype: torch.dtype, device: torch.device, max_pixels: int | None, backend: str
+) -> VisionTower:
     model_type = json.loads((path / "config.json").read_text()).get("model_type")
     processor_cfg = _read_json(path / "preprocessor_config.json")
     if model_type in ARCHITECTURES:
@@ -99,6 +108,7 @@ def _load_checkpoint(path: Path, *, dtype: torch.dtype, device: torch.device, ma
                 **processor_cfg,
             }
         )
+        settings = replace(settings, backend=backend)
         if max_pixels is not None:
             settings = replace(settings, max_pixels=max_pixels)
         source = {"checkpoint": model_type, "weights": digest}
@@ -121,7 +131,7 @@ def _load_checkpoint(path: Path, *, dtype: torch.dtype, device: torch.device, ma
         return FixedResolutionTower(
             name=str(path),
             model=model,
-            preprocess=defaults.with_processor_config(processor_cfg),
+            preprocess=replace(defaults.with_processor_config(processor_cfg), backend=backend),
             source={"checkpoint": model_type, "weights": digest},
             dtype=dtype,
             device=device,

@@ -66,6 +66,8 @@ class QwenPreprocess:
     rescale_factor: float | None = 1 / 255
     do_normalize: bool = True
     resample: int = BICUBIC
+    #: whose image-processor backend the pixels equal: "torchvision" (the fast processor) or "pil"
+    backend: str = "torchvision"
 
     @classmethod
     def from_processor_config(cls, cfg: dict[str, Any]) -> QwenPreprocess:
@@ -151,11 +153,16 @@ class QwenVisionTower(VisionTower):
             preprocess.rescale_factor,
             preprocess.image_mean if preprocess.do_normalize else None,
             preprocess.image_std if preprocess.do_normalize else None,
+            fused=preprocess.backend == "torchvision",
         )
 
     def _resized(self, width: int, height: int) -> tuple[int, int]:
         s = self.settings
         return smart_resize(height, width, factor=self._factor, min_pixels=s.min_pixels, max_pixels=s.max_pixels)
+
+    @property
+    def image_backend(self) -> str:
+        return self.settings.backend
 
     def layout(self, width: int, height: int) -> TokenLayout:
         resized_h, resized_w = self._resized(width, height)
@@ -171,7 +178,7 @@ class QwenVisionTower(VisionTower):
         layout = self.layout(width, height)
         s = self.settings
         _, grid_h, grid_w = layout.grid_thw
-        array = resize(image, grid_h * s.patch_size, grid_w * s.patch_size, s.resample)
+        array = resize(image, grid_h * s.patch_size, grid_w * s.patch_size, s.resample, s.backend)
         pixels = qwen_patchify(
             array,
             self._norm,

@@ -17,7 +17,7 @@ tiny-siglip        SigLIP ViT/16 at 224, pooled, 256             1
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from transformers import CLIPVisionModelWithProjection, SiglipVisionModel
@@ -54,7 +54,7 @@ REGISTRY: dict[str, _Entry] = {
 
 
 def build_registered(
-    name: str, *, dtype: torch.dtype, device: torch.device, max_pixels: int | None, seed: int
+    name: str, *, dtype: torch.dtype, device: torch.device, max_pixels: int | None, seed: int, backend: str
 ) -> VisionTower:
     """A built-in tower by registry name. ``max_pixels`` caps the Qwen resize
     (default ``DEFAULT_MAX_PIXELS``); fixed-resolution towers ignore it."""
@@ -67,9 +67,10 @@ def build_registered(
     model = build_seeded(lambda: entry.model_class(config), seed)
     source = {"registry": name, "seed": seed}
     if entry.family == "qwen":
-        settings = QwenPreprocess(max_pixels=max_pixels or DEFAULT_MAX_PIXELS)
+        settings = QwenPreprocess(max_pixels=max_pixels or DEFAULT_MAX_PIXELS, backend=backend)
         return QwenVisionTower(name=name, model=model, preprocess=settings, source=source, dtype=dtype, device=device)
     fixed = FixedPreprocess.clip_default() if entry.family == "clip" else FixedPreprocess.siglip_default()
+    fixed = replace(fixed, backend=backend)
     return FixedResolutionTower(
         name=name,
         model=model,  # type: ignore[arg-type]

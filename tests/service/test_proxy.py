@@ -1,0 +1,153 @@
+"""``visenc proxy``: image parts get their visenc hash as uuid and are encoded hash-first, requests are
+forwarded (streams as streams) to the upstream that saw their images, bad requests get OpenAI-style errors.
+
+Upstreams are httpx mock transports that record what reaches them; visenc is the real app in-process."""
+
+from __future__ import annotations
+
+import base64
+import json
+
+import httpx
+import pytest
+from tests.conftest import running_app
+from tests.images import png_bytes
+
+from visenc.proxy import Proxy, ProxySettings, create_proxy_app
+from visenc_client.format import image_hash
+
+UPSTREAMS = ["http://vllm-a", "http://vllm-b"]
+
+
+class Upstream:
+    """Records each request per upstream; answers JSON, or SSE chunks when asked to stream."""
+
+    def __init__(self) -> None:
+        self.seen: list[tuple[str, dict]] = []
+        self.down: set[str] = set()
+
+    def __call__(self, request: httpx.Request) -> httpx.Response:
+        base = f"{request.url.scheme}://{request.url.host}"
+        if base in self.down:
+            raise httpx.ConnectError("down", request=request)
+        if request.url.path == "/health":
+            return httpx.Response(200)
+        body = json.loads(request.content) if request.content else {}
+        self.seen.append((base, body))
+        if body.get("stream"):
+
+            async def chunks():  # an upstream that streams its answer
+                for chunk in [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]:
+                    yield chunk
+
+            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks())
+        return httpx.Response(200, json={"upstream": base, "ok": True})
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode()
+
+
+def chat(*images: bytes, stream: bool = False) -> dict:
+    parts = [{"type": "image_url", "image_url": {"url": data_url(d)}} for d in images]
+    return {
+        "model": "m",
+        "stream": stream,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "hi"}]}],
+    }
+
+
+@pytest.fixture
+async def proxied(tiny_tower):
+    upstream = Upstream()
+    async with running_app(tiny_tower) as visenc:
+        settings = ProxySettings(upstreams=UPSTREAMS, visenc_url="http://visenc", health_interval_s=3600)
+        proxy = Proxy(
+            settings, transport=httpx.MockTransport(upstream), visenc_transport=httpx.ASGITransport(app=visenc.app)
+        )  # type: ignore[attr-defined]
+        app = create_proxy_app(proxy)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+                yield client, upstream, visenc
+
+
+async def test_image_parts_get_their_hash_as_uuid_and_are_encoded(proxied):
+    client, upstream, visenc = proxied
+    a, b = png_bytes(900, 64, 64), png_bytes(901, 96, 64)
+    r = await client.post("/v1/chat/completions", json=chat(a, b))
+    assert r.status_code == 200 and r.json()["ok"]
+    ((_, body),) = upstream.seen
+    parts = [p for p in body["messages"][0]["content"] if p["type"] == "image_url"]
+    assert [p["uuid"] for p in parts] == [image_hash(a), image_hash(b)]
+    assert parts[0]["image_url"]["url"] == data_url(a)  # the request is otherwise unchanged
+    r = await visenc.post("/v1/encode", json={"items": [{"hash": image_hash(a)}, {"hash": image_hash(b)}]})
+    assert [it["status"] for it in r.json()["items"]] == ["ready", "ready"]  # encoded by the proxy's request
+
+
+async def test_streams_pass_through(proxied):
+    client, _, _ = proxied
+    async with client.stream("POST", "/v1/chat/completions", json=chat(png_bytes(902, 64, 64), stream=True)) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        body = b"".join([c async for c in r.aiter_raw()])
+    assert body.count(b"data: ") == 3 and body.endswith(b"[DONE]\n\n")
+
+
+async def test_requests_go_to_the_upstream_that_saw_their_images(proxied):
+    client, upstream, _ = proxied
+    a, b = png_bytes(903, 64, 64), png_bytes(904, 64, 64)
+    first = (await client.post("/v1/chat/completions", json=chat(a))).json()["upstream"]
+    other = (await client.post("/v1/chat/completions", json=chat(b))).json()["upstream"]
+    assert first != other  # round robin for images nobody saw
+    for _ in range(3):  # the earlier screenshot comes back with a new one: same replica
+        assert (await client.post("/v1/chat/completions", json=chat(a, png_bytes(905, 64, 64)))).json()[
+            "upstream"
+        ] == first
+    upstream.down.add(first)  # that replica fails: marked down, the next request goes elsewhere
+    r = await client.post("/v1/chat/completions", json=chat(a))
+    assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
+    assert (await client.post("/v1/chat/completions", json=chat(a))).json()["upstream"] == other
+
+
+@pytest.mark.parametrize(
+    ("url", "words"),
+    [
+        ("data:image/png;base64,%%%not-base64", "not valid base64"),
+        ("https://example.invalid/cat.png", "not allowed"),
+        ("file:///etc/passwd", "must be a data: URL"),
+    ],
+)
+async def test_bad_image_parts_get_openai_style_errors(proxied, url, words):
+    client, upstream, _ = proxied
+    body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
+    r = await client.post("/v1/chat/completions", json=body)
+    assert r.status_code == 400
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and words in error["message"]
+    assert upstream.seen == []  # nothing was forwarded
+
+
+async def test_malformed_bodies_get_openai_style_errors(proxied):
+    client, _, _ = proxied
+    assert (await client.post("/v1/chat/completions", content=b"{not json")).json()["error"]["type"] == (
+        "invalid_request_error"
+    )
+    r = await client.post("/v1/chat/completions", json={"model": "m", "messages": "nope"})
+    assert r.status_code == 400 and "'messages' must be a list" in r.json()["error"]["message"]
+
+
+async def test_visenc_down_still_forwards_without_uuids(tiny_tower):
+    upstream = Upstream()
+
+    def down(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("visenc is down", request=request)
+
+    settings = ProxySettings(upstreams=UPSTREAMS[:1], visenc_url="http://visenc", health_interval_s=3600)
+    proxy = Proxy(settings, transport=httpx.MockTransport(upstream), visenc_transport=httpx.MockTransport(down))
+    app = create_proxy_app(proxy)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            r = await client.post("/v1/chat/completions", json=chat(png_bytes(906, 64, 64)))
+    assert r.status_code == 200
+    ((_, body),) = upstream.seen
+    assert "uuid" not in body["messages"][0]["content"][0]  # vLLM encodes it itself
+    assert proxy.encode_failures == 1

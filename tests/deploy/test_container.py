@@ -227,3 +227,26 @@ def test_compose_topology(compose):
     datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
     assert "9090:9090" in services["prometheus"]["ports"]
+
+
+def test_compose_vllm_profile(compose):
+    """GPU hosts: vLLM with the connector (its own image: vLLM's plus visenc-client) behind the proxy."""
+    services = compose["services"]
+    vllm, proxy = services["vllm"], services["proxy"]
+    assert vllm["profiles"] == proxy["profiles"] == ["vllm"]
+    config = json.loads(vllm["command"][vllm["command"].index("--ec-transfer-config") + 1])
+    assert config == {
+        "ec_connector": "VisencConnector",
+        "ec_connector_module_path": "visenc_client.vllm",
+        "ec_role": "ec_consumer",
+        "ec_connector_extra_config": {"url": "http://visenc:8000"},
+    }
+    assert proxy["command"][:2] == ["visenc", "proxy"] and "http://vllm:8000" in proxy["command"]
+    assert proxy["depends_on"]["vllm"]["condition"] == "service_healthy"
+    dockerfile = (DEPLOY / ".." / vllm["build"]["dockerfile"]).read_text()
+    assert "COPY clients" in dockerfile and "visenc_client.vllm" in dockerfile
+    # the proxy command parses with the real CLI
+    from visenc.cli import build_parser
+
+    args = vars(build_parser().parse_args(proxy["command"][1:]))
+    assert args["upstream"] == ["http://vllm:8000"] and args["port"] == 8080

@@ -102,13 +102,25 @@ def resize(image: Image.Image, height: int, width: int, resample: int = BICUBIC,
     array = np.asarray(image)
     if array.shape[:2] == (height, width):
         return array
+    return resize_tensor(uint8_tensor(array), height, width, resample)[0].permute(1, 2, 0).numpy()
+
+
+def uint8_tensor(array: np.ndarray) -> torch.Tensor:
+    """HWC uint8 → the ``1CHW`` tensor a fast processor makes of it (channels-last memory,
+    restrided as torchvision does, so that ``interpolate`` keeps channels-last)."""
+    t = torch.from_numpy(np.array(array)).permute(2, 0, 1).unsqueeze(0)
+    strides = list(t.stride())
+    strides[0] = t.numel()
+    return t.as_strided(t.shape, strides)
+
+
+def resize_tensor(t: torch.Tensor, height: int, width: int, resample: int) -> torch.Tensor:
+    """torchvision's CPU resize of a ``1CHW`` uint8 tensor (see ``resize``)."""
+    if tuple(t.shape[-2:]) == (height, width):
+        return t
     mode = _TORCH_MODES.get(resample)  # type: ignore[call-overload]
     if mode is None:
         raise ValueError(f"resample filter {resample} has no torchvision equivalent here; use the pil backend")
-    t = torch.from_numpy(np.array(array)).permute(2, 0, 1).unsqueeze(0)  # 1CHW over HWC memory
-    strides = list(t.stride())
-    strides[0] = t.numel()  # torchvision's restride, so that interpolate keeps channels-last
-    t = t.as_strided(t.shape, strides)
     smooth = mode != "nearest"
     native = mode == "nearest" or mode == "bicubic" or _native_uint8_bilinear()
     x = t if native else t.to(torch.float32)
@@ -119,7 +131,34 @@ def resize(image: Image.Image, height: int, width: int, resample: int = BICUBIC,
         if mode == "bicubic":
             x = x.clamp_(0, 255)
         x = x.round_().to(torch.uint8)
-    return x[0].permute(1, 2, 0).numpy()
+    return x
+
+
+def qwen_pixels_torchvision(
+    image: Image.Image,
+    height: int,
+    width: int,
+    *,
+    resample: int,
+    rescale_factor: float,
+    mean: Sequence[float],
+    std: Sequence[float],
+    patch_size: int,
+    merge_size: int,
+    temporal_patch_size: int,
+) -> np.ndarray:
+    """Qwen2-VL ``pixel_values`` as the fast processor computes them, with its own torch ops in its
+    order (resize, fused rescale-and-normalise in place, patchify): bit-identical by construction,
+    and multi-threaded like it."""
+    t = resize_tensor(uint8_tensor(np.asarray(image)), height, width, resample)
+    x = t.to(torch.float32)
+    scale = 1.0 / rescale_factor
+    x.sub_((torch.tensor(mean) * scale).view(-1, 1, 1)).div_((torch.tensor(std) * scale).view(-1, 1, 1))
+    b, c, p, m = 1, x.shape[1], patch_size, merge_size
+    grid_h, grid_w = height // p, width // p
+    blocks = x.reshape(b, c, grid_h // m, m, p, grid_w // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
+    flat = blocks.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, temporal_patch_size, -1, -1)
+    return flat.reshape(grid_h * grid_w, c * temporal_patch_size * p * p).numpy()
 
 
 def _native_uint8_bilinear() -> bool:

@@ -34,6 +34,7 @@ from visenc.imaging.preprocess import (
     Normalizer,
     as_tuple,
     qwen_patchify,
+    qwen_pixels_torchvision,
     resize,
     smart_resize,
 )
@@ -178,7 +179,22 @@ class QwenVisionTower(VisionTower):
         layout = self.layout(width, height)
         s = self.settings
         _, grid_h, grid_w = layout.grid_thw
-        array = resize(image, grid_h * s.patch_size, grid_w * s.patch_size, s.resample, s.backend)
+        height, width = grid_h * s.patch_size, grid_w * s.patch_size
+        if s.backend == "torchvision" and s.rescale_factor is not None and s.do_normalize:
+            pixels = qwen_pixels_torchvision(
+                image,
+                height,
+                width,
+                resample=s.resample,
+                rescale_factor=s.rescale_factor,
+                mean=s.image_mean,
+                std=s.image_std,
+                patch_size=s.patch_size,
+                merge_size=s.merge_size,
+                temporal_patch_size=s.temporal_patch_size,
+            )
+            return Prepared(pixels=pixels, layout=layout)
+        array = resize(image, height, width, s.resample, s.backend)
         pixels = qwen_patchify(
             array,
             self._norm,

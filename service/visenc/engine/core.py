@@ -173,11 +173,7 @@ class Engine:
         return await self.intake.lookup(image_hash, namespace, timeout_s=timeout_s)
 
     def not_ready_reason(self) -> str | None:
-        if self.intake.closing:
-            return "the service is shutting down"
-        if not self.worker.healthy:
-            return self.worker.reason or "the device worker is not running"
-        return None
+        return self.intake.not_ready_reason()
 
     def describe(self) -> dict[str, Any]:
         return self.tower.describe()

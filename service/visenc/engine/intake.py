@@ -15,12 +15,10 @@
   image another replica is encoding is waited for (``remote.py``), not encoded again;
 * every entry read from any tier is checked against its header and its key
   before it is used: a corrupt or truncated one is a miss, never served;
-* a waiter that goes away (deadline, client disconnect) releases its interest;
-  a queued job nobody wants any more is dropped before its forward.
+* a waiter that goes away releases its interest; a job nobody wants is dropped before its forward.
 
-Intake owns the in-flight map: it adds a job when it admits it and removes it
-when the job's future is resolved (by ``outputs.py``, the only stage that does).
-A finished job still in the map is never joined.
+Intake owns the in-flight map: it adds a job when it admits it and removes it when the
+job's future is resolved (by ``outputs.py``); a finished job in the map is never joined.
 """
 
 from __future__ import annotations
@@ -179,21 +177,25 @@ class Intake:
         return Handle(item.hash, status)  # type: ignore[arg-type]
 
     # --- the request path --------------------------------------------------------------------
+    def not_ready_reason(self) -> str | None:
+        """Why new work (misses) cannot be taken now; ``None`` when it can."""
+        if self.closing:
+            return "the service is shutting down"
+        if not self.worker.healthy:
+            return self.worker.reason or "the device worker is not running"
+        return None
+
     def check_accepting(self) -> None:
         """503 unless new work (misses) can be taken now."""
-        if self.closing:
-            raise NotReady("the service is shutting down")
-        if not self.worker.healthy:
-            raise NotReady(self.worker.reason or "the device worker is not running")
+        if (reason := self.not_ready_reason()) is not None:
+            raise NotReady(reason)
 
     def _itemise(self, items: Sequence[EncodeItem]) -> list[_Item]:
         """Per-item checks that need no work: the hash's syntax (the bytes are checked in ``_inspect``)."""
         out = []
         for item in items:
             it = _Item(item.hash or "", item.data)
-            if item.hash is not None and not is_valid_hash(item.hash):
-                it.error = InvalidHash(HASH_RULE)
-            elif item.data is None and item.hash is None:
+            if (item.hash is None and item.data is None) or (item.hash is not None and not is_valid_hash(item.hash)):
                 it.error = InvalidHash(HASH_RULE)
             out.append(it)
         return out

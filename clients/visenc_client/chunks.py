@@ -1,7 +1,10 @@
 """Chunk planner: which token rows of which images a prefill chunk needs.
 
 A prompt of ``L`` positions holds images at known places: image ``k`` covers
-positions ``[offset_k, offset_k + num_tokens_k)`` (its token rows in order).
+positions ``[offset_k, offset_k + num_tokens_k)`` (its token rows in order), or,
+for families whose placeholder span interleaves text tokens with the rows
+(Mistral 3's ``[IMG_BREAK]``, Idefics3's tile markers), runs of positions
+(``ImagePlacement.from_span``, from ``GET /v1/model/layout``'s ``span``).
 A prefill chunk computes positions ``[start, end)``; it needs, from each image
 that overlaps the chunk, exactly the overlapping rows, and nothing from images
 wholly before or after it.
@@ -31,7 +34,7 @@ Example::
 from __future__ import annotations
 
 import itertools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from visenc_client._types import Handle
@@ -39,15 +42,44 @@ from visenc_client._types import Handle
 
 @dataclass(frozen=True, slots=True)
 class ImagePlacement:
-    """One image in a prompt: its rows sit at positions ``[offset, offset + num_tokens)``."""
+    """One image in a prompt: its rows sit at positions ``[offset, offset + num_tokens)``, or,
+    with ``runs``, at the runs ``(position, count)`` in order (rows 0.. fill them one after
+    another; ``offset`` is then the first run's position)."""
 
     image: str | Handle
     offset: int
     num_tokens: int
+    runs: tuple[tuple[int, int], ...] | None = None
 
     def __post_init__(self) -> None:
         if self.offset < 0 or self.num_tokens < 0:
             raise ValueError(f"offset ({self.offset}) and num_tokens ({self.num_tokens}) must be >= 0")
+        if self.runs is not None:
+            if sum(n for _, n in self.runs) != self.num_tokens or any(n < 0 for _, n in self.runs):
+                raise ValueError(f"runs {self.runs} do not hold {self.num_tokens} rows")
+            if any(a + n > b for (a, n), (b, _) in itertools.pairwise(self.runs)):
+                raise ValueError(f"runs {self.runs} overlap or are out of order")
+
+    @classmethod
+    def from_span(
+        cls, image: str | Handle, offset: int, span: Sequence[dict[str, object]], count_text: Callable[[str], int]
+    ) -> ImagePlacement:
+        """Place an image whose placeholder span starts at ``offset``: ``span`` is the layout's
+        ``[{"rows": n} | {"text": s}]``, ``count_text(s)`` the tokens the engine's tokenizer makes
+        of a text piece (e.g. ``len(tok(s, add_special_tokens=False).input_ids)``)."""
+        runs, at = [], offset
+        for piece in span:
+            if "rows" in piece:
+                n = int(piece["rows"])  # type: ignore[call-overload]
+                runs.append((at, n))
+                at += n
+            else:
+                at += count_text(str(piece["text"]))
+        return cls(image, runs[0][0] if runs else offset, sum(n for _, n in runs), tuple(runs))
+
+    def row_runs(self) -> tuple[tuple[int, int], ...]:
+        """``(position, count)`` of each run of rows (one run for a contiguous image)."""
+        return self.runs if self.runs is not None else ((self.offset, self.num_tokens),)
 
     @classmethod
     def of(cls, handle: Handle, offset: int) -> ImagePlacement:
@@ -62,7 +94,9 @@ class ImagePlacement:
 
     @property
     def end(self) -> int:
-        return self.offset + self.num_tokens
+        """One past the last row's position."""
+        last, count = self.row_runs()[-1]
+        return last + count
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,11 +147,18 @@ def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, de
     pieces: list[ChunkPiece] = []
     packed = 0
     for p in ordered:
-        lo, hi = max(start, p.offset), min(end, p.end)
-        if lo >= hi:
-            continue
-        pieces.append(ChunkPiece(p.hash, lo - p.offset, hi - p.offset, lo - start if dense else packed))
-        packed += hi - lo
+        row = 0
+        for at, count in p.row_runs():
+            lo, hi = max(start, at), min(end, at + count)
+            if lo < hi:
+                piece = ChunkPiece(p.hash, row + lo - at, row + hi - at, lo - start if dense else packed)
+                last = pieces[-1] if pieces else None
+                if last and last.hash == p.hash and last.end == piece.start and last.dest + last.rows == piece.dest:
+                    piece = ChunkPiece(p.hash, last.start, piece.end, last.dest)  # contiguous rows: one range
+                    pieces.pop()
+                pieces.append(piece)
+                packed += hi - lo
+            row += count
     handles = [p.image for p in placements if isinstance(p.image, Handle) and p.image.hidden_size]
     return ChunkPlan(
         start,

@@ -101,6 +101,15 @@ def _torch_rows(rows: np.ndarray, dtype: str) -> torch.Tensor:
     return torch.from_numpy(np.ascontiguousarray(rows))
 
 
+def encoder_output_width(model_config: Any) -> int:
+    """Width of one row of vLLM's encoder cache for this model: the LLM's input-embedding size,
+    times ``1 + levels`` for models that carry deepstack levels in each row (Qwen3-VL:
+    ``[main | ds_1 | ... | ds_k]``)."""
+    vision = getattr(model_config.hf_config, "vision_config", None)
+    levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    return int(model_config.get_inputs_embeds_size()) * (1 + levels)
+
+
 class VisencConnector(ECConnectorBase):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
@@ -121,7 +130,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self._status: dict[str, str] = {}  # scheduler side: identifier -> last known status
         self._to_load: dict[str, int] = {}  # scheduler side: this step's loads
         model = vllm_config.model_config
-        self._hidden = int(model.get_inputs_embeds_size())
+        self._hidden = encoder_output_width(model)
         self._dtype: torch.dtype = model.dtype
         self._device = torch.device(vllm_config.device_config.device)
         self._check_model(extra.get_from_extra_config("expected_fingerprint", None))

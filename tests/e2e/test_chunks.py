@@ -52,36 +52,80 @@ def handles(server):
     return hs
 
 
+def cells(placements: list[ImagePlacement]) -> dict[int, tuple[str, int]]:
+    """prompt position -> (image, row), position by position."""
+    out = {}
+    for p in placements:
+        row = 0
+        for at, count in p.row_runs():
+            for k in range(count):
+                out[at + k] = (p.hash, row)
+                row += 1
+    return out
+
+
 def naive_chunk(vc: Client, placements: list[ImagePlacement], start: int, end: int, dense: bool) -> np.ndarray:
-    """Fetch every image whole, lay out the full sequence, slice it."""
-    wholes = [vc.fetch(p.hash) for p in placements]
-    hidden = wholes[0].shape[1]
+    """Fetch every image whole, lay out the full sequence position by position, slice it."""
+    wholes = {p.hash: vc.fetch(p.hash) for p in placements}
+    first = next(iter(wholes.values()))
     length = max([end, *(p.end for p in placements)])
-    seq = np.zeros((length, hidden), wholes[0].dtype)
+    seq = np.zeros((length, first.shape[1]), first.dtype)
     is_image = np.zeros(length, bool)
-    for p, whole in zip(placements, wholes):
-        seq[p.offset : p.end] = whole
-        is_image[p.offset : p.end] = True
+    for pos, (h, row) in cells(placements).items():
+        seq[pos] = wholes[h][row]
+        is_image[pos] = True
     return seq[start:end] if dense else seq[start:end][is_image[start:end]]
+
+
+def naive_ranges(placements: list[ImagePlacement], start: int, end: int, dense: bool) -> list[tuple[str, int, int]]:
+    """Row ranges to fetch: maximal runs of one image's consecutive rows landing in consecutive buffer rows."""
+    where = cells(placements)
+    out: list[list] = []
+    packed = 0
+    for pos in range(start, end):
+        if pos not in where:
+            continue
+        h, row = where[pos]
+        dest = pos - start if dense else packed
+        packed += 1
+        if out and out[-1][0] == h and out[-1][2] == row and out[-1][3] == dest:
+            out[-1][2], out[-1][3] = row + 1, dest + 1
+        else:
+            out.append([h, row, row + 1, dest + 1])
+    return [(h, a, b) for h, a, b, _ in out]
 
 
 @st.composite
 def prompts(draw, n_images: int):
     picks = draw(st.lists(st.integers(0, n_images - 1), min_size=1, max_size=6))
     gaps = draw(st.lists(st.integers(0, 40), min_size=len(picks), max_size=len(picks)))
-    return picks, gaps
+    # an image's span may interleave text: its rows cut into runs with 1-2 text tokens between
+    cuts = draw(st.lists(st.integers(1, 9), min_size=len(picks), max_size=len(picks)))
+    interleave = draw(st.lists(st.booleans(), min_size=len(picks), max_size=len(picks)))
+    return picks, gaps, cuts, interleave
 
 
-def place(handles, picks, gaps) -> list[ImagePlacement]:
+def place(handles, picks, gaps, cuts=None, interleave=None) -> list[ImagePlacement]:
     out, at = [], 0
-    for i, gap in zip(picks, gaps):
+    for k, (i, gap) in enumerate(zip(picks, gaps)):
         at += gap
-        out.append(ImagePlacement.of(handles[i], at))
-        at += handles[i].num_tokens
+        n = handles[i].num_tokens
+        if interleave and interleave[k]:
+            span, left = [], n
+            while left:
+                run = min(left, cuts[k])
+                span += [{"rows": run}, {"text": "[IMG_BREAK]" * (1 + run % 2)}]
+                left -= run
+            p = ImagePlacement.from_span(handles[i], at, span, lambda text: text.count("["))
+            at = p.end + 1
+        else:
+            p = ImagePlacement.of(handles[i], at)
+            at += n
+        out.append(p)
     return out
 
 
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(prompt=prompts(len(SIZES)), data=st.data())
 def test_fetch_chunk_matches_naive_reference(server, handles, prompt, data):
     placements = place(handles, *prompt)
@@ -120,18 +164,16 @@ def test_fetch_chunk_matches_naive_reference(server, handles, prompt, data):
     assert got.shape == expected.shape and got.tobytes() == expected.tobytes()
 
     # one round trip, for exactly the overlapping rows of the overlapping images
-    overlapping = [p for p in placements if max(start, p.offset) < min(end, p.end)]
+    expected_ranges = naive_ranges(placements, start, end, dense)
     if driver == "async":
         return  # its own connection; the sync drivers show the requests
-    if not overlapping:
+    if not expected_ranges:
         assert sent == []
         return
     ((path, body),) = sent
     assert path == ("/v1/embeddings/shm" if driver == "shm" else "/v1/embeddings/fetch")
     ranges = msgpack.unpackb(body)["ranges"]
-    assert [(r["hash"], r["start"], r["end"]) for r in ranges] == [
-        (p.hash, max(start, p.offset) - p.offset, min(end, p.end) - p.offset) for p in overlapping
-    ]
+    assert [(r["hash"], r["start"], r["end"]) for r in ranges] == expected_ranges
 
 
 def test_fetch_chunk_waits_for_pending_images_and_fills_a_torch_tensor(server):

@@ -116,6 +116,7 @@ OPERATIONS = [
     "GET /v1/embeddings/{image_hash}",
     "POST /v1/embeddings/fetch",
     "POST /v1/embeddings/shm",
+    "GET /v1/model/layout",
     "GET /v1/model",
     "GET /healthz",
     "GET /readyz",
@@ -125,7 +126,7 @@ OPERATIONS = [
 
 # schemathesis' own pytest plugin (``from_fixture``/``parametrize``) does not run on this pytest
 # version, so each operation's strategy is driven by hypothesis directly: the same generation and checks
-WITH_INPUT = OPERATIONS[:4]  # the others take no parameters or body: nothing to make invalid
+WITH_INPUT = OPERATIONS[:5]  # the others take no parameters or body: nothing to make invalid
 
 
 @pytest.mark.parametrize(

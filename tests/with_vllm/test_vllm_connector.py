@@ -219,3 +219,19 @@ def test_openai_server_behind_visenc_proxy(checkpoints, visenc):
     finally:
         for proc in (proxy, behind, alone):
             stop_process(proc)
+
+
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+def test_other_families_through_the_connector(arch, tmp_path):
+    """Qwen2.5-VL (window attention) and Qwen3-VL (rows carry the deepstack levels,
+    ``[main | ds_1 | ds_2]``, as vLLM's encoder cache does): the wrong copy with the connector
+    gives the right checkpoint's tokens, and alone it does not."""
+    right = tiny_vlm.build(tmp_path / "right", seed=0, arch=arch)
+    wrong = tiny_vlm.build(tmp_path / "wrong", seed=0, vision_seed=1, arch=arch)
+    reference = vllm_run(right, "--in-process")
+    with serve_process("--model", str(right), "--max-wait-ms", "1") as url:
+        with Client(url) as vc:
+            for datas in run_vllm.images():
+                assert all(h.status == "ready" for h in vc.encode(datas))
+        same(vllm_run(wrong, "--in-process", "--visenc", url), reference)
+    assert [r["tokens"] for r in vllm_run(wrong, "--in-process")] != [r["tokens"] for r in reference]

@@ -1,6 +1,6 @@
-"""A tiny random Qwen2-VL checkpoint that transformers and vLLM both load offline.
+"""A tiny random Qwen2-VL / Qwen2.5-VL / Qwen3-VL checkpoint that transformers and vLLM both load offline.
 
-    python tests/with_vllm/tiny_vlm.py OUTDIR [--seed N] [--vision-seed N]
+    python tests/with_vllm/tiny_vlm.py OUTDIR [--seed N] [--vision-seed N] [--arch qwen2_vl|qwen2_5_vl|qwen3_vl]
 
 config.json + model.safetensors (fp32, seeded), a byte-level tokenizer (256 byte tokens + Qwen's
 special tokens, no merges: nothing to download), a chat template, and a preprocessor config with
@@ -14,7 +14,6 @@ import argparse
 import json
 from pathlib import Path
 
-MIN_PIXELS, MAX_PIXELS = 56 * 56, 448 * 448
 SPECIALS = [
     "<|endoftext|>",
     "<|im_start|>",
@@ -51,39 +50,69 @@ def _tokenizer():
     return fast
 
 
-def build(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None) -> Path:
-    import torch
-    from transformers import Qwen2VLConfig, Qwen2VLForConditionalGeneration
+#: vision config per architecture (merger output = the text hidden size, 128)
+VISION = {
+    "qwen2_vl": {"depth": 2, "embed_dim": 64, "num_heads": 2, "hidden_size": 128, "mlp_ratio": 2, "patch_size": 14},
+    "qwen2_5_vl": {
+        "depth": 2,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "out_hidden_size": 128,
+        "patch_size": 14,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    },
+    "qwen3_vl": {
+        "depth": 3,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_heads": 2,
+        "out_hidden_size": 128,
+        "patch_size": 16,
+        "num_position_embeddings": 256,
+        "deepstack_visual_indexes": [0, 2],
+    },
+}
+ARCHES = tuple(VISION)
 
+
+def _classes(arch: str) -> tuple[type, type]:
+    import transformers
+
+    prefix = {"qwen2_vl": "Qwen2VL", "qwen2_5_vl": "Qwen2_5_VL", "qwen3_vl": "Qwen3VL"}[arch]
+    return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForConditionalGeneration")
+
+
+def build(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None, arch: str = "qwen2_vl") -> Path:
+    import torch
+
+    config_class, model_class = _classes(arch)
     out = Path(outdir)
     out.mkdir(parents=True, exist_ok=True)
     tok = _tokenizer()
     ids = {s: tok.convert_tokens_to_ids(s) for s in SPECIALS}
-    config = Qwen2VLConfig(
-        vision_config={
-            "depth": 2,
-            "embed_dim": 64,
-            "num_heads": 2,
-            "hidden_size": 128,
-            "mlp_ratio": 2,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "in_channels": 3,
-        },
+    patch = VISION[arch]["patch_size"]
+    rope = {"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 1000000.0}
+    if arch == "qwen3_vl":
+        rope = {**rope, "mrope_section": [8, 12, 12], "mrope_interleaved": True}
+    config = config_class(
+        vision_config={**VISION[arch], "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3},
         text_config={
             "hidden_size": 128,
             "intermediate_size": 256,
             "num_hidden_layers": 2,
             "num_attention_heads": 2,
             "num_key_value_heads": 1,
+            "head_dim": 64,
             "vocab_size": len(tok),
             "max_position_embeddings": 4096,
             "rms_norm_eps": 1e-6,
             "bos_token_id": ids["<|endoftext|>"],
             "eos_token_id": ids["<|im_end|>"],
             "pad_token_id": ids["<|endoftext|>"],
-            "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12], "rope_theta": 1000000.0},
+            "rope_parameters": rope,
+            "rope_scaling": rope,
         },
         image_token_id=ids["<|image_pad|>"],
         video_token_id=ids["<|video_pad|>"],
@@ -92,19 +121,21 @@ def build(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None) 
         tie_word_embeddings=False,
     )
     torch.manual_seed(seed)
-    model = Qwen2VLForConditionalGeneration(config).eval()
+    model = model_class(config).eval()
     if vision_seed is not None and vision_seed != seed:
         torch.manual_seed(vision_seed)
-        other = Qwen2VLForConditionalGeneration(config).eval()
+        other = model_class(config).eval()
         model.model.visual.load_state_dict(other.model.visual.state_dict())
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
+    factor = (patch * 2) ** 2
+    min_pixels, max_pixels = 4 * factor, 256 * factor  # at most 256 image tokens per image
     (out / "preprocessor_config.json").write_text(
         json.dumps(
             {
                 "image_processor_type": "Qwen2VLImageProcessor",
-                "processor_class": "Qwen2VLProcessor",
+                "processor_class": f"{_classes(arch)[0].__name__.removesuffix('Config')}Processor",
                 "do_convert_rgb": True,
                 "do_resize": True,
                 "resample": 3,
@@ -113,10 +144,10 @@ def build(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None) 
                 "do_normalize": True,
                 "image_mean": [0.48145466, 0.4578275, 0.40821073],
                 "image_std": [0.26862954, 0.26130258, 0.27577711],
-                "min_pixels": MIN_PIXELS,
-                "max_pixels": MAX_PIXELS,
-                "size": {"shortest_edge": MIN_PIXELS, "longest_edge": MAX_PIXELS},
-                "patch_size": 14,
+                "min_pixels": min_pixels,
+                "max_pixels": max_pixels,
+                "size": {"shortest_edge": min_pixels, "longest_edge": max_pixels},
+                "patch_size": patch,
                 "temporal_patch_size": 2,
                 "merge_size": 2,
             },
@@ -131,5 +162,6 @@ if __name__ == "__main__":
     parser.add_argument("outdir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vision-seed", type=int, default=None)
+    parser.add_argument("--arch", choices=ARCHES, default="qwen2_vl")
     args = parser.parse_args()
-    print(build(args.outdir, seed=args.seed, vision_seed=args.vision_seed))
+    print(build(args.outdir, seed=args.seed, vision_seed=args.vision_seed, arch=args.arch))

@@ -23,6 +23,7 @@ from visenc.api.schemas import (
     EncodeResponse,
     ErrorResponse,
     FetchRequest,
+    LayoutOut,
     ModelInfo,
     ReadyOut,
 )
@@ -71,6 +72,7 @@ _V1: dict[str, tuple[type[BaseModel] | None, type[BaseModel] | None, tuple[int, 
     "/v1/embeddings/fetch": (FetchRequest, None, (400, 413, 415, 422, 503, 504)),
     "/v1/embeddings/shm": (FetchRequest, None, (400, 404, 413, 415, 422, 429, 503, 504)),
     "/v1/model": (None, ModelInfo, ()),
+    "/v1/model/layout": (None, LayoutOut, (400, 422)),
 }
 _TIMING_HEADERS = {
     name: {"description": text, "required": True, "schema": {"type": "string", "pattern": r"^[0-9]+\.[0-9]+$"}}
@@ -115,7 +117,7 @@ def _add_schemas(doc: dict[str, Any], *models: type[BaseModel]) -> None:
 
 def build_openapi(app: FastAPI, *, auth: bool, max_items: int) -> dict[str, Any]:
     doc = get_openapi(title=app.title, version=app.version, description=app.description, routes=app.routes)
-    _add_schemas(doc, EncodeRequest, FetchRequest, EncodeResponse, ErrorResponse, ModelInfo, ReadyOut)
+    _add_schemas(doc, EncodeRequest, FetchRequest, EncodeResponse, ErrorResponse, ModelInfo, LayoutOut, ReadyOut)
     schemas = doc["components"]["schemas"]
     schemas["EncodeRequest"]["properties"]["items"]["maxItems"] = max_items  # the served limit
     schemas["FetchRequest"]["properties"]["ranges"]["maxItems"] = max_items

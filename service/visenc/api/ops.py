@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Query, Request
 from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from visenc.api.codec import render
-from visenc.api.deps import engine_of
+from visenc.api.deps import engine_of, namespace_of
 from visenc.errors import NotReady
 
 router = APIRouter()
@@ -17,6 +17,20 @@ router = APIRouter()
 async def model_info(request: Request) -> Response:
     """The served tower: name, fingerprint, hidden size, dtype, device."""
     return render(request, engine_of(request).describe())
+
+
+@router.get("/v1/model/layout")
+async def model_layout(
+    request: Request,
+    width: int = Query(..., ge=1, le=1 << 20, description="Image width in pixels."),
+    height: int = Query(..., ge=1, le=1 << 20, description="Image height in pixels."),
+) -> Response:
+    """What an image of this size becomes: rows, grid, row layout, and its placeholder span in the
+    engine's prompt (``{"rows": n}`` and ``{"text": s}`` pieces, in order), so a prefill worker
+    can lay out placeholders before the rows exist. Model-wide: the namespace header is checked,
+    as on every ``/v1`` route, and does not change the answer."""
+    namespace_of(request)
+    return render(request, engine_of(request).layout(width, height))
 
 
 @router.get("/healthz", response_class=PlainTextResponse)

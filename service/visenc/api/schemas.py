@@ -87,6 +87,24 @@ class ModelInfo(BaseModel):
     dtype: str
     device: str
     packable: bool
+    family: str | None = Field(None, description="VLM family of a checkpoint tower (models/families/).")
+    row_layout: list[dict[str, Any]] = Field(
+        ..., description="Columns of a row along the hidden axis: [{name, width}] (Qwen3-VL: main, then deepstack)."
+    )
+
+
+class LayoutOut(BaseModel):
+    width: int
+    height: int
+    num_tokens: int = Field(..., description="Rows the image becomes.")
+    grid_thw: list[int]
+    hidden_size: int
+    row_layout: list[dict[str, Any]]
+    span: list[dict[str, Any]] = Field(
+        ...,
+        description="The image's placeholder span in the engine's prompt, in order: {rows: n} (embedding rows) "
+        "and {text: s} (prompt text the engine's processor writes there, tokenised by the engine).",
+    )
 
 
 class ReadyOut(BaseModel):

@@ -32,7 +32,7 @@ from visenc.errors import NotReady
 from visenc.index.redis_claims import RedisClaims
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
-from visenc.models.base import VisionTower
+from visenc.models.base import VisionTower, compact
 from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,6 @@ class Engine:
             max_wait_s=settings.max_wait_ms / 1000,
             stall_timeout_s=settings.stall_timeout_s,
             restart_attempts=settings.worker_restart_attempts,
-            compile_buckets=settings.compile_buckets,
         )
         self.remote = (
             None
@@ -177,6 +176,18 @@ class Engine:
 
     def describe(self) -> dict[str, Any]:
         return self.tower.describe()
+
+    def layout(self, width: int, height: int) -> dict[str, Any]:
+        lay = self.tower.layout(width, height)
+        return {
+            "width": width,
+            "height": height,
+            "num_tokens": lay.num_tokens,
+            "grid_thw": list(lay.grid_thw),
+            "hidden_size": self.tower.hidden_size,
+            "row_layout": self.tower.row_layout(),
+            "span": compact(self.tower.span(width, height)),
+        }
 
     def health(self) -> dict[str, Any]:
         return {"index": self.index.health(), "queue_depth": self.scheduler.depth}

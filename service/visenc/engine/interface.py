@@ -91,7 +91,12 @@ class EngineAPI(Protocol):
         ...
 
     def describe(self) -> dict[str, Any]:
-        """The served model: name, fingerprint, hidden size, dtype, device, packable."""
+        """The served model: name, fingerprint, hidden size, dtype, device, packable, row layout."""
+        ...
+
+    def layout(self, width: int, height: int) -> dict[str, Any]:
+        """What a ``width x height`` image becomes, before it exists: row count, grid and its
+        placeholder span (``InvalidImage`` for a size the model's processor refuses)."""
         ...
 
     def health(self) -> dict[str, Any]:

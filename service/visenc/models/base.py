@@ -32,7 +32,6 @@ from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 
@@ -49,10 +48,36 @@ class TokenLayout:
 
 @dataclass(slots=True)
 class Prepared:
-    """A preprocessed image: the tower's input array and its layout."""
+    """A preprocessed image: the tower's input (an array, or a dict of tensors: opaque to
+    the engine) and its layout."""
 
-    pixels: np.ndarray
+    pixels: Any
     layout: TokenLayout
+
+
+@dataclass(frozen=True, slots=True)
+class Rows:
+    """``count`` embedding rows inside an image's placeholder span."""
+
+    count: int
+
+
+#: one piece of an image's placeholder span: a run of rows, or prompt text (tokenised by the engine)
+Segment = Rows | str
+
+
+def compact(span: Sequence[Segment]) -> list[dict[str, Any]]:
+    """A span as JSON: ``{"rows": n}`` / ``{"text": s}``, neighbouring pieces of a kind merged."""
+    out: list[dict[str, Any]] = []
+    for seg in span:
+        kind, value = ("rows", seg.count) if isinstance(seg, Rows) else ("text", seg)
+        if not value:
+            continue
+        if out and kind in out[-1]:
+            out[-1][kind] += value
+        else:
+            out.append({kind: value})
+    return out
 
 
 class VisionTower(ABC):
@@ -76,6 +101,15 @@ class VisionTower(ABC):
 
     @abstractmethod
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]: ...
+
+    def span(self, width: int, height: int) -> list[Segment]:
+        """The placeholder span of a ``width x height`` image in the engine's prompt: its rows and
+        the text the engine's processor writes around and between them (default: rows alone)."""
+        return [Rows(self.layout(width, height).num_tokens)]
+
+    def row_layout(self) -> list[dict[str, Any]]:
+        """What the columns of a row are, along the hidden axis: ``[{"name", "width"}]``."""
+        return [{"name": "image", "width": self.hidden_size}]
 
     @abstractmethod
     def fingerprint_fields(self) -> dict[str, Any]:
@@ -139,4 +173,5 @@ class VisionTower(ABC):
             "packable": self.packable,
             "image_loader": self.image_loader,
             "image_backend": self.image_backend,
+            "row_layout": self.row_layout(),
         }

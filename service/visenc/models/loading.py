@@ -8,11 +8,14 @@ instantiated.
 
 Supported folders (``config.json`` ``model_type``):
 
-- ``qwen2_vl`` / ``qwen2_5_vl``: full VLMs; vision tensors under ``visual.``
-  (what the original checkpoints and transformers 5.x ``save_pretrained``
-  write) or ``model.visual.`` (transformers 4.5x saves);
-- ``clip``: ``CLIPModel``; ``vision_model.*`` and ``visual_projection.*``;
-- ``siglip``: ``SiglipModel``; ``vision_model.*``.
+- ``qwen2_vl`` / ``qwen2_5_vl``: full VLMs (``models/qwen2vl.py``);
+- every family in ``models/families/`` (Qwen3-VL, GLM-4.1V, Gemma 3/4, InternVL,
+  LLaVA-OneVision, Mistral 3, Idefics3, SmolVLM), run by transformers' own code;
+- ``clip`` (``CLIPModel``) and ``siglip`` (``SiglipModel``): one embedding per image.
+
+Where the vision tensors sit (``visual.``, ``model.visual.``, ``vision_tower.``,
+``model.vision_model.``, ...) is derived from the checkpoint's names
+(``derive_renames``), never assumed.
 
 The weights fingerprint digests the safetensors header entries of the vision
 tensors (name, dtype, shape, offsets), the shard file sizes, and the vision
@@ -36,16 +39,10 @@ from transformers import AutoConfig, CLIPVisionModelWithProjection, SiglipVision
 from visenc.models.base import VisionTower
 from visenc.models.building import build_empty, resolve_dtype, set_attention
 from visenc.models.clip import FixedPreprocess, FixedResolutionTower
+from visenc.models.families import FAMILIES
 from visenc.models.qwen2vl import ARCHITECTURES, QwenPreprocess, QwenVisionTower
 from visenc.models.registry import REGISTRY, build_registered
-
-# Where vision tensors sit in each checkpoint kind, as (prefix to strip, *prefixes kept as is):
-# Qwen: ``visual.`` (original checkpoints, transformers 5.x saves) or ``model.visual.`` (4.5x);
-# CLIP: CLIPVisionModelWithProjection's keys equal CLIPModel's; SigLIP: SiglipVisionModel
-# keeps ``vision_model.`` in some transformers versions and drops it in others (5.x).
-_QWEN_LAYOUTS = (("model.visual.",), ("visual.",))
-_CLIP_LAYOUTS = (("", "vision_model.", "visual_projection."),)
-_SIGLIP_LAYOUTS = (("vision_model.",), ("", "vision_model."))
+from visenc.models.vlm import FamilyTower, load_processor, vision_only
 
 
 def load_tower(
@@ -99,7 +96,7 @@ def _load_checkpoint(
         set_attention(config)
         model_class = ARCHITECTURES[model_type][1]
         model = build_empty(lambda: model_class(config))
-        digest = _load_vision_weights(model, path, _QWEN_LAYOUTS)
+        digest = _load_vision_weights(model, path)
         settings = QwenPreprocess.from_processor_config(
             {
                 "patch_size": config.patch_size,
@@ -127,7 +124,7 @@ def _load_checkpoint(
         else:
             model = build_empty(lambda: SiglipVisionModel(config))
             defaults = FixedPreprocess.siglip_default()
-        digest = _load_vision_weights(model, path, _CLIP_LAYOUTS if model_type == "clip" else _SIGLIP_LAYOUTS)
+        digest = _load_vision_weights(model, path)
         return FixedResolutionTower(
             name=str(path),
             model=model,
@@ -136,8 +133,32 @@ def _load_checkpoint(
             dtype=dtype,
             device=device,
         )
+    if model_type in FAMILIES:
+        return _load_family(FAMILIES[model_type], path, dtype=dtype, device=device, backend=backend)
     raise ValueError(
-        f"unsupported model_type {model_type!r} in {path}; supported: {[*ARCHITECTURES, 'clip', 'siglip']}"
+        f"unsupported model_type {model_type!r} in {path}; supported: {[*ARCHITECTURES, *FAMILIES, 'clip', 'siglip']}"
+    )
+
+
+def _load_family(
+    family: type[FamilyTower], path: Path, *, dtype: torch.dtype, device: torch.device, backend: str
+) -> VisionTower:
+    """A VLM family's image path: its vision submodules on a weight-less host, their tensors alone read."""
+    config = AutoConfig.from_pretrained(path)
+    for sub in (config, getattr(config, "vision_config", None)):
+        if sub is not None:
+            set_attention(sub)
+    model = build_empty(lambda: vision_only(family.model_class(), config, family.vision_modules(config)))
+    digest = _load_vision_weights(model, path)
+    return family(
+        name=str(path),
+        config=config,
+        model=model,
+        processor=load_processor(path, backend),
+        source={"checkpoint": config.model_type, "weights": digest},
+        dtype=dtype,
+        device=device,
+        backend=backend,
     )
 
 
@@ -163,40 +184,58 @@ def _header(file: Path) -> dict[str, Any]:
         return json.loads(f.read(length))
 
 
-def _rename(names: list[str], layouts: tuple[tuple[str, ...], ...], expected: set[str]) -> dict[str, str]:
-    """checkpoint name → module state-dict name for the vision tensors.
+def derive_renames(names: list[str], params: set[str], buffers: set[str]) -> dict[str, str]:
+    """checkpoint tensor name → module state-dict name, derived from the checkpoint itself.
 
-    ``layouts``: candidate prefix sets, each ``(strip, *keep)``: names under
-    ``strip`` lose it, names under ``keep`` stay as they are. The first
-    candidate whose renamed names are exactly the module's state-dict keys
-    wins (so ``model.visual.`` and ``visual.`` are never mixed, and a
-    mismatch is reported before any tensor is read).
+    Checkpoints put the same vision tensors under different prefixes (``visual.``,
+    ``model.visual.``, ``vision_tower.``, ``model.vision_tower.``, ``model.vision_model.``
+    and ``model.connector.``, ...; the projector's may differ from the tower's). For each
+    top-level submodule of the module, the prefix is the one under which the checkpoint
+    holds *every* parameter of that submodule; buffers are taken where present. Ties go to
+    the prefix more names agree on; a submodule no prefix covers is reported before any
+    tensor is read.
     """
-    best: dict[str, str] = {}
-    for strip, *keep in layouts:
-        mapping = {n: n[len(strip) :] for n in names if strip and n.startswith(strip)}
-        mapping.update({n: n for n in names if keep and n.startswith(tuple(keep))})
-        if set(mapping.values()) == expected:
-            return mapping
-        if len(mapping) > len(best):
-            best = mapping
-    found = set(best.values())
-    raise ValueError(
-        f"checkpoint vision tensors do not match the model: {len(expected - found)} missing "
-        f"(e.g. {sorted(expected - found)[:3]}), {len(found - expected)} unexpected "
-        f"(e.g. {sorted(found - expected)[:3]})"
-    )
+    wanted = params | buffers
+    votes: dict[tuple[str, str], set[str]] = {}
+    for name in names:
+        parts = name.split(".")
+        for i in range(len(parts)):
+            key = ".".join(parts[i:])
+            if key in wanted:
+                prefix = ".".join(parts[:i]) + ("." if i else "")
+                votes.setdefault((key.split(".")[0], prefix), set()).add(key)
+    groups: dict[str, set[str]] = {}
+    for key in params:
+        groups.setdefault(key.split(".")[0], set()).add(key)
+    mapping: dict[str, str] = {}
+    problems: list[str] = []
+    for group, keys in sorted(groups.items()):
+        full = [(len(found), prefix) for (g, prefix), found in votes.items() if g == group and keys <= found]
+        if not full:
+            best = max((len(found & keys) for (g, _), found in votes.items() if g == group), default=0)
+            missing = sorted(keys - set().union(*(f for (g, _), f in votes.items() if g == group)))
+            problems.append(f"{group}: {len(keys) - best} of {len(keys)} tensors missing (e.g. {missing[:2]})")
+            continue
+        full.sort(key=lambda c: (-c[0], len(c[1])))
+        prefix = full[0][1]
+        mapping.update({prefix + key: key for key in votes[(group, prefix)]})
+    if problems:
+        raise ValueError("checkpoint vision tensors do not match the model: " + "; ".join(problems))
+    return mapping
 
 
-def _load_vision_weights(model: torch.nn.Module, path: Path, layouts: tuple[tuple[str, ...], ...]) -> str:
-    """Read only the vision tensors into ``model`` (``strict=True``); returns the weights digest."""
+def _load_vision_weights(model: torch.nn.Module, path: Path) -> str:
+    """Read only the vision tensors into ``model`` (every parameter must be found); returns the
+    weights digest."""
     shards = _shards(path)
     if shards is None:
         single = path / "model.safetensors"
         if not single.is_file():
             raise ValueError(f"no model.safetensors or model.safetensors.index.json in {path}")
         shards = {single.name: list(_header(single).keys())}
-    renames = _rename([n for names in shards.values() for n in names], layouts, set(model.state_dict()))
+    params = {name for name, _ in model.named_parameters()}
+    buffers = set(model.state_dict()) - params
+    renames = derive_renames([n for names in shards.values() for n in names], params, buffers)
     # shards holding no vision tensor are never opened
     wanted = {f: {n: renames[n] for n in names if n in renames} for f, names in shards.items()}
     wanted = {f: selection for f, selection in wanted.items() if selection}
@@ -213,5 +252,7 @@ def _load_vision_weights(model: torch.nn.Module, path: Path, layouts: tuple[tupl
                 tensor = f.get_tensor(name)
                 hasher.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
                 state[selection[name]] = tensor
-    model.load_state_dict(state, strict=True)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if set(missing) & params or unexpected:
+        raise ValueError(f"checkpoint tensors do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return hasher.hexdigest()

@@ -39,7 +39,7 @@ from visenc.imaging.preprocess import (
     smart_resize,
 )
 from visenc.models import memory
-from visenc.models.base import Prepared, TokenLayout, VisionTower
+from visenc.models.base import Prepared, Rows, Segment, TokenLayout, VisionTower
 from visenc.models.building import cast_module, config_fields
 
 #: default resize ceiling for the service: 1280 merged tokens (≈1.0 Mpx), as Qwen2-VL's processor
@@ -170,6 +170,9 @@ class QwenVisionTower(VisionTower):
         p, m = self.settings.patch_size, self.settings.merge_size
         grid = (1, resized_h // p, resized_w // p)
         return TokenLayout(num_tokens=grid[1] * grid[2] // (m * m), grid_thw=grid, bucket=grid)
+
+    def span(self, width: int, height: int) -> list[Segment]:
+        return ["<|vision_start|>", Rows(self.layout(width, height).num_tokens), "<|vision_end|>"]
 
     def preprocess(self, image: Image.Image) -> Prepared:
         """RGB image → ``[grid_h * grid_w, C * T * P * P]`` float32, equal to the

@@ -1,0 +1,91 @@
+"""Mistral 3 (Pixtral ViT + patch merger): the image is resized to fit ``longest_edge`` in
+multiples of the patch, encoded at that size with 2-D rotary positions, features from
+``vision_feature_layer``, merged ``spatial_merge_size²`` → one row each. Batches group equal
+sizes (the bucket is the resized size). On an accelerator images of different sizes share a
+forward too (padded to the largest; the ViT crops each to its own size and attends within it
+under a block mask); on a CPU that mask over the packed sequence measured 0.74x the per-image
+loop (``bench/bench_families.py``), so there only equal sizes batch.
+
+Span: each row of merged patches is followed by ``[IMG_BREAK]``; the last by ``[IMG_END]``
+instead. Rows are the image-token positions only."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
+
+from visenc.models.base import Rows, Segment, TokenLayout
+from visenc.models.vlm import FamilyTower
+
+
+class Mistral3Tower(FamilyTower):
+    family = "mistral3"
+    model_types = ("mistral3",)
+    processor_class = "PixtralProcessor"
+    input_names = ("pixel_values", "image_sizes")
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.packable = self.device.type != "cpu"
+
+    @classmethod
+    def model_class(cls) -> type:
+        from transformers import Mistral3Model
+
+        return Mistral3Model
+
+    @classmethod
+    def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:
+        from transformers import AutoModel
+        from transformers.models.mistral3.modeling_mistral3 import Mistral3MultiModalProjector
+
+        return {
+            "vision_tower": AutoModel.from_config(config.vision_config),
+            "multi_modal_projector": Mistral3MultiModalProjector(config),
+        }
+
+    def _resized(self, width: int, height: int) -> tuple[int, int]:
+        self.check_size(width, height)
+        p = self.processor
+        longest = p.size["longest_edge"] if isinstance(p.size, dict) else p.size.longest_edge
+        patch = p.patch_size["height"] if isinstance(p.patch_size, dict) else p.patch_size
+        # only the shape is read: a zero-stride view, no pixels allocated
+        shape_only = np.broadcast_to(np.zeros((1, 1, 1), np.uint8), (height, width, 3))
+        h, w = get_resize_output_image_size(shape_only, size=(longest, longest), patch_size=(patch, patch))
+        return int(h), int(w)
+
+    def layout(self, width: int, height: int) -> TokenLayout:
+        h, w = self._resized(width, height)
+        patch = self.vision_config.patch_size
+        merge = int(self.config.spatial_merge_size)
+        grid = (1, h // patch, w // patch)
+        return TokenLayout((grid[1] // merge) * (grid[2] // merge), grid, (h, w))
+
+    def span(self, width: int, height: int) -> list[Segment]:
+        layout = self.layout(width, height)
+        merge = int(self.config.spatial_merge_size)
+        rows, cols = layout.grid_thw[1] // merge, layout.grid_thw[2] // merge
+        span: list[Segment] = []
+        for r in range(rows):
+            span += [Rows(cols), "[IMG_END]" if r == rows - 1 else "[IMG_BREAK]"]
+        return span
+
+    def collate(self, inputs: Any) -> dict[str, torch.Tensor]:
+        pixels = [x["pixel_values"] for x in inputs]
+        h = max(p.shape[-2] for p in pixels)
+        w = max(p.shape[-1] for p in pixels)
+        padded = [torch.nn.functional.pad(p, (0, w - p.shape[-1], 0, h - p.shape[-2])) for p in pixels]
+        return {"pixel_values": torch.cat(padded), "image_sizes": torch.cat([x["image_sizes"] for x in inputs])}
+
+    def forward(self, batch: Any) -> list[torch.Tensor]:
+        # get_image_features squeezes a lone row away (``[1, hidden]`` → ``[hidden]``): a batch of
+        # one row runs beside a copy of itself (attention stays within each image)
+        if sum(p.layout.num_tokens for p in batch) == 1:
+            return super().forward([*batch, *batch])[:1]
+        return super().forward(batch)
+
+    def feature_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
+        return {**inputs, "vision_feature_layer": self.config.vision_feature_layer}

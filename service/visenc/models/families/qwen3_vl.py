@@ -1,0 +1,93 @@
+"""Qwen3-VL (and its MoE sibling): dynamic resolution, packed, with deepstack rows.
+
+The processor resizes to multiples of ``patch * merge`` (``smart_resize``) and
+patchifies; many images pack into one forward by ``image_grid_thw``. A row is
+the merger's output concatenated along the hidden axis with each deepstack
+level's merged features: ``[main | ds_1 | ... | ds_k]``, vLLM's layout (the
+language model adds ``ds_i`` into decoder layer ``i``).
+Span: ``<|vision_start|>`` rows ``<|vision_end|>``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
+
+from visenc.errors import InvalidImage
+from visenc.models.base import Rows, Segment, TokenLayout
+from visenc.models.vlm import FamilyTower
+
+
+class Qwen3VLTower(FamilyTower):
+    family = "qwen3_vl"
+    model_types = ("qwen3_vl",)
+    processor_class = "Qwen3VLProcessor"
+    input_names = ("pixel_values", "image_grid_thw")
+    packable = True
+
+    @classmethod
+    def model_class(cls) -> type:
+        from transformers import Qwen3VLModel
+
+        return Qwen3VLModel
+
+    @classmethod
+    def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:
+        from transformers import AutoModel
+
+        return {"visual": AutoModel.from_config(config.vision_config)}
+
+    def layout(self, width: int, height: int) -> TokenLayout:
+        return grid_layout(self.processor, width, height, smart_resize)
+
+    def span(self, width: int, height: int) -> list[Segment]:
+        layout = self.layout(width, height)
+        return ["<|vision_start|>", Rows(layout.num_tokens), "<|vision_end|>"]
+
+    def image_rows(self, outputs: Any) -> torch.Tensor:
+        levels = [outputs.pooler_output, *outputs.deepstack_features]
+        return torch.cat([torch.cat(list(level)) for level in levels], dim=-1)
+
+    def row_width(self) -> int:
+        vc = self.config.vision_config
+        return int(vc.out_hidden_size) * (1 + len(vc.deepstack_visual_indexes))
+
+    def row_layout(self) -> list[dict[str, Any]]:
+        vc = self.config.vision_config
+        width = int(vc.out_hidden_size)
+        levels = range(1, 1 + len(vc.deepstack_visual_indexes))
+        return [{"name": "main", "width": width}, *({"name": f"deepstack_{i}", "width": width} for i in levels)]
+
+
+class Qwen3VLMoeTower(Qwen3VLTower):
+    family = "qwen3_vl_moe"
+    model_types = ("qwen3_vl_moe",)
+    processor_class = "Qwen3VLProcessor"
+
+    @classmethod
+    def model_class(cls) -> type:
+        from transformers import Qwen3VLMoeModel
+
+        return Qwen3VLMoeModel
+
+
+def grid_layout(processor: Any, width: int, height: int, resize: Any, **resize_kwargs: Any) -> TokenLayout:
+    """Layout of a Qwen-style processor (``patch_size``, ``merge_size``, ``size`` min/max pixels):
+    one row per ``merge x merge`` patches of the resized image; the grid is the bucket."""
+    p, m = int(processor.patch_size), int(processor.merge_size)
+    size = processor.size
+    bounds = (
+        (size["shortest_edge"], size["longest_edge"])
+        if isinstance(size, dict)
+        else (size.shortest_edge, size.longest_edge)
+    )
+    try:
+        h, w = resize(
+            height=height, width=width, factor=p * m, min_pixels=bounds[0], max_pixels=bounds[1], **resize_kwargs
+        )
+    except ValueError as e:
+        raise InvalidImage(f"the image processor refuses {width}x{height}: {e}") from e
+    grid = (1, h // p, w // p)
+    return TokenLayout(num_tokens=grid[1] * grid[2] // (m * m), grid_thw=grid, bucket=grid)

@@ -28,6 +28,13 @@ ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
 
 
+def spread(values: list[float], unit: str = "x") -> str:
+    """A ratio over rounds as reported everywhere: median, with min and max and the number of rounds."""
+    import statistics
+
+    return f"{statistics.median(values):.2f}{unit} (min {min(values):.2f}, max {max(values):.2f}, n={len(values)})"
+
+
 def jpeg(seed: int, width: int = 640, height: int = 480) -> bytes:
     """A photo-like JPEG (gradients plus blocky noise), different for every seed; cheap to make."""
     rng = np.random.default_rng(seed)

@@ -7,10 +7,16 @@ resident memory growth during the request (VmHWM after resetting it, minus
 the resident size just before), the configured budget, the output embeddings
 held in the index, and the tower's own estimate of its largest batch.
 
+``--queued``: the images go in as ``wait=false`` requests of 100 (all queued at once), then
+``--bumps`` of them, picked from the back of the queue, are fetched while the rest wait (each
+fetch moves its image past the prefetch gate), then every image is awaited: the queue, the
+preprocessing pool and the bump staging must all stay inside the budget.
+
 Pass: ``peak growth <= budget + output embeddings``.
 
     python bench/bench_memory.py                                # 64 x 1920x1080, tiny Qwen2-VL, 512 MiB
     python bench/bench_memory.py --max-pixels 100352 --json     # quick variant (the test uses it)
+    python bench/bench_memory.py --queued --images 1000 --width 640 --height 480 --bumps 200
 """
 
 from __future__ import annotations
@@ -54,6 +60,20 @@ def peak_bytes() -> int:
     raise RuntimeError("no VmHWM in /proc/self/status")
 
 
+async def queued_with_bumps(encoder: object, images: list[bytes], bumps: int) -> list[object]:
+    """Queue every image (``wait=false``, 100 per request), fetch ``bumps`` from the back of the
+    queue while the others wait, then wait for all; returns the final handles."""
+    from visenc.engine.interface import EncodeItem
+
+    handles = []
+    for i in range(0, len(images), 100):
+        handles += await encoder.encode([EncodeItem(data=b) for b in images[i : i + 100]], "bench", wait=False)
+    picked = [h.hash for h in handles[::-1][:bumps]]
+    await asyncio.gather(*(encoder.lookup(h, "bench") for h in picked))
+    await asyncio.gather(*(encoder.lookup(h.hash, "bench") for h in handles))
+    return await encoder.encode([EncodeItem(hash=h.hash) for h in handles], "bench", wait=True)
+
+
 async def measure(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
@@ -72,6 +92,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
         preprocess_workers=args.workers,
         request_timeout_s=3600,
         max_items=max(512, args.images),
+        max_queue_images=max(4096, 2 * args.images),
     )
     metrics = Metrics()
     encoder = Engine(tower, Index(MemoryLRU(settings.cache_bytes, metrics)), settings, metrics)
@@ -85,7 +106,10 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
         base = rss_bytes()
         can_reset = reset_peak()
         t0 = time.perf_counter()
-        handles = await encoder.encode([EncodeItem(data=b) for b in images], "bench", wait=True)
+        if args.queued:
+            handles = await queued_with_bumps(encoder, images, args.bumps)
+        else:
+            handles = await encoder.encode([EncodeItem(data=b) for b in images], "bench", wait=True)
         elapsed = time.perf_counter() - t0
         peak = peak_bytes()
     finally:
@@ -128,6 +152,8 @@ def main() -> int:
     p.add_argument("--max-pixels", type=int, default=None, help="Qwen resize ceiling (default: the tower's)")
     p.add_argument("--threads", type=int, default=2, help="torch intra-op threads")
     p.add_argument("--workers", type=int, default=2, help="preprocessing threads")
+    p.add_argument("--queued", action="store_true", help="queue with wait=false, fetch --bumps, then await all")
+    p.add_argument("--bumps", type=int, default=100, help="images fetched while queued (with --queued)")
     p.add_argument("--json", action="store_true", help="print one JSON object only")
     args = p.parse_args()
     r = asyncio.run(measure(args))

@@ -165,8 +165,8 @@ def main() -> int:
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()) + " img/s")
 
     # ratios per round (both sides measured minutes apart at most), then the median over rounds
-    def ratio(a: str, b: str) -> float:
-        return statistics.median(x / y for x, y in zip(rows[a], rows[b]))
+    def ratio(a: str, b: str) -> list[float]:
+        return [x / y for x, y in zip(rows[a], rows[b])]
 
     med = {k: statistics.median(v) for k, v in rows.items()}
     print("\nmedian images/s: " + ", ".join(f"{k} {v:.1f}" for k, v in med.items()))
@@ -182,9 +182,11 @@ def main() -> int:
         ratios["infinity / bare"] = ratio("infinity", "bare")
         ratios["infinity repeated / cold"] = ratio("infinity_repeat", "infinity")
     for k, v in ratios.items():
-        print(f"  {k:40s} {v:6.2f}")
+        print(f"  {k:40s} {c.spread(v)}")
     if args.json:
-        args.json.write_text(json.dumps({"model": model, "images_per_s": med, "ratios": ratios}, indent=2))
+        medians = {k: statistics.median(v) for k, v in ratios.items()}
+        doc = {"model": model, "images_per_s": med, "ratios": medians, "rounds": ratios}
+        args.json.write_text(json.dumps(doc, indent=2))
     return 0
 
 

@@ -187,11 +187,6 @@ class Settings(BaseSettings):
         gt=0,
         description="Most tower-input tokens preprocessed ahead of the device (default: two batches).",
     )
-    compile_buckets: bool = Field(
-        False,
-        description="torch.compile the tower: one graph per input shape (resolution bucket x batch size), "
-        "built on first use, eager past 64 shapes. For CUDA hosts; slow first batches.",
-    )
 
     @field_validator("redis_url")
     @classmethod

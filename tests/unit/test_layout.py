@@ -76,6 +76,16 @@ def test_no_fault_injection_ships_in_the_service():
         assert "inject" not in path.read_text().lower(), f"{path} mentions fault injection"
 
 
+def test_no_torch_compile_option_ships():
+    """``--compile-buckets`` was removed (it recompiled per grid with 10 graph breaks); nothing
+    compiles the tower until a version with warm-up is measured on a GPU."""
+    from visenc.config import Settings
+
+    assert not [f for f in Settings.model_fields if "compile" in f]
+    for path in SERVICE.rglob("*.py"):
+        assert "torch.compile(" not in path.read_text(), path
+
+
 def test_files_and_functions_stay_small():
     too_big = []
     for path in SERVICE.rglob("*.py"):

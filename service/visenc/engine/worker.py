@@ -61,18 +61,6 @@ class WorkerState(enum.Enum):
     STOPPED = "stopped"
 
 
-def compile_tower(tower: VisionTower, max_graphs: int = 64) -> None:
-    """``torch.compile`` the tower's module in place, shapes static: dynamo keeps one
-    graph per input shape (resolution bucket x batch size) and runs shapes past
-    ``max_graphs`` eagerly. A tower without a ``model`` module is left as it is."""
-    module = getattr(tower, "model", None)
-    if not isinstance(module, torch.nn.Module):
-        log.warning("tower %s has no module to compile; running eagerly", tower.name)
-        return
-    torch._dynamo.config.recompile_limit = max(torch._dynamo.config.recompile_limit, max_graphs)
-    tower.model = torch.compile(module, dynamic=False)  # type: ignore[attr-defined]
-
-
 class DeviceWorker:
     def __init__(
         self,
@@ -84,7 +72,6 @@ class DeviceWorker:
         max_wait_s: float,
         stall_timeout_s: float,
         restart_attempts: int = 2,
-        compile_buckets: bool = False,
     ) -> None:
         self.tower = tower
         self.scheduler = scheduler
@@ -93,8 +80,6 @@ class DeviceWorker:
         self.max_wait_s = max_wait_s
         self.stall_timeout_s = stall_timeout_s
         self.restart_attempts = restart_attempts
-        if compile_buckets:
-            compile_tower(tower)
         self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
         self._thread = DaemonThread("visenc-device")
         self._task: asyncio.Task[None] | None = None

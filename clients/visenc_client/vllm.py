@@ -18,6 +18,7 @@ vision tower. Configure it with::
 ``transport``          ``http`` (default) or ``shm`` (same host, service run with ``--shm-enabled true``)
 ``timeout_s``          bound of every call to visenc (default 30: a fetch waits for a pending encode)
 ``lookup_timeout_s``   bound of the scheduler's status look-ups (default 2)
+``defer_timeout_s``    longest a request is deferred while an image it needs is encoding (default 10)
 ``expected_fingerprint``  refuse to start unless visenc serves exactly this model fingerprint
 =====================  ====================================================================
 
@@ -31,7 +32,11 @@ request before it is scheduled: every image of the request whose status is not y
 known is looked up in one hash-only round trip (never uploading). ``has_cache_item``
 then answers from that status: ``ready`` and ``pending`` (being encoded, here or on
 another replica) count as present; ``missing``, an error, or visenc unreachable
-count as absent, and vLLM encodes the image itself (counted: ``misses``).
+count as absent, and vLLM encodes the image itself (counted: ``misses``). While an
+image the request still needs is ``pending``, ``ensure_cache_available`` defers the
+request (vLLM schedules the others and asks again next step; ``deferred``), for at
+most ``defer_timeout_s``; so a worker loads rows that exist instead of blocking the
+whole step on an encode in progress.
 
 **Worker side** (each worker process). ``start_load_caches`` loads every item the
 step scheduled in one round trip (``/v1/embeddings/fetch``, or shared-memory
@@ -50,6 +55,7 @@ for a worker to fall back to encoding an image the scheduler handed to it.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -91,6 +97,7 @@ class ConnectorStats:
     hits: int = 0  # images answered present (vLLM runs no encoder for them)
     misses: int = 0  # images answered absent (vLLM encodes them itself)
     unreachable: int = 0  # look-ups that failed (visenc down or slow): answered absent
+    deferred: int = 0  # scheduler steps a request waited because an image it needs next was still encoding
     loaded: int = 0  # images loaded into the encoder cache by a worker
     loaded_bytes: int = 0
 
@@ -117,6 +124,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self.url: str = extra.get_from_extra_config("url", "http://127.0.0.1:8000")
         self.timeout_s = float(extra.get_from_extra_config("timeout_s", 30.0))
         self.lookup_timeout_s = float(extra.get_from_extra_config("lookup_timeout_s", 2.0))
+        self.defer_timeout_s = float(extra.get_from_extra_config("defer_timeout_s", 10.0))
         transport = extra.get_from_extra_config("transport", "http")
         if transport not in ("http", "shm"):
             raise ValueError(f"VisencConnector: transport must be 'http' or 'shm', not {transport!r}")
@@ -129,6 +137,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self.stats = ConnectorStats()
         self._status: dict[str, str] = {}  # scheduler side: identifier -> last known status
         self._to_load: dict[str, int] = {}  # scheduler side: this step's loads
+        self._pending_since: dict[str, float] = {}  # scheduler side: when a needed image was first seen pending
         model = vllm_config.model_config
         self._hidden = encoder_output_width(model)
         self._dtype: torch.dtype = model.dtype
@@ -185,8 +194,23 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             self._status[i] = h.status
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Look up the request's images in one round trip; never defers the request."""
-        self._refresh([f.identifier for f in request.mm_features])
+        """Look up the request's images in one round trip. While an image the request still
+        needs (past ``num_computed_tokens``) is being encoded, the request is deferred (vLLM
+        schedules others and asks again next step), so no worker blocks on it; past
+        ``defer_timeout_s`` it is scheduled anyway and its load waits for the rows."""
+        needed = [
+            f.identifier
+            for f in request.mm_features
+            if f.mm_position.offset + f.mm_position.length > num_computed_tokens
+        ]
+        self._refresh(needed)
+        now = time.monotonic()
+        pending = [i for i in needed if self._status.get(i) == "pending"]
+        for i in [i for i in self._pending_since if self._status.get(i) != "pending"]:
+            del self._pending_since[i]
+        if any(now - self._pending_since.setdefault(i, now) < self.defer_timeout_s for i in pending):
+            self.stats.deferred += 1
+            return False
         return True
 
     def has_cache_item(self, identifier: str) -> bool:

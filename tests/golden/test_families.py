@@ -153,3 +153,27 @@ def test_a_one_row_image_alone_equals_it_in_a_batch(tmp_path: Path) -> None:
     assert small.layout.num_tokens == 1
     alone = tower.forward([small])[0]
     torch.testing.assert_close(alone, tower.forward([other, small])[1], atol=1e-5, rtol=1e-5)
+
+
+def test_layout_from_the_size_alone_matches_the_forward(family: tuple[str, Path, Any]) -> None:
+    """For many sizes (tiny, extreme aspect ratios, large), the row count ``layout`` gives before
+    any pixel is seen is the number of rows transformers' forward returns, and the span holds it."""
+    name, path, _ = family
+    tower = load_tower(str(path), image_backend="pil")
+    rng = np.random.default_rng(11)
+    sizes = [(1, 1), (2, 700), (700, 2), (13, 17), (1000, 40), (37, 901), (2048, 1536)]
+    sizes += [tuple(int(v) for v in rng.integers(1, 1200, 2)) for _ in range(12)]
+    for w, h in sizes:
+        image = Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))
+        try:
+            layout = tower.layout(w, h)
+        except InvalidImage:  # a per-item 4xx, only for sizes transformers cannot encode either
+            try:
+                (rows,) = tower.forward([tower.preprocess(image)])
+            except (InvalidImage, RuntimeError, ValueError):
+                continue
+            assert rows.shape[0] == 0, (name, w, h)
+            continue
+        (rows,) = tower.forward([tower.preprocess(image)])
+        assert rows.shape[0] == layout.num_tokens, (name, w, h)
+        assert sum(s.count for s in tower.span(w, h) if isinstance(s, Rows)) == layout.num_tokens

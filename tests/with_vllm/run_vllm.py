@@ -16,6 +16,7 @@ import json
 import os
 import random
 import sys
+from pathlib import Path
 
 os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
 os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
@@ -44,7 +45,9 @@ def images() -> list[list[bytes]]:
     return [[picture(w, h, 100 * p + i) for i, (w, h) in enumerate(sizes)] for p, sizes in enumerate(PROMPTS)]
 
 
-def text(n_images: int) -> str:
+def text(n_images: int, model_type: str = "qwen2_vl") -> str:
+    if model_type == "gemma3":
+        return "<bos>user\n" + "<start_of_image>" * n_images + "Describe the pictures.\nmodel\n"
     pads = "<|vision_start|><|image_pad|><|vision_end|>" * n_images
     return f"<|im_start|>user\n{pads}Describe the pictures.<|im_end|>\n<|im_start|>assistant\n"
 
@@ -84,6 +87,7 @@ def main() -> int:
         distributed_executor_backend="uni" if args.in_process else None,
         **options,
     )
+    model_type = json.loads((Path(args.model) / "config.json").read_text())["model_type"]
     requests = []
     for datas in images():
         hashes = [image_hash(d) for d in datas]
@@ -93,7 +97,7 @@ def main() -> int:
             data: object = {"image_grid_thw": torch.tensor(grids)}
         else:
             data = [Image.open(io.BytesIO(d)).convert("RGB") for d in datas]
-        request = {"prompt": text(len(datas)), "multi_modal_data": {"image": data}}
+        request = {"prompt": text(len(datas), model_type), "multi_modal_data": {"image": data}}
         if args.visenc:
             request["multi_modal_uuids"] = {"image": hashes}
         requests.append(request)

@@ -221,13 +221,18 @@ def test_openai_server_behind_visenc_proxy(checkpoints, visenc):
             stop_process(proc)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
 def test_other_families_through_the_connector(arch, tmp_path):
-    """Qwen2.5-VL (window attention) and Qwen3-VL (rows carry the deepstack levels,
-    ``[main | ds_1 | ds_2]``, as vLLM's encoder cache does): the wrong copy with the connector
-    gives the right checkpoint's tokens, and alone it does not."""
-    right = tiny_vlm.build(tmp_path / "right", seed=0, arch=arch)
-    wrong = tiny_vlm.build(tmp_path / "wrong", seed=0, vision_seed=1, arch=arch)
+    """Qwen2.5-VL (window attention), Qwen3-VL (rows carry the deepstack levels,
+    ``[main | ds_1 | ds_2]``, as vLLM's encoder cache does) and Gemma 3 (SigLIP, pooled, in a
+    Hub-format checkpoint): the wrong copy with the connector gives the right checkpoint's
+    tokens, and alone it does not."""
+    if arch == "gemma3":
+        right = tiny_vlm.build_gemma3(tmp_path / "right", seed=0)
+        wrong = tiny_vlm.build_gemma3(tmp_path / "wrong", seed=0, vision_seed=1)
+    else:
+        right = tiny_vlm.build(tmp_path / "right", seed=0, arch=arch)
+        wrong = tiny_vlm.build(tmp_path / "wrong", seed=0, vision_seed=1, arch=arch)
     reference = vllm_run(right, "--in-process")
     with serve_process("--model", str(right), "--max-wait-ms", "1") as url:
         with Client(url) as vc:
@@ -235,3 +240,28 @@ def test_other_families_through_the_connector(arch, tmp_path):
                 assert all(h.status == "ready" for h in vc.encode(datas))
         same(vllm_run(wrong, "--in-process", "--visenc", url), reference)
     assert [r["tokens"] for r in vllm_run(wrong, "--in-process")] != [r["tokens"] for r in reference]
+
+
+def test_a_request_is_deferred_while_an_image_it_needs_is_encoding():
+    """``ensure_cache_available``: pending images the request still needs defer it (bounded by
+    ``defer_timeout_s``); images before its computed tokens, or ready ones, do not."""
+    from types import SimpleNamespace
+
+    from visenc_client.vllm import ConnectorStats, VisencConnector
+
+    statuses = {"a": "pending", "b": "ready"}
+    fake = SimpleNamespace(_status={}, _pending_since={}, defer_timeout_s=0.5, stats=ConnectorStats())
+    fake._refresh = lambda ids: fake._status.update({i: statuses[i] for i in ids if fake._status.get(i) != "ready"})
+
+    def feature(identifier, offset, length):
+        return SimpleNamespace(identifier=identifier, mm_position=SimpleNamespace(offset=offset, length=length))
+
+    request = SimpleNamespace(mm_features=[feature("a", 10, 4), feature("b", 20, 4)])
+    ensure = VisencConnector.ensure_cache_available
+    assert not ensure(fake, request, 0)  # "a" is still encoding
+    assert ensure(fake, request, 14)  # "a" lies before the computed tokens: only "b" is needed
+    assert not ensure(fake, request, 0) and fake.stats.deferred == 2
+    time.sleep(0.6)
+    assert ensure(fake, request, 0)  # deferred long enough: scheduled, its load will wait
+    statuses["a"] = "ready"
+    assert ensure(fake, request, 0) and fake._pending_since == {}

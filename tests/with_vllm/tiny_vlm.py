@@ -32,7 +32,13 @@ CHAT_TEMPLATE = (
 )
 
 
-def _tokenizer():
+#: Gemma's vocabulary has newline runs as single tokens; vLLM's Gemma 3 processing looks them up
+GEMMA_SPECIALS = ["<pad>", "<bos>", "<eos>", "<start_of_image>", "<end_of_image>", "<image_soft_token>"] + [
+    "\n" * n for n in range(1, 5)
+]
+
+
+def _tokenizer(specials: list[str] | None = None, **kwargs):
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
@@ -42,10 +48,9 @@ def _tokenizer():
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = byte_level
     tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(SPECIALS)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>", model_max_length=4096
-    )
+    tok.add_special_tokens(specials or SPECIALS)
+    names = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"} if specials is None else {}
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096, **names, **kwargs)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -157,11 +162,115 @@ def build(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None, 
     return out
 
 
+def _hub_siglip_names(file: Path) -> None:
+    """Rewrite the vision tensors' names as Hub checkpoints have them (``vision_tower.vision_model.*``):
+    vLLM's loader expects that nesting, which ``save_pretrained`` of transformers 5.x leaves out."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    fixed = {
+        ("vision_tower.vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.") else k): v
+        for k, v in tensors.items()
+    }
+    save_file({k: v.contiguous() for k, v in fixed.items()}, file, metadata={"format": "pt"})
+
+
+def build_gemma3(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None) -> Path:
+    """A tiny Gemma 3: SigLIP at 112 px (8x8 patches, pooled to 16 image tokens), a 2-layer text model."""
+    import torch
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(
+        GEMMA_SPECIALS,
+        bos_token="<bos>",
+        eos_token="<eos>",
+        pad_token="<pad>",
+        extra_special_tokens={
+            "boi_token": "<start_of_image>",
+            "eoi_token": "<end_of_image>",
+            "image_token": "<image_soft_token>",
+        },
+    )
+    ids = {s: tok.convert_tokens_to_ids(s) for s in GEMMA_SPECIALS}
+    config = Gemma3Config(
+        vision_config={
+            "model_type": "siglip_vision_model",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "image_size": 112,
+            "patch_size": 14,
+        },
+        text_config={
+            "model_type": "gemma3_text",
+            "hidden_size": 128,
+            "intermediate_size": 256,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "num_key_value_heads": 1,
+            "head_dim": 64,
+            "vocab_size": len(tok),
+            "max_position_embeddings": 4096,
+            "sliding_window": 512,
+            "layer_types": ["sliding_attention", "full_attention"],
+            "bos_token_id": ids["<bos>"],
+            "eos_token_id": ids["<eos>"],
+            "pad_token_id": ids["<pad>"],
+        },
+        mm_tokens_per_image=16,
+        boi_token_index=ids["<start_of_image>"],
+        eoi_token_index=ids["<end_of_image>"],
+        image_token_index=ids["<image_soft_token>"],
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(seed)
+    model = Gemma3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # the projector starts at zero: give the image path weight to matter
+        for param in model.model.multi_modal_projector.parameters():
+            param.normal_(0.0, 0.5)
+    if vision_seed is not None and vision_seed != seed:
+        torch.manual_seed(vision_seed)
+        other = Gemma3ForConditionalGeneration(config).eval()
+        model.model.vision_tower.load_state_dict(other.model.vision_tower.state_dict())
+    model.save_pretrained(out)
+    _hub_siglip_names(out / "model.safetensors")
+    tok.save_pretrained(out)
+    (out / "processor_config.json").write_text(
+        json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 16}, indent=2)
+    )
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "Gemma3ImageProcessor",
+                "processor_class": "Gemma3Processor",
+                "size": {"height": 112, "width": 112},
+                "do_resize": True,
+                "resample": 2,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.5, 0.5, 0.5],
+                "image_std": [0.5, 0.5, 0.5],
+                "do_convert_rgb": None,
+                "do_pan_and_scan": None,
+            },
+            indent=2,
+        )
+    )
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("outdir")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--vision-seed", type=int, default=None)
-    parser.add_argument("--arch", choices=ARCHES, default="qwen2_vl")
+    parser.add_argument("--arch", choices=[*ARCHES, "gemma3"], default="qwen2_vl")
     args = parser.parse_args()
-    print(build(args.outdir, seed=args.seed, vision_seed=args.vision_seed, arch=args.arch))
+    if args.arch == "gemma3":
+        print(build_gemma3(args.outdir, seed=args.seed, vision_seed=args.vision_seed))
+    else:
+        print(build(args.outdir, seed=args.seed, vision_seed=args.vision_seed, arch=args.arch))

@@ -224,6 +224,19 @@ def derive_renames(names: list[str], params: set[str], buffers: set[str]) -> dic
     return mapping
 
 
+def _transformers_names(model: torch.nn.Module, names: list[str]) -> dict[str, str]:
+    """checkpoint name → the name transformers' ``from_pretrained`` gives it for this module
+    (its registered key renamings, scoped per submodule); identity where it has none."""
+    from transformers import PreTrainedModel
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightRenaming, rename_source_key
+
+    if not isinstance(model, PreTrainedModel):
+        return {n: n for n in names}
+    renamings = [t for t in get_model_conversion_mapping(model) if isinstance(t, WeightRenaming)]
+    return {n: rename_source_key(n, renamings, [])[0] for n in names}
+
+
 def _load_vision_weights(model: torch.nn.Module, path: Path) -> str:
     """Read only the vision tensors into ``model`` (every parameter must be found); returns the
     weights digest."""
@@ -235,7 +248,15 @@ def _load_vision_weights(model: torch.nn.Module, path: Path) -> str:
         shards = {single.name: list(_header(single).keys())}
     params = {name for name, _ in model.named_parameters()}
     buffers = set(model.state_dict()) - params
-    renames = derive_renames([n for names in shards.values() for n in names], params, buffers)
+    names = [n for names in shards.values() for n in names]
+    try:
+        renames = derive_renames(names, params, buffers)
+    except ValueError:
+        # Hub checkpoints older than the module layout (e.g. SigLIP's ``vision_model.`` inside
+        # ``vision_tower.``): read the names as transformers' own loader renames them
+        canonical = _transformers_names(model, names)
+        found = derive_renames(list(canonical.values()), params, buffers)
+        renames = {n: found[c] for n, c in canonical.items() if c in found}
     # shards holding no vision tensor are never opened
     wanted = {f: {n: renames[n] for n in names if n in renames} for f, names in shards.items()}
     wanted = {f: selection for f, selection in wanted.items() if selection}

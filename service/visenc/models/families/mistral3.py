@@ -17,6 +17,7 @@ import numpy as np
 import torch
 from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
 
+from visenc.errors import InvalidImage
 from visenc.models.base import Rows, Segment, TokenLayout
 from visenc.models.vlm import FamilyTower
 
@@ -62,7 +63,10 @@ class Mistral3Tower(FamilyTower):
         patch = self.vision_config.patch_size
         merge = int(self.config.spatial_merge_size)
         grid = (1, h // patch, w // patch)
-        return TokenLayout((grid[1] // merge) * (grid[2] // merge), grid, (h, w))
+        rows = (grid[1] // merge) * (grid[2] // merge)
+        if rows == 0:  # under merge x merge patches: the merger has nothing to merge
+            raise InvalidImage(f"{width}x{height} is smaller than one merged patch ({merge * patch} px) of this model")
+        return TokenLayout(rows, grid, (h, w))
 
     def span(self, width: int, height: int) -> list[Segment]:
         layout = self.layout(width, height)

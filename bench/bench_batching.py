@@ -29,20 +29,26 @@ MIXED = [(640, 480), (448, 448), (800, 600), (336, 560), (1024, 576), (512, 512)
 
 
 def engine_batches(tower: Any, prepared: list[Any]) -> list[list[Any]]:
-    """The 8 images cut into batches as the engine's plan would (token cap on CPU); a
-    fixed-resolution tower resizes every image to one shape, so it is one batch."""
+    """The images cut into batches as the engine's plan would: a tower that cannot pack images of
+    different buckets batches each bucket apart (fixed-resolution towers have one bucket), and
+    every batch stays under the token cap (on CPU)."""
     from visenc.engine.budget import plan_budget
 
     cap = plan_budget(tower, 1 << 34, max_batch_tokens=16384).max_batch_tokens
-    batches: list[list[Any]] = [[]]
-    tokens = 0
+    groups: dict[Any, list[Any]] = {}
     for pr in prepared:
-        cost = tower.input_tokens(pr.layout)
-        if batches[-1] and tokens + cost > cap:
-            batches.append([])
-            tokens = 0
-        batches[-1].append(pr)
-        tokens += cost
+        groups.setdefault(None if tower.packable else pr.layout.bucket, []).append(pr)
+    batches: list[list[Any]] = []
+    for group in groups.values():
+        batches.append([])
+        tokens = 0
+        for pr in group:
+            cost = tower.input_tokens(pr.layout)
+            if batches[-1] and tokens + cost > cap:
+                batches.append([])
+                tokens = 0
+            batches[-1].append(pr)
+            tokens += cost
     return batches
 
 

@@ -29,8 +29,9 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
+sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
+import _common as c  # noqa: E402
 import httpx  # noqa: E402
 from tests.conftest import serve_process  # noqa: E402
 from tests.images import png_bytes  # noqa: E402
@@ -106,11 +107,12 @@ def main() -> None:
         f"32 new images (~{tokens} image tokens), chunk {args.chunk} positions, chunk 1 overlaps {k} images; "
         f"median of {args.rounds} rounds"
     )
-    print(f"{'client':8} {'chunk 1 (s)':>12} {'all 32 (s)':>11} {'ratio first/all':>16} {'forwards':>9}")
+    print(f"{'client':8} {'chunk 1 (s)':>12} {'all 32 (s)':>11} {'forwards':>9}  first / all, per round")
     for kind in ("lazy", "naive"):
         first = statistics.median(f for f, _ in results[kind])
         every = statistics.median(a for _, a in results[kind])
-        print(f"{kind:8} {first:12.3f} {every:11.3f} {first / every:16.3f} {statistics.median(batches[kind]):9.0f}")
+        ratios = [f / a for f, a in results[kind]]
+        print(f"{kind:8} {first:12.3f} {every:11.3f} {statistics.median(batches[kind]):9.0f}  {c.spread(ratios, '')}")
     lazy_first = statistics.median(f for f, _ in results["lazy"])
     print(
         f"encoding chunk 1's {k} images alone: {statistics.median(alone):.3f} s "

@@ -38,7 +38,7 @@ from visenc.imaging.preprocess import (
     resize,
     smart_resize,
 )
-from visenc.models import memory
+from visenc.models import memory, varlen
 from visenc.models.base import Prepared, Rows, Segment, TokenLayout, VisionTower
 from visenc.models.building import cast_module, config_fields
 
@@ -156,6 +156,17 @@ class QwenVisionTower(VisionTower):
             preprocess.image_std if preprocess.do_normalize else None,
             fused=preprocess.backend == "torchvision",
         )
+        self._attention = str(config._attn_implementation)
+        self.use_varlen(device.type == "cuda")
+
+    def use_varlen(self, enabled: bool) -> None:
+        """Packed forwards with batch metadata precomputed on the CPU and one attention call per
+        layer (``models/varlen.py``): the default on CUDA; on a CPU, where attention runs image by
+        image anyway, the model's own path (tests switch it on there to check the math)."""
+        if enabled:
+            varlen.register()
+        self.varlen = enabled
+        self.model.config._attn_implementation = varlen.VARLEN if enabled else self._attention
 
     def _resized(self, width: int, height: int) -> tuple[int, int]:
         s = self.settings
@@ -233,9 +244,17 @@ class QwenVisionTower(VisionTower):
             return []
         arrays = [p.pixels for p in batch]
         pixels = torch.from_numpy(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
-        grid_thw = torch.tensor([p.layout.grid_thw for p in batch], dtype=torch.long, device=self.device)
-        with torch.inference_mode():
-            out = self.model(self.to_device(pixels), grid_thw=grid_thw).pooler_output
+        grid = [p.layout.grid_thw for p in batch]
+        if self.varlen:  # grid_thw stays on the CPU: the forward reads only the precomputed metadata
+            extra = varlen.packed_kwargs(self.model.config, grid, self.device)
+            grid_thw = torch.tensor(grid, dtype=torch.long)
+        else:
+            extra, grid_thw = {}, torch.tensor(grid, dtype=torch.long, device=self.device)
+        try:
+            with torch.inference_mode():
+                out = self.model(self.to_device(pixels), grid_thw=grid_thw, **extra).pooler_output
+        finally:
+            varlen.release_masks()
         return list(torch.split(out, [p.layout.num_tokens for p in batch]))
 
     def fingerprint_fields(self) -> dict[str, Any]:
@@ -275,13 +294,17 @@ class QwenVisionTower(VisionTower):
         if not layouts:
             return 0
         seqs = [self.input_tokens(lay) for lay in layouts]
+        linear = self.activation_bytes_per_token() * sum(seqs)
+        if self.varlen:  # one call over the packed batch: block masks instead of per-image scores
+            masks = 2 if hasattr(self.model.config, "window_size") else 1
+            return linear + int(memory.SAFETY * varlen.mask_bytes(sum(seqs), masks))
         scores = memory.attention_score_bytes(
             self.model.config.num_heads,
             max(seqs),
             self.dtype.itemsize,
             materialised=memory.materialises_scores(self.model.config),
         )
-        return self.activation_bytes_per_token() * sum(seqs) + int(memory.SAFETY * scores)
+        return linear + int(memory.SAFETY * scores)
 
 
 def tiny_qwen2_vl_config() -> Qwen2VLVisionConfig:

@@ -18,6 +18,9 @@ from visenc_client._exceptions import ProtocolError
 
 #: segment names are plain file names: never a path
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
+#: ``madvise(MADV_POPULATE_READ)`` (Linux 5.14+; Python names it from 3.12): map a range's pages in
+#: one call instead of one page fault per 4 KiB as the copy first touches them
+_POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else None)
 
 
 class SegmentMaps:
@@ -54,5 +57,17 @@ class SegmentMaps:
         mapped = self._map(name)
         if offset < 0 or offset + nbytes > len(mapped):
             raise ProtocolError(f"range {offset}+{nbytes} is outside segment {name} ({len(mapped)} bytes)")
+        _populate(mapped, offset, nbytes)
         array: np.ndarray = np.frombuffer(mapped, dtype=dtype, count=rows * hidden, offset=offset)
         return array.reshape(rows, hidden)
+
+
+def _populate(mapped: mmap.mmap, offset: int, nbytes: int) -> None:
+    """Fault in the pages of ``[offset, offset + nbytes)`` at once (a no-op where unsupported)."""
+    if _POPULATE_READ is None or nbytes < (1 << 20):
+        return
+    start = offset - offset % mmap.PAGESIZE
+    try:
+        mapped.madvise(_POPULATE_READ, start, offset + nbytes - start)
+    except (OSError, ValueError):
+        pass  # an older kernel: pages fault in as they are read

@@ -1,0 +1,166 @@
+"""One big entry (default 64 MiB of rows) fetched through each transport, against its fair floor.
+
+A real ``visenc serve`` (shared Redis index, shared memory on) and a real ``redis-server``; the
+entry is written into Redis in the stored format for the served model (a 64 MiB entry would take
+an image of ~50 Mpx through the tiny tower), so the service finds it there, as a replica finds an
+image another replica encoded. Side by side, rounds alternating, each moving the entry's rows
+into one preallocated buffer (or handing back views where said):
+
+* memcpy: ``np.copyto`` of the same number of bytes (the floor of every transport);
+* shm: ``Client(shared_memory=True).fetch_chunk`` (handles, map, one copy), and ``fetch_many``
+  (mapped read-only views, no copy), vs memcpy;
+* Redis: ``GETRANGE`` of the rows into the buffer, vs a raw redis-py ``GET`` of the same key;
+* HTTP: ``Client.fetch_chunk`` into the buffer, vs a raw loopback transfer of the same bytes
+  (httpx GET of a bare ASGI app on the same uvicorn that returns them).
+
+Each ratio is the median over rounds, with min and max.
+
+    python bench/bench_big_entry.py [--mib 64] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
+
+import _common as c  # noqa: E402
+from tests.conftest import free_port, redis_process, serve_process  # noqa: E402
+
+from visenc_client import Client, ImagePlacement, RowRange  # noqa: E402
+from visenc_client.format import DATA_OFFSET, entry_key, image_hash, pack_entry  # noqa: E402
+
+RAW_APP = """
+import os
+body = open(os.environ["VISENC_RAW_FILE"], "rb").read()
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    if scope["path"] == "/healthz":
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        await send({"type": "http.response.body", "body": b"ok"})
+        return
+    headers = [(b"content-type", b"application/octet-stream"), (b"content-length", str(len(body)).encode())]
+    await send({"type": "http.response.start", "status": 200, "headers": headers})
+    await send({"type": "http.response.body", "body": body})
+"""
+
+
+@contextlib.contextmanager
+def raw_server(payload: bytes, folder: Path) -> Iterator[str]:
+    """A bare ASGI app on uvicorn that answers every GET with ``payload``."""
+    (folder / "raw_app.py").write_text(RAW_APP)
+    (folder / "payload.bin").write_bytes(payload)
+    port = free_port()
+    env = {**os.environ, "VISENC_RAW_FILE": str(folder / "payload.bin")}
+    cmd = [sys.executable, "-m", "uvicorn", "raw_app:app", "--port", str(port), "--log-level", "warning"]
+    proc = subprocess.Popen(cmd, cwd=folder, env=env)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        _wait(url, proc)
+        yield url
+    finally:
+        proc.terminate()
+        proc.wait(timeout=10)
+
+
+def _wait(url: str, proc: subprocess.Popen[bytes]) -> None:
+    import httpx
+
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, "raw server exited"
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
+                return
+        time.sleep(0.1)
+    raise TimeoutError(url)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=7)
+    args = ap.parse_args()
+    import httpx
+    import redis
+
+    with (
+        redis_process() as (redis_url, _),
+        serve_process("--shm-enabled", "true", "--redis-url", redis_url) as url,
+        Client(url) as http,
+        Client(url, shared_memory=True) as shm,
+        contextlib.ExitStack() as stack,
+    ):
+        info = http.model()
+        hidden = int(info["hidden_size"])
+        rows = args.mib * (1 << 20) // (hidden * 4)
+        data = np.random.default_rng(0).standard_normal((rows, hidden)).astype(np.float32)
+        h = image_hash(b"a big entry %d" % args.mib)
+        entry = pack_entry(data, dtype="float32", grid_thw=(1, 2, rows * 2), fingerprint=info["fingerprint"], hash=h)
+        key = entry_key("default", info["fingerprint"], h)
+        r = redis.Redis.from_url(redis_url)
+        r.set(key, bytes(entry.blob))
+        raw_url = stack.enter_context(raw_server(bytes(entry.rows_view()), Path(stack.enter_context(_tmp()))))
+        raw = stack.enter_context(httpx.Client(timeout=60))
+        out = np.empty((rows, hidden), np.float32)
+        flat = out.reshape(-1).view(np.uint8)
+        placement = [ImagePlacement(h, 0, rows)]
+        nbytes = out.nbytes
+
+        def getrange() -> None:
+            value = r.getrange(key, DATA_OFFSET, DATA_OFFSET + nbytes - 1)
+            flat[:] = np.frombuffer(value, np.uint8)
+
+        runs: dict[str, Callable[[], object]] = {
+            "memcpy": lambda: np.copyto(out, data),
+            "shm fetch_chunk": lambda: shm.fetch_chunk(placement, 0, rows, out=out),
+            "shm views": lambda: shm.fetch_many([RowRange(h)]),
+            "redis GETRANGE": getrange,
+            "redis raw GET": lambda: r.get(key),
+            "http fetch_chunk": lambda: http.fetch_chunk(placement, 0, rows, out=out),
+            "http raw GET": lambda: raw.get(raw_url).content,
+        }
+        for call in runs.values():  # warm: L1 promotion, the shm segment, connections
+            call()
+        assert shm.fetch_chunk(placement, 0, rows).tobytes() == data.tobytes()
+        assert http.fetch_chunk(placement, 0, rows).tobytes() == data.tobytes()
+        times: dict[str, list[float]] = {k: [] for k in runs}
+        for rnd in range(args.rounds):
+            for name in list(runs)[:: 1 if rnd % 2 == 0 else -1]:
+                t0 = time.perf_counter()
+                runs[name]()
+                times[name].append(time.perf_counter() - t0)
+
+    def ratio(a: str, b: str) -> list[float]:
+        return [y / x for x, y in zip(times[a], times[b])]  # throughput a / throughput b
+
+    print(f"one entry of {rows} rows x {hidden} float32 = {nbytes / 2**20:.0f} MiB, {args.rounds} rounds")
+    for name, ts in times.items():
+        print(f"  {name:18s} {nbytes / min(ts) / 1e9:6.2f} GB/s best")
+    print(f"  shm fetch_chunk / memcpy     {c.spread(ratio('shm fetch_chunk', 'memcpy'))}   goal >= 0.8")
+    print(f"  shm views / memcpy           {c.spread(ratio('shm views', 'memcpy'))}")
+    print(f"  redis GETRANGE / raw GET     {c.spread(ratio('redis GETRANGE', 'redis raw GET'))}   goal >= 0.7")
+    print(f"  http fetch_chunk / raw HTTP  {c.spread(ratio('http fetch_chunk', 'http raw GET'))}   goal >= 0.5")
+
+
+@contextlib.contextmanager
+def _tmp() -> Iterator[str]:
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="visenc-big-") as d:
+        yield d
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Chunked fetch per family: every prefill chunk's rows equal the VLM's own ``inputs_embeds`` there.
+
+For each family, the prompt is one text token, the image's placeholder span as
+``/v1/model/layout`` states it (each text piece written as one text token here, e.g.
+Mistral 3's ``[IMG_BREAK]`` between rows of patches, Idefics3's tile markers), and one text
+token. transformers' whole VLM runs on that prompt with the image's pixels (its own
+placeholder check included) and the ``inputs_embeds`` its language model receives are
+captured. visenc serves the same checkpoint; the image is placed with
+``ImagePlacement.from_span`` and fetched chunk by chunk (dense layout, chunks of 7 positions):
+at every image position of every chunk the fetched row equals the model's ``inputs_embeds``
+row (for Qwen3-VL the row's ``main`` columns, and its ``deepstack_i`` columns equal the
+deepstack features the model adds at that position), and text positions are left alone.
+"""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+
+import httpx
+import numpy as np
+import pytest
+import torch
+from PIL import Image
+from tests.conftest import running_app
+from tests.support.tiny_families import BUILDERS, IMAGE_TOKEN, build_family, save_family
+from transformers import AutoImageProcessor
+
+from visenc.models.base import compact
+from visenc.models.loading import load_tower
+from visenc_client import AsyncClient, ImagePlacement
+
+TEXT_TOKEN = 7
+CHUNK = 7
+
+
+def model_embeds(model, inputs, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    captured: dict = {}
+    lm = model.model.language_model if hasattr(model.model, "language_model") else model.model.text_model
+    handle = lm.register_forward_pre_hook(lambda _m, _a, kw: captured.update(kw), with_kwargs=True)
+    extra = {}
+    if "image_grid_thw" in inputs or type(model).__name__.startswith("Gemma4"):
+        extra["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
+    try:
+        with torch.inference_mode():
+            model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs, **extra)
+    finally:
+        handle.remove()
+    return captured["inputs_embeds"][0], list(captured.get("deepstack_visual_embeds") or [])
+
+
+@pytest.mark.parametrize("name", sorted(BUILDERS))
+async def test_every_chunk_equals_the_models_inputs_embeds(name: str, tmp_path: Path) -> None:
+    path = save_family(name, tmp_path / name)
+    tower = load_tower(str(path), image_backend="pil")
+    model, _ = build_family(name)
+    rng = np.random.default_rng(3)
+    image = Image.fromarray(rng.integers(0, 256, (150, 230, 3), dtype=np.uint8))
+    buf = io.BytesIO()
+    image.save(buf, format="PNG")
+    span = compact(tower.span(*image.size))  # what /v1/model/layout answers
+    ids = [TEXT_TOKEN]
+    for piece in span:
+        ids += [IMAGE_TOKEN] * piece["rows"] if "rows" in piece else [TEXT_TOKEN]
+    ids.append(TEXT_TOKEN)
+    input_ids = torch.tensor([ids])
+    proc = AutoImageProcessor.from_pretrained(path, backend="pil")
+    out = proc(images=[image], return_tensors="pt", **tower.call_kwargs)
+    keep = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_position_ids")
+    embeds, deepstack = model_embeds(model, {k: out[k] for k in keep if k in out}, input_ids)
+    is_image = input_ids[0] == IMAGE_TOKEN
+    main = embeds.shape[1]
+
+    async with running_app(tower) as client:
+        transport = httpx.ASGITransport(app=client.app)  # type: ignore[attr-defined]
+        async with AsyncClient("http://visenc", transport=transport) as vc:
+            (handle,) = await vc.encode([buf.getvalue()], wait=True)
+            layout = (await client.get("/v1/model/layout", params={"width": 230, "height": 150})).json()
+            assert layout["span"] == span
+            placement = ImagePlacement.from_span(handle, 1, layout["span"], lambda text: 1)
+            assert placement.num_tokens == int(is_image.sum())
+            for start in range(0, len(ids), CHUNK):
+                end = min(len(ids), start + CHUNK)
+                got = np.full((end - start, tower.hidden_size), np.nan, np.float32)
+                await vc.fetch_chunk([placement], start, end, out=got, dense=True)
+                for pos in range(start, end):
+                    row = got[pos - start]
+                    if not is_image[pos]:
+                        assert np.isnan(row).all(), (name, pos)
+                        continue
+                    want = embeds[pos].numpy()
+                    scale = np.abs(want).max()
+                    assert np.abs(row[:main] - want).max() <= 1e-4 * scale, (name, pos)
+                    k = int(is_image[:pos].sum())  # the image's k-th row
+                    for level, feats in enumerate(deepstack, start=1):
+                        extra = row[level * main : (level + 1) * main]
+                        assert np.abs(extra - feats[k].numpy()).max() <= 1e-4 * np.abs(feats[k].numpy()).max()

@@ -4,6 +4,12 @@ The client owns nothing here: it opens a segment the service created, maps it
 read-only and closes the descriptor at once. The mapping lives as long as the
 arrays viewing it and stays valid after the service unlinks the file, so a
 client that exits or is killed leaves nothing behind.
+
+A segment is written once and never changes (its name carries the service's pid, a
+random token and a counter), so mappings are kept in a small per-process cache
+(``VISENC_SHM_MAP_CACHE_BYTES``, default 1 GiB, least recently used first out): the
+chunks of one image map it and fault its pages in once, not once per chunk. The cache
+holds at most that many bytes of tmpfs pages past their segments' leases.
 """
 
 from __future__ import annotations
@@ -11,6 +17,8 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import threading
+from collections import OrderedDict
 
 import numpy as np
 
@@ -23,30 +31,62 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else None)
 
 
+class _MapCache:
+    """Process-wide LRU of segment mappings, bounded in mapped bytes; thread-safe."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes = max_bytes
+        self._maps: OrderedDict[str, tuple[mmap.mmap, set[tuple[int, int]]]] = OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    def get(self, path: str) -> tuple[mmap.mmap, set[tuple[int, int]]] | None:
+        with self._lock:
+            found = self._maps.get(path)
+            if found is not None:
+                self._maps.move_to_end(path)
+            return found
+
+    def put(self, path: str, mapped: mmap.mmap) -> tuple[mmap.mmap, set[tuple[int, int]]]:
+        entry: tuple[mmap.mmap, set[tuple[int, int]]] = (mapped, set())
+        with self._lock:
+            if len(mapped) > self.max_bytes:
+                return entry  # too big to keep: used for this call only
+            self._maps[path] = entry
+            self._bytes += len(mapped)
+            while self._bytes > self.max_bytes:
+                _, (old, _) = self._maps.popitem(last=False)
+                self._bytes -= len(old)  # unmapped once no array views it
+            return entry
+
+
+_CACHE = _MapCache(int(os.environ.get("VISENC_SHM_MAP_CACHE_BYTES", 1 << 30)))
+
+
 class SegmentMaps:
-    """Segments mapped during one call, each mapped once however many ranges it serves."""
+    """Segments of one call's answer, each mapped once (and kept in the process's cache)."""
 
     def __init__(self, directory: str) -> None:
         self.directory = directory
-        self._maps: dict[str, mmap.mmap] = {}
 
-    def _map(self, name: str) -> mmap.mmap:
-        mapped = self._maps.get(name)
-        if mapped is None:
-            if not _NAME.fullmatch(name) or name in (".", ".."):
-                raise ProtocolError(f"bad shared-memory segment name {name!r}")
-            try:
-                fd = os.open(os.path.join(self.directory, name), os.O_RDONLY)
-            except FileNotFoundError as e:
-                # its lease ran out before we got to it: the rows are still served over HTTP
-                raise ProtocolError(f"shared-memory segment {name} is gone (lease expired)") from e
-            try:
-                size = os.fstat(fd).st_size
-                mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
-            finally:
-                os.close(fd)
-            self._maps[name] = mapped
-        return mapped
+    def _map(self, name: str) -> tuple[mmap.mmap, set[tuple[int, int]]]:
+        if not _NAME.fullmatch(name) or name in (".", ".."):
+            raise ProtocolError(f"bad shared-memory segment name {name!r}")
+        path = os.path.join(self.directory, name)
+        found = _CACHE.get(path)
+        if found is not None:
+            return found
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except FileNotFoundError as e:
+            # its lease ran out before we got to it: the rows are still served over HTTP
+            raise ProtocolError(f"shared-memory segment {name} is gone (lease expired)") from e
+        try:
+            size = os.fstat(fd).st_size
+            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        finally:
+            os.close(fd)
+        return _CACHE.put(path, mapped)
 
     def view(self, name: str, offset: int, nbytes: int, dtype: np.dtype, rows: int, hidden: int) -> np.ndarray:
         """Rows as a read-only ``[rows, hidden]`` array over the mapping (no copy)."""
@@ -54,10 +94,12 @@ class SegmentMaps:
             raise ProtocolError(f"segment range of {nbytes} bytes does not hold [{rows}, {hidden}] {dtype}")
         if nbytes == 0:
             return np.empty((rows, hidden), dtype)
-        mapped = self._map(name)
+        mapped, populated = self._map(name)
         if offset < 0 or offset + nbytes > len(mapped):
             raise ProtocolError(f"range {offset}+{nbytes} is outside segment {name} ({len(mapped)} bytes)")
-        _populate(mapped, offset, nbytes)
+        if (offset, nbytes) not in populated:
+            _populate(mapped, offset, nbytes)
+            populated.add((offset, nbytes))
         array: np.ndarray = np.frombuffer(mapped, dtype=dtype, count=rows * hidden, offset=offset)
         return array.reshape(rows, hidden)
 

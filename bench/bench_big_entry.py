@@ -25,6 +25,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -111,7 +112,8 @@ def main() -> None:
         key = entry_key("default", info["fingerprint"], h)
         r = redis.Redis.from_url(redis_url)
         r.set(key, bytes(entry.blob))
-        raw_url = stack.enter_context(raw_server(bytes(entry.rows_view()), Path(stack.enter_context(_tmp()))))
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="visenc-big-")))
+        raw_url = stack.enter_context(raw_server(bytes(entry.rows_view()), folder))
         raw = stack.enter_context(httpx.Client(timeout=60))
         out = np.empty((rows, hidden), np.float32)
         flat = out.reshape(-1).view(np.uint8)
@@ -152,14 +154,6 @@ def main() -> None:
     print(f"  shm views / memcpy           {c.spread(ratio('shm views', 'memcpy'))}")
     print(f"  redis GETRANGE / raw GET     {c.spread(ratio('redis GETRANGE', 'redis raw GET'))}   goal >= 0.7")
     print(f"  http fetch_chunk / raw HTTP  {c.spread(ratio('http fetch_chunk', 'http raw GET'))}   goal >= 0.5")
-
-
-@contextlib.contextmanager
-def _tmp() -> Iterator[str]:
-    import tempfile
-
-    with tempfile.TemporaryDirectory(prefix="visenc-big-") as d:
-        yield d
 
 
 if __name__ == "__main__":

@@ -73,8 +73,6 @@ async def one_round(engine: object, metrics: object, images: list[bytes], ns: st
 
 
 async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
-    import torch
-
     from visenc.config import Settings
     from visenc.engine.core import Engine
     from visenc.imaging.decode import decode
@@ -98,7 +96,6 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
             for data in images:
                 decode(data, max_pixels=1 << 30, loader=tower.image_loader)
             dec = (time.perf_counter() - t0) / len(images)
-            torch.set_num_threads(torch.get_num_threads())
             got = await one_round(engine, metrics, images, f"round{r}", args.concurrency)
             parts = {
                 "decode": dec,

@@ -17,7 +17,6 @@ Prints "no CUDA device" and exits 0 where there is none.
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import statistics
 import sys
 import time
@@ -70,6 +69,7 @@ def main() -> int:
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     from visenc.imaging.decode import decode
+    from visenc.models import varlen
     from visenc.models.building import build_seeded, set_attention
     from visenc.models.flops import qwen_vision_flops
     from visenc.models.qwen2vl import QwenPreprocess, QwenVisionTower
@@ -88,7 +88,7 @@ def main() -> int:
         dtype=torch.bfloat16,
         device=device,
     )
-    kernel = "flash-attn varlen" if importlib.util.find_spec("flash_attn") else "SDPA, block-diagonal mask"
+    kernel = "flash-attn varlen" if varlen.HAS_FLASH_ATTN else "SDPA, block-diagonal mask"
     print(f"{name}, one attention call per layer ({kernel}), bf16 peak {peak} TFLOP/s, {args.rounds} rounds")
 
     def timed(batches: list[list]) -> float:

@@ -22,6 +22,7 @@ agent; TTFT ratios are medians over rounds, with min and max.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -86,7 +87,7 @@ def worker(model: str, visenc: str | None, turns: list[int]) -> list[dict]:
     llm.apply_model(hook)
     params = SamplingParams(temperature=0.0, max_tokens=1)
     out = []
-    with Client(visenc or "http://127.0.0.1:9") as vc:
+    with Client(visenc) if visenc else contextlib.nullcontext() as vc:
         for k in turns:
             datas = [screenshot(t) for t in range(1, k + 1)]
             t0 = time.perf_counter()

@@ -37,6 +37,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from visenc.api.codec import read_capped
 from visenc_client import AsyncClient, VisencClientError
 from visenc_client.format import image_hash
 
@@ -144,13 +145,7 @@ class Proxy:
             async with self.http.stream("GET", url) as r:
                 if r.status_code != 200:
                     raise ProxyError(f"fetching an image URL answered {r.status_code}")
-                chunks, size = [], 0
-                async for chunk in r.aiter_bytes():
-                    size += len(chunk)
-                    if size > limit:
-                        raise ProxyError(f"an image is over {limit} bytes")
-                    chunks.append(chunk)
-                return b"".join(chunks)
+                return await read_capped(r.aiter_bytes(), limit, lambda: ProxyError(f"an image is over {limit} bytes"))
 
         try:
             return await asyncio.wait_for(read(), self.settings.fetch_timeout_s)

@@ -13,7 +13,7 @@ import pytest
 from PIL import Image
 from tests.conftest import running_app
 from tests.service.test_api import encode_json, fetch_rows, sha
-from tests.support.tiny_families import build_family, placeholder_rows, save_family
+from tests.support.tiny_families import build_family, placeholder_rows, reference_inputs, save_family
 from transformers import AutoImageProcessor
 
 from visenc.models.loading import load_tower
@@ -44,9 +44,8 @@ async def test_served_rows_equal_transformers(name: str, tmp_path: Path) -> None
             (item,) = r.json()["items"]
             got = await fetch_rows(client, item["hash"])
             image = Image.open(io.BytesIO(data)).convert("RGB")
-            inputs = proc(images=[image], return_tensors="pt", **tower.call_kwargs)
-            keep = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_position_ids")
-            ref = placeholder_rows(model, {k: inputs[k] for k in keep if k in inputs}, item["num_tokens"]).numpy()
+            inputs = reference_inputs(proc, image, tower.call_kwargs)
+            ref = placeholder_rows(model, inputs, item["num_tokens"]).numpy()
             assert got.shape == ref.shape
             assert np.abs(got - ref).max() <= 1e-4 * np.abs(ref).max()
             layout = (

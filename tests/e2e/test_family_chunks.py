@@ -23,7 +23,14 @@ import pytest
 import torch
 from PIL import Image
 from tests.conftest import running_app
-from tests.support.tiny_families import BUILDERS, IMAGE_TOKEN, build_family, save_family
+from tests.support.tiny_families import (
+    BUILDERS,
+    IMAGE_TOKEN,
+    build_family,
+    language_model_inputs,
+    reference_inputs,
+    save_family,
+)
 from transformers import AutoImageProcessor
 
 from visenc.models.base import compact
@@ -32,21 +39,6 @@ from visenc_client import AsyncClient, ImagePlacement
 
 TEXT_TOKEN = 7
 CHUNK = 7
-
-
-def model_embeds(model, inputs, ids: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    captured: dict = {}
-    lm = model.model.language_model if hasattr(model.model, "language_model") else model.model.text_model
-    handle = lm.register_forward_pre_hook(lambda _m, _a, kw: captured.update(kw), with_kwargs=True)
-    extra = {}
-    if "image_grid_thw" in inputs or type(model).__name__.startswith("Gemma4"):
-        extra["mm_token_type_ids"] = (ids == IMAGE_TOKEN).long()
-    try:
-        with torch.inference_mode():
-            model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs, **extra)
-    finally:
-        handle.remove()
-    return captured["inputs_embeds"][0], list(captured.get("deepstack_visual_embeds") or [])
 
 
 @pytest.mark.parametrize("name", sorted(BUILDERS))
@@ -65,9 +57,7 @@ async def test_every_chunk_equals_the_models_inputs_embeds(name: str, tmp_path: 
     ids.append(TEXT_TOKEN)
     input_ids = torch.tensor([ids])
     proc = AutoImageProcessor.from_pretrained(path, backend="pil")
-    out = proc(images=[image], return_tensors="pt", **tower.call_kwargs)
-    keep = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_position_ids")
-    embeds, deepstack = model_embeds(model, {k: out[k] for k in keep if k in out}, input_ids)
+    embeds, deepstack = language_model_inputs(model, reference_inputs(proc, image, tower.call_kwargs), input_ids)
     is_image = input_ids[0] == IMAGE_TOKEN
     main = embeds.shape[1]
 

@@ -13,34 +13,28 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 
 
-@pytest.mark.slow
-@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to read peak RSS")
-def test_64_full_hd_images_stay_within_budget_plus_outputs():
-    # a small resize ceiling keeps the forward cheap; decode, staging and batching are the full-size path
+def bench_memory(*args: str) -> dict:
+    """``bench/bench_memory.py --json ARGS`` in a fresh process: its one JSON line."""
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "bench_memory.py"),
-            "--json",
-            "--images",
-            "64",
-            "--width",
-            "1920",
-            "--height",
-            "1080",
-            "--max-pixels",
-            "50176",
-            "--budget-mib",
-            "64",
-        ],
+        [sys.executable, str(ROOT / "bench" / "bench_memory.py"), "--json", *args],
         capture_output=True,
         text=True,
-        timeout=240,
+        timeout=300,
     )
     assert proc.stdout, proc.stderr[-2000:]
     r = json.loads(proc.stdout.strip().splitlines()[-1])
     assert r["statuses"] == ["ready"]
     assert r["peak_reset"], "VmHWM could not be reset: the peak would include start-up"
+    return r
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to read peak RSS")
+def test_64_full_hd_images_stay_within_budget_plus_outputs():
+    # a small resize ceiling keeps the forward cheap; decode, staging and batching are the full-size path
+    r = bench_memory(
+        "--images", "64", "--width", "1920", "--height", "1080", "--max-pixels", "50176", "--budget-mib", "64"
+    )
     assert r["peak_growth_bytes"] <= r["budget_bytes"] + r["output_bytes"], r
     assert r["forwards"] >= 2  # the request was split into budgeted batches
 
@@ -53,31 +47,8 @@ def test_1000_queued_images_with_bumps_stay_bounded():
     growth may exceed budget + outputs only by the process's fixed overhead (allocator arenas and
     thread stacks touched on first use, measured 5-25 MiB at budgets 32-128 MiB); an unbounded
     stage would hold 200 bumped inputs (~240 MiB) or 1000 decoded images (~880 MiB)."""
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "bench" / "bench_memory.py"),
-            "--json",
-            "--queued",
-            "--images",
-            "1000",
-            "--bumps",
-            "200",
-            "--width",
-            "640",
-            "--height",
-            "480",
-            "--max-pixels",
-            "50176",
-            "--budget-mib",
-            "64",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=300,
+    r = bench_memory(
+        *("--queued", "--images", "1000", "--bumps", "200", "--width", "640", "--height", "480"),
+        *("--max-pixels", "50176", "--budget-mib", "64"),
     )
-    assert proc.stdout, proc.stderr[-2000:]
-    r = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert r["statuses"] == ["ready"]
-    assert r["peak_reset"], "VmHWM could not be reset: the peak would include start-up"
     assert r["peak_growth_bytes"] <= r["budget_bytes"] + r["output_bytes"] + 32 * (1 << 20), r

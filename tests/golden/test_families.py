@@ -24,7 +24,7 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from tests.support.tiny_families import BUILDERS, build_family, placeholder_rows, save_family
+from tests.support.tiny_families import BUILDERS, build_family, placeholder_rows, reference_inputs, save_family
 from transformers import AutoImageProcessor
 
 from visenc.errors import InvalidImage
@@ -55,12 +55,6 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
     return name, path, model
 
 
-def _reference_inputs(proc: Any, image: Image.Image, call_kwargs: dict[str, Any]) -> dict[str, Any]:
-    out = proc(images=[image], return_tensors="pt", **call_kwargs)
-    keep = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_position_ids")
-    return {k: out[k] for k in keep if k in out}
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_rows_equal_transformers_placeholder_rows(family: tuple[str, Path, Any], backend: str) -> None:
     name, path, model = family
@@ -71,7 +65,7 @@ def test_rows_equal_transformers_placeholder_rows(family: tuple[str, Path, Any],
     prepared = [tower.preprocess(im) for im in images]
     batched = tower.forward(prepared)
     for image, prep, rows in zip(images, prepared, batched, strict=True):
-        ref = placeholder_rows(model, _reference_inputs(proc, image, tower.call_kwargs), prep.layout.num_tokens)
+        ref = placeholder_rows(model, reference_inputs(proc, image, tower.call_kwargs), prep.layout.num_tokens)
         assert rows.shape == (prep.layout.num_tokens, tower.hidden_size) == ref.shape, (name, image.size)
         scale = ref.abs().max().item()
         assert scale > 0

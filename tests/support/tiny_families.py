@@ -242,12 +242,17 @@ def save_family(name: str, outdir: str | Path, seed: int = 0) -> Path:
     return out
 
 
-def placeholder_rows(model: Any, inputs: dict[str, Any], num_rows: int) -> torch.Tensor:
-    """The rows the VLM places at the image's ``num_rows`` placeholder positions.
+def reference_inputs(proc: Any, image: Any, call_kwargs: dict[str, Any]) -> dict[str, Any]:
+    """The image processor's outputs the VLM's forward takes, for one image."""
+    out = proc(images=[image], return_tensors="pt", **call_kwargs)
+    keep = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_attention_mask", "image_position_ids")
+    return {k: out[k] for k in keep if k in out}
 
-    The prompt is one text token, the image's placeholders, one text token. The
+
+def language_model_inputs(model: Any, inputs: dict[str, Any], ids: torch.Tensor) -> tuple[torch.Tensor, list[Any]]:
+    """Run the whole VLM on ``ids`` (``[1, L]``) with the image ``inputs``; return the
+    ``inputs_embeds`` (``[L, hidden]``) and deepstack features its language model receives. The
     model's own placeholder check (image tokens == feature rows) runs on the way."""
-    ids = torch.tensor([[1] + [IMAGE_TOKEN] * num_rows + [2]])
     captured: dict[str, Any] = {}
 
     def grab(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
@@ -263,9 +268,13 @@ def placeholder_rows(model: Any, inputs: dict[str, Any], num_rows: int) -> torch
             model(input_ids=ids, attention_mask=torch.ones_like(ids), **inputs, **extra)
     finally:
         handle.remove()
-    mask = ids[0] == IMAGE_TOKEN
-    rows = captured["inputs_embeds"][0][mask]
-    deepstack = captured.get("deepstack_visual_embeds")
-    if deepstack:
-        rows = torch.cat([rows, *deepstack], dim=-1)
-    return rows
+    return captured["inputs_embeds"][0], list(captured.get("deepstack_visual_embeds") or [])
+
+
+def placeholder_rows(model: Any, inputs: dict[str, Any], num_rows: int) -> torch.Tensor:
+    """The rows the VLM places at the image's ``num_rows`` placeholder positions (a prompt of one
+    text token, the placeholders, one text token), deepstack levels appended along the hidden axis."""
+    ids = torch.tensor([[1] + [IMAGE_TOKEN] * num_rows + [2]])
+    embeds, deepstack = language_model_inputs(model, inputs, ids)
+    rows = embeds[ids[0] == IMAGE_TOKEN]
+    return torch.cat([rows, *deepstack], dim=-1) if deepstack else rows

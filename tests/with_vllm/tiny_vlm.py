@@ -82,6 +82,23 @@ VISION = {
 ARCHES = tuple(VISION)
 
 
+def _text_config(vocab: int, *, bos: int, eos: int, pad: int) -> dict:
+    """The tiny language model every checkpoint here shares: 2 layers, width 128."""
+    return {
+        "hidden_size": 128,
+        "intermediate_size": 256,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 64,
+        "vocab_size": vocab,
+        "max_position_embeddings": 4096,
+        "bos_token_id": bos,
+        "eos_token_id": eos,
+        "pad_token_id": pad,
+    }
+
+
 def _classes(arch: str) -> tuple[type, type]:
     import transformers
 
@@ -104,18 +121,8 @@ def build(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None, 
     config = config_class(
         vision_config={**VISION[arch], "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3},
         text_config={
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
-            "vocab_size": len(tok),
-            "max_position_embeddings": 4096,
+            **_text_config(len(tok), bos=ids["<|endoftext|>"], eos=ids["<|im_end|>"], pad=ids["<|endoftext|>"]),
             "rms_norm_eps": 1e-6,
-            "bos_token_id": ids["<|endoftext|>"],
-            "eos_token_id": ids["<|im_end|>"],
-            "pad_token_id": ids["<|endoftext|>"],
             "rope_parameters": rope,
             "rope_scaling": rope,
         },
@@ -205,20 +212,10 @@ def build_gemma3(outdir: str | Path, *, seed: int = 0, vision_seed: int | None =
             "patch_size": 14,
         },
         text_config={
+            **_text_config(len(tok), bos=ids["<bos>"], eos=ids["<eos>"], pad=ids["<pad>"]),
             "model_type": "gemma3_text",
-            "hidden_size": 128,
-            "intermediate_size": 256,
-            "num_hidden_layers": 2,
-            "num_attention_heads": 2,
-            "num_key_value_heads": 1,
-            "head_dim": 64,
-            "vocab_size": len(tok),
-            "max_position_embeddings": 4096,
             "sliding_window": 512,
             "layer_types": ["sliding_attention", "full_attention"],
-            "bos_token_id": ids["<bos>"],
-            "eos_token_id": ids["<eos>"],
-            "pad_token_id": ids["<pad>"],
         },
         mm_tokens_per_image=16,
         boi_token_index=ids["<start_of_image>"],

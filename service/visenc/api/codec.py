@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -49,13 +49,18 @@ async def read_body(request: Request, limit: int) -> bytes:
                 raise PayloadTooLarge(f"body of {declared} bytes exceeds max_body_bytes={limit}")
         except ValueError as e:
             raise BadRequest("bad Content-Length header") from e
-    chunks, size = [], 0
-    async for chunk in request.stream():
+    return await read_capped(request.stream(), limit, lambda: PayloadTooLarge(f"body exceeds max_body_bytes={limit}"))
+
+
+async def read_capped(chunks: AsyncIterator[bytes], limit: int, too_big: Callable[[], Exception]) -> bytes:
+    """The stream's bytes joined, raising ``too_big()`` as soon as they pass ``limit``."""
+    parts, size = [], 0
+    async for chunk in chunks:
         size += len(chunk)
         if size > limit:
-            raise PayloadTooLarge(f"body exceeds max_body_bytes={limit}")
-        chunks.append(chunk)
-    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+            raise too_big()
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _validation_message(e: ValidationError) -> str:

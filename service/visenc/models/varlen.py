@@ -25,6 +25,8 @@ import torch
 
 #: the attention implementation name the packed path sets on the vision config
 VARLEN = "visenc_flash_varlen"
+#: whether flash-attn's varlen kernel can serve CUDA batches (looked up once, not per layer)
+HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
 
 
 def packed_kwargs(config: Any, grid: list[tuple[int, int, int]], device: torch.device) -> dict[str, Any]:
@@ -83,7 +85,7 @@ def varlen_attention(
     """Attention over a packed ``[1, heads, total, dim]`` sequence, each segment of
     ``cu_seq_lens_q`` attending only to itself, in one kernel call. Returns
     ``[1, total, heads, dim]`` as transformers' attention functions do."""
-    if query.is_cuda and importlib.util.find_spec("flash_attn") is not None:
+    if query.is_cuda and HAS_FLASH_ATTN:
         from flash_attn import flash_attn_varlen_func
 
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, dim]

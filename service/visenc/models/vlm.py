@@ -65,6 +65,9 @@ class FamilyTower(VisionTower):
     processor_class: ClassVar[str | None] = None
     #: keys of the image processor's output the forward takes
     input_names: ClassVar[tuple[str, ...]] = ("pixel_values",)
+    #: the transformers base model (a ``transformers`` attribute) whose ``get_image_features``
+    #: defines the rows
+    base_model: ClassVar[str]
 
     def __init__(
         self,
@@ -99,8 +102,9 @@ class FamilyTower(VisionTower):
 
     @classmethod
     def model_class(cls) -> type:
-        """The transformers base model whose ``get_image_features`` defines the rows."""
-        raise NotImplementedError
+        import transformers
+
+        return getattr(transformers, cls.base_model)  # type: ignore[no-any-return]
 
     def layout(self, width: int, height: int) -> TokenLayout:
         raise NotImplementedError
@@ -111,7 +115,7 @@ class FamilyTower(VisionTower):
 
     def collate(self, inputs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One batch from per-image processor outputs (default: concatenated along dim 0)."""
-        return {k: torch.cat([x[k] for x in inputs]) for k in self.input_names}
+        return {k: cat([x[k] for x in inputs]) for k in self.input_names}
 
     def image_rows(self, outputs: Any) -> torch.Tensor:
         """All images' rows, in order, as one ``[rows, hidden]`` tensor."""
@@ -211,6 +215,11 @@ class FamilyTower(VisionTower):
         return self.activation_bytes_per_token() * sum(self.input_tokens(lay) for lay in layouts) + int(
             memory.SAFETY * scores
         )
+
+
+def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
+    """``torch.cat``, without copying a lone tensor (a batch of one image)."""
+    return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
 
 
 def load_processor(path: Path, backend: str) -> Any:

@@ -16,12 +16,7 @@ class Gemma3Tower(FamilyTower):
     family = "gemma3"
     model_types = ("gemma3",)
     processor_class = "Gemma3Processor"
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import Gemma3Model
-
-        return Gemma3Model
+    base_model = "Gemma3Model"
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:

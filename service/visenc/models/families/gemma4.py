@@ -19,13 +19,8 @@ class Gemma4Tower(FamilyTower):
     family = "gemma4"
     model_types = ("gemma4",)
     processor_class = "Gemma4Processor"
+    base_model = "Gemma4Model"
     input_names = ("pixel_values", "image_position_ids")
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import Gemma4Model
-
-        return Gemma4Model
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:

@@ -17,14 +17,9 @@ class Glm4vTower(FamilyTower):
     family = "glm4v"
     model_types = ("glm4v",)
     processor_class = "Glm4vProcessor"
+    base_model = "Glm4vModel"
     input_names = ("pixel_values", "image_grid_thw")
     packable = True
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import Glm4vModel
-
-        return Glm4vModel
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:

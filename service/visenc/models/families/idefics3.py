@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from visenc.models.base import Rows, Segment, TokenLayout
-from visenc.models.vlm import FamilyTower
+from visenc.models.vlm import FamilyTower, cat
 
 FAKE = "<fake_token_around_image>"
 
@@ -23,13 +23,8 @@ class Idefics3Tower(FamilyTower):
     family = "idefics3"
     model_types = ("idefics3",)
     processor_class = "Idefics3Processor"
+    base_model = "Idefics3Model"
     input_names = ("pixel_values", "pixel_attention_mask")
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import Idefics3Model
-
-        return Idefics3Model
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:
@@ -67,19 +62,14 @@ class Idefics3Tower(FamilyTower):
 
     def collate(self, inputs: Any) -> dict[str, torch.Tensor]:
         # one sample holding every image's tiles; all-zero tiles are padding to the model
-        return {k: torch.cat([x[k] for x in inputs], dim=1) for k in self.input_names}
+        return {k: cat([x[k] for x in inputs], dim=1) for k in self.input_names}
 
 
 class SmolVLMTower(Idefics3Tower):
     family = "smolvlm"
     model_types = ("smolvlm",)
     processor_class = "SmolVLMProcessor"
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import SmolVLMModel
-
-        return SmolVLMModel
+    base_model = "SmolVLMModel"
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:

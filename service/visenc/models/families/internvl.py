@@ -18,12 +18,7 @@ class InternVLTower(FamilyTower):
     family = "internvl"
     model_types = ("internvl",)
     processor_class = "InternVLProcessor"
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import InternVLModel
-
-        return InternVLModel
+    base_model = "InternVLModel"
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:

@@ -13,20 +13,15 @@ from typing import Any
 import torch
 
 from visenc.models.base import TokenLayout
-from visenc.models.vlm import FamilyTower
+from visenc.models.vlm import FamilyTower, cat
 
 
 class LlavaOnevisionTower(FamilyTower):
     family = "llava_onevision"
     model_types = ("llava_onevision",)
     processor_class = "LlavaOnevisionProcessor"
+    base_model = "LlavaOnevisionModel"
     input_names = ("pixel_values", "image_sizes")
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import LlavaOnevisionModel
-
-        return LlavaOnevisionModel
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, Any]:
@@ -61,8 +56,8 @@ class LlavaOnevisionTower(FamilyTower):
     def collate(self, inputs: Any) -> dict[str, torch.Tensor]:
         # one image's tiles are ``[1, tiles, C, H, W]``; the batch is every tile, image after image
         return {
-            "pixel_values": torch.cat([x["pixel_values"][0] for x in inputs]),
-            "image_sizes": torch.cat([x["image_sizes"] for x in inputs]),
+            "pixel_values": cat([x["pixel_values"][0] for x in inputs]),
+            "image_sizes": cat([x["image_sizes"] for x in inputs]),
         }
 
     def feature_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:

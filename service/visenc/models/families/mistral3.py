@@ -19,24 +19,19 @@ from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_
 
 from visenc.errors import InvalidImage
 from visenc.models.base import Rows, Segment, TokenLayout
-from visenc.models.vlm import FamilyTower
+from visenc.models.vlm import FamilyTower, cat
 
 
 class Mistral3Tower(FamilyTower):
     family = "mistral3"
     model_types = ("mistral3",)
     processor_class = "PixtralProcessor"
+    base_model = "Mistral3Model"
     input_names = ("pixel_values", "image_sizes")
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.packable = self.device.type != "cpu"
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import Mistral3Model
-
-        return Mistral3Model
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:
@@ -81,8 +76,11 @@ class Mistral3Tower(FamilyTower):
         pixels = [x["pixel_values"] for x in inputs]
         h = max(p.shape[-2] for p in pixels)
         w = max(p.shape[-1] for p in pixels)
-        padded = [torch.nn.functional.pad(p, (0, w - p.shape[-1], 0, h - p.shape[-2])) for p in pixels]
-        return {"pixel_values": torch.cat(padded), "image_sizes": torch.cat([x["image_sizes"] for x in inputs])}
+        padded = [
+            p if p.shape[-2:] == (h, w) else torch.nn.functional.pad(p, (0, w - p.shape[-1], 0, h - p.shape[-2]))
+            for p in pixels
+        ]
+        return {"pixel_values": cat(padded), "image_sizes": cat([x["image_sizes"] for x in inputs])}
 
     def forward(self, batch: Any) -> list[torch.Tensor]:
         # get_image_features squeezes a lone row away (``[1, hidden]`` → ``[hidden]``): a batch of

@@ -24,14 +24,9 @@ class Qwen3VLTower(FamilyTower):
     family = "qwen3_vl"
     model_types = ("qwen3_vl",)
     processor_class = "Qwen3VLProcessor"
+    base_model = "Qwen3VLModel"
     input_names = ("pixel_values", "image_grid_thw")
     packable = True
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import Qwen3VLModel
-
-        return Qwen3VLModel
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:
@@ -64,13 +59,7 @@ class Qwen3VLTower(FamilyTower):
 class Qwen3VLMoeTower(Qwen3VLTower):
     family = "qwen3_vl_moe"
     model_types = ("qwen3_vl_moe",)
-    processor_class = "Qwen3VLProcessor"
-
-    @classmethod
-    def model_class(cls) -> type:
-        from transformers import Qwen3VLMoeModel
-
-        return Qwen3VLMoeModel
+    base_model = "Qwen3VLMoeModel"
 
 
 def grid_layout(processor: Any, width: int, height: int, resize: Any, **resize_kwargs: Any) -> TokenLayout:

@@ -82,8 +82,9 @@ class Settings(BaseSettings):
     claim_ttl_ms: int = Field(
         5000,
         gt=0,
-        description="Lifetime of a cross-replica encode claim; the owner renews it every third "
-        "of it while the image is queued or encoding, so it only lapses when the owner dies.",
+        description="Lifetime of a cross-replica encode claim (taken when an encode starts) and of "
+        "an image's queued mark; the owner renews them every third of it while the image is encoding "
+        "or queued, so they only lapse when the owner dies.",
     )
     claim_poll_ms: float = Field(
         20.0,

@@ -36,7 +36,7 @@ ENDPOINTS = (
 )
 TRANSPORTS = ("http", "shm", "inline")
 LOOKUP_RESULTS = ("hit", "miss", "corrupt", "error")
-REDIS_OPS = ("get", "set", "claim", "renew", "release", "claims_held")
+REDIS_OPS = ("get", "set", "queue", "claim", "look", "renew", "release")
 CLAIM_OUTCOMES = ("owned", "held", "ready", "takeover", "timeout", "unavailable", "fetch_wait")
 #: where an encode failed: the forward raised, the forward stalled, copying its outputs out failed
 FAILURE_STAGES = ("forward", "stall", "output")
@@ -155,8 +155,9 @@ class Metrics:
         )
         self.claims = Counter(
             "visenc_claims",
-            "Cross-replica encode claims by outcome: owned (encode here), held (another "
-            "replica encodes; wait), ready (found while claiming), takeover (the owner went away), timeout "
+            "Cross-replica encode claims by outcome: owned (an encode starts here under our claim), held "
+            "(another replica encodes it; wait), ready (its entry found at admission or encode start), "
+            "takeover (the owner went away), timeout "
             "(waited claim_wait_s), unavailable (Redis down: encode here), fetch_wait (a fetch waits for "
             "another replica's encode).",
             ["outcome"],

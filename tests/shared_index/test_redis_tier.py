@@ -10,7 +10,7 @@ from tests.shared_index.conftest import metric
 
 from visenc.config import Settings
 from visenc.index.memory import MemoryLRU
-from visenc.index.redis_claims import RedisClaims, claim_key
+from visenc.index.redis_claims import ClaimState, RedisClaims, claim_key, queued_key
 from visenc.index.redis_conn import RedisConnection, redacted_location
 from visenc.index.redis_store import RedisStore
 from visenc.index.tiered import Index
@@ -141,35 +141,49 @@ async def test_claim_script_semantics(raw, redis_url):
     store = index_for(redis_url, Metrics())
     idx = RedisClaims(store)
     k1, k2 = entry_key("ns", FP, "1" * 64), entry_key("ns", FP, "2" * 64)
-    assert await idx.claim_many([k1, k2], "me", 5000) == [True, True]
-    assert await idx.claim_many([k1], "me", 5000) == [True]  # already ours
-    assert await idx.claim_many([k1, k2], "you", 5000) == [False, False]
-    assert await raw.get(claim_key(k1)) == b"me"
+    S = ClaimState
+    assert await idx.states([k1, k2], "look", "me", 5000) == [S.FREE, S.FREE]  # reads only
+    assert await raw.exists(claim_key(k1), queued_key(k1)) == 0
+    # queued: marked (no claim), visible to a look from anyone, and no obstacle to a claim
+    assert await idx.states([k1], "queue", "me", 5000) == [S.QUEUED]
+    assert await raw.exists(claim_key(k1)) == 0 and await raw.pttl(queued_key(k1)) > 0
+    assert await idx.states([k1], "look", "you", 5000) == [S.QUEUED]
+    assert await idx.states([k1, k2], "claim", "me", 5000) == [S.OURS, S.OURS]  # an encode starts
+    assert await idx.states([k1], "claim", "me", 5000) == [S.OURS]  # already ours
+    for mode in ("claim", "queue", "look"):  # another's claim is never taken, nor marked over
+        assert await idx.states([k1, k2], mode, "you", 5000) == [S.HELD, S.HELD]
+    assert await raw.get(claim_key(k1)) == b"me" and await raw.exists(queued_key(k2)) == 0
     await idx.renew_claims([k1], "you", 60_000)  # not theirs: unchanged
     assert await raw.pttl(claim_key(k1)) <= 5000
     await idx.renew_claims([k1], "me", 60_000)
     assert await raw.pttl(claim_key(k1)) > 5000
+    await idx.mark_queued([k2], "you", 60_000)
+    assert await raw.pttl(queued_key(k2)) > 5000
     e = make("1" * 64)
     await store.put(k1, e)
-    (got,) = await idx.claim_many([k1], "you", 5000)  # the entry, read in the same script
-    assert bytes(got.blob) == bytes(e.blob)
+    for mode in ("claim", "queue", "look"):  # the entry, read in the same script
+        (got,) = await idx.states([k1], mode, "you", 5000)
+        assert bytes(got.blob) == bytes(e.blob)
     await idx.release_claims([k1, k2], "you")  # not theirs: kept
     assert await raw.exists(claim_key(k2)) == 1
     await idx.release_claims([k2], "me")
     assert await raw.exists(claim_key(k2)) == 0
-    assert await idx.claim_many([k2], "you", 5000) == [True]
-    # a claim lives in its entry's cluster slot (hash tag = the entry key)
+    assert await idx.states([k2], "look", "you", 5000) == [S.QUEUED]  # the mark outlives the claim
+    assert await idx.states([k2], "claim", "you", 5000) == [S.OURS]
+    await raw.set(k2, b"VENC-but-truncated")  # a corrupt value is no entry: encode and overwrite
+    assert await idx.states([k2], "claim", "you", 5000) == [S.OURS]
+    # the claim and queued keys live in their entry's cluster slot (hash tag = the entry key)
     from redis.crc import key_slot
 
-    assert key_slot(claim_key(k1).encode()) == key_slot(k1.encode())
-    # the scripts run by SHA1 from Redis' script cache; an emptied cache is refilled once
+    assert key_slot(claim_key(k1).encode()) == key_slot(k1.encode()) == key_slot(queued_key(k1).encode())
+    # the script runs by SHA1 from Redis' script cache; an emptied cache is refilled once
     await raw.config_resetstat()
-    await idx.claim_many([k1, k2], "you", 5000)
+    await idx.states([k1, k2], "claim", "you", 5000)
     sent = await commands(raw)
     assert sent.get("evalsha") == 2 and "eval" not in sent
     await raw.script_flush()
     await raw.config_resetstat()
-    assert await idx.claim_many([k2], "you", 5000) == [True]
+    assert await idx.states([k2], "claim", "you", 5000) == [S.OURS]
     sent = await commands(raw)
     assert sent.get("script|load") == 1 and "eval" not in sent  # NOSCRIPT, load once, send again
     await idx.conn.close()

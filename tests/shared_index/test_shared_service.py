@@ -11,8 +11,9 @@ from tests.conftest import free_port, running_app
 from tests.images import jpeg_bytes, png_bytes
 from tests.service.test_api import encode_json, reference
 from tests.shared_index.conftest import metric
+from tests.support.faults import FaultyTower
 
-from visenc.index.redis_claims import claim_key
+from visenc.index.redis_claims import claim_key, queued_key
 from visenc_client import AsyncRedisRows, Handle, image_hash
 from visenc_client.format import entry_key
 
@@ -120,6 +121,68 @@ async def test_a_claim_whose_owner_died_is_taken_over(raw, redis_url, tiny_tower
         assert metric(m, "visenc_claims_total", outcome="held") == 1
         assert metric(m, "visenc_claims_total", outcome="takeover") == 1
         assert metric(m, "visenc_encoded_images_total") == 1
+
+
+async def until(check, timeout_s: float = 5.0) -> None:
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while not await check():
+        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
+        await asyncio.sleep(0.01)
+
+
+async def busy_replica_with_a_queued_image(raw, a, first: bytes, queued: bytes) -> tuple[str, str]:
+    """``first`` on a's device (its slow forward), ``queued`` waiting behind it; their entry keys."""
+    fp = (await a.get("/v1/model")).json()["fingerprint"]
+    k_first, k_queued = (entry_key("default", fp, image_hash(d)) for d in (first, queued))
+    r = await encode_json(a, [{"data": first}, {"data": queued}], wait=False)
+    assert [it["status"] for it in r.json()["items"]] == ["pending", "pending"]
+    await until(lambda: raw.exists(claim_key(k_first)))  # its encode started: claimed now
+    # the queued image holds no claim, only a "queued" mark
+    assert await raw.exists(claim_key(k_queued)) == 0 and await raw.exists(queued_key(k_queued)) == 1
+    return k_first, k_queued
+
+
+#: replica a: a first forward of 1.2 s, claims of 300 ms, and no staging past the image on the device
+BUSY = {"claim_ttl_ms": 300, "prefetch_tokens": 1, **FAST}
+
+
+async def test_claims_are_taken_at_encode_start_and_renewed_while_it_runs(raw, redis_url, tiny_tower):
+    """An image queued at a busy replica is encoded by a free one at once, not after the busy
+    one's forward; the busy one then finds its entry at its own encode start (no second forward)."""
+    first, queued = png_bytes(333, 64, 64), png_bytes(334, 96, 64)
+    slow = FaultyTower(tiny_tower, delay_s=1.2, delay_first=1)
+    async with running_app(slow, redis_url=redis_url, **BUSY) as a, running_app(tiny_tower, redis_url=redis_url) as b:
+        k_first, _ = await busy_replica_with_a_queued_image(raw, a, first, queued)
+        token = await raw.get(claim_key(k_first))
+        r = await encode_json(b, [{"data": queued}])
+        assert r.json()["items"][0]["status"] == "ready"
+        assert slow.forwards == 1 and await raw.exists(k_first) == 0  # a's first forward still runs
+        assert metric(await metrics_of(b), "visenc_claims_total", outcome="owned") == 1
+        await asyncio.sleep(0.5)  # past claim_ttl_ms: the running encode's claim is renewed, not lapsed
+        assert await raw.get(claim_key(k_first)) == token and await raw.exists(k_first) == 0
+        rows = await a.get(f"/v1/embeddings/{image_hash(queued)}")  # a finds b's entry at encode start
+        assert rows.content == (await b.get(f"/v1/embeddings/{image_hash(queued)}")).content
+        await until(lambda: raw.exists(k_first))
+        assert await raw.exists(claim_key(k_first)) == 0  # entry written, then the claim released
+        ma = await metrics_of(a)
+        assert slow.forwards == 1 and metric(ma, "visenc_encoded_images_total") == 1
+        assert metric(ma, "visenc_claims_total", outcome="ready") == 1
+
+
+async def test_a_fetch_elsewhere_waits_for_an_image_queued_at_a_busy_replica(raw, redis_url, tiny_tower):
+    """A pending handle fetched from another replica while its image is still queued (not started)
+    at a busy replica waits past claim_ttl_ms (the queued mark is renewed), then gets the rows."""
+    first, queued = png_bytes(335, 64, 64), png_bytes(336, 96, 64)
+    slow = FaultyTower(tiny_tower, delay_s=1.2, delay_first=1)
+    async with running_app(slow, redis_url=redis_url, **BUSY) as a, running_app(tiny_tower, redis_url=redis_url) as b:
+        await busy_replica_with_a_queued_image(raw, a, first, queued)
+        got = await b.get(f"/v1/embeddings/{image_hash(queued)}")
+        assert got.status_code == 200
+        rows = np.frombuffer(got.content, "<f4").reshape(-1, tiny_tower.hidden_size)
+        np.testing.assert_allclose(rows, reference(tiny_tower, queued), atol=1e-5, rtol=0)
+        mb = await metrics_of(b)
+        assert metric(mb, "visenc_encoded_images_total") == 0
+        assert metric(mb, "visenc_claims_total", outcome="fetch_wait") == 1
 
 
 async def test_a_claim_held_too_long_is_not_waited_for_forever(raw, redis_url, tiny_tower):

@@ -1,20 +1,28 @@
-"""This replica's cross-replica encode claims: take, renew, release.
+"""This replica's cross-replica encode claims: mark queued, claim at encode start, renew, release.
 
 The in-process single-flight map (``engine/intake.py``) stops one replica from
-encoding an image twice; claims stop two replicas from doing so. Protocol (the
-Redis scripts are in ``index/redis_claims.py``):
+encoding an image twice; claims stop two replicas from doing so, and track the
+work really being done. Protocol (the Redis script is ``index/redis_claims.py``'s
+``STATE_SCRIPT``, one pipelined round trip for many images):
 
-1. Before queueing the new images of a request, intake runs one pipelined round
-   trip that, per image and atomically, returns the entry if it was written
-   meanwhile, else takes the image's **claim** (``SET claim token PX
-   claim_ttl_ms``) if nobody holds it. Owned claims are queued here as usual;
-   an image whose claim another replica holds is *watched* (``engine/remote.py``).
-2. The owner **renews** its claims every ``claim_ttl_ms / 3`` while their jobs
-   are unfinished, writes the entry (one atomic ``SET``), then **releases** the
-   claim (``engine/outputs.py``). A claim therefore lapses only if its owner dies.
+1. **Admission** (``admit``): per new image, atomically, the entry if it was
+   written meanwhile; else, if another replica is encoding it (holds its claim),
+   "wait" (the image is *watched*, ``engine/remote.py``); else the image is
+   queued here and marked *queued* (``{key}:queued``, renewed while it waits),
+   so a fetch of it on another replica waits instead of answering 404. A queued
+   image holds no claim: another replica asked for it may start it first.
+2. **Encode start** (``begin``, called by the scheduler when the image leaves the
+   queue for preprocessing, at most ``prefetch_tokens`` ahead of the device):
+   the entry if another replica finished it, else the claim (``SET claim token
+   PX claim_ttl_ms``) if nobody holds it, else "wait" (watched). The calls of
+   one scheduler dispatch share one round trip.
+3. The owner **renews** its claims every ``claim_ttl_ms / 3`` while the encode
+   runs, writes the entry (one atomic ``SET``), then **releases** the claim
+   (``engine/outputs.py``); a failed encode releases it too. A claim therefore
+   lapses only if its owner dies, and other replicas take over within ``claim_ttl``.
 
-When Redis is unavailable every claim answers "encode here": replicas may then
-encode the same image twice, which is correct, only wasteful.
+When Redis is unavailable every image is encoded here: replicas may then encode
+the same image twice, which is correct, only wasteful.
 """
 
 from __future__ import annotations
@@ -25,9 +33,9 @@ import logging
 import uuid
 from collections.abc import Sequence
 
-from visenc.engine.job import Job
+from visenc.engine.job import Job, JobState
 from visenc.engine.threads import stop_task
-from visenc.index.redis_claims import RedisClaims
+from visenc.index.redis_claims import ClaimState, RedisClaims
 from visenc.metrics import Metrics
 from visenc_client.format import Entry
 
@@ -41,32 +49,72 @@ class Claims:
         self.ttl_ms = ttl_ms
         self.metrics = metrics
         self._owned: dict[str, Job] = {}
+        self._queued: dict[str, Job] = {}
+        self._starting: list[tuple[Job, asyncio.Future[Entry | bool]]] = []
+        self._flush: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def claim(self, keys: Sequence[str]) -> dict[str, Entry | bool]:
-        """Per key: the entry (already encoded elsewhere), ``True`` (encode here; the claim is ours,
-        or Redis is unavailable) or ``False`` (another replica encodes it)."""
-        replies = await self.store.claim_many(keys, self.token, self.ttl_ms)
+    async def admit(self, keys: Sequence[str]) -> dict[str, Entry | bool]:
+        """Per key: the entry (already encoded elsewhere), ``True`` (queue it here; marked queued, or
+        Redis is unavailable) or ``False`` (another replica is encoding it: wait)."""
+        replies = await self.store.states(keys, "queue", self.token, self.ttl_ms)
         if replies is None:
-            self.metrics.claims.labels("unavailable").inc(len(keys))
             return dict.fromkeys(keys, True)
-        for reply in replies:
-            outcome = "owned" if reply is True else "held" if reply is False else "ready"
-            self.metrics.claims.labels(outcome).inc()
-        return dict(zip(keys, replies))
+        out: dict[str, Entry | bool] = {}
+        for key, reply in zip(keys, replies):
+            if reply is ClaimState.HELD:
+                self.metrics.claims.labels("held").inc()
+            elif isinstance(reply, Entry):
+                self.metrics.claims.labels("ready").inc()
+            out[key] = reply if isinstance(reply, Entry) else reply is not ClaimState.HELD
+        return out
 
-    async def poll(self, keys: Sequence[str]) -> list[Entry | bool] | None:
-        """``claim`` for watched images, unrecorded: ``None`` while Redis is unavailable."""
-        return await self.store.claim_many(keys, self.token, self.ttl_ms)
+    def queued(self, job: Job) -> None:
+        """``job`` waits in this replica's queue: keep its queued mark alive while it does."""
+        self._queued[job.key] = job
 
-    async def held(self, key: str) -> bool:
-        """Whether another replica is encoding ``key`` right now (its claim is held)."""
-        replies = await self.store.claims_held([key])
-        return bool(replies and replies[0])
+    async def look(self, keys: Sequence[str]) -> list[Entry | ClaimState] | None:
+        """Where each image stands (read only); ``None`` while Redis is unavailable."""
+        return await self.store.states(keys, "look", self.token, self.ttl_ms)
 
-    def own(self, job: Job) -> None:
-        """``job`` is queued here under our claim: keep the claim alive until ``release``."""
-        self._owned[job.key] = job
+    async def pending(self, key: str) -> bool:
+        """Whether another replica is encoding ``key``, has it queued, or has just written it."""
+        (state,) = await self.look([key]) or [ClaimState.FREE]
+        return state not in (ClaimState.FREE, ClaimState.OURS)
+
+    async def begin(self, job: Job) -> Entry | bool:
+        """``job``'s encode starts: ``True`` (the claim is ours, or Redis is unavailable: encode it),
+        its entry (another replica finished it) or ``False`` (another replica is encoding it).
+
+        The calls made before the event loop next turns share one pipelined round trip."""
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Entry | bool] = loop.create_future()
+        self._starting.append((job, answer))
+        if self._flush is None:
+            self._flush = loop.create_task(self._claim_starting())
+        return await answer
+
+    async def _claim_starting(self) -> None:
+        await asyncio.sleep(0)  # the other jobs of this dispatch join the round trip
+        starting, self._starting, self._flush = self._starting, [], None
+        try:
+            replies = await self.store.states([job.key for job, _ in starting], "claim", self.token, self.ttl_ms)
+        except BaseException as e:  # the store swallows Redis errors: a bug, the encodes fail with it
+            for _, answer in starting:
+                if not answer.done():
+                    answer.set_exception(e)
+            raise
+        unavailable: list[Entry | ClaimState | None] = [None] * len(starting)
+        for (job, answer), reply in zip(starting, replies or unavailable):
+            outcome = "unavailable" if reply is None else "ready" if isinstance(reply, Entry) else reply.name.lower()
+            self.metrics.claims.labels("owned" if outcome == "ours" else outcome).inc()
+            mine = reply is None or reply is ClaimState.OURS
+            if mine and reply is not None:
+                self._owned[job.key] = job
+            if answer.done() or job.finished:  # its encode was given up while we asked
+                await self.release(job.key)
+                continue
+            answer.set_result(reply if isinstance(reply, Entry) else mine)
 
     async def release(self, key: str) -> None:
         """The entry of ``key`` is written (or its encode failed): let the claim go (if it is ours)."""
@@ -80,7 +128,7 @@ class Claims:
     async def stop(self) -> None:
         await stop_task(self._task)
         self._task = None
-        owned, self._owned = list(self._owned), {}
+        owned, self._owned, self._queued = list(self._owned), {}, {}
         if owned:  # let other replicas take over at once instead of after the claims lapse
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(self.store.release_claims(owned, self.token), timeout=2.0)
@@ -89,9 +137,12 @@ class Claims:
         while True:
             await asyncio.sleep(self.ttl_ms / 3000)
             # a finished job stays owned until ``release`` (after its entry is written), but needs no renewal
-            keys = [k for k, job in self._owned.items() if not job.finished]
+            owned = [k for k, job in self._owned.items() if not job.finished]
+            self._queued = {k: job for k, job in self._queued.items() if job.state is JobState.QUEUED}
             try:
-                if keys:
-                    await self.store.renew_claims(keys, self.token, self.ttl_ms)
+                if owned:
+                    await self.store.renew_claims(owned, self.token, self.ttl_ms)
+                if self._queued:
+                    await self.store.mark_queued(list(self._queued), self.token, self.ttl_ms)
             except Exception:  # the store swallows Redis errors; anything else is a bug: log, go on
                 log.exception("claim renewal failed")

@@ -118,6 +118,8 @@ class Engine:
                 metrics=metrics,
             )
         )
+        if self.remote is not None:
+            self.scheduler.gate = self.remote.begin
         self.intake = Intake(
             index=index,
             prep=prep,

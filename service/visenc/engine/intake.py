@@ -11,8 +11,9 @@
 * lookups go in-flight map → the index tiers, one round trip for the whole request;
 * a miss with bytes becomes one ``Job`` per distinct key (**single-flight**:
   concurrent requests for the same new image join the job in flight); with a
-  shared index the image is also claimed across replicas (``claims.py``), and an
-  image another replica is encoding is waited for (``remote.py``), not encoded again;
+  shared index an image another replica is encoding is waited for
+  (``remote.py``), not encoded again, and one it is not is marked queued here
+  (``claims.py``; the claim itself is taken when the encode starts);
 * every entry read from any tier is checked against its header and its key
   before it is used: a corrupt or truncated one is a miss, never served;
 * a waiter that goes away releases its interest; a job nobody wants is dropped before its forward.
@@ -242,7 +243,7 @@ class Intake:
     async def _claim(self, items: list[_Item], new: set[str]) -> dict[str, Entry | bool]:
         if self.claims is None or not new:
             return {}
-        claimed = await self.claims.claim(sorted(new))  # one round trip: entry, or claim, or wait
+        claimed = await self.claims.admit(sorted(new))  # one round trip: entry, or queue here, or wait
         for it in items:
             got = claimed.get(it.key)
             if it.inspected is not None and isinstance(got, Entry):
@@ -261,7 +262,7 @@ class Intake:
             self.remote.watch(job)  # another replica encodes it
         else:
             if self.claims is not None:
-                self.claims.own(job)
+                self.claims.queued(job)
             self.scheduler.submit(job)
         return job
 
@@ -351,11 +352,9 @@ class Intake:
 
     # --- fetch ---------------------------------------------------------------------------------
     async def _watch_remote(self, key: str, image_hash: str) -> Job | None:
-        """A job waiting for another replica's encode of ``key`` (its claim is held), or ``None``.
-
-        The job has no bytes and no layout yet; it sits in the in-flight map so later local
-        requests join it, and a local encode that brings the bytes adopts it."""
-        if self.claims is None or self.remote is None or not await self.claims.held(key):
+        """A job waiting for another replica's encode of ``key`` (pending there), or ``None``. It has no
+        bytes or layout yet; local requests join it, and a local encode that brings the bytes adopts it."""
+        if self.claims is None or self.remote is None or not await self.claims.pending(key):
             return None
         job = self._joinable(key)  # a local encode may have started while we asked
         if job is None:

@@ -66,6 +66,8 @@ class Job:
     decode_cost: int = 0
     prepared: Prepared | None = None
     urgent: bool = False
+    #: encode here whoever holds the claim (waited ``claim_wait_s`` for another replica already)
+    unclaimed: bool = False
     interest: int = 0
     #: set by the worker: monotonic start of the forward that ran this job, and its duration (s)
     started_at: float | None = None

@@ -61,6 +61,8 @@ class Forwarded:
 class _Done:
     jobs: list[Job]
     entries: list[Entry]
+    #: written by another replica: nothing encoded or to write here
+    remote: bool = False
 
 
 @dataclass(slots=True)
@@ -160,7 +162,7 @@ class Outputs:
     def complete_remote(self, job: Job, entry: Entry) -> None:
         """Another replica encoded ``job``: take its entry, no forward here, nothing to write."""
         if not job.finished:
-            self._queue.put_nowait(_Done([job], [entry]))
+            self._queue.put_nowait(_Done([job], [entry], remote=True))
 
     # --- the output thread ------------------------------------------------------------
     def _materialise(self, forwarded: Forwarded) -> list[Entry]:
@@ -215,13 +217,12 @@ class Outputs:
     def _answer(self, item: _Done | _Failed) -> None:
         if isinstance(item, _Done):
             for job, entry in zip(item.jobs, item.entries):
-                self._complete(job, entry)
+                self._complete(job, entry, remote=item.remote)
         else:
             for job in item.jobs:
                 self._fail_now(job, item.error)
 
-    def _complete(self, job: Job, entry: Entry) -> None:
-        remote = job.state is JobState.WATCHING
+    def _complete(self, job: Job, entry: Entry, *, remote: bool) -> None:
         if job.future.done():
             return
         self.index.store_local(job.key, entry)

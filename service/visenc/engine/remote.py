@@ -1,16 +1,19 @@
 """Images another replica is encoding: wait for its entry, or take over.
 
-A *watched* job sits in intake's in-flight map (local requests join it) but is
-not queued here. One background loop polls every due watched image in one
-pipelined round trip of the claim script, backing off from 1 ms to
+A job is *watched* when another replica holds its claim, found at admission or
+when its encode was about to start here (``begin``, the scheduler's gate). A
+watched job sits in intake's in-flight map (local requests join it) but is not
+queued here. One background loop reads every due watched image's state in one
+pipelined round trip of the state script, backing off from 1 ms to
 ``claim_poll_ms`` per image. Each poll either finds the entry (the job
 completes with it, no forward here), or finds the claim gone without an entry
-(owner died or failed: the claim is now ours and the job is queued here), or,
-after ``claim_wait_s``, gives up waiting and queues the job here anyway. A
-watched job nobody waits for any more is cancelled.
+(owner died or failed: the job is queued here again, and claims at its own
+encode start), or, after ``claim_wait_s``, gives up waiting and queues the job
+here anyway. A watched job nobody waits for any more is cancelled. A *fetch*
+(no bytes) waits while the image is claimed or queued at some replica.
 
-Why polling and not pub/sub: the same script answers "done?", "owner gone?"
-and "take over" atomically, works unchanged on Redis Cluster (pub/sub there is
+Why polling and not pub/sub: the same script answers "done?" and "owner
+gone?" atomically, works unchanged on Redis Cluster (pub/sub there is
 broadcast or sharded, with per-node subscriptions to keep alive), survives
 Redis restarts with no subscription to restore, and costs one small round trip
 per tick for *all* watched images of this replica.
@@ -30,6 +33,7 @@ from visenc.engine.outputs import Outputs
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.threads import stop_task
 from visenc.errors import Cancelled, NotFound, NotReady
+from visenc.index.redis_claims import ClaimState
 from visenc.metrics import Metrics
 from visenc_client.format import Entry
 
@@ -75,6 +79,18 @@ class RemoteWaits:
         self._watched[job.key] = _Watch(job, now, now + FIRST_POLL_S, FIRST_POLL_S)
         self.metrics.claim_waiting.set(len(self._watched))
         self._wake.set()
+
+    async def begin(self, job: Job) -> bool:
+        """The scheduler's gate as ``job``'s encode starts: whether to encode it here (the claim is
+        ours). Otherwise it is completed with the entry another replica wrote, or watched."""
+        if job.unclaimed:
+            return True
+        got = await self.claims.begin(job)
+        if isinstance(got, Entry):
+            self.outputs.complete_remote(job, got)
+        elif not got:
+            self.watch(job)
+        return got is True
 
     @property
     def watching(self) -> int:
@@ -122,21 +138,25 @@ class RemoteWaits:
                 live.append(w)
         if not live:
             return
-        replies = await self.claims.poll([w.job.key for w in live])
+        replies = await self.claims.look([w.job.key for w in live])
         now = time.monotonic()
         for i, w in enumerate(live):
             if self._watched.get(w.job.key) is not w or w.job.state is not JobState.WATCHING:
                 continue
             reply = None if replies is None else replies[i]
+            # a fetch (no bytes) also waits while some replica has the image queued
+            waits = (ClaimState.HELD,) if w.job.data is not None else (ClaimState.HELD, ClaimState.QUEUED)
             if isinstance(reply, Entry):
                 self._unwatch(w)
                 self.metrics.claims.labels("ready").inc()
                 self.outputs.complete_remote(w.job, reply)
-            elif reply is not False or now - w.since >= self.wait_s:
-                # claim taken over (owner gone), Redis unavailable, or waited long enough: encode here
+            elif reply not in waits or now - w.since >= self.wait_s:
+                # claim gone without an entry (owner died or failed), Redis unavailable, or waited long
+                # enough: encode here
                 self._unwatch(w)
-                outcome = "takeover" if reply is True else "unavailable" if reply is None else "timeout"
+                outcome = "unavailable" if reply is None else "timeout" if reply in waits else "takeover"
                 self.metrics.claims.labels(outcome).inc()
+                w.job.unclaimed = outcome == "timeout"
                 self._take_over(w.job)
             else:
                 w.interval = min(w.interval * 2, self.poll_max_s)
@@ -152,5 +172,5 @@ class RemoteWaits:
                 ),
             )
             return
-        self.claims.own(job)
+        self.claims.queued(job)
         self.scheduler.submit(job)

@@ -26,6 +26,11 @@ Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
   for yet would only delay them. A single job over any limit still runs, alone
   (and is staged alone when it exceeds the prefetch bound).
 
+With a shared index, leaving the queue is where an image's encode *starts*: the
+``gate`` (``RemoteWaits.begin``) claims it across replicas first, and an image
+another replica started (or finished) meanwhile is handed over instead of
+preprocessed.
+
 Everything here runs on the event loop thread; nothing blocks.
 """
 
@@ -34,7 +39,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor
 
 from visenc.engine.job import Job, JobState
@@ -46,6 +51,9 @@ log = logging.getLogger(__name__)
 
 #: image bytes -> tower input (decode + the tower's preprocessing), run in the CPU pool
 Preprocess = Callable[[bytes], Prepared]
+#: asked as a job's encode starts (it leaves the queue): whether to encode it here. On ``False`` the
+#: gate has taken the job over (another replica encodes it, or did); the scheduler forgets it
+Gate = Callable[[Job], Awaitable[bool]]
 
 
 class Scheduler:
@@ -73,6 +81,8 @@ class Scheduler:
         self._on_prepared = on_prepared
         self.max_batch_bytes = max_batch_bytes
         self._batch_bytes = batch_bytes
+        #: set by the engine when replicas share an index (``RemoteWaits.begin``: claim at encode start)
+        self.gate: Gate | None = None
         self._waiting: list[Job] = []
         self._ready: list[Job] = []
         self._preparing: set[asyncio.Task[None]] = set()
@@ -167,10 +177,14 @@ class Scheduler:
         task.add_done_callback(self._preparing.discard)
 
     async def _prepare(self, job: Job) -> None:
-        data, job.data = job.data, None
-        assert data is not None
-        t0 = time.perf_counter()
         try:
+            if self.gate is not None and not await self.gate(job):
+                self.staged_tokens -= job.cost + job.decode_cost  # another replica's work now
+                self._dispatch()
+                return
+            t0 = time.perf_counter()
+            data, job.data = job.data, None
+            assert data is not None
             job.prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
         except BaseException as e:
             self.staged_tokens -= job.cost + job.decode_cost

@@ -1,8 +1,10 @@
 """Cross-replica encode claims, stored in Redis beside the entries.
 
-A claim key wraps its whole entry key in a hash tag, ``{visenc:ns:fp:hash}:claim``,
-so on Redis Cluster it lives in the *same slot* as its entry and one Lua script
-can read the entry and take the claim atomically; the scripts of one call are
+Two keys sit beside an entry: its **claim** ``{visenc:ns:fp:hash}:claim`` (the
+one replica encoding the image) and its **queued** mark ``{visenc:ns:fp:hash}:queued``
+(some replica has the image queued, not started). Each wraps the whole entry key
+in a hash tag, so on Redis Cluster they live in the *same slot* as the entry and
+one Lua script reads the entry and reads or takes the claim atomically; the scripts of one call are
 pipelined (one round trip for all of a request's new images; on a cluster, one
 concurrent call per key). Every method
 answers ``None`` (or nothing) while Redis is unavailable: see ``redis_conn.py``.
@@ -11,6 +13,7 @@ answers ``None`` (or nothing) while Redis is unavailable: see ``redis_conn.py``.
 from __future__ import annotations
 
 import asyncio
+import enum
 import hashlib
 from collections.abc import Sequence
 from typing import Any
@@ -21,18 +24,35 @@ from visenc.index.redis_conn import RedisConnection
 from visenc.index.redis_store import RedisStore
 from visenc_client.format import Entry
 
-#: KEYS = (entry, claim), ARGV = (token, ttl_ms). Returns the entry's value if it
-#: exists; else 1 if the claim is (now) ours, taking it when free; else 0.
-CLAIM_SCRIPT = """
+
+class ClaimState(enum.IntEnum):
+    """Where an image without an entry stands across replicas (the codes ``STATE_SCRIPT`` returns)."""
+
+    HELD = 0  #: another replica is encoding it (holds its claim)
+    OURS = 1  #: the claim is ours: encode it here
+    QUEUED = 2  #: nobody encodes it yet; some replica has it queued (marked by ``queue``)
+    FREE = 3  #: nobody encodes it and nobody has it queued
+
+
+#: KEYS = (entry, claim, queued), ARGV = (mode, token, ttl_ms). Returns the entry's value if it exists,
+#: else a ``ClaimState`` code. Mode ``claim`` takes a free claim (an encode starts here), ``queue`` marks
+#: the image queued here unless someone encodes it, ``look`` only reads.
+STATE_SCRIPT = """
 local v = redis.call('GET', KEYS[1])
 if v then return v end
 local owner = redis.call('GET', KEYS[2])
-if not owner then
-  redis.call('SET', KEYS[2], ARGV[1], 'PX', ARGV[2])
+if owner == ARGV[2] then return 1 end
+if owner then return 0 end
+if ARGV[1] == 'claim' then
+  redis.call('SET', KEYS[2], ARGV[2], 'PX', ARGV[3])
   return 1
 end
-if owner == ARGV[1] then return 1 end
-return 0
+if ARGV[1] == 'queue' then
+  redis.call('SET', KEYS[3], ARGV[2], 'PX', ARGV[3])
+  return 2
+end
+if redis.call('EXISTS', KEYS[3]) == 1 then return 2 end
+return 3
 """
 #: KEYS = (claim,), ARGV = (token, ttl_ms): extend the claim if it is still ours.
 RENEW_SCRIPT = """
@@ -49,6 +69,11 @@ return 0
 def claim_key(key: str) -> str:
     """The claim key of an entry key: same Redis Cluster slot (hash tag = the entry key)."""
     return f"{{{key}}}:claim"
+
+
+def queued_key(key: str) -> str:
+    """The key marking an entry key's image queued at some replica (same slot as the entry)."""
+    return f"{{{key}}}:queued"
 
 
 class RedisClaims:
@@ -84,33 +109,37 @@ class RedisClaims:
 
         return await self.conn.run(op, call) if keys else []
 
-    async def claim_many(self, keys: Sequence[str], token: str, ttl_ms: int) -> list[Entry | bool] | None:
-        """For each key, one of: its entry (already encoded), ``True`` (the claim is ours: encode it
-        here), ``False`` (another owner holds the claim: wait). One pipelined round trip; ``None`` if
-        Redis is unavailable. A corrupt stored value answers ``True`` (encode and overwrite it)."""
-        replies = await self._scripts("claim", CLAIM_SCRIPT, [(k, claim_key(k)) for k in keys], (token, ttl_ms))
+    async def states(self, keys: Sequence[str], mode: str, token: str, ttl_ms: int) -> list[Entry | ClaimState] | None:
+        """For each key, its entry (already encoded) or its ``ClaimState`` after ``mode`` (``claim``,
+        ``queue`` or ``look``: see ``STATE_SCRIPT``). One pipelined round trip; ``None`` if Redis is
+        unavailable. A corrupt stored value counts as no entry (encode and overwrite it)."""
+        replies = await self._scripts(
+            mode, STATE_SCRIPT, [(k, claim_key(k), queued_key(k)) for k in keys], (mode, token, ttl_ms)
+        )
         if replies is None:
             return None
-        out: list[Entry | bool] = []
+        out: list[Entry | ClaimState] = []
         for key, reply in zip(keys, replies):
-            if isinstance(reply, bytes):
-                entry = self.store.decode(key, reply)
-                out.append(True if entry is None else entry)
+            entry = self.store.decode(key, reply) if isinstance(reply, bytes) else None
+            if entry is not None:
+                out.append(entry)
+            elif isinstance(reply, bytes):  # corrupt: as if absent; the claim is ours only in claim mode
+                out.append(ClaimState.OURS if mode == "claim" else ClaimState.FREE)
             else:
-                out.append(bool(reply))
+                out.append(ClaimState(int(reply)))
         return out
 
-    async def claims_held(self, keys: Sequence[str]) -> list[bool] | None:
-        """Whether some replica holds the claim on each key (read-only; ``None`` if Redis is unavailable)."""
+    async def mark_queued(self, keys: Sequence[str], token: str, ttl_ms: int) -> None:
+        """(Re)mark ``keys`` queued here for ``ttl_ms``: a fetch elsewhere waits instead of answering 404."""
 
         async def call() -> list[Any]:
             pipe = self.conn.client.pipeline(transaction=False)
             for k in keys:
-                pipe.exists(claim_key(k))
+                pipe.set(queued_key(k), token, px=ttl_ms)
             return list(await pipe.execute())
 
-        replies = await self.conn.run("claims_held", call) if keys else []
-        return None if replies is None else [bool(r) for r in replies]
+        if keys:
+            await self.conn.run("queue", call)
 
     async def renew_claims(self, keys: Sequence[str], token: str, ttl_ms: int) -> None:
         """Extend the claims on ``keys`` that are still held by ``token``."""

@@ -7,8 +7,10 @@ image another replica encoded. Side by side, rounds alternating, each moving the
 into one preallocated buffer (or handing back views where said):
 
 * memcpy: ``np.copyto`` of the same number of bytes (the floor of every transport);
-* shm: ``Client(shared_memory=True).fetch_chunk`` (handles, map, one copy), and ``fetch_many``
-  (mapped read-only views, no copy), vs memcpy;
+* shm: ``Client(shared_memory=True).fetch_chunk`` of an image the client read before (the
+  segment is known: no request, one copy), the same with the client's known segments
+  forgotten each time (a request for the handle first, as for an image's first chunk), and
+  ``fetch_many`` (mapped read-only views, no copy), vs memcpy;
 * Redis: ``GETRANGE`` of the rows into the buffer, vs a raw redis-py ``GET`` of the same key;
 * HTTP: ``Client.fetch_chunk`` into the buffer, vs a raw loopback transfer of the same bytes
   (httpx GET of a bare ASGI app on the same uvicorn that returns them).
@@ -39,6 +41,7 @@ import _common as c  # noqa: E402
 from tests.conftest import free_port, redis_process, serve_process  # noqa: E402
 
 from visenc_client import Client, ImagePlacement, RowRange  # noqa: E402
+from visenc_client._shm import SegmentHandles  # noqa: E402
 from visenc_client.format import DATA_OFFSET, entry_key, image_hash, pack_entry  # noqa: E402
 
 RAW_APP = """
@@ -120,6 +123,9 @@ def main() -> None:
         placement = [ImagePlacement(h, 0, rows)]
         nbytes = out.nbytes
 
+        def forget() -> None:
+            shm._segments = SegmentHandles()  # as a client that never read this image
+
         def getrange() -> None:
             value = r.getrange(key, DATA_OFFSET, DATA_OFFSET + nbytes - 1)
             flat[:] = np.frombuffer(value, np.uint8)
@@ -127,6 +133,7 @@ def main() -> None:
         runs: dict[str, Callable[[], object]] = {
             "memcpy": lambda: np.copyto(out, data),
             "shm fetch_chunk": lambda: shm.fetch_chunk(placement, 0, rows, out=out),
+            "shm asks first": lambda: (forget(), shm.fetch_chunk(placement, 0, rows, out=out)),
             "shm views": lambda: shm.fetch_many([RowRange(h)]),
             "redis GETRANGE": getrange,
             "redis raw GET": lambda: r.get(key),
@@ -151,6 +158,7 @@ def main() -> None:
     for name, ts in times.items():
         print(f"  {name:18s} {nbytes / min(ts) / 1e9:6.2f} GB/s best")
     print(f"  shm fetch_chunk / memcpy     {c.spread(ratio('shm fetch_chunk', 'memcpy'))}   goal >= 0.8")
+    print(f"  shm asks first / memcpy      {c.spread(ratio('shm asks first', 'memcpy'))}")
     print(f"  shm views / memcpy           {c.spread(ratio('shm views', 'memcpy'))}")
     print(f"  redis GETRANGE / raw GET     {c.spread(ratio('redis GETRANGE', 'redis raw GET'))}   goal >= 0.7")
     print(f"  http fetch_chunk / raw HTTP  {c.spread(ratio('http fetch_chunk', 'http raw GET'))}   goal >= 0.5")

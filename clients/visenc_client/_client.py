@@ -30,6 +30,7 @@ import numpy as np
 from visenc_client import _protocol as p
 from visenc_client._exceptions import TransportError
 from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
+from visenc_client._shm import SegmentHandles
 from visenc_client._types import Handle, RowRange
 from visenc_client.chunks import ImagePlacement, plan_chunk
 
@@ -42,6 +43,8 @@ DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=60.0, pool=60.0)
 class _Base:
     def __init__(self, namespace: str | None, api_key: str | None, shared_memory: bool) -> None:
         self.shared_memory = shared_memory
+        #: where images' rows sit in the service's segments (reads them again with no request)
+        self._segments = SegmentHandles() if shared_memory else None
         self.headers: dict[str, str] = {}
         if namespace is not None:
             self.headers["x-visenc-namespace"] = namespace
@@ -115,8 +118,9 @@ class Client(_Base):
         return self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
-        if self.shared_memory:
-            return self._drive(shm_fetch_flow(self._http, ranges, wait=wait, headers=self.headers))
+        if self._segments is not None:
+            flow = shm_fetch_flow(self._http, ranges, wait=wait, headers=self.headers, known=self._segments)
+            return self._drive(flow)
         return self._drive(p.fetch_many_flow(self._http, ranges, wait=wait, headers=self.headers))
 
     @overload
@@ -159,9 +163,7 @@ class Client(_Base):
         Images wholly outside the chunk are not fetched; pending ones are waited
         for (and moved to the front of the service's queue)."""
         plan = plan_chunk(placements, start, end, dense=dense)
-        return self._drive(
-            fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self.shared_memory, headers=self.headers)
-        )
+        return self._drive(fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self._segments, headers=self.headers))
 
     def model(self) -> dict[str, Any]:
         return self._drive(p.simple_flow(self._http, "GET", "/v1/model", self.headers))  # type: ignore[no-any-return]
@@ -241,8 +243,9 @@ class AsyncClient(_Base):
         return await self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     async def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
-        if self.shared_memory:
-            return await self._drive(shm_fetch_flow(self._http, ranges, wait=wait, headers=self.headers))
+        if self._segments is not None:
+            flow = shm_fetch_flow(self._http, ranges, wait=wait, headers=self.headers, known=self._segments)
+            return await self._drive(flow)
         return await self._drive(p.fetch_many_flow(self._http, ranges, wait=wait, headers=self.headers))
 
     @overload
@@ -281,7 +284,7 @@ class AsyncClient(_Base):
         """The awaitable twin of ``Client.fetch_chunk``."""
         plan = plan_chunk(placements, start, end, dense=dense)
         return await self._drive(
-            fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self.shared_memory, headers=self.headers)
+            fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self._segments, headers=self.headers)
         )
 
     async def model(self) -> dict[str, Any]:

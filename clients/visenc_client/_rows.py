@@ -28,7 +28,7 @@ from visenc_client._protocol import (
     read_chunk,
     send_streamed,
 )
-from visenc_client._shm import SegmentMaps
+from visenc_client._shm import SegmentHandles, SegmentMaps
 from visenc_client._types import RowRange
 from visenc_client.chunks import ChunkPlan
 
@@ -107,16 +107,23 @@ def _check_item(item: dict[str, Any], piece_rows: int, hidden: int, dtype: str) 
 
 
 def fetch_chunk_flow(
-    client: Client, plan: ChunkPlan, out: Any, *, wait: bool, shm: bool, headers: dict[str, str] | None
+    client: Client,
+    plan: ChunkPlan,
+    out: Any,
+    *,
+    wait: bool,
+    shm: SegmentHandles | None,
+    headers: dict[str, str] | None,
 ) -> AnyFlow[Any]:
-    """Every row ``plan`` needs, in one round trip, written straight into one buffer."""
+    """Every row ``plan`` needs, in one round trip (none for known segments), written into one buffer;
+    over shared memory when ``shm`` (the client's known segments) is given."""
     if not plan.pieces:
         if out is None and plan.hidden is None:
             raise ValueError("nothing to fetch and no hidden size known: pass out= or placements with handles")
         return destination(out, plan.rows, plan.hidden or 0, plan.dtype or "float32", plan.dense)[1]
     ranges = [RowRange(p.hash, p.start, p.end) for p in plan.pieces]
-    if shm:
-        views = yield from shm_fetch_flow(client, ranges, wait=wait, headers=headers)
+    if shm is not None:
+        views = yield from shm_fetch_flow(client, ranges, wait=wait, headers=headers, known=shm)
         hidden = views[0].shape[1]
         dtype = next(k for k, v in NUMPY_DTYPES.items() if v == views[0].dtype)
         array, result = destination(out, plan.rows, hidden, dtype, plan.dense)
@@ -151,15 +158,23 @@ def fetch_chunk_flow(
 
 
 def shm_fetch_flow(
-    client: Client, ranges: Sequence[RowRange], *, wait: bool, headers: dict[str, str] | None
+    client: Client,
+    ranges: Sequence[RowRange],
+    *,
+    wait: bool,
+    headers: dict[str, str] | None,
+    known: SegmentHandles | None = None,
 ) -> Flow[list[np.ndarray]]:
-    """Several ranges as read-only views of the service's shared-memory segments (no copy)."""
+    """Several ranges as read-only views of the service's shared-memory segments (no copy); no
+    request when ``known`` already knows every image's segment."""
+    if known is not None and (views := known.views(ranges)) is not None:
+        return views
     payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
     resp = yield msgpack_request(client, "/v1/embeddings/shm", payload, headers)
     raise_for_status(resp)
     try:
         body = msgpack.unpackb(resp.content)
-        maps, items = SegmentMaps(str(body["dir"])), body["items"]
+        maps, items, lease_s = SegmentMaps(str(body["dir"])), body["items"], float(body["lease_s"])
     except Exception as e:
         raise ProtocolError(f"unreadable shared-memory response: {e}") from e
     arrays = []
@@ -171,4 +186,6 @@ def shm_fetch_flow(
             raise ProtocolError(f"unknown dtype {item['dtype']!r}")
         rows, hidden = (int(x) for x in item["shape"])
         arrays.append(maps.view(item["segment"], int(item["offset"]), int(item["nbytes"]), dtype, rows, hidden))
+        if known is not None:
+            known.learn(maps.directory, lease_s, item, dtype)
     return arrays

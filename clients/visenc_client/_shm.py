@@ -10,6 +10,12 @@ random token and a counter), so mappings are kept in a small per-process cache
 (``VISENC_SHM_MAP_CACHE_BYTES``, default 1 GiB, least recently used first out): the
 chunks of one image map it and fault its pages in once, not once per chunk. The cache
 holds at most that many bytes of tmpfs pages past their segments' leases.
+
+For the same reason a client remembers where each image's rows sit (``SegmentHandles``)
+and reads a later range of the same image (the next prefill chunk, the next turn)
+with no request at all, for half the lease the service promised with the handle and
+while the segment's file still exists (the service unlinks its segments when it
+stops, so a restarted service is always asked again).
 """
 
 from __future__ import annotations
@@ -18,11 +24,15 @@ import mmap
 import os
 import re
 import threading
+import time
 from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
 from visenc_client._exceptions import ProtocolError
+from visenc_client._types import RowRange
 
 #: segment names are plain file names: never a path
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
@@ -88,6 +98,10 @@ class SegmentMaps:
             os.close(fd)
         return _CACHE.put(path, mapped)
 
+    def nbytes(self, name: str) -> int:
+        """The size of segment ``name`` (mapped, once)."""
+        return len(self._map(name)[0])
+
     def view(self, name: str, offset: int, nbytes: int, dtype: np.dtype, rows: int, hidden: int) -> np.ndarray:
         """Rows as a read-only ``[rows, hidden]`` array over the mapping (no copy)."""
         if nbytes != rows * hidden * dtype.itemsize:
@@ -113,3 +127,52 @@ def _populate(mapped: mmap.mmap, offset: int, nbytes: int) -> None:
         mapped.madvise(_POPULATE_READ, start, offset + nbytes - start)
     except (OSError, ValueError):
         pass  # an older kernel: pages fault in as they are read
+
+
+@dataclass(frozen=True, slots=True)
+class _Known:
+    directory: str
+    segment: str
+    base: int  #: byte offset of the image's row 0 in the segment
+    hidden: int
+    dtype: np.dtype
+    fresh_until: float  #: monotonic
+
+
+class SegmentHandles:
+    """Per client: the segment each image's rows were last named in (at most ``max_images``)."""
+
+    def __init__(self, max_images: int = 4096) -> None:
+        self.max_images = max_images
+        self._known: OrderedDict[str, _Known] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def learn(self, directory: str, lease_s: float, item: dict, dtype: np.dtype) -> None:
+        """Remember the segment an answer's ``item`` named, for half its ``lease_s``."""
+        hidden = int(item["shape"][1])
+        base = int(item["offset"]) - int(item["start"]) * hidden * dtype.itemsize
+        known = _Known(directory, str(item["segment"]), base, hidden, dtype, time.monotonic() + lease_s / 2)
+        with self._lock:
+            self._known[str(item["hash"])] = known
+            self._known.move_to_end(str(item["hash"]))
+            while len(self._known) > self.max_images:
+                self._known.popitem(last=False)
+
+    def views(self, ranges: Sequence[RowRange]) -> list[np.ndarray] | None:
+        """Every range as a view, with no request, if every image's segment is known, fresh and still
+        there, and every range lies in its image; else ``None`` (ask the service)."""
+        now, out = time.monotonic(), []
+        for r in ranges:
+            with self._lock:
+                k = self._known.get(r.hash)
+            if k is None or now >= k.fresh_until or not os.path.exists(os.path.join(k.directory, k.segment)):
+                return None
+            maps = SegmentMaps(k.directory)
+            row_bytes = k.hidden * k.dtype.itemsize
+            rows = (maps.nbytes(k.segment) - k.base) // row_bytes
+            start, end = 0 if r.start is None else r.start, rows if r.end is None else r.end
+            if not 0 <= start <= end <= rows:
+                return None  # the service answers the error
+            offset = k.base + start * row_bytes
+            out.append(maps.view(k.segment, offset, (end - start) * row_bytes, k.dtype, end - start, k.hidden))
+        return out

@@ -19,12 +19,12 @@ import pytest
 from tests.conftest import ROOT, serve_process
 from tests.images import png_bytes
 
-from visenc_client import Client, RowRange
+from visenc_client import BadRequestError, Client, ImagePlacement, RowRange
 
 SHM_DIR = "/dev/shm"
 CLIENT = textwrap.dedent("""
     import sys, time
-    from visenc_client import Client, RowRange
+    from visenc_client import BadRequestError, Client, ImagePlacement, RowRange
     url, mode, hashes = sys.argv[1], sys.argv[2], sys.argv[3:]
     with Client(url, shared_memory=True) as vc:
         arrays = vc.fetch_many([RowRange(h) for h in hashes])
@@ -89,3 +89,31 @@ def test_no_segment_outlives_its_lease_or_the_service_when_clients_exit_or_crash
         assert len(segments(prefix)) == 3
     # the service was terminated: it unlinked everything it still held
     assert segments(prefix) == []
+
+
+def test_a_client_reads_a_known_segment_again_with_no_request():
+    """A segment never changes: the next chunks of an image (and the next turn's fetches) read the
+    segment the client was last given, with no request, for half the lease; then, and for a range
+    outside the image, the service is asked; a stopped service's segments are never read again."""
+    data = png_bytes(77, 320, 240)
+    with serve_process("--shm-enabled", "true", "--shm-lease-s", "2") as url:
+        with Client(url, shared_memory=True) as vc, Client(url) as http:
+            (h,) = vc.encode([data])
+            n, sent = h.num_tokens, []
+            vc._http.event_hooks = {"request": [lambda request: sent.append(request.url.path)]}
+            placed = [ImagePlacement.of(h, 0)]
+            assert vc.fetch_chunk(placed, 0, n).tobytes() == http.fetch(h).tobytes()
+            assert sent == ["/v1/embeddings/shm"]
+            for start, end in [(0, 5), (3, n), (n - 1, n), (7, 7)]:
+                assert vc.fetch_chunk(placed, start, end).tobytes() == http.fetch(h, start, end).tobytes()
+            assert vc.fetch(h, 2, 4).tobytes() == http.fetch(h, 2, 4).tobytes()
+            assert sent == ["/v1/embeddings/shm"]  # every later range from the known segment
+            with pytest.raises(BadRequestError):  # outside the image: the service's own answer
+                vc.fetch(h, 0, n + 1)
+            assert len(sent) == 2
+            time.sleep(1.1)  # past half the 2 s lease: asked again (which renews the lease)
+            assert vc.fetch(h, 0, 1).tobytes() == http.fetch(h, 0, 1).tobytes()
+            assert len(sent) == 3
+            known = vc._segments
+            assert known is not None and known.views([RowRange(h.hash, 0, 1)]) is not None
+    assert known.views([RowRange(h.hash, 0, 1)]) is None  # the service stopped: its segments are gone

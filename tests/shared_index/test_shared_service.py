@@ -142,15 +142,17 @@ async def busy_replica_with_a_queued_image(raw, a, first: bytes, queued: bytes) 
     return k_first, k_queued
 
 
-#: replica a: a first forward of 1.2 s, claims of 300 ms, and no staging past the image on the device
-BUSY = {"claim_ttl_ms": 300, "prefetch_tokens": 1, **FAST}
+#: replica a: claims of 600 ms (renewed every 200 ms), and no staging past the image on the device
+BUSY = {"claim_ttl_ms": 600, "prefetch_tokens": 1, **FAST}
+#: replica a's first forward: well past the claim ttl, with room for a loaded test host
+SLOW_S = 2.5
 
 
 async def test_claims_are_taken_at_encode_start_and_renewed_while_it_runs(raw, redis_url, tiny_tower):
     """An image queued at a busy replica is encoded by a free one at once, not after the busy
     one's forward; the busy one then finds its entry at its own encode start (no second forward)."""
     first, queued = png_bytes(333, 64, 64), png_bytes(334, 96, 64)
-    slow = FaultyTower(tiny_tower, delay_s=1.2, delay_first=1)
+    slow = FaultyTower(tiny_tower, delay_s=SLOW_S, delay_first=1)
     async with running_app(slow, redis_url=redis_url, **BUSY) as a, running_app(tiny_tower, redis_url=redis_url) as b:
         k_first, _ = await busy_replica_with_a_queued_image(raw, a, first, queued)
         token = await raw.get(claim_key(k_first))
@@ -158,7 +160,7 @@ async def test_claims_are_taken_at_encode_start_and_renewed_while_it_runs(raw, r
         assert r.json()["items"][0]["status"] == "ready"
         assert slow.forwards == 1 and await raw.exists(k_first) == 0  # a's first forward still runs
         assert metric(await metrics_of(b), "visenc_claims_total", outcome="owned") == 1
-        await asyncio.sleep(0.5)  # past claim_ttl_ms: the running encode's claim is renewed, not lapsed
+        await asyncio.sleep(0.8)  # past claim_ttl_ms: the running encode's claim is renewed, not lapsed
         assert await raw.get(claim_key(k_first)) == token and await raw.exists(k_first) == 0
         rows = await a.get(f"/v1/embeddings/{image_hash(queued)}")  # a finds b's entry at encode start
         assert rows.content == (await b.get(f"/v1/embeddings/{image_hash(queued)}")).content
@@ -173,7 +175,7 @@ async def test_a_fetch_elsewhere_waits_for_an_image_queued_at_a_busy_replica(raw
     """A pending handle fetched from another replica while its image is still queued (not started)
     at a busy replica waits past claim_ttl_ms (the queued mark is renewed), then gets the rows."""
     first, queued = png_bytes(335, 64, 64), png_bytes(336, 96, 64)
-    slow = FaultyTower(tiny_tower, delay_s=1.2, delay_first=1)
+    slow = FaultyTower(tiny_tower, delay_s=SLOW_S, delay_first=1)
     async with running_app(slow, redis_url=redis_url, **BUSY) as a, running_app(tiny_tower, redis_url=redis_url) as b:
         await busy_replica_with_a_queued_image(raw, a, first, queued)
         got = await b.get(f"/v1/embeddings/{image_hash(queued)}")

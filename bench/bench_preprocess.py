@@ -1,15 +1,13 @@
 """Preprocessing speed vs transformers' image processors, and equality, for both backends.
 
-For a 1280x720 RGB image (decoded once, outside the timing): per-image time of
+For an RGB image of each ``--size`` (decoded once, outside the timing): per-image time of
 the transformers processor (the fast torchvision one for ``--image-backend
 torchvision``, the PIL one for ``pil``) vs the tower's ``preprocess`` with the
 same backend, their ratio and the max abs difference of the outputs; then the
 tower's forward time. The torchvision processors need torchvision
 (``make install-test`` installs it); without it those rows are skipped.
 
-    PYTHONPATH=service python bench/bench_preprocess.py [--repeat 20] [--size 1280x720]
-
-(or with the package installed, ``pip install -e .``, no PYTHONPATH).
+    python bench/bench_preprocess.py [--rounds 5] [--repeat 15] [--size 640x480,1280x720]
 """
 
 from __future__ import annotations
@@ -21,6 +19,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import _common as c  # bench/, this script's folder
 import numpy as np
 import torch
 from PIL import Image
@@ -69,31 +68,59 @@ def _time(fn: Callable[[], Any], repeat: int) -> float:
     return statistics.median(samples)
 
 
+def _rounds(
+    ref: Callable[[], Any], ours: Callable[[], Any], rounds: int, repeat: int
+) -> tuple[list[float], float, float]:
+    """Per-round speedups (transformers / ours), each round timing both ways with the order
+    alternating, and the median ms of each over every round."""
+    ratios, t_ref, t_ours = [], [], []
+    for r in range(rounds):
+        if r % 2 == 0:
+            a, b = _time(ref, repeat), _time(ours, repeat)
+        else:
+            b, a = _time(ours, repeat), _time(ref, repeat)
+        t_ref.append(a)
+        t_ours.append(b)
+        ratios.append(a / b)
+    return ratios, statistics.median(t_ref) * 1e3, statistics.median(t_ours) * 1e3
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--repeat", type=int, default=20)
-    parser.add_argument("--size", default="1280x720")
+    parser.add_argument("--rounds", type=int, default=5, help="alternating rounds per row")
+    parser.add_argument("--repeat", type=int, default=15, help="calls per way per round (their median)")
+    parser.add_argument("--size", default="1280x720", help="WxH, or several: 640x480,1280x720,1920x1080")
     args = parser.parse_args()
-    width, height = (int(v) for v in args.size.split("x"))
-    image = _image(width, height)
-    print(f"image {width}x{height}, torch threads {torch.get_num_threads()}, median of {args.repeat}")
-    header = ("tower", "backend", "transformers ms", "ours ms", "speedup", "max abs diff", "forward ms")
-    print(f"{header[0]:<16}{header[1]:<13}{header[2]:>16}{header[3]:>10}{header[4]:>9}{header[5]:>14}{header[6]:>12}")
-    for (name, backend), processor_class in sorted(PROCESSORS.items()):
-        tower = load_tower(name, image_backend=backend)
-        processor = processor_class(**tower.settings.processor_kwargs())  # type: ignore[attr-defined]
-        ref = processor(images=[image], return_tensors="np")["pixel_values"]
-        ours = tower.preprocess(image).pixels
-        ref = ref.reshape(ours.shape)
-        diff = float(np.abs(ours - ref).max())
-        t_ref = _time(lambda p=processor: p(images=[image], return_tensors="np"), args.repeat)
-        t_ours = _time(lambda t=tower: t.preprocess(image), args.repeat)
-        prepared = tower.preprocess(image)
-        t_fwd = _time(lambda t=tower, p=prepared: t.forward([p]), max(3, args.repeat // 4))
-        print(
-            f"{name:<16}{backend:<13}{t_ref * 1e3:>16.2f}{t_ours * 1e3:>10.2f}{t_ref / t_ours:>8.2f}x"
-            f"{diff:>14.3g}{t_fwd * 1e3:>12.1f}"
-        )
+    print(
+        f"torch threads {torch.get_num_threads()}; each row: {args.rounds} rounds alternating which way runs "
+        f"first, each the median of {args.repeat} calls; speedup = transformers / visenc per round"
+    )
+    header = ("image", "tower", "backend", "transformers ms", "ours ms", "max abs diff", "forward ms")
+    print(
+        f"{header[0]:<11}{header[1]:<16}{header[2]:<13}{header[3]:>16}{header[4]:>9}{header[5]:>14}{header[6]:>12}"
+        "  speedup"
+    )
+    for size in args.size.split(","):
+        width, height = (int(v) for v in size.split("x"))
+        image = _image(width, height)
+        for (name, backend), processor_class in sorted(PROCESSORS.items()):
+            tower = load_tower(name, image_backend=backend)
+            processor = processor_class(**tower.settings.processor_kwargs())  # type: ignore[attr-defined]
+            ref = processor(images=[image], return_tensors="np")["pixel_values"]
+            ours = tower.preprocess(image).pixels
+            diff = float(np.abs(ours - ref.reshape(ours.shape)).max())
+            ratios, t_ref, t_ours = _rounds(
+                lambda p=processor, i=image: p(images=[i], return_tensors="np"),
+                lambda t=tower, i=image: t.preprocess(i),
+                args.rounds,
+                args.repeat,
+            )
+            prepared = tower.preprocess(image)
+            t_fwd = _time(lambda t=tower, p=prepared: t.forward([p]), 3) * 1e3
+            print(
+                f"{size:<11}{name:<16}{backend:<13}{t_ref:>16.2f}{t_ours:>9.2f}{diff:>14.3g}{t_fwd:>12.1f}"
+                f"  {c.spread(ratios)}"
+            )
 
 
 if __name__ == "__main__":

@@ -147,17 +147,23 @@ def qwen_pixels_torchvision(
     merge_size: int,
     temporal_patch_size: int,
 ) -> np.ndarray:
-    """Qwen2-VL ``pixel_values`` as the fast processor computes them, with its own torch ops in its
-    order (resize, fused rescale-and-normalise in place, patchify): bit-identical by construction,
-    and multi-threaded like it."""
+    """Qwen2-VL ``pixel_values`` as the fast processor computes them: bit-identical, multi-threaded.
+
+    Each value goes through the processor's own arithmetic (the same uint8 resize, then
+    ``(float(x) - mean/r) / (std/r)`` in float32), but in a cheaper order: the resized uint8
+    image is cut into patches and cast in one copy, normalised in the patch layout (contiguous,
+    where the processor's per-channel ops on its channels-last image are slow), and copied T
+    times last. Elementwise float ops round the same whatever the layout, so the bits agree."""
     t = resize_tensor(uint8_tensor(np.asarray(image)), height, width, resample)
-    x = t.to(torch.float32)
-    scale = 1.0 / rescale_factor
-    x.sub_((torch.tensor(mean) * scale).view(-1, 1, 1)).div_((torch.tensor(std) * scale).view(-1, 1, 1))
-    b, c, p, m = 1, x.shape[1], patch_size, merge_size
+    c, p, m = t.shape[1], patch_size, merge_size
     grid_h, grid_w = height // p, width // p
-    blocks = x.reshape(b, c, grid_h // m, m, p, grid_w // m, m, p).permute(0, 2, 5, 3, 6, 1, 4, 7)
-    flat = blocks.unsqueeze(6).expand(-1, -1, -1, -1, -1, -1, temporal_patch_size, -1, -1)
+    hwc = t[0].permute(1, 2, 0)  # a view: the resize keeps channels-last memory
+    x = torch.empty(grid_h * grid_w, c, p, p)
+    blocks = hwc.reshape(grid_h // m, m, p, grid_w // m, m, p, c).permute(0, 3, 1, 4, 6, 2, 5)
+    x.view(grid_h // m, grid_w // m, m, m, c, p, p).copy_(blocks)  # patches, cast to float32
+    scale = 1.0 / rescale_factor
+    x.sub_((torch.tensor(mean) * scale).view(1, -1, 1, 1)).div_((torch.tensor(std) * scale).view(1, -1, 1, 1))
+    flat = x.unsqueeze(2).expand(-1, -1, temporal_patch_size, -1, -1)
     return flat.reshape(grid_h * grid_w, c * temporal_patch_size * p * p).numpy()
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import threading
 import time
 
 import httpx
@@ -50,6 +51,7 @@ async def test_full_queue_answers_429_with_retry_after(tiny_tower, monkeypatch):
         with held_device(encoder, monkeypatch) as gate:
             a, b, c = (png_bytes(300 + i, 28, 28) for i in range(3))
             r = await encode_json(client, [{"data": a}, {"data": b}], wait=False)
+            assert r.status_code == 200, r.text
             assert [it["status"] for it in r.json()["items"]] == ["pending", "pending"]
             r = await encode_json(client, [{"data": c}], wait=False)
             assert r.status_code == 429
@@ -165,3 +167,67 @@ def _b64(data: bytes) -> str:
     import base64
 
     return base64.b64encode(data).decode()
+
+
+def recording_inspect(encoder, monkeypatch, block_at: int | None = None) -> tuple[list[int], threading.Event]:
+    """Record, at each upload's inspection, how many jobs the engine has in flight; the
+    ``block_at``-th inspection (0-based) waits for the returned event first."""
+    seen: list[int] = []
+    release = threading.Event()
+    real = encoder.intake.prep.inspect
+
+    def inspect(data, given):
+        seen.append(len(encoder.intake.inflight))
+        if len(seen) - 1 == block_at:
+            release.wait(10)
+        return real(data, given)
+
+    monkeypatch.setattr(encoder.intake.prep, "inspect", inspect)
+    return seen, release
+
+
+async def test_a_big_requests_first_images_start_before_its_last_are_inspected(tiny_tower, monkeypatch):
+    """Intake takes a request in waves ending after 1, 2, 4, ... uploads: each wave is admitted
+    and started before the next is inspected."""
+    async with running_app(tiny_tower) as client:
+        encoder = client.app.state.engine
+        seen, _ = recording_inspect(encoder, monkeypatch)
+        datas = [png_bytes(900 + i, 28, 28) for i in range(8)]
+        with held_device(encoder, monkeypatch) as gate:
+            r = await encode_json(client, [{"data": d} for d in datas], wait=False)
+            assert [it["status"] for it in r.json()["items"]] == ["pending"] * 8
+            # waves [0], [1, 2], [3..6], [7]: in flight when each upload was inspected
+            assert seen == [0, 1, 1, 3, 3, 3, 3, 7]
+            gate.set()
+        for d in datas:
+            assert (await client.get(f"/v1/embeddings/{sha(d)}")).status_code == 200
+        await until(lambda: not encoder.intake.inflight)
+        assert_no_leaks(encoder)
+
+
+async def test_a_request_that_may_not_fit_is_one_wave_and_refused_before_any_of_it_starts(tiny_tower, monkeypatch):
+    async with running_app(tiny_tower, max_queue_images=3) as client:
+        encoder = client.app.state.engine
+        seen, _ = recording_inspect(encoder, monkeypatch)
+        with held_device(encoder, monkeypatch):
+            r = await encode_json(client, [{"data": png_bytes(920 + i, 28, 28)} for i in range(4)], wait=False)
+            assert r.status_code == 429
+            assert seen == [0, 0, 0, 0] and encoder.scheduler.depth == 0 and not encoder.intake.inflight
+
+
+async def test_a_request_abandoned_between_waves_releases_what_its_first_waves_started(tiny_tower, monkeypatch):
+    async with running_app(tiny_tower) as client:
+        encoder = client.app.state.engine
+        seen, release = recording_inspect(encoder, monkeypatch, block_at=3)  # the first upload of wave 3
+        datas = [png_bytes(930 + i, 28, 28) for i in range(6)]
+        with held_device(encoder, monkeypatch):
+            task = asyncio.create_task(encode_json(client, [{"data": d} for d in datas], wait=True))
+            await until(lambda: len(seen) >= 4)
+            assert len(encoder.intake.inflight) == 3  # waves 1 and 2 started
+            task.cancel()  # the client goes away while wave 3 is inspected
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+            release.set()
+            await until(lambda: not encoder.intake.inflight)  # nobody wants them: dropped, not encoded
+        assert_no_leaks(encoder)
+        assert metric((await client.get("/metrics")).text, "visenc_forwards_total") == 0

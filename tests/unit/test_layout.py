@@ -17,6 +17,7 @@ ENGINE_RANKS = {
     "job": 0,
     "limits": 0,
     "prepare": 0,
+    "items": 1,
     "threads": 1,
     "budget": 1,
     "claims": 2,

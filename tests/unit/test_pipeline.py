@@ -17,6 +17,7 @@ from tests.unit.test_scheduler import drain_ready, job, make_scheduler
 from visenc.engine.outputs import Outputs
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
+from visenc.errors import InvalidHash
 from visenc.index.memory import MemoryLRU
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
@@ -128,3 +129,18 @@ async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():
     # while each forward but the last ran, the pool was preprocessing images of a later batch
     overlapped = [any(p0 < f1 and p1 > f0 for p0, p1, _ in tower.preps) for f0, f1, _ in tower.forwards[:-1]]
     assert all(overlapped), overlapped
+
+
+def test_intake_waves_end_after_1_2_4_uploads_and_hashes_ride_along():
+    from visenc.engine.items import Item, waves
+
+    def spans(kinds: str) -> list[tuple[int, int]]:  # "d": an upload, "h": a hash only
+        return list(waves([Item("", b"x" if k == "d" else None) for k in kinds]))
+
+    assert spans("h" * 8) == [(0, 8)]  # a request of hashes: one wave, one index round trip
+    assert spans("d") == [(0, 1)]
+    assert spans("d" * 8) == [(0, 1), (1, 3), (3, 7), (7, 8)]
+    assert spans("hhdhdd" + "h") == [(0, 3), (3, 6), (6, 7)]  # the last wave is whatever remains
+    assert spans("") == []
+    bad = Item("", b"x", error=InvalidHash("bad"))  # an item already refused does not count
+    assert list(waves([bad, Item("", b"x"), Item("", b"x")])) == [(0, 2), (2, 3)]

@@ -121,3 +121,13 @@ async def test_unwanted_jobs_are_dropped_before_preprocess_and_forward():
     assert {id(j) for j, _ in failed} == {id(a), id(b)}
     s.done([c])
     assert s.staged_tokens == 0 and s.idle
+
+
+async def test_depth_counts_a_job_that_just_became_ready_once():
+    """Woken by a job turning ready, before its preparation task has left the task set: the
+    queue depth (what admission's 429 compares) must not count the job twice."""
+    s = make_scheduler()
+    s.submit(job(10, (0, 0)))
+    s._changed.clear()
+    await s._changed.wait()
+    assert len(s._ready) == 1 and s.depth == 1

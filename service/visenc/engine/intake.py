@@ -8,7 +8,12 @@
 * uploaded bytes are hashed (and checked against a given hash) off the event
   loop, so no request can write an entry under a hash its bytes do not have; a
   hash-only item can only *hit*, never create;
-* lookups go in-flight map → the index tiers, one round trip for the whole request;
+* a request is taken in waves (``items.waves``: spans ending after 1, 2, 4, ... uploads), each
+  inspected, looked up, admitted and started before the next is inspected, so a big request's
+  first images are encoding while its later ones are still hashed; a request refused part-way
+  (429/503) or abandoned releases what its earlier waves started;
+* lookups go in-flight map → the index tiers, one round trip per wave (a request of hashes only
+  is one wave);
 * a miss with bytes becomes one ``Job`` per distinct key (**single-flight**:
   concurrent requests for the same new image join the job in flight); with a
   shared index an image another replica is encoding is waited for
@@ -30,11 +35,11 @@ import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
 
 from visenc.config import Settings
 from visenc.engine.claims import Claims
 from visenc.engine.interface import EncodeItem, Handle, Timing
+from visenc.engine.items import Item, inspect, itemise, waves
 from visenc.engine.job import Job
 from visenc.engine.prepare import ImagePrep, Inspected
 from visenc.engine.remote import RemoteWaits
@@ -55,20 +60,6 @@ from visenc.metrics import Metrics
 from visenc_client.format import CorruptEntry, Entry, entry_key, is_valid_hash, unpack_entry
 
 log = logging.getLogger(__name__)
-
-HASH_RULE = "'hash' must be 64 lowercase hex digits (SHA-256 of the bytes)"
-
-
-@dataclass(slots=True)
-class _Item:
-    """One request item as intake works on it."""
-
-    hash: str
-    data: bytes | None = None
-    inspected: Inspected | None = None
-    error: VisencError | None = None
-    key: str = ""
-    entry: Entry | None = None
 
 
 class Intake:
@@ -166,7 +157,7 @@ class Intake:
     def _peek(self, key: str, image_hash: str) -> Entry | None:
         return self._checked(key, image_hash, self.index.peek(key))
 
-    def _handle(self, item: _Item, status: str, job: Job | None = None) -> Handle:
+    def _handle(self, item: Item, status: str, job: Job | None = None) -> Handle:
         if item.error is not None:
             return Handle(item.hash, "error", error=item.error.message, reason=item.error.item_reason)
         if item.entry is not None:
@@ -191,34 +182,7 @@ class Intake:
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
 
-    def _itemise(self, items: Sequence[EncodeItem]) -> list[_Item]:
-        """Per-item checks that need no work: the hash's syntax (the bytes are checked in ``_inspect``)."""
-        out = []
-        for item in items:
-            it = _Item(item.hash or "", item.data)
-            if (item.hash is None and item.data is None) or (item.hash is not None and not is_valid_hash(item.hash)):
-                it.error = InvalidHash(HASH_RULE)
-            out.append(it)
-        return out
-
-    async def _inspect(self, items: list[_Item]) -> None:
-        """Hash and probe every upload in the pool; a failure is that item's error."""
-        loop = asyncio.get_running_loop()
-        uploads = [(it, it.data) for it in items if it.data is not None and it.error is None]
-        results = await asyncio.gather(
-            *(loop.run_in_executor(self.pool, self.prep.inspect, data, it.hash or None) for it, data in uploads),
-            return_exceptions=True,
-        )
-        for (it, _), res in zip(uploads, results):
-            if isinstance(res, BaseException):
-                raise res  # a bug, not the image's fault
-            digest, outcome = res
-            if isinstance(outcome, VisencError):
-                it.error, it.hash = outcome, it.hash or digest
-            else:
-                it.hash, it.inspected = digest, outcome
-
-    async def _lookup(self, items: list[_Item], namespace: str) -> None:
+    async def _lookup(self, items: list[Item], namespace: str) -> None:
         """Every tier, one round trip for the whole request (images in flight are not looked up)."""
         live = [it for it in items if it.error is None]
         for it in live:
@@ -228,7 +192,7 @@ class Intake:
             for it, entry in zip(todo, await self.index.get_many([it.key for it in todo])):
                 it.entry = self._checked(it.key, it.hash, entry)
 
-    def _admission(self, items: list[_Item]) -> set[str]:
+    def _admission(self, items: list[Item]) -> set[str]:
         """Keys this request would queue; 503 / 429 when it cannot."""
         live = [it for it in items if it.error is None and it.entry is None]
         new = {it.key for it in live if it.inspected is not None and self._joinable(it.key) is None}
@@ -240,7 +204,7 @@ class Intake:
             )
         return new
 
-    async def _claim(self, items: list[_Item], new: set[str]) -> dict[str, Entry | bool]:
+    async def _claim(self, items: list[Item], new: set[str]) -> dict[str, Entry | bool]:
         if self.claims is None or not new:
             return {}
         claimed = await self.claims.admit(sorted(new))  # one round trip: entry, or queue here, or wait
@@ -252,7 +216,7 @@ class Intake:
                     self.index.store_local(it.key, it.entry)
         return claimed
 
-    def _start(self, it: _Item, order: tuple[int, int], claimed: dict[str, Entry | bool]) -> Job:
+    def _start(self, it: Item, order: tuple[int, int], claimed: dict[str, Entry | bool]) -> Job:
         assert it.inspected is not None
         job = self._admit(it.key, it.hash, order)
         job.interest = 1
@@ -265,6 +229,36 @@ class Intake:
                 self.claims.queued(job)
             self.scheduler.submit(job)
         return job
+
+    async def _take(
+        self,
+        work: list[Item],
+        lo: int,
+        hi: int,
+        namespace: str,
+        order: int,
+        handles: list[Handle],
+        joined: dict[int, Job],
+    ) -> None:
+        """Inspect, look up, admit and start (or join) ``work[lo:hi]``, appending their handles."""
+        part = work[lo:hi]
+        await inspect(part, self.prep, self.pool)
+        await self._lookup(part, namespace)
+        claimed = await self._claim(part, self._admission(part))
+        for i, it in enumerate(part, lo):
+            if it.error is None and it.entry is None:
+                it.entry = self._peek(it.key, it.hash)  # finished while we looked elsewhere
+            job = None if it.error is not None or it.entry is not None else self._joinable(it.key)
+            if job is None and it.error is None and it.entry is None and it.inspected is not None:
+                job = self._start(it, (order, i), claimed)
+            elif job is not None:
+                self.metrics.singleflight_joins.inc()
+                job.interest += 1
+                if job.layout is None and it.inspected is not None:  # adopt a fetch's remote wait
+                    self._give_bytes(job, it.data, it.inspected)
+            if job is not None:
+                joined[i] = job
+            handles.append(self._handle(it, "pending" if job is not None else "missing", job))
 
     async def encode(
         self,
@@ -281,27 +275,19 @@ class Intake:
             raise NotReady("the service is shutting down")
         if len(items) > self.settings.max_items:
             raise PayloadTooLarge(f"{len(items)} items exceed the limit of max_items={self.settings.max_items}")
-        work = self._itemise(items)
-        await self._inspect(work)
-        await self._lookup(work, namespace)
-        claimed = await self._claim(work, self._admission(work))
+        work = itemise(items)
         order, admitted = next(self._requests), time.monotonic()
         handles: list[Handle] = []
         joined: dict[int, Job] = {}
-        for i, it in enumerate(work):
-            if it.error is None and it.entry is None:
-                it.entry = self._peek(it.key, it.hash)  # finished while we looked elsewhere
-            job = None if it.error is not None or it.entry is not None else self._joinable(it.key)
-            if job is None and it.error is None and it.entry is None and it.inspected is not None:
-                job = self._start(it, (order, i), claimed)
-            elif job is not None:
-                self.metrics.singleflight_joins.inc()
-                job.interest += 1
-                if job.layout is None and it.inspected is not None:  # adopt a fetch's remote wait
-                    self._give_bytes(job, it.data, it.inspected)
-            if job is not None:
-                joined[i] = job
-            handles.append(self._handle(it, "pending" if job is not None else "missing", job))
+        uploads = sum(it.data is not None for it in work)
+        fits = self.scheduler.depth + uploads <= self.settings.max_queue_images
+        try:  # one wave where the request may not fit: a 429 then comes before any of it starts
+            for lo, hi in waves(work) if fits else [(0, len(work))]:
+                await self._take(work, lo, hi, namespace, order, handles, joined)
+        except BaseException:
+            for job in joined.values():  # a later wave was refused (429/503) or the client left
+                self._release(job)
+            raise
         self.metrics.queue_depth.set(self.scheduler.depth)
         if wait and joined:
             await self._wait(joined, handles, work, admitted, timing, timeout_s)
@@ -311,7 +297,7 @@ class Intake:
         self,
         joined: dict[int, Job],
         handles: list[Handle],
-        work: list[_Item],
+        work: list[Item],
         admitted: float,
         timing: Timing | None,
         timeout_s: float | None,

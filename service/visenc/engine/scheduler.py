@@ -93,8 +93,9 @@ class Scheduler:
     # --- state ---------------------------------------------------------------
     @property
     def depth(self) -> int:
-        """Jobs admitted and not yet handed to the device."""
-        return len(self._waiting) + len(self._preparing) + len(self._ready)
+        """Jobs admitted and not yet handed to the device (a preparation that has just finished
+        is counted once: as ready, not also as its task, whose set entry goes a loop turn later)."""
+        return len(self._waiting) + sum(not t.done() for t in self._preparing) + len(self._ready)
 
     @property
     def idle(self) -> bool:

@@ -145,13 +145,16 @@ class DeviceWorker:
             self._held = []
 
     async def _run_batch(self, batch: list[Job]) -> None:
-        """Forward ``batch`` (split on out-of-memory) and hand each finished piece to the outputs."""
+        """Forward ``batch`` in the tower's groups (each split on out-of-memory) and hand each finished
+        piece to the outputs as soon as it is done."""
         started = self.busy_since = time.monotonic()
         for job in batch:
             job.started_at = started
             self.metrics.queue_wait_seconds.observe(started - job.admitted_at)
         try:
-            await self._forward_fitting(batch)
+            pairs = [(j, j.prepared) for j in batch if j.prepared is not None]
+            for group in self.tower.forward_groups([p for _, p in pairs]):
+                await self._forward_fitting([pairs[i][0] for i in group])  # each group's rows go on at once
         except _Stalled:
             self.metrics.worker_stalls.inc()
             self.metrics.encode_failures.labels("stall").inc(sum(not j.finished for j in batch))

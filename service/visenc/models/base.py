@@ -102,6 +102,12 @@ class VisionTower(ABC):
     @abstractmethod
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]: ...
 
+    def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
+        """The device calls ``forward`` would cut ``batch`` into anyway, as index lists in order
+        (default: one). The device worker makes them one by one and hands each one's rows on at
+        once, so a prefill waiting for the first images of a batch does not wait for its last."""
+        return [list(range(len(batch)))] if batch else []
+
     def span(self, width: int, height: int) -> list[Segment]:
         """The placeholder span of a ``width x height`` image in the engine's prompt: its rows and
         the text the engine's processor writes around and between them (default: rows alone)."""

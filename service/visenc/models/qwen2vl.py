@@ -218,26 +218,28 @@ class QwenVisionTower(VisionTower):
         )
         return Prepared(pixels=pixels, layout=layout)
 
-    def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
-        """One packed forward for the batch; outputs are views, one ``[num_tokens, hidden]``
-        per image, on the device.
-
-        On a CPU the attention kernels run image by image anyway, so packing only
-        saves per-call overhead: that pays for small images and loses to cache
-        misses for larger ones (measured with one torch thread: 8 packed 224x224
-        images 1.11x the per-image loop, 2 packed 448x336 images 0.96x). There,
+    def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
+        """One packed forward for the batch, except on a CPU: there the attention kernels run
+        image by image anyway, so packing only saves per-call overhead, which pays for small
+        images and loses to cache misses for larger ones (measured with one torch thread: 8
+        packed 224x224 images 1.11x the per-image loop, 2 packed 448x336 images 0.96x). There,
         images over ``CPU_PACK_MAX_PATCHES`` patches run in a forward of their own."""
-        if self.device.type != "cpu" or len(batch) < 2:
-            return self._forward_packed(batch)
-        out: list[torch.Tensor] = []
-        group: list[Prepared] = []
-        for p in batch:
-            if p.pixels.shape[0] > CPU_PACK_MAX_PATCHES:
-                out += self._forward_packed(group) + self._forward_packed([p])
-                group = []
-            else:
-                group.append(p)
-        return out + self._forward_packed(group)
+        if self.device.type != "cpu":
+            return super().forward_groups(batch)
+        groups: list[list[int]] = []
+        small: list[int] = []
+        for i, p in enumerate(batch):
+            if p.pixels.shape[0] <= CPU_PACK_MAX_PATCHES:
+                small.append(i)
+                continue
+            groups += [small, [i]] if small else [[i]]
+            small = []
+        return [*groups, small] if small else groups
+
+    def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
+        """The batch's forwards (``forward_groups``); outputs are views, one ``[num_tokens, hidden]``
+        per image, on the device, in batch order."""
+        return [out for g in self.forward_groups(batch) for out in self._forward_packed([batch[i] for i in g])]
 
     def _forward_packed(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
         if not batch:

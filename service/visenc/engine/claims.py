@@ -105,6 +105,7 @@ class Claims:
                     answer.set_exception(e)
             raise
         unavailable: list[Entry | ClaimState | None] = [None] * len(starting)
+        given_up = []
         for (job, answer), reply in zip(starting, replies or unavailable):
             outcome = "unavailable" if reply is None else "ready" if isinstance(reply, Entry) else reply.name.lower()
             self.metrics.claims.labels("owned" if outcome == "ours" else outcome).inc()
@@ -112,9 +113,11 @@ class Claims:
             if mine and reply is not None:
                 self._owned[job.key] = job
             if answer.done() or job.finished:  # its encode was given up while we asked
-                await self.release(job.key)
-                continue
-            answer.set_result(reply if isinstance(reply, Entry) else mine)
+                given_up.append(job.key)
+            else:
+                answer.set_result(reply if isinstance(reply, Entry) else mine)
+        for key in given_up:  # after every answer is out: no encode start waits on these round trips
+            await self.release(key)
 
     async def release(self, key: str) -> None:
         """The entry of ``key`` is written (or its encode failed): let the claim go (if it is ours)."""

@@ -230,21 +230,13 @@ class Intake:
             self.scheduler.submit(job)
         return job
 
-    async def _take(
-        self,
-        work: list[Item],
-        lo: int,
-        hi: int,
-        namespace: str,
-        order: int,
-        handles: list[Handle],
-        joined: dict[int, Job],
-    ) -> None:
-        """Inspect, look up, admit and start (or join) ``work[lo:hi]``, appending their handles."""
-        part = work[lo:hi]
+    async def _take(self, part: list[Item], lo: int, namespace: str, order: int) -> list[tuple[Handle, Job | None]]:
+        """Inspect, look up, admit and start (or join) ``part`` (items ``lo``... of the request):
+        each item's handle and the job it waits on."""
         await inspect(part, self.prep, self.pool)
         await self._lookup(part, namespace)
         claimed = await self._claim(part, self._admission(part))
+        out: list[tuple[Handle, Job | None]] = []
         for i, it in enumerate(part, lo):
             if it.error is None and it.entry is None:
                 it.entry = self._peek(it.key, it.hash)  # finished while we looked elsewhere
@@ -256,9 +248,8 @@ class Intake:
                 job.interest += 1
                 if job.layout is None and it.inspected is not None:  # adopt a fetch's remote wait
                     self._give_bytes(job, it.data, it.inspected)
-            if job is not None:
-                joined[i] = job
-            handles.append(self._handle(it, "pending" if job is not None else "missing", job))
+            out.append((self._handle(it, "pending" if job is not None else "missing", job), job))
+        return out
 
     async def encode(
         self,
@@ -283,7 +274,10 @@ class Intake:
         fits = self.scheduler.depth + uploads <= self.settings.max_queue_images
         try:  # one wave where the request may not fit: a 429 then comes before any of it starts
             for lo, hi in waves(work) if fits else [(0, len(work))]:
-                await self._take(work, lo, hi, namespace, order, handles, joined)
+                for i, (handle, job) in enumerate(await self._take(work[lo:hi], lo, namespace, order), lo):
+                    handles.append(handle)
+                    if job is not None:
+                        joined[i] = job
         except BaseException:
             for job in joined.values():  # a later wave was refused (429/503) or the client left
                 self._release(job)

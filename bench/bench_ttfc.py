@@ -16,7 +16,7 @@ ratio first-chunk / all-images. For scale it also times encoding only the
 images chunk 1 overlaps, alone (new copies). Medians over ``--rounds``; lazy
 and naive alternate so machine drift hits both.
 
-    python bench/bench_ttfc.py [--rounds 3] [--chunk 512] [--text 16]
+    python bench/bench_ttfc.py [--rounds 3] [--chunk 512] [--text 16] [--serve-args '...']
 """
 
 from __future__ import annotations
@@ -83,12 +83,13 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--chunk", type=int, default=512, help="prefill chunk, prompt positions")
     ap.add_argument("--text", type=int, default=16, help="text tokens before each image")
+    ap.add_argument("--serve-args", default="", help="extra `visenc serve` flags, e.g. '--prefetch-tokens 2048'")
     args = ap.parse_args()
 
     results: dict[str, list[tuple[float, float]]] = {"lazy": [], "naive": []}
     batches: dict[str, list[int]] = {"lazy": [], "naive": []}
     alone: list[float] = []
-    with serve_process() as url, Client(url) as vc:
+    with serve_process(*args.serve_args.split()) as url, Client(url) as vc:
         vc.encode([png_bytes(9_999, 224, 224)])  # warm the tower and the connection
         for r in range(args.rounds):
             order = ["lazy", "naive"] if r % 2 == 0 else ["naive", "lazy"]

@@ -186,7 +186,8 @@ class Settings(BaseSettings):
     prefetch_tokens: int | None = Field(
         None,
         gt=0,
-        description="Most tower-input tokens preprocessed ahead of the device (default: two batches).",
+        description="Most tower-input tokens staged for the device: preprocessing, ready or in the forward "
+        "(default: two batches on CUDA, a quarter of a batch on a CPU, where preprocessing shares the cores).",
     )
 
     @field_validator("redis_url")

@@ -119,7 +119,7 @@ async def check_prompt_and_arrival_order(client, probe: Probe) -> None:
 
 async def test_fetch_of_late_images_moves_them_all_into_the_next_forward(tiny_tower, monkeypatch):
     # 200 input patches per forward (a few small images), prefetch gate at 400
-    async with held_app(tiny_tower, monkeypatch, max_batch_tokens=200) as (client, probe):
+    async with held_app(tiny_tower, monkeypatch, max_batch_tokens=200, prefetch_tokens=400) as (client, probe):
         await check_fetch_priority(client, probe)
 
 

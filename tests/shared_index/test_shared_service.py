@@ -131,18 +131,23 @@ async def until(check, timeout_s: float = 5.0) -> None:
 
 
 async def busy_replica_with_a_queued_image(raw, a, first: bytes, queued: bytes) -> tuple[str, str]:
-    """``first`` on a's device (its slow forward), ``queued`` waiting behind it; their entry keys."""
+    """``first`` on a's device (its slow forward), the device's next input staged (and claimed)
+    behind it, and ``queued`` waiting behind both; the entry keys of ``first`` and ``queued``."""
     fp = (await a.get("/v1/model")).json()["fingerprint"]
-    k_first, k_queued = (entry_key("default", fp, image_hash(d)) for d in (first, queued))
-    r = await encode_json(a, [{"data": first}, {"data": queued}], wait=False)
-    assert [it["status"] for it in r.json()["items"]] == ["pending", "pending"]
+    k_first, k_next, k_queued = (entry_key("default", fp, image_hash(d)) for d in (first, NEXT, queued))
+    r = await encode_json(a, [{"data": first}, {"data": NEXT}, {"data": queued}], wait=False)
+    assert [it["status"] for it in r.json()["items"]] == ["pending"] * 3
     await until(lambda: raw.exists(claim_key(k_first)))  # its encode started: claimed now
+    await until(lambda: raw.exists(claim_key(k_next)))  # the device's next input is always prepared
     # the queued image holds no claim, only a "queued" mark
     assert await raw.exists(claim_key(k_queued)) == 0 and await raw.exists(queued_key(k_queued)) == 1
     return k_first, k_queued
 
 
-#: replica a: claims of 600 ms (renewed every 200 ms), and no staging past the image on the device
+#: the image staged behind the busy replica's first (whatever the prefetch bound, the device's next
+#: input is prepared while it runs)
+NEXT = png_bytes(339, 64, 96)
+#: replica a: claims of 600 ms (renewed every 200 ms), and no staging past the device's next image
 BUSY = {"claim_ttl_ms": 600, "prefetch_tokens": 1, **FAST}
 #: replica a's first forward: well past the claim ttl, with room for a loaded test host
 SLOW_S = 2.5
@@ -166,8 +171,9 @@ async def test_claims_are_taken_at_encode_start_and_renewed_while_it_runs(raw, r
         assert rows.content == (await b.get(f"/v1/embeddings/{image_hash(queued)}")).content
         await until(lambda: raw.exists(k_first))
         assert await raw.exists(claim_key(k_first)) == 0  # entry written, then the claim released
+        assert (await a.get(f"/v1/embeddings/{image_hash(NEXT)}")).status_code == 200  # waits for its encode
         ma = await metrics_of(a)
-        assert slow.forwards == 1 and metric(ma, "visenc_encoded_images_total") == 1
+        assert metric(ma, "visenc_encoded_images_total") == 2  # first and NEXT: not the queued one
         assert metric(ma, "visenc_claims_total", outcome="ready") == 1
 
 

@@ -75,7 +75,7 @@ def test_cpu_plan_fits_two_staged_batches_and_one_forward(qwen, budget_mib):
     a, p = qwen.activation_bytes_per_token(), qwen.input_bytes_per_token()
     t = plan.max_batch_tokens
     assert 1 <= t <= CPU_PACKED_BATCH_TOKENS
-    assert plan.prefetch_tokens == 2 * t
+    assert plan.prefetch_tokens == max(1, t // 4)  # on a CPU the forward shares the cores: a quarter batch
     assert 2 * t * p + plan.max_batch_bytes <= (1 - RESERVE) * budget
     assert plan.max_batch_bytes >= t * a  # a full-token batch of small images always fits
     if t < CPU_PACKED_BATCH_TOKENS:  # the budget, not the cap, is binding: it is nearly used up

@@ -91,8 +91,10 @@ class SlowTower(VisionTower):
         return {"slow": 1}
 
 
-async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():
-    tower = SlowTower(forward_s=0.15, preprocess_s=0.03)
+def pipeline(
+    tower: VisionTower, *, batch: int, prefetch: int
+) -> tuple[ThreadPoolExecutor, Outputs, Scheduler, DeviceWorker]:
+    """The engine's stages around ``tower`` (the outputs stage started, the worker not yet)."""
     pool = ThreadPoolExecutor(2, thread_name_prefix="visenc-pre")
     outputs = Outputs(
         index=Index(MemoryLRU(1 << 20)), metrics=Metrics(), fingerprint="f" * 32, hidden_size=4, device=tower.device
@@ -102,12 +104,17 @@ async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():
         preprocess=lambda data: tower.preprocess(data),
         pool=pool,
         outputs=outputs,
-        max_batch_tokens=4,
-        max_batch_images=4,
+        max_batch_tokens=batch,
+        max_batch_images=batch,
         packable=False,
-        prefetch_tokens=8,
+        prefetch_tokens=prefetch,
     )
-    worker = DeviceWorker(tower, s, outputs, metrics=Metrics(), max_wait_s=0.0, stall_timeout_s=30)
+    return pool, outputs, s, DeviceWorker(tower, s, outputs, metrics=Metrics(), max_wait_s=0.0, stall_timeout_s=30)
+
+
+async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():
+    tower = SlowTower(forward_s=0.15, preprocess_s=0.03)
+    pool, outputs, s, worker = pipeline(tower, batch=4, prefetch=8)
     peak_staged = 0
     worker.start()
     try:
@@ -129,6 +136,50 @@ async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():
     # while each forward but the last ran, the pool was preprocessing images of a later batch
     overlapped = [any(p0 < f1 and p1 > f0 for p0, p1, _ in tower.preps) for f0, f1, _ in tower.forwards[:-1]]
     assert all(overlapped), overlapped
+
+
+class GroupedTower(SlowTower):
+    """Cuts every batch into one forward per image, as a CPU Qwen tower does with large images."""
+
+    def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
+        return [[i] for i in range(len(batch))]
+
+
+async def test_each_forward_gives_its_images_back_to_the_budget_before_the_batch_ends():
+    """A batch of 3 forwarded image by image, bound 4: the 4th image is staged when the batch is
+    taken; each forward's image leaves the staged budget when its own forward ends, so the 5th
+    (over the bound until then) is preprocessed while the batch's later forwards still run,
+    instead of after the whole batch."""
+    tower = GroupedTower(forward_s=0.1, preprocess_s=0.01)
+    pool, outputs, s, worker = pipeline(tower, batch=3, prefetch=4)
+    staged_at_start: list[int] = []
+    forward = tower.forward
+
+    def recording_forward(batch: Sequence[Prepared]) -> list[torch.Tensor]:
+        staged_at_start.append(s.staged_tokens)
+        return forward(batch)
+
+    tower.forward = recording_forward  # type: ignore[method-assign]
+    jobs = [job(1, (0, i), "only") for i in range(5)]
+    for j in jobs[:3]:
+        s.submit(j)
+    await drain_ready(s, 3)
+    s.submit(jobs[3])  # 3 + 1 <= 4: staged at once
+    s.submit(jobs[4])  # 5 > 4 with four images ahead of the device: it waits
+    assert s._waiting == [jobs[4]]
+    worker.start()
+    try:
+        await asyncio.wait_for(asyncio.gather(*(j.future for j in jobs)), 10)
+    finally:
+        await worker.stop(5.0)
+        await outputs.stop(5.0)
+        pool.shutdown()
+    assert [n for *_, n in tower.forwards] == [1, 1, 1, 1, 1]
+    assert staged_at_start[:3] == [4, 4, 3]  # 3 + the 4th; 2 + the 4th and 5th; 1 + the 4th and 5th
+    fifth_prep_start = tower.preps[4][0]
+    first_forward_end, last_of_batch_end = tower.forwards[0][1], tower.forwards[2][1]
+    assert first_forward_end <= fifth_prep_start < last_of_batch_end
+    assert s.staged_tokens == 0 and s.idle
 
 
 def test_intake_waves_end_after_1_2_4_uploads_and_hashes_ride_along():

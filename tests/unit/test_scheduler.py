@@ -106,6 +106,25 @@ async def test_prefetch_budget_bounds_preprocessed_work():
     assert s.depth == 4 and len(s._waiting) == 2 and s.staged_tokens == 20
 
 
+async def test_the_devices_next_input_is_prepared_whatever_the_bound_and_no_more():
+    """A bound below two images' cost: once the device takes the one ready image, the next starts
+    (nothing else is ahead of the device), and no third one while that one is ahead."""
+    s = make_scheduler(prefetch=10)
+    jobs = [job(8, (0, i), "A") for i in range(3)]
+    for j in jobs:
+        s.submit(j)
+    await drain_ready(s, 1)
+    assert len(s._waiting) == 2 and s.staged_tokens == 8  # 16 > 10, and the first is ahead
+    assert s.take_batch() == [jobs[0]]
+    await drain_ready(s, 1)  # started although 16 > 10: the device would else wait for it
+    assert s._ready == [jobs[1]] and s._waiting == [jobs[2]] and s.staged_tokens == 16
+    s.done([jobs[0]])
+    assert s._waiting == [jobs[2]]  # 16 > 10 and jobs[1] is ahead of the device: the bound holds
+    assert s.take_batch() == [jobs[1]]
+    await drain_ready(s, 1)
+    assert s._ready == [jobs[2]]
+
+
 async def test_unwanted_jobs_are_dropped_before_preprocess_and_forward():
     failed: list = []
     s = make_scheduler(prefetch=10, failed=failed)

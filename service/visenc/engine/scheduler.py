@@ -6,9 +6,12 @@ Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
 
 * preprocessing is *gated* by ``prefetch_tokens``: the tower input staged
   (being preprocessed, ready, or on the device, plus ``decode_cost`` of the
-  images being decoded) stays within it — two batches' worth by default, so
-  batch N+1 is preprocessed while batch N runs and memory stays bounded however
-  many images are queued. This gate is the backpressure: a slow forward stops
+  images being decoded) stays within it (``engine/budget.py`` sets it: two
+  batches on CUDA, a quarter of a batch on a CPU), so memory stays bounded however many
+  images are queued. Whatever the bound, a job is started when nothing is staged
+  ahead of the device, so the next input is always prepared while a forward runs;
+  the device worker gives each forward's jobs back to the budget as soon as their
+  forward ends, not when their whole batch does. This gate is the backpressure: a slow forward stops
   preprocessing, and queued bytes then stop intake at ``max_queue_images``
   (429). A fetch that raises a job's priority (``bump``) starts its
   preprocessing at once, past the gate, so it is ready for the very next batch
@@ -125,8 +128,12 @@ class Scheduler:
         self._changed.set()
 
     def _fits(self, job: Job, bound: int) -> bool:
-        """Whether staging ``job`` keeps the staged tokens within ``bound`` (a lone job always fits)."""
-        return self.staged_tokens == 0 or self.staged_tokens + job.cost + job.decode_cost <= bound
+        """Whether staging ``job`` keeps the staged tokens within ``bound``. A job also fits when
+        nothing is staged ahead of the device (none preprocessing, none ready): the device's next
+        input is then always prepared while it runs, whatever the bound (one image over it at most)."""
+        if self.staged_tokens + job.cost + job.decode_cost <= bound:
+            return True
+        return not self._ready and not any(not t.done() for t in self._preparing)
 
     def release(self, job: Job) -> None:
         """A waiter went away: if nobody else wants ``job`` and it is still queued, drop it now
@@ -242,6 +249,7 @@ class Scheduler:
         self._ready = [j for j in self._ready if id(j) not in taken]
         for job in batch:
             job.state = JobState.RUNNING
+        self._dispatch()  # with nothing left ahead of the device, its next input starts now
         return batch
 
     def done(self, batch: list[Job]) -> None:

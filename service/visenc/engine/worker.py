@@ -144,6 +144,15 @@ class DeviceWorker:
             self.scheduler.done(self._held)
             self._held = []
 
+    def _release(self, jobs: list[Job]) -> None:
+        """Give forwarded jobs back to the budget now, not at the end of their batch: their pixels
+        are freed, and the images behind them are preprocessed as the device works through the batch."""
+        gone = set(map(id, jobs))
+        mine = [j for j in self._held if id(j) in gone]
+        if mine:
+            self._held = [j for j in self._held if id(j) not in gone]
+            self.scheduler.done(mine)
+
     async def _run_batch(self, batch: list[Job]) -> None:
         """Forward ``batch`` in the tower's groups (each split on out-of-memory) and hand each finished
         piece to the outputs as soon as it is done."""
@@ -188,6 +197,7 @@ class DeviceWorker:
                 self.outputs.fail(
                     jobs, OutOfMemory(f"the image does not fit in the device's memory alone ({type(error).__name__})")
                 )
+                self._release(jobs)
                 return
             log.info("forward of %d images ran out of memory; splitting it in two", len(jobs))
             half = len(jobs) // 2
@@ -203,6 +213,7 @@ class DeviceWorker:
             job.forward_s = elapsed
             job.prepared = None  # free the pixels now, not when the request ends; marks the job forwarded
         self.outputs.submit(Forwarded(jobs, outputs, event))
+        self._release(jobs)
 
     async def _call(self, prepared: list[Prepared]) -> tuple[list[torch.Tensor], Any]:
         """The forward on the device thread, bounded by ``stall_timeout_s`` (``_Stalled`` past it:

@@ -1,0 +1,84 @@
+"""Two ``visenc serve`` configurations side by side: does a flag or an environment
+variable change cold throughput on this machine?
+
+Both servers run the same tower on the same JPEGs; each round measures A and B once
+(order alternating, the other server paused with SIGSTOP), with ``--concurrency``
+single-image clients, cold (a fresh namespace per round). Prints the median of the
+per-round ratios B / A with min and max. Run it with two equal specs first: the spread
+of that A / A run is the smallest difference this machine can show.
+
+    python bench/bench_ab.py "" "--max-wait-ms 0"
+    python bench/bench_ab.py "" "OMP_WAIT_POLICY=PASSIVE" --model /tmp/infinity/tiny-clip
+    python bench/bench_ab.py "" ""                                     # A / A: the noise floor
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import statistics
+import sys
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
+
+import _common as c  # noqa: E402
+
+
+def parse_spec(spec: str) -> tuple[dict[str, str], list[str]]:
+    """``"NAME=value --flag x"`` -> ({NAME: value}, [--flag, x]): words with ``=`` before any flag set the env."""
+    env: dict[str, str] = {}
+    args: list[str] = []
+    for word in spec.split():
+        if "=" in word and not word.startswith("-") and not args:
+            name, value = word.split("=", 1)
+            env[name] = value
+        else:
+            args.append(word)
+    return env, args
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("a", help="configuration A: environment assignments, then `visenc serve` flags")
+    p.add_argument("b", help="configuration B, the same way")
+    p.add_argument("--model", default="tiny-clip")
+    p.add_argument("--images", type=int, default=48)
+    p.add_argument("--size", default="640x480")
+    p.add_argument("--rounds", type=int, default=8)
+    p.add_argument("--concurrency", type=int, default=8)
+    args = p.parse_args()
+
+    w, h = (int(x) for x in args.size.split("x"))
+    images = [c.jpeg(i, w, h) for i in range(args.images)]
+    with contextlib.ExitStack() as stack:
+        urls, procs = [], []
+        for spec in (args.a, args.b):
+            env, flags = parse_spec(spec)
+            port = c.free_port()
+            cmd = c.visenc_cmd(args.model, port, *flags)
+            procs.append(
+                stack.enter_context(c.server(cmd, f"http://127.0.0.1:{port}/readyz", {**c.service_env(), **env}))
+            )
+            urls.append(f"http://127.0.0.1:{port}")
+        for url in urls:  # warm both towers and connections
+            asyncio.run(c.clients_rate(images[: args.concurrency], c.visenc_sender(url, "warm"), args.concurrency))
+        rates: list[list[float]] = [[], []]
+        for r in range(args.rounds):
+            for i in (0, 1) if r % 2 == 0 else (1, 0):
+                c.pause(procs[1 - i])
+                c.resume(procs[i])
+                send = c.visenc_sender(urls[i], f"ab{r}")
+                rates[i].append(asyncio.run(c.clients_rate(images, send, args.concurrency)))
+            c.resume(procs[0])
+            c.resume(procs[1])
+    ratios = [b / a for a, b in zip(*rates)]
+    print(
+        f"A {args.a!r}: {statistics.median(rates[0]):.1f} img/s; B {args.b!r}: {statistics.median(rates[1]):.1f} img/s"
+    )
+    print(f"B / A {c.spread(ratios)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -2,7 +2,7 @@
 variable change cold throughput on this machine?
 
 Both servers run the same tower on the same JPEGs; each round measures A and B once
-(order alternating, the other server paused with SIGSTOP), with ``--concurrency``
+(order alternating, the other server paused with SIGSTOP: ``_common.serve_rates``), with ``--concurrency``
 single-image clients, cold (a fresh namespace per round). Prints the median of the
 per-round ratios B / A with min and max. Run it with two equal specs first: the spread
 of that A / A run is the smallest difference this machine can show.
@@ -15,8 +15,6 @@ of that A / A run is the smallest difference this machine can show.
 from __future__ import annotations
 
 import argparse
-import asyncio
-import contextlib
 import statistics
 import sys
 from pathlib import Path
@@ -52,27 +50,8 @@ def main() -> None:
 
     w, h = (int(x) for x in args.size.split("x"))
     images = [c.jpeg(i, w, h) for i in range(args.images)]
-    with contextlib.ExitStack() as stack:
-        urls, procs = [], []
-        for spec in (args.a, args.b):
-            env, flags = parse_spec(spec)
-            port = c.free_port()
-            cmd = c.visenc_cmd(args.model, port, *flags)
-            procs.append(
-                stack.enter_context(c.server(cmd, f"http://127.0.0.1:{port}/readyz", {**c.service_env(), **env}))
-            )
-            urls.append(f"http://127.0.0.1:{port}")
-        for url in urls:  # warm both towers and connections
-            asyncio.run(c.clients_rate(images[: args.concurrency], c.visenc_sender(url, "warm"), args.concurrency))
-        rates: list[list[float]] = [[], []]
-        for r in range(args.rounds):
-            for i in (0, 1) if r % 2 == 0 else (1, 0):
-                c.pause(procs[1 - i])
-                c.resume(procs[i])
-                send = c.visenc_sender(urls[i], f"ab{r}")
-                rates[i].append(asyncio.run(c.clients_rate(images, send, args.concurrency)))
-            c.resume(procs[0])
-            c.resume(procs[1])
+    configs = [parse_spec(args.a), parse_spec(args.b)]
+    rates = c.serve_rates(args.model, configs, images, args.rounds, args.concurrency)
     ratios = [b / a for a, b in zip(*rates)]
     print(
         f"A {args.a!r}: {statistics.median(rates[0]):.1f} img/s; B {args.b!r}: {statistics.median(rates[1]):.1f} img/s"

@@ -2,7 +2,7 @@
 
 Serves the tower with each (torch threads, preprocess workers) split in turn and
 drives it with 8 concurrent single-image clients (cold); prints images/s and the
-ratio to the default split (``engine/threads.py``), rounds interleaved.
+ratio to the default split (``engine/threads.py``), rounds interleaved (``_common.serve_rates``).
 
     python bench/bench_threads.py                      # tiny-clip, 640x480
     python bench/bench_threads.py --model tiny-qwen2-vl
@@ -11,7 +11,6 @@ ratio to the default split (``engine/threads.py``), rounds interleaved.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import statistics
 import sys
 from pathlib import Path
@@ -36,29 +35,8 @@ def main() -> int:
     default = (default_torch_threads(cpu, cores), default_preprocess_workers(cpu, cores))
     splits = sorted({default, (cores, cores), (cores, 1), (1, cores), (1, 1)})
     images = [c.jpeg(i) for i in range(args.images)]
-    env = c.service_env()
-    procs, rates = {}, {s: [] for s in splits}
-    import contextlib
-
-    with contextlib.ExitStack() as stack:
-        for t, w in splits:
-            port = c.free_port()
-            proc = stack.enter_context(
-                c.server(
-                    c.visenc_cmd(args.model, port, "--torch-threads", str(t), "--preprocess-workers", str(w)),
-                    f"http://127.0.0.1:{port}/readyz",
-                    env,
-                )
-            )
-            c.pause(proc)
-            procs[(t, w)] = (proc, port)
-        for r in range(args.rounds):
-            for s, (proc, port) in procs.items():
-                c.resume(proc)
-                rates[s].append(
-                    asyncio.run(c.clients_rate(images, c.visenc_sender(f"http://127.0.0.1:{port}", f"r{r}")))
-                )
-                c.pause(proc)
+    configs = [({}, ["--torch-threads", str(t), "--preprocess-workers", str(w)]) for t, w in splits]
+    rates = dict(zip(splits, c.serve_rates(args.model, configs, images, args.rounds)))
     base = statistics.median(rates[default])
     print(
         f"{args.model}, {cores} cores, 8 concurrent single-image clients, {args.images} cold images x "

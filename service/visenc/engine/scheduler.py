@@ -98,7 +98,12 @@ class Scheduler:
     def depth(self) -> int:
         """Jobs admitted and not yet handed to the device (a preparation that has just finished
         is counted once: as ready, not also as its task, whose set entry goes a loop turn later)."""
-        return len(self._waiting) + sum(not t.done() for t in self._preparing) + len(self._ready)
+        return len(self._waiting) + self._in_preparation + len(self._ready)
+
+    @property
+    def _in_preparation(self) -> int:
+        """Preparations still running (a finished task leaves ``_preparing`` a loop turn later)."""
+        return sum(not t.done() for t in self._preparing)
 
     @property
     def idle(self) -> bool:
@@ -133,7 +138,7 @@ class Scheduler:
         input is then always prepared while it runs, whatever the bound (one image over it at most)."""
         if self.staged_tokens + job.cost + job.decode_cost <= bound:
             return True
-        return not self._ready and not any(not t.done() for t in self._preparing)
+        return not self._ready and not self._in_preparation
 
     def release(self, job: Job) -> None:
         """A waiter went away: if nobody else wants ``job`` and it is still queued, drop it now

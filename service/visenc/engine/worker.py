@@ -139,10 +139,8 @@ class DeviceWorker:
                 await self._failed(batch, f"the device worker failed: {type(e).__name__}")
 
     def _release_held(self) -> None:
-        """Give the batch taken from the scheduler back to its budget (once)."""
-        if self._held:
-            self.scheduler.done(self._held)
-            self._held = []
+        """Give what is left of the batch taken from the scheduler back to its budget (once)."""
+        self._release(self._held)
 
     def _release(self, jobs: list[Job]) -> None:
         """Give forwarded jobs back to the budget now, not at the end of their batch: their pixels

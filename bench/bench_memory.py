@@ -77,6 +77,7 @@ async def queued_with_bumps(encoder: object, images: list[bytes], bumps: int) ->
 async def measure(args: argparse.Namespace) -> dict[str, object]:
     import torch
 
+    from visenc import heap
     from visenc.config import Settings
     from visenc.engine.core import Engine
     from visenc.engine.interface import EncodeItem
@@ -86,7 +87,6 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
     from visenc.models.loading import load_tower
 
     torch.set_num_threads(args.threads)
-    tower = load_tower(args.model, max_pixels=args.max_pixels)
     settings = Settings(
         memory_budget_bytes=args.budget_mib * MiB,
         preprocess_workers=args.workers,
@@ -94,6 +94,8 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
         max_items=max(512, args.images),
         max_queue_images=max(4096, 2 * args.images),
     )
+    heap.hold_freed(settings.heap_keep_bytes)  # as `visenc serve` sets it
+    tower = load_tower(args.model, max_pixels=args.max_pixels)
     metrics = Metrics()
     encoder = Engine(tower, Index(MemoryLRU(settings.cache_bytes, metrics)), settings, metrics)
     await encoder.start()

@@ -10,7 +10,13 @@ All systems get the SAME tower and the SAME JPEGs. Rates (images/s):
              (bytes sent, encoded, rows fetched); a fresh namespace per round;
 * repeat     the same images again: every visenc request is an index hit;
 * naive      ``bench/naive_server.py``: per-request preprocess + batch-1 forward;
-* infinity   ``infinity_emb v2`` on the same CLIP folder, 8 concurrent single-image clients.
+* infinity   ``infinity_emb v2`` on the same CLIP folder, 8 concurrent single-image clients;
+* infinity_heap  (``--infinity-heap``) the same with the C-heap setting visenc makes
+             (``visenc/heap.py``) given by glibc's environment variables.
+
+The bare loop runs with visenc's C-heap setting too (``heap.hold_freed``): a freed
+activation is reused, not faulted in again (with glibc's defaults tiny CLIP's forward
+is about 20% slower).
 
 The bare loop's best batch size per torch thread count is picked once by calibration;
 then each round measures every system once, in turn, with the other servers paused
@@ -28,6 +34,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import statistics
@@ -40,6 +47,24 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
 import _common as c  # noqa: E402
+
+#: glibc's environment variables for what ``visenc.heap.hold_freed`` sets with mallopt
+INFINITY_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
+
+
+def infinity_env(peer: Path) -> dict[str, str]:
+    return {
+        "HF_HUB_OFFLINE": "1",
+        "DO_NOT_TRACK": "1",
+        "INFINITY_ANONYMOUS_USAGE_STATS": "0",
+        "INFINITY_HOME": str(peer / "infhome"),
+    }
+
+
+def infinity_cmd(peer: Path, model: str, port: int) -> list[str]:
+    flags = "--device cpu --engine torch --host 127.0.0.1 --batch-size 32 --no-vector-disk-cache --no-compile"
+    exe = str(peer / "venv" / "bin" / "infinity_emb")
+    return [exe, "v2", "--model-id", model, "--port", str(port), *flags.split()]
 
 
 def main() -> int:
@@ -55,13 +80,18 @@ def main() -> int:
     p.add_argument("--concurrency", type=int, default=8)
     p.add_argument("--infinity", type=Path, default=None, help="peer folder from shared/peers/infinity/setup.sh")
     p.add_argument("--no-naive", action="store_true")
+    p.add_argument("--infinity-heap", action="store_true", help="also run Infinity with visenc's C-heap setting")
     p.add_argument("--serve-args", default="", help="extra `visenc serve` flags, e.g. '--max-wait-ms 5'")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     args = p.parse_args()
 
     import torch
 
+    from visenc import heap
+    from visenc.config import Settings
     from visenc.models.loading import load_tower
+
+    heap.hold_freed(Settings().heap_keep_bytes)
 
     peer = args.infinity
     if peer is not None and not (peer / "venv" / "bin" / "infinity_emb").exists():
@@ -89,7 +119,7 @@ def main() -> int:
 
     logs = Path(tempfile.mkdtemp(prefix="visenc-bench-"))
     env = c.service_env()
-    vport, nport, iport = c.free_port(), c.free_port(), c.free_port()
+    vport, nport = c.free_port(), c.free_port()
     senders: dict[str, Callable[[int], c.Send]] = {}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with contextlib.ExitStack() as stack:
@@ -113,35 +143,20 @@ def main() -> int:
             )
             senders["naive"] = lambda r: c.raw_sender(f"http://127.0.0.1:{nport}/encode")
         if peer is not None:
-            infinity_env = {
-                "HF_HUB_OFFLINE": "1",
-                "DO_NOT_TRACK": "1",
-                "INFINITY_ANONYMOUS_USAGE_STATS": "0",
-                "INFINITY_HOME": str(peer / "infhome"),
-            }
-            cmd = [
-                str(peer / "venv" / "bin" / "infinity_emb"),
-                "v2",
-                "--model-id",
-                model,
-                "--device",
-                "cpu",
-                "--engine",
-                "torch",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(iport),
-                "--batch-size",
-                "32",
-                "--no-vector-disk-cache",
-                "--no-compile",
-            ]
-            procs["infinity"] = stack.enter_context(
-                c.server(cmd, f"http://127.0.0.1:{iport}/health", infinity_env, logs / "infinity.log")
-            )
-            name = "/".join(Path(model).parts[-2:])
-            senders["infinity"] = lambda r: c.infinity_sender(f"http://127.0.0.1:{iport}", name)
+            served = "/".join(Path(model).parts[-2:])
+            runs = {"infinity": {}, **({"infinity_heap": INFINITY_HEAP_ENV} if args.infinity_heap else {})}
+            for key, extra in runs.items():
+                port = c.free_port()
+                procs[key] = stack.enter_context(
+                    c.server(
+                        infinity_cmd(peer, model, port),
+                        f"http://127.0.0.1:{port}/health",
+                        {**infinity_env(peer), **extra},
+                        logs / f"{key}.log",
+                    )
+                )
+                base = f"http://127.0.0.1:{port}"
+                senders[key] = functools.partial(lambda base, r: c.infinity_sender(base, served), base)
         for make in senders.values():  # first requests (lazy init, thread pools) are not measured
             asyncio.run(c.clients_rate([c.jpeg(10_000 + i, w, h) for i in range(8)], make(-1), args.concurrency))
 
@@ -181,6 +196,8 @@ def main() -> int:
         ratios["visenc / infinity cold (goal >= 1.2)"] = ratio("visenc", "infinity")
         ratios["infinity / bare"] = ratio("infinity", "bare")
         ratios["infinity repeated / cold"] = ratio("infinity_repeat", "infinity")
+    if "infinity_heap" in rows:
+        ratios["visenc / infinity with visenc's heap setting"] = ratio("visenc", "infinity_heap")
     for k, v in ratios.items():
         print(f"  {k:40s} {c.spread(v)}")
     if args.json:

@@ -15,6 +15,7 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
 
+from visenc import heap
 from visenc.api.app import create_api
 from visenc.config import Settings
 from visenc.engine.core import Engine
@@ -56,6 +57,7 @@ def load_tower(settings: Settings) -> VisionTower:
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     torch.set_num_threads(settings.torch_threads or default_torch_threads(torch.device(device)))
+    heap.hold_freed(settings.heap_keep_bytes)
     return load(
         settings.model,
         dtype=dtype,

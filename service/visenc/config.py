@@ -189,6 +189,16 @@ class Settings(BaseSettings):
         description="Most tower-input tokens staged for the device: preprocessing, ready or in the forward "
         "(default: two batches on CUDA, a quarter of a batch on a CPU, where preprocessing shares the cores).",
     )
+    heap_keep_bytes: int = Field(
+        1024 * MiB,
+        ge=0,
+        description="Freed C-heap memory (glibc) kept for the next forward's activations instead of going back "
+        "to the kernel at once (a CPU forward refaults its pages otherwise); all of it goes back once the "
+        "device has been idle heap_idle_s. 0: glibc's defaults.",
+    )
+    heap_idle_s: float = Field(
+        2.0, gt=0, description="Device idle time after which the freed C-heap memory goes back to the kernel."
+    )
 
     @field_validator("redis_url")
     @classmethod

@@ -105,6 +105,7 @@ class Engine:
             max_wait_s=settings.max_wait_ms / 1000,
             stall_timeout_s=settings.stall_timeout_s,
             restart_attempts=settings.worker_restart_attempts,
+            heap_idle_s=settings.heap_idle_s,
         )
         self.remote = (
             None

@@ -39,6 +39,7 @@ from typing import Any
 import torch
 from PIL import Image
 
+from visenc import heap
 from visenc.engine.job import Job
 from visenc.engine.outputs import Forwarded, Outputs
 from visenc.engine.scheduler import Scheduler
@@ -72,6 +73,7 @@ class DeviceWorker:
         max_wait_s: float,
         stall_timeout_s: float,
         restart_attempts: int = 2,
+        heap_idle_s: float = 2.0,
     ) -> None:
         self.tower = tower
         self.scheduler = scheduler
@@ -80,6 +82,9 @@ class DeviceWorker:
         self.max_wait_s = max_wait_s
         self.stall_timeout_s = stall_timeout_s
         self.restart_attempts = restart_attempts
+        self.heap_idle_s = heap_idle_s
+        #: monotonic end of the last batch; ``None`` once the heap was given back after it
+        self._worked_at: float | None = None
         self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
         self._thread = DaemonThread("visenc-device")
         self._task: asyncio.Task[None] | None = None
@@ -129,6 +134,10 @@ class DeviceWorker:
                 if batch:
                     self._held = batch
                     await self._run_batch(batch)
+                    self._worked_at = time.monotonic()
+                elif self._worked_at is not None and time.monotonic() - self._worked_at >= self.heap_idle_s:
+                    self._worked_at = None  # idle: the forwards' freed memory goes back to the system
+                    await asyncio.get_running_loop().run_in_executor(self._thread, heap.give_back)
             except asyncio.CancelledError:
                 self._release_held()
                 self.outputs.fail(batch, NotReady("the service is shutting down"))

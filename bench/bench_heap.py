@@ -59,7 +59,10 @@ def measure(model: str, keep: int, batch: int, forwards: int) -> float:
     args = [c.PYTHON, __file__, "--child", "--model", model, "--keep", str(keep)]
     args += ["--batch", str(batch), "--forwards", str(forwards)]
     done = subprocess.run(args, capture_output=True, text=True, check=True, env=c.service_env())
-    return float(json.loads(done.stdout.strip().splitlines()[-1])["ms_per_image"])
+    result = json.loads(done.stdout.strip().splitlines()[-1])
+    if result["held"] != (keep > 0):
+        raise SystemExit(f"the heap setting did not take effect as asked (keep={keep}): {result}")
+    return float(result["ms_per_image"])
 
 
 def main() -> int:

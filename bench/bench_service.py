@@ -15,8 +15,8 @@ All systems get the SAME tower and the SAME JPEGs. Rates (images/s):
              (``visenc/heap.py``) given by glibc's environment variables.
 
 The bare loop runs with visenc's C-heap setting too (``heap.hold_freed``): a freed
-activation is reused, not faulted in again (with glibc's defaults tiny CLIP's forward
-is about 20% slower).
+activation is reused, not faulted in again (``bench/bench_heap.py``: tiny CLIP's forward
+1.22x faster than under glibc's defaults).
 
 The bare loop's best batch size per torch thread count is picked once by calibration;
 then each round measures every system once, in turn, with the other servers paused
@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import functools
 import json
 import os
 import statistics
@@ -47,9 +46,6 @@ from pathlib import Path
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
 import _common as c  # noqa: E402
-
-#: glibc's environment variables for what ``visenc.heap.hold_freed`` sets with mallopt
-INFINITY_HEAP_ENV = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
 def infinity_env(peer: Path) -> dict[str, str]:
@@ -91,7 +87,8 @@ def main() -> int:
     from visenc.config import Settings
     from visenc.models.loading import load_tower
 
-    heap.hold_freed(Settings().heap_keep_bytes)
+    keep = Settings().heap_keep_bytes
+    heap.hold_freed(keep)
 
     peer = args.infinity
     if peer is not None and not (peer / "venv" / "bin" / "infinity_emb").exists():
@@ -144,7 +141,7 @@ def main() -> int:
             senders["naive"] = lambda r: c.raw_sender(f"http://127.0.0.1:{nport}/encode")
         if peer is not None:
             served = "/".join(Path(model).parts[-2:])
-            runs = {"infinity": {}, **({"infinity_heap": INFINITY_HEAP_ENV} if args.infinity_heap else {})}
+            runs = {"infinity": {}, **({"infinity_heap": heap.environment(keep)} if args.infinity_heap else {})}
             for key, extra in runs.items():
                 port = c.free_port()
                 procs[key] = stack.enter_context(
@@ -156,7 +153,7 @@ def main() -> int:
                     )
                 )
                 base = f"http://127.0.0.1:{port}"
-                senders[key] = functools.partial(lambda base, r: c.infinity_sender(base, served), base)
+                senders[key] = lambda r, base=base: c.infinity_sender(base, served)
         for make in senders.values():  # first requests (lazy init, thread pools) are not measured
             asyncio.run(c.clients_rate([c.jpeg(10_000 + i, w, h) for i in range(8)], make(-1), args.concurrency))
 

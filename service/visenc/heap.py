@@ -44,15 +44,25 @@ def _glibc() -> ctypes.CDLL | None:
     return libc
 
 
+def _thresholds(keep: int) -> dict[int, int]:
+    """The mallopt settings that keep up to ``keep`` bytes. Setting the trim threshold freezes
+    the dynamic mmap threshold at 128 KiB, so both are set."""
+    return {M_MMAP_THRESHOLD: MMAP_THRESHOLD_MAX, M_TRIM_THRESHOLD: min(keep, 2**31 - 1)}
+
+
+def environment(keep: int) -> dict[str, str]:
+    """glibc's environment variables that make another process start as ``hold_freed(keep)`` sets this one."""
+    names = {M_MMAP_THRESHOLD: "MALLOC_MMAP_THRESHOLD_", M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_"}
+    return {names[param]: str(value) for param, value in _thresholds(keep).items()}
+
+
 def hold_freed(keep: int) -> bool:
     """Keep up to ``keep`` bytes of freed heap for the next allocations (``0``: glibc's
     defaults, untouched). Returns whether the setting took effect."""
     libc = _glibc()
     if libc is None or keep <= 0:
         return False
-    # setting the trim threshold freezes the dynamic mmap threshold at 128 KiB, so set both
-    done = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD_MAX) == 1
-    done = done and libc.mallopt(M_TRIM_THRESHOLD, min(keep, 2**31 - 1)) == 1
+    done = all(libc.mallopt(param, value) == 1 for param, value in _thresholds(keep).items())
     if not done:
         log.warning("could not set the C heap's thresholds; glibc's defaults stay")
     return done

@@ -4,6 +4,7 @@ instead of being faulted in again, and go back to the system when the device is 
 from __future__ import annotations
 
 import asyncio
+import os
 import subprocess
 import sys
 import textwrap
@@ -51,10 +52,11 @@ CYCLES = textwrap.dedent(
 )
 
 
-def cycles(keep: int) -> tuple[bool, int, int]:
+def cycles(keep: int, env: dict[str, str] | None = None) -> tuple[bool, int, int]:
     """(setting took effect, page faults over ten cycles, MiB given back after them)."""
     code = CYCLES.replace("SERVICE", repr(SERVICE)).replace("KEEP", str(keep))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout.split()
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    out = run.stdout.split()
     return out[0] == "True", int(out[1]), int(out[2])
 
 
@@ -69,6 +71,13 @@ def test_freed_blocks_are_reused_without_faulting_and_given_back_when_asked():
     assert not default_held and default_faults > 6912  # glibc's dynamic trim refaults them, cycle after cycle
     _, _, given_back = cycles(keep=256 << 20)
     assert given_back >= 20  # the kept blocks left the process when given back
+
+
+@needs_glibc
+def test_the_environment_variables_start_another_process_as_hold_freed_sets_this_one():
+    env = {**os.environ, **heap.environment(256 << 20)}
+    held, faults, _ = cycles(keep=0, env=env)  # nothing set in-process: glibc reads the variables
+    assert not held and faults < 100
 
 
 async def test_the_idle_device_gives_the_heap_back_once_after_its_work(monkeypatch):

@@ -20,6 +20,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 import httpx
 import numpy as np
 from PIL import Image
@@ -111,14 +112,18 @@ def service_env() -> dict[str, str]:
     return {"PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients")])}
 
 
-Send = Callable[[httpx.AsyncClient, bytes], Awaitable[None]]
+Send = Callable[[aiohttp.ClientSession, bytes], Awaitable[None]]
 
 
 async def clients_rate(images: list[bytes], send: Send, concurrency: int = 8) -> float:
-    """images/s for ``concurrency`` clients, each sending one image per request until all are sent."""
+    """images/s for ``concurrency`` clients, each sending one image per request until all are sent.
+
+    The clients share the host's cores with the server they measure, so they are aiohttp's:
+    about 0.3 ms of CPU a request here, against 0.7-1.2 ms for httpx's async client
+    (``bench/RESULTS.md`` round 7). Every system gets the same clients."""
     queue = list(reversed(images))
-    limits = httpx.Limits(max_connections=concurrency)
-    async with httpx.AsyncClient(timeout=300.0, limits=limits) as client:
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300.0)) as client:
 
         async def one() -> None:
             while queue:
@@ -138,16 +143,16 @@ def visenc_sender(base: str, namespace: str, inline: bool = True) -> Send:
 
     headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack", "X-Visenc-Namespace": namespace}
 
-    async def send(client: httpx.AsyncClient, data: bytes) -> None:
+    async def send(client: aiohttp.ClientSession, data: bytes) -> None:
         body = msgpack.packb({"items": [{"data": data}], "wait": True, "include_rows": inline})
-        r = await client.post(f"{base}/v1/encode", content=body, headers=headers)
-        r.raise_for_status()
-        item = msgpack.unpackb(r.content)["items"][0]
+        async with client.post(f"{base}/v1/encode", data=body, headers=headers, raise_for_status=True) as r:
+            item = msgpack.unpackb(await r.read())["items"][0]
         if item["status"] != "ready" or (inline and not item.get("rows")):
             raise RuntimeError(f"visenc answered {item}")
         if not inline:
-            r = await client.get(f"{base}/v1/embeddings/{item['hash']}", headers={"X-Visenc-Namespace": namespace})
-            r.raise_for_status()
+            url = f"{base}/v1/embeddings/{item['hash']}"
+            async with client.get(url, headers={"X-Visenc-Namespace": namespace}, raise_for_status=True) as r:
+                await r.read()
 
     return send
 
@@ -181,18 +186,20 @@ def serve_rates(
 
 
 def raw_sender(url: str) -> Send:
-    async def send(client: httpx.AsyncClient, data: bytes) -> None:
-        r = await client.post(url, content=data, headers={"Content-Type": "application/octet-stream"})
-        r.raise_for_status()
+    async def send(client: aiohttp.ClientSession, data: bytes) -> None:
+        headers = {"Content-Type": "application/octet-stream"}
+        async with client.post(url, data=data, headers=headers, raise_for_status=True) as r:
+            await r.read()
 
     return send
 
 
 def infinity_sender(base: str, model: str) -> Send:
-    async def send(client: httpx.AsyncClient, data: bytes) -> None:
+    async def send(client: aiohttp.ClientSession, data: bytes) -> None:
         uri = "data:image/jpeg;base64," + base64.b64encode(data).decode()
-        r = await client.post(f"{base}/embeddings", json={"model": model, "modality": "image", "input": [uri]})
-        r.raise_for_status()
+        doc = {"model": model, "modality": "image", "input": [uri]}
+        async with client.post(f"{base}/embeddings", json=doc, raise_for_status=True) as r:
+            await r.read()
 
     return send
 

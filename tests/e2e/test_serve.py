@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import sys
 
 import httpx
 import numpy as np
@@ -55,6 +56,32 @@ def test_client_encode_fetch_matches_direct_forward(server, tiny_tower):
         )
     metrics = httpx.get(f"{server}/metrics").text
     assert "visenc_encoded_images_total 3.0" in metrics
+
+
+def test_async_client_requests_import_nothing(server):
+    """A warm async client's requests make no import attempts: httpcore probes for sniffio at every
+    lock it makes, and a failed import scans sys.path every time (the dependency avoids it)."""
+    attempts: list[str] = []
+
+    class Recorder:
+        def find_spec(self, name, path=None, target=None):
+            attempts.append(name)
+            return None  # the next finder decides
+
+    async def go(n: int) -> None:
+        async with AsyncClient(server) as vc:
+            await vc.encode([png_bytes(300, 64, 64)])  # warm: whatever loads lazily loads now
+            sys.meta_path.insert(0, recorder)
+            try:
+                for _ in range(n):
+                    handles = await asyncio.gather(*(vc.lookup([image_hash(png_bytes(300, 64, 64))]) for _ in range(4)))
+                    assert [h.status for (h,) in handles] == ["ready"] * 4
+            finally:
+                sys.meta_path.remove(recorder)
+
+    recorder = Recorder()
+    asyncio.run(go(5))
+    assert attempts == []
 
 
 def test_async_client_wait_false_then_fetch(server, tiny_tower):

@@ -1,0 +1,124 @@
+"""What a client costs on the caller's side: CPU per request, side by side in one run.
+
+One ``visenc serve`` (the registry's tiny CLIP) holds the images; every round, each client
+sends them all again, ``--concurrency`` requests in flight, and the CPU time of this process
+(user + system) is divided by the requests sent. Clients, each asking for the image's rows
+inline (``include_rows``: one round trip, an index hit on the service):
+
+* aiohttp            aiohttp's session, the msgpack body built by hand (the benches' clients);
+* httpx              httpx's async client, the same body;
+* visenc_client      ``visenc_client.AsyncClient.encode(..., include_rows=True)``.
+
+The benches' clients share the host's cores with the servers they measure, so they are
+the cheapest of these. Run it without the ``sniffio`` package to see what that dependency
+saves httpx's async client (``pyproject.toml``).
+
+    python bench/bench_client.py --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import resource
+import statistics
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+
+sys.path[:0] = [
+    str(Path(__file__).resolve().parents[1] / "service"),
+    str(Path(__file__).resolve().parents[1] / "clients"),
+]
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _common as c  # noqa: E402
+import httpx  # noqa: E402
+import msgpack  # noqa: E402
+
+from visenc_client import AsyncClient  # noqa: E402
+
+Run = Callable[[str, list[bytes], int], Awaitable[None]]
+HEADERS = {"Content-Type": "application/msgpack", "Accept": "application/msgpack", "X-Visenc-Namespace": "client"}
+
+
+def cpu_s() -> float:
+    r = resource.getrusage(resource.RUSAGE_SELF)
+    return r.ru_utime + r.ru_stime
+
+
+async def in_flight(images: list[bytes], concurrency: int, send: Callable[[bytes], Awaitable[None]]) -> None:
+    queue = list(images)
+
+    async def one() -> None:
+        while queue:
+            await send(queue.pop())
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+
+
+async def with_aiohttp(base: str, images: list[bytes], concurrency: int) -> None:
+    await c.clients_rate(images, c.visenc_sender(base, "client"), concurrency)
+
+
+async def with_httpx(base: str, images: list[bytes], concurrency: int) -> None:
+    async with httpx.AsyncClient(base_url=base, limits=httpx.Limits(max_connections=concurrency)) as client:
+
+        async def send(data: bytes) -> None:
+            body = msgpack.packb({"items": [{"data": data}], "wait": True, "include_rows": True})
+            r = await client.post("/v1/encode", content=body, headers=HEADERS)
+            r.raise_for_status()
+            assert msgpack.unpackb(r.content)["items"][0]["rows"]
+
+        await in_flight(images, concurrency, send)
+
+
+async def with_visenc_client(base: str, images: list[bytes], concurrency: int) -> None:
+    async with AsyncClient(base, namespace="client") as vc:
+
+        async def send(data: bytes) -> None:
+            (handle,) = await vc.encode([data], include_rows=True)
+            assert handle.rows is not None
+
+        await in_flight(images, concurrency, send)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--images", type=int, default=64)
+    p.add_argument("--repeat", type=int, default=8, help="times each client sends every image per round")
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--concurrency", type=int, default=8)
+    args = p.parse_args()
+
+    images = [c.jpeg(i) for i in range(args.images)]
+    runs: dict[str, Run] = {"aiohttp": with_aiohttp, "httpx": with_httpx, "visenc_client": with_visenc_client}
+    port = c.free_port()
+    base = f"http://127.0.0.1:{port}"
+    ms: dict[str, list[float]] = {k: [] for k in runs}
+    with c.server(c.visenc_cmd("tiny-clip", port), f"{base}/readyz", c.service_env()):
+        for run in runs.values():  # the images are encoded once; every later request is an index hit
+            asyncio.run(run(base, images, args.concurrency))
+        for r in range(args.rounds):
+            order = list(runs) if r % 2 == 0 else list(reversed(runs))
+            for name in order:
+                t0 = cpu_s()
+                asyncio.run(runs[name](base, images * args.repeat, args.concurrency))
+                ms[name].append((cpu_s() - t0) / (len(images) * args.repeat) * 1e3)
+            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in ms.items()) + " ms CPU a request")
+    try:
+        import sniffio  # noqa: F401
+
+        note = "sniffio installed"
+    except ImportError:
+        note = "sniffio NOT installed"
+    print(
+        f"\nclient CPU per request ({note}), median: "
+        + ", ".join(f"{k} {statistics.median(v):.2f} ms" for k, v in ms.items())
+    )
+    for name in ("httpx", "visenc_client"):
+        print(f"  {name} / aiohttp {c.spread([a / b for a, b in zip(ms[name], ms['aiohttp'])])}")
+
+
+if __name__ == "__main__":
+    main()

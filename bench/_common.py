@@ -115,23 +115,40 @@ def service_env() -> dict[str, str]:
 Send = Callable[[aiohttp.ClientSession, bytes], Awaitable[None]]
 
 
+async def in_flight(items: list[bytes], concurrency: int, send: Callable[[bytes], Awaitable[None]]) -> None:
+    """``concurrency`` senders, each taking the next item until all are sent (first item first)."""
+    queue = list(reversed(items))
+
+    async def one() -> None:
+        while queue:
+            await send(queue.pop())
+
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+
+
 async def clients_rate(images: list[bytes], send: Send, concurrency: int = 8) -> float:
     """images/s for ``concurrency`` clients, each sending one image per request until all are sent.
 
     The clients share the host's cores with the server they measure, so they are aiohttp's:
-    about 0.3 ms of CPU a request here, against 0.7-1.2 ms for httpx's async client
-    (``bench/RESULTS.md`` round 7). Every system gets the same clients."""
-    queue = list(reversed(images))
+    about a fifth of httpx's async client's CPU a request (``bench/bench_client.py``, round 7
+    of ``bench/RESULTS.md``). Every system gets the same clients."""
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300.0)) as client:
-
-        async def one() -> None:
-            while queue:
-                await send(client, queue.pop())
-
         t0 = time.perf_counter()
-        await asyncio.gather(*(one() for _ in range(concurrency)))
+        await in_flight(images, concurrency, lambda data: send(client, data))
         return len(images) / (time.perf_counter() - t0)
+
+
+def encode_request(data: bytes, namespace: str, inline: bool = True) -> tuple[bytes, dict[str, str]]:
+    """The body and headers of a one-image ``/v1/encode`` that waits (msgpack both ways)."""
+    import msgpack
+
+    body = msgpack.packb({"items": [{"data": data}], "wait": True, "include_rows": inline})
+    return body, {
+        "Content-Type": "application/msgpack",
+        "Accept": "application/msgpack",
+        "X-Visenc-Namespace": namespace,
+    }
 
 
 def visenc_sender(base: str, namespace: str, inline: bool = True) -> Send:
@@ -141,10 +158,8 @@ def visenc_sender(base: str, namespace: str, inline: bool = True) -> Send:
     image, as the peers answer); else a second request fetches them."""
     import msgpack
 
-    headers = {"Content-Type": "application/msgpack", "Accept": "application/msgpack", "X-Visenc-Namespace": namespace}
-
     async def send(client: aiohttp.ClientSession, data: bytes) -> None:
-        body = msgpack.packb({"items": [{"data": data}], "wait": True, "include_rows": inline})
+        body, headers = encode_request(data, namespace, inline)
         async with client.post(f"{base}/v1/encode", data=body, headers=headers, raise_for_status=True) as r:
             item = msgpack.unpackb(await r.read())["items"][0]
         if item["status"] != "ready" or (inline and not item.get("rows")):

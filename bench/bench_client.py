@@ -20,17 +20,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import resource
 import statistics
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
 
-sys.path[:0] = [
-    str(Path(__file__).resolve().parents[1] / "service"),
-    str(Path(__file__).resolve().parents[1] / "clients"),
-]
-sys.path.insert(0, str(Path(__file__).resolve().parent))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
 import _common as c  # noqa: E402
 import httpx  # noqa: E402
@@ -39,7 +37,7 @@ import msgpack  # noqa: E402
 from visenc_client import AsyncClient  # noqa: E402
 
 Run = Callable[[str, list[bytes], int], Awaitable[None]]
-HEADERS = {"Content-Type": "application/msgpack", "Accept": "application/msgpack", "X-Visenc-Namespace": "client"}
+NAMESPACE = "client"
 
 
 def cpu_s() -> float:
@@ -47,40 +45,30 @@ def cpu_s() -> float:
     return r.ru_utime + r.ru_stime
 
 
-async def in_flight(images: list[bytes], concurrency: int, send: Callable[[bytes], Awaitable[None]]) -> None:
-    queue = list(images)
-
-    async def one() -> None:
-        while queue:
-            await send(queue.pop())
-
-    await asyncio.gather(*(one() for _ in range(concurrency)))
-
-
 async def with_aiohttp(base: str, images: list[bytes], concurrency: int) -> None:
-    await c.clients_rate(images, c.visenc_sender(base, "client"), concurrency)
+    await c.clients_rate(images, c.visenc_sender(base, NAMESPACE), concurrency)
 
 
 async def with_httpx(base: str, images: list[bytes], concurrency: int) -> None:
     async with httpx.AsyncClient(base_url=base, limits=httpx.Limits(max_connections=concurrency)) as client:
 
         async def send(data: bytes) -> None:
-            body = msgpack.packb({"items": [{"data": data}], "wait": True, "include_rows": True})
-            r = await client.post("/v1/encode", content=body, headers=HEADERS)
+            body, headers = c.encode_request(data, NAMESPACE)
+            r = await client.post("/v1/encode", content=body, headers=headers)
             r.raise_for_status()
             assert msgpack.unpackb(r.content)["items"][0]["rows"]
 
-        await in_flight(images, concurrency, send)
+        await c.in_flight(images, concurrency, send)
 
 
 async def with_visenc_client(base: str, images: list[bytes], concurrency: int) -> None:
-    async with AsyncClient(base, namespace="client") as vc:
+    async with AsyncClient(base, namespace=NAMESPACE) as vc:
 
         async def send(data: bytes) -> None:
             (handle,) = await vc.encode([data], include_rows=True)
             assert handle.rows is not None
 
-        await in_flight(images, concurrency, send)
+        await c.in_flight(images, concurrency, send)
 
 
 def main() -> None:
@@ -106,12 +94,7 @@ def main() -> None:
                 asyncio.run(runs[name](base, images * args.repeat, args.concurrency))
                 ms[name].append((cpu_s() - t0) / (len(images) * args.repeat) * 1e3)
             print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in ms.items()) + " ms CPU a request")
-    try:
-        import sniffio  # noqa: F401
-
-        note = "sniffio installed"
-    except ImportError:
-        note = "sniffio NOT installed"
+    note = "sniffio installed" if importlib.util.find_spec("sniffio") else "sniffio NOT installed"
     print(
         f"\nclient CPU per request ({note}), median: "
         + ", ".join(f"{k} {statistics.median(v):.2f} ms" for k, v in ms.items())

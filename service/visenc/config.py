@@ -46,9 +46,9 @@ class Settings(BaseSettings):
     )
     image_loader: Literal["vllm", "sglang", "transformers"] = Field(
         "vllm",
-        description="Whose image loader the rows must match (it decides how RGBA, LA, palette transparency "
-        "become RGB): vllm (RGBA onto white, other alpha dropped), sglang (all alpha dropped), transformers "
-        "(all transparency onto white). Part of the model fingerprint.",
+        description="Whose image loader the rows must match (formats, EXIF orientation, how transparency "
+        "becomes RGB): vllm (vLLM 0.32: EXIF orientation applied, any transparency onto white), sglang (0.5.23: "
+        "alpha dropped), transformers (transparency onto white). Part of the model fingerprint, with the version.",
     )
     torch_threads: int | None = Field(
         None,

@@ -1,10 +1,11 @@
 """Odd but valid images decode to exactly what the serving engine's loader hands its processor,
 and the service's rows for them equal the tower's forward of that image.
 
-vLLM's loader (the default): RGB as it is, RGBA pasted onto white through its alpha, every other
-mode through ``convert("RGB")`` (the alpha of LA and of a palette with transparency is dropped),
-the first frame of an animation, no EXIF rotation. SGLang drops every alpha; a bare transformers
-processor composites every transparency onto white."""
+vLLM 0.32's loader (the default): RGB as it is, every image with transparency (RGBA, LA, a palette
+or gray image with a ``transparency`` entry) pasted onto white through its alpha, other modes
+through ``convert("RGB")``, the first frame of an animation, the EXIF orientation applied. SGLang
+drops every alpha; a bare transformers processor composites every transparency onto white.
+(``tests/with_vllm/test_vllm_images.py`` checks the vLLM loader against vLLM's own code.)"""
 
 from __future__ import annotations
 
@@ -15,6 +16,8 @@ import pytest
 from PIL import Image
 from tests.conftest import running_app
 from tests.service.test_api import encode_json, fetch_rows, sha
+from tests.support.images import noise as random_pixels
+from tests.support.images import save
 
 from visenc.imaging.decode import decode
 from visenc.models.loading import load_tower
@@ -23,15 +26,8 @@ LIMIT = 1 << 26
 RNG = np.random.default_rng(7)
 
 
-def save(image: Image.Image, fmt: str, **options) -> bytes:
-    buf = io.BytesIO()
-    image.save(buf, format=fmt, **options)
-    return buf.getvalue()
-
-
 def noise(width: int, height: int, channels: int = 3) -> np.ndarray:
-    shape = (height, width, channels) if channels > 1 else (height, width)
-    return RNG.integers(0, 256, shape, dtype=np.uint8)
+    return random_pixels(RNG, width, height, channels)
 
 
 def rgba_image() -> Image.Image:
@@ -86,8 +82,8 @@ def corpus() -> dict[str, tuple[bytes, np.ndarray]]:
     expected = {}
     for name, data in files.items():
         image = Image.open(io.BytesIO(data))
-        if image.mode == "RGBA":  # onto white through the alpha: out = src*a + 255*(1-a)
-            arr = np.asarray(image).astype(np.float64)
+        if image.mode in ("RGBA", "LA") or "transparency" in image.info:  # onto white: src*a + 255*(1-a)
+            arr = np.asarray(image.convert("RGBA")).astype(np.float64)
             a = arr[..., 3:] / 255
             want = np.rint(arr[..., :3] * a + 255 * (1 - a))
         else:
@@ -111,12 +107,15 @@ def test_alpha_semantics_per_loader():
     la = save(la_image(), "PNG")
     rgba = save(rgba_image(), "PNG")
     pal = save(palette_with_transparency(), "PNG", transparency=3)
-    gray = np.asarray(Image.open(io.BytesIO(la)).convert("L"))
-    # vLLM: LA's alpha dropped (the gray value, not white); RGBA onto white; palette colours kept
-    np.testing.assert_array_equal(np.asarray(decode(la, max_pixels=LIMIT))[:, :10, 0], gray[:, :10])
+    # vLLM: every transparency onto white (LA, RGBA, the palette's transparent colour)
+    assert (np.asarray(decode(la, max_pixels=LIMIT))[:, :10] == 255).all()
     assert (np.asarray(decode(rgba, max_pixels=LIMIT))[:10] == 255).all()
     p_rgb = np.asarray(decode(pal, max_pixels=LIMIT))
-    assert (p_rgb == Image.open(io.BytesIO(pal)).convert("RGB")).all()
+    index = np.asarray(Image.open(io.BytesIO(pal)))
+    colours = np.asarray(Image.open(io.BytesIO(pal)).convert("RGB"))
+    assert (p_rgb[index == 3] == 255).all() and (p_rgb[index != 3] == colours[index != 3]).all()
+    # SGLang keeps the palette's colour where vLLM shows white
+    assert not (np.asarray(decode(pal, max_pixels=LIMIT, loader="sglang"))[index == 3] == 255).all()
     # SGLang: RGBA's alpha dropped too
     src = np.asarray(Image.open(io.BytesIO(rgba)))
     np.testing.assert_array_equal(np.asarray(decode(rgba, max_pixels=LIMIT, loader="sglang")), src[..., :3])

@@ -37,12 +37,17 @@ def test_the_transformers_loader_converts_like_transformers(mode: str) -> None:
     np.testing.assert_array_equal(np.asarray(decode(data, max_pixels=LIMIT, loader="transformers")), expected)
 
 
-def test_decode_does_not_apply_exif_orientation() -> None:
+def test_exif_orientation_per_loader() -> None:
+    """vLLM shows the picture upright (so the handle's size, read from the header, turns too);
+    SGLang's loader and a bare transformers processor take the pixels as stored."""
     image = make_image(40, 20)
     exif = Image.Exif()
-    exif[0x0112] = 6  # "rotate 90 CW" — transformers ignores it, so do we
+    exif[0x0112] = 6  # "rotate 90 CW"
     data = encode(image, "JPEG", exif=exif.tobytes())
-    assert decode(data, max_pixels=LIMIT).size == (40, 20)
+    assert decode(data, max_pixels=LIMIT).size == probe(data, max_pixels=LIMIT) == (20, 40)
+    for loader in ("sglang", "transformers"):
+        assert decode(data, max_pixels=LIMIT, loader=loader).size == probe(data, max_pixels=LIMIT, loader=loader)
+        assert probe(data, max_pixels=LIMIT, loader=loader) == (40, 20)
 
 
 def test_pixel_limit_is_checked_from_the_header() -> None:

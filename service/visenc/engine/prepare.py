@@ -44,7 +44,7 @@ class ImagePrep:
         if len(data) > self.max_image_bytes:
             return digest, ImageTooLarge(f"{len(data)} bytes exceed max_image_bytes={self.max_image_bytes}")
         try:
-            width, height = probe(data, max_pixels=self.max_image_pixels)
+            width, height = probe(data, max_pixels=self.max_image_pixels, loader=self.tower.image_loader)
             layout = self.tower.layout(width, height)  # InvalidImage where the processor refuses the size
         except VisencError as e:
             return digest, e

@@ -4,12 +4,11 @@ Contract:
 
 - ``probe`` reads only the header (Pillow opens lazily) and returns
   ``(width, height)``; cheap enough to run on every upload before queueing.
-- ``decode`` returns a fully loaded RGB image, converted exactly as the serving
-  engine's loader converts it before its processor runs (``LOADERS``: vLLM by
-  default, SGLang, or a bare transformers processor), so the rows equal the
-  engine's own.
-- EXIF orientation is *not* applied: neither the engines' loaders nor
-  transformers' processors apply it, and outputs must equal theirs.
+- ``decode`` returns a fully loaded RGB image, loaded exactly as the serving
+  engine's loader loads it before its processor runs (``LOADERS``: vLLM 0.32 by
+  default, SGLang 0.5.23, or a bare transformers processor), so the rows equal
+  the engine's own: the formats it opens, the EXIF orientation where it applies
+  it (vLLM does: a phone photo is encoded upright), its handling of transparency.
 - Errors: ``InvalidImage`` for anything that is not a decodable image (empty,
   random, truncated, corrupt, unsupported); ``ImageTooLarge`` when
   ``width * height > max_pixels``, decided from the header alone.
@@ -22,8 +21,10 @@ open for absurd sizes, and is reported as ``ImageTooLarge`` too.
 from __future__ import annotations
 
 import io
+from collections.abc import Callable
+from dataclasses import dataclass
 
-from PIL import Image, UnidentifiedImageError
+from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from visenc.errors import ImageTooLarge, InvalidImage
 
@@ -34,11 +35,11 @@ from visenc.errors import ImageTooLarge, InvalidImage
 _PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, KeyError)
 
 
-def _open(data: bytes, max_pixels: int) -> Image.Image:
+def _open(data: bytes, max_pixels: int, formats: tuple[str, ...] | None = None) -> Image.Image:
     if not data:
         raise InvalidImage("empty image bytes")
     try:
-        image = Image.open(io.BytesIO(data))
+        image = Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError as e:
         # Pillow refuses sizes above 2 * MAX_IMAGE_PIXELS at open, before we can
         # read the size: such an image is over any sane limit.
@@ -57,37 +58,69 @@ def _open(data: bytes, max_pixels: int) -> Image.Image:
     return image
 
 
-def probe(data: bytes, *, max_pixels: int) -> tuple[int, int]:
-    """``(width, height)`` from the header only; no pixel data is decoded."""
-    image = _open(data, max_pixels)
+def probe(data: bytes, *, max_pixels: int, loader: str = "vllm") -> tuple[int, int]:
+    """``(width, height)`` of the picture ``loader`` will decode, from the header only (no pixel
+    data is decoded): the stored size, turned for EXIF orientations 5-8 where the loader applies
+    them. Formats the loader does not open are refused here already."""
+    how = LOADERS[loader]
+    image = _open(data, max_pixels, how.formats)
     try:
-        return image.size
+        width, height = image.size
+        if how.upright and _orientation(image) in (5, 6, 7, 8):  # a quarter turn: the sides swap
+            return height, width
+        return width, height
     finally:
         image.close()
 
 
+def _orientation(image: Image.Image) -> int:
+    """The EXIF orientation ``ImageOps.exif_transpose`` reads (1 where none or unreadable)."""
+    try:
+        return int(image.getexif().get(ExifTags.Base.Orientation, 1))
+    except Exception:
+        return 1
+
+
+#: vLLM 0.32's ``ALLOWED_IMAGE_FORMATS`` (``vllm/multimodal/image.py``): the formats its loader opens
+VLLM_FORMATS = (
+    *("AVIF", "BLP", "BMP", "CUR", "DCX", "DDS", "DIB", "FITS", "FLI", "FTEX", "GBR", "GIF", "ICNS", "ICO"),
+    *("IM", "IMT", "IPTC", "JPEG", "JPEG2000", "MCIDAS", "MSP", "PCD", "PCX", "PIXAR", "PNG", "PPM", "PSD"),
+    *("QOI", "SGI", "SPIDER", "SUN", "TGA", "TIFF", "WEBP", "XBM", "XPM", "XVTHUMB"),
+)
+
+
+def exif_upright(image: Image.Image) -> Image.Image:
+    """``ImageOps.exif_transpose``, any failure of it ignored (vLLM's ``normalize_image``)."""
+    try:
+        return ImageOps.exif_transpose(image)
+    except Exception:
+        return image
+
+
 def rgb_like_vllm(image: Image.Image) -> Image.Image:
-    """vLLM's loader (``ImageMediaIO``): RGB as it is; RGBA pasted onto white through its alpha;
-    every other mode through ``convert("RGB")`` (so the alpha of LA, and of a palette with
-    transparency, is dropped, not composited)."""
+    """vLLM's ``ImageMediaIO._convert_image_mode`` to RGB: RGB as it is; RGBA pasted onto white
+    through its alpha; any other image with transparency (LA, PA, or a ``transparency`` entry:
+    PNG tRNS, transparent GIF) made RGBA and pasted the same way; the rest ``convert("RGB")``."""
     if image.mode == "RGB":
         return image
-    if image.mode == "RGBA":
-        converted = Image.new("RGB", image.size, (255, 255, 255))
-        converted.paste(image, mask=image.split()[3])
-        return converted
-    return _opaque(image.convert("RGB"))
+    if image.mode not in ("RGBA", "LA", "PA") and "transparency" not in image.info:
+        return image.convert("RGB")
+    rgba = image if image.mode == "RGBA" else image.convert("RGBA")
+    converted = Image.new("RGB", rgba.size, (255, 255, 255))
+    converted.paste(rgba, mask=rgba.split()[3])
+    return converted
 
 
 def rgb_like_sglang(image: Image.Image) -> Image.Image:
-    """SGLang's loader: every mode that is not RGB through ``convert("RGB")`` (RGBA's alpha dropped too)."""
+    """SGLang's processor (``base_processor``): every mode that is not RGB through ``convert("RGB")``
+    (any alpha dropped); its loader applies no EXIF orientation."""
     return image if image.mode == "RGB" else _opaque(image.convert("RGB"))
 
 
 def _opaque(rgb: Image.Image) -> Image.Image:
     """``convert("RGB")`` of a palette image with transparency keeps the transparent colour as
-    ``info["transparency"]``; the engines' processors (transformers 5.19, vLLM 0.32's) ignore it on an
-    RGB image, while newer ones composite it onto white. The loaders drop the alpha: so must the image."""
+    ``info["transparency"]``; the engines' processors ignore it on an RGB image, while newer ones
+    composite it onto white. The loader dropped the alpha: so must the image."""
     rgb.info.pop("transparency", None)
     return rgb
 
@@ -104,20 +137,49 @@ def rgb_like_transformers(image: Image.Image) -> Image.Image:
     return image if image.mode == "RGB" else image.convert("RGB")
 
 
-#: how each serving engine turns a decoded file into the RGB image its processor sees
-#: (``--image-loader``; part of the model fingerprint: rows differ where these differ)
-LOADERS = {"vllm": rgb_like_vllm, "sglang": rgb_like_sglang, "transformers": rgb_like_transformers}
+@dataclass(frozen=True, slots=True)
+class Loader:
+    """How one engine, at one version, turns image bytes into the RGB image its processor sees.
+    Each is pinned by a differential test against that engine's own code
+    (``tests/with_vllm/test_vllm_images.py`` for vLLM; ``tests/golden/test_odd_images.py``)."""
+
+    name: str
+    #: the engine version whose code this follows (``describe()["image_loader"]``, the fingerprint)
+    version: str
+    to_rgb: Callable[[Image.Image], Image.Image]
+    #: Pillow formats the engine opens (``None``: every format Pillow knows)
+    formats: tuple[str, ...] | None = None
+    #: the EXIF orientation is applied (the picture as it is shown, not as it is stored)
+    upright: bool = False
+
+    @property
+    def label(self) -> str:
+        return f"{self.name}-{self.version}"
+
+
+#: how each serving engine turns a file into the RGB image its processor sees (``--image-loader``;
+#: ``label`` is part of the model fingerprint: rows differ where these differ)
+LOADERS = {
+    "vllm": Loader("vllm", "0.32", rgb_like_vllm, formats=VLLM_FORMATS, upright=True),
+    "sglang": Loader("sglang", "0.5.23", rgb_like_sglang),
+    "transformers": Loader("transformers", "5", rgb_like_transformers),
+}
 
 
 def decode(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Image.Image:
-    """Fully decoded RGB image, converted as ``loader``'s engine converts it (``LOADERS``);
-    the first frame of an animation (GIF, WebP, APNG), as every engine's loader takes it;
-    no EXIF rotation (no engine applies it). The pixel limit is checked before decoding."""
-    to_rgb = LOADERS[loader]
-    image = _open(data, max_pixels)
+    """Fully decoded RGB image, loaded as ``loader``'s engine loads it (``LOADERS``): the formats it
+    opens, the EXIF orientation where it applies it, its RGB conversion; the first frame of an
+    animation (GIF, WebP, APNG), as every engine's loader takes it. The pixel limit is checked
+    on the stored size before decoding.
+
+    A file whose pixel data is broken is refused (``InvalidImage``) even where the engine would
+    take it (vLLM 0.32 reads the EXIF first, which swallows a broken stream's error, and keeps
+    whatever was decoded): the engine then encodes it itself, and no row is guessed."""
+    how = LOADERS[loader]
+    image = _open(data, max_pixels, how.formats)
     try:
-        image.load()
-        rgb = to_rgb(image)
+        image.load()  # all of it, before the EXIF look (which would swallow a broken stream's error)
+        rgb = how.to_rgb(exif_upright(image) if how.upright else image)
         rgb.load()
     except Image.DecompressionBombError as e:
         image.close()

@@ -35,6 +35,8 @@ from typing import Any
 import torch
 from PIL import Image
 
+from visenc.imaging.decode import LOADERS
+
 
 @dataclass(frozen=True, slots=True)
 class TokenLayout:
@@ -160,10 +162,11 @@ class VisionTower(ABC):
 
     @property
     def fingerprint(self) -> str:
-        """128-bit digest (32 hex) of ``fingerprint_fields`` and the image loader; goes into every index key."""
+        """128-bit digest (32 hex) of ``fingerprint_fields`` and the image loader with the engine version
+        it follows (``vllm-0.32``); goes into every index key."""
         cached = getattr(self, "_fingerprint", None)
         if cached is None:
-            fields = {**self.fingerprint_fields(), "image_loader": self.image_loader}
+            fields = {**self.fingerprint_fields(), "image_loader": LOADERS[self.image_loader].label}
             blob = json.dumps(fields, sort_keys=True, default=str).encode()
             cached = hashlib.sha256(blob).hexdigest()[:32]
             self._fingerprint = cached
@@ -177,7 +180,7 @@ class VisionTower(ABC):
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "packable": self.packable,
-            "image_loader": self.image_loader,
+            "image_loader": LOADERS[self.image_loader].label,
             "image_backend": self.image_backend,
             "row_layout": self.row_layout(),
         }

@@ -1,5 +1,6 @@
 """Mistral 3 (Pixtral ViT + patch merger): the image is resized to fit ``longest_edge`` in
-multiples of the patch, encoded at that size with 2-D rotary positions, features from
+multiples of the merged patch (``patch_size * spatial_merge_size``, as ``PixtralProcessor`` asks
+its image processor), encoded at that size with 2-D rotary positions, features from
 ``vision_feature_layer``, merged ``spatial_merge_size²`` → one row each. Batches group equal
 sizes (the bucket is the resized size). On an accelerator images of different sizes share a
 forward too (padded to the largest; the ViT crops each to its own size and attends within it
@@ -43,14 +44,22 @@ class Mistral3Tower(FamilyTower):
             "multi_modal_projector": Mistral3MultiModalProjector(config),
         }
 
+    def processor_defaults(self) -> dict[str, Any]:
+        # ``PixtralProcessor._process_images``: the image processor resizes to multiples of a
+        # merged patch (``patch_size * spatial_merge_size``), not of a patch
+        return {**super().processor_defaults(), "patch_size": self._merged_patch()}
+
+    def _merged_patch(self) -> int:
+        return int(self.config.vision_config.patch_size) * int(self.config.spatial_merge_size)
+
     def _resized(self, width: int, height: int) -> tuple[int, int]:
         self.check_size(width, height)
         p = self.processor
         longest = p.size["longest_edge"] if isinstance(p.size, dict) else p.size.longest_edge
-        patch = p.patch_size["height"] if isinstance(p.patch_size, dict) else p.patch_size
+        merged = self._merged_patch()
         # only the shape is read: a zero-stride view, no pixels allocated
         shape_only = np.broadcast_to(np.zeros((1, 1, 1), np.uint8), (height, width, 3))
-        h, w = get_resize_output_image_size(shape_only, size=(longest, longest), patch_size=(patch, patch))
+        h, w = get_resize_output_image_size(shape_only, size=(longest, longest), patch_size=(merged, merged))
         return int(h), int(w)
 
     def layout(self, width: int, height: int) -> TokenLayout:

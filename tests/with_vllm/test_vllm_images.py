@@ -1,0 +1,208 @@
+"""visenc's ``--image-loader vllm`` against vLLM's own code, on odd but valid files.
+
+For every file of a corpus built here (EXIF orientations 1-8, every PNG transparency form, 16-bit,
+CMYK, progressive and grayscale JPEG, WebP with and without alpha, animated WebP and GIF, a
+transparent GIF, BMP, TIFF, extreme aspect ratios, the smallest image, and files vLLM refuses):
+
+- visenc's decoded RGB equals what vLLM's ``ImageMediaIO.load_bytes`` hands its processor, pixel
+  for pixel; where vLLM refuses a file, visenc gives the per-item error, never rows (and visenc
+  refuses, where vLLM takes it, only a file whose pixel data Pillow itself reports broken);
+- visenc's handle for it (token count and grid, from the header alone) and its preprocessed input
+  equal what vLLM's own multimodal processor makes of the image (placeholder count,
+  ``image_grid_thw``, ``pixel_values``), for Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints; the
+  tower's rows for equal inputs are pinned by the token-identity tests beside this one.
+
+This runs vLLM's installed code, so it fails when a vLLM upgrade changes how images load: then
+``visenc.imaging.decode.LOADERS["vllm"]`` and its version must follow.
+"""
+
+from __future__ import annotations
+
+import io
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
+
+import vllm
+from PIL import Image
+from tests.support.images import noise as random_pixels
+from tests.support.images import save
+from vllm.multimodal.media.image import ImageMediaIO
+
+from visenc.errors import VisencError
+from visenc.imaging.decode import LOADERS, decode, probe
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import tiny_vlm  # noqa: E402
+
+LIMIT = 1 << 26
+RNG = np.random.default_rng(11)
+
+
+def noise(width: int, height: int, channels: int = 3) -> np.ndarray:
+    return random_pixels(RNG, width, height, channels)
+
+
+def oriented(orientation: int) -> bytes:
+    """A 240x160 JPEG (blocky, so the orientation shows) whose EXIF says ``orientation``."""
+    image = Image.fromarray(np.kron(noise(24, 16), np.ones((10, 10, 1), np.uint8)), "RGB")
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    return save(image, "JPEG", quality=95, exif=exif.tobytes())
+
+
+def with_alpha(mode: str, width: int = 61, height: int = 45) -> Image.Image:
+    bands = noise(width, height, len(mode))
+    bands[: height // 3, :, -1] = 0  # a transparent band
+    bands[height // 3 : 2 * height // 3, :, -1] = 128  # a half transparent band
+    return Image.fromarray(bands, mode)
+
+
+def palette(width: int = 50, height: int = 38) -> Image.Image:
+    p = Image.fromarray(noise(width, height, 1) % 16, "L").convert("P")
+    p.putpalette([v for i in range(16) for v in (i * 15, 255 - i * 15, (i * 40) % 256)])
+    return p
+
+
+def animation(fmt: str, **options) -> bytes:
+    frames = [Image.fromarray(noise(40, 30), "RGB"), Image.new("RGB", (40, 30), (20, 20, 200))]
+    return save(frames[0], fmt, save_all=True, append_images=frames[1:], duration=100, loop=0, **options)
+
+
+def corrupt(png: bytes) -> bytes:
+    """The PNG with bytes of its compressed stream overwritten (CRC and zlib errors)."""
+    return png[:60] + b"\xff" * 20 + png[80:]
+
+
+def corpus() -> dict[str, bytes]:
+    rgb = Image.fromarray(noise(64, 48), "RGB")
+    gray = Image.fromarray(noise(50, 30, 1), "L")
+    files = {f"jpeg-exif-orientation-{o}": oriented(o) for o in range(1, 9)}
+    files |= {
+        "png-rgb": save(rgb, "PNG"),
+        "png-rgba": save(with_alpha("RGBA"), "PNG"),
+        "png-la": save(with_alpha("LA"), "PNG"),
+        "png-palette-trns": save(palette(), "PNG", transparency=3),
+        "png-palette-alpha-table": save(palette(), "PNG", transparency=bytes(range(0, 256, 16))),
+        "png-gray-trns": save(gray, "PNG", transparency=7),
+        "png-rgb-trns": save(rgb, "PNG", transparency=(10, 20, 30)),
+        "png-16bit-gray": save(Image.fromarray(noise(40, 30, 1).astype(np.uint16) * 257), "PNG"),
+        "png-1bit": save(gray.convert("1"), "PNG"),
+        "jpeg-cmyk": save(Image.fromarray(noise(40, 32, 4), "CMYK"), "JPEG", quality=95),
+        "jpeg-progressive": save(rgb, "JPEG", quality=90, progressive=True),
+        "jpeg-gray": save(gray, "JPEG"),
+        "webp-lossless": save(rgb, "WEBP", lossless=True),
+        "webp-alpha": save(with_alpha("RGBA"), "WEBP", lossless=True),
+        "webp-animated": animation("WEBP", lossless=True),
+        "gif-animated": animation("GIF"),
+        "gif-transparent": save(palette(), "GIF", transparency=3),
+        "bmp": save(rgb, "BMP"),
+        "tiff": save(rgb, "TIFF"),
+        "tiff-rgba": save(with_alpha("RGBA"), "TIFF"),
+        "tall-200-to-1": save(Image.fromarray(noise(2, 400), "RGB"), "PNG"),
+        "wide-200-to-1": save(Image.fromarray(noise(400, 2), "RGB"), "PNG"),
+        "one-pixel": save(Image.fromarray(noise(1, 1), "RGB"), "PNG"),
+        "large-1000x999": save(Image.fromarray(noise(1000, 999), "RGB"), "PNG"),
+        # refused by vLLM: a format outside its allow-list, and broken files
+        "eps": save(rgb, "EPS"),
+        "truncated-png": save(rgb, "PNG")[:200],
+        "corrupt-png-stream": corrupt(save(rgb, "PNG")),
+        "not-an-image": b"GIF89a but not really" * 4,
+    }
+    return files
+
+
+CORPUS = corpus()
+
+
+def vllm_load(data: bytes) -> Image.Image | Exception:
+    try:
+        return ImageMediaIO().load_bytes(data).media
+    except Exception as e:  # vLLM refuses the file
+        return e
+
+
+def visenc_load(data: bytes) -> Image.Image | VisencError:
+    try:
+        return decode(data, max_pixels=LIMIT, loader="vllm")
+    except VisencError as e:
+        return e
+
+
+def test_the_loader_names_the_installed_vllm():
+    """The semantics ``--image-loader vllm`` follows are this vLLM's (its version is in the fingerprint)."""
+    assert vllm.__version__.startswith(LOADERS["vllm"].version + ".")
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_decode_equals_vllms_loader_pixel_for_pixel(name: str) -> None:
+    data = CORPUS[name]
+    want, got = vllm_load(data), visenc_load(data)
+    if isinstance(want, Exception):
+        assert isinstance(got, VisencError), f"vLLM refuses {name} ({want!r}); visenc decoded it"
+        return
+    if isinstance(got, VisencError):  # only a broken file: vLLM keeps what it decoded, visenc guesses no rows
+        with pytest.raises(OSError):
+            Image.open(io.BytesIO(data)).load()
+        return
+    assert isinstance(got, Image.Image), f"vLLM loads {name}; visenc: {got!r}"
+    assert want.mode == got.mode == "RGB" and want.size == got.size
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want), err_msg=name)
+    assert probe(data, max_pixels=LIMIT, loader="vllm") == want.size  # the handle's size, from the header
+
+
+def test_a_rotated_photo_is_encoded_upright():
+    """Orientation 6 turns the stored 240x160 picture into 160x240, as vLLM shows it."""
+    image = visenc_load(CORPUS["jpeg-exif-orientation-6"])
+    assert isinstance(image, Image.Image) and image.size == (160, 240)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def model(request, tmp_path_factory) -> tuple[object, object]:
+    """(vLLM's own multimodal processor, visenc's tower) for a tiny checkpoint of ``arch``."""
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from visenc.models.loading import load_tower
+
+    path = tiny_vlm.build(tmp_path_factory.mktemp(request.param), seed=0, arch=request.param)
+    # normalisation on the host, as the checkpoint's processor does it: pixel_values comparable
+    config = ModelConfig(model=str(path), dtype="float32", mm_device_do_normalize=False)
+    return MULTIMODAL_REGISTRY.create_processor(config), load_tower(str(path))
+
+
+def vllm_inputs(processor, image: Image.Image) -> tuple[int, tuple[int, ...], np.ndarray]:
+    """(placeholder count, image_grid_thw, pixel_values) vLLM's processor makes of ``image``."""
+    out = processor("<|vision_start|><|image_pad|><|vision_end|>", processor.info.parse_mm_data({"image": [image]}))
+    (placeholder,) = out["mm_placeholders"]["image"]
+    (item,) = out["mm_kwargs"]["image"]
+    grid = tuple(int(x) for x in item["image_grid_thw"].data.tolist())
+    return int(placeholder.get_num_embeds()), grid, item["pixel_values"].data.float().numpy()
+
+
+@pytest.mark.parametrize("name", sorted(CORPUS))
+def test_handle_and_inputs_equal_vllms_processor(model, name: str) -> None:
+    processor, tower = model
+    data = CORPUS[name]
+    image = vllm_load(data)
+    if isinstance(image, Exception) or isinstance(visenc_load(data), VisencError):
+        return  # refused (test_decode_equals_vllms_loader_pixel_for_pixel says by whom and why)
+    try:
+        want = vllm_inputs(processor, image)
+    except Exception as e:  # vLLM's processor refuses the size (e.g. an aspect ratio over 200)
+        with pytest.raises(VisencError):
+            tower.layout(*probe(data, max_pixels=LIMIT, loader="vllm"))
+        pytest.skip(f"vLLM's processor refuses {name}: {e}")
+    layout = tower.layout(*probe(data, max_pixels=LIMIT, loader="vllm"))  # what the handle says
+    prepared = tower.preprocess(decode(data, max_pixels=LIMIT, loader="vllm"))
+    assert (layout.num_tokens, layout.grid_thw) == want[:2], name
+    assert prepared.layout == layout
+    pixels = prepared.pixels["pixel_values"] if isinstance(prepared.pixels, dict) else prepared.pixels
+    pixels = np.asarray(pixels, dtype=np.float32)
+    assert pixels.shape == want[2].shape, name
+    np.testing.assert_allclose(pixels, want[2], atol=1e-6, rtol=0, err_msg=name)

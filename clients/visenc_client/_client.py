@@ -108,9 +108,10 @@ class Client(_Base):
             )
         )
 
-    def lookup(self, hashes: Sequence[str]) -> list[Handle]:
-        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded)."""
-        return self._drive(p.lookup_flow(self._http, hashes, self.headers))
+    def lookup(self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False) -> list[Handle]:
+        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded).
+        ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows."""
+        return self._drive(p.lookup_flow(self._http, hashes, self.headers, wait=wait, include_rows=include_rows))
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self.shared_memory:
@@ -232,9 +233,10 @@ class AsyncClient(_Base):
             )
         )
 
-    async def lookup(self, hashes: Sequence[str]) -> list[Handle]:
-        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded)."""
-        return await self._drive(p.lookup_flow(self._http, hashes, self.headers))
+    async def lookup(self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False) -> list[Handle]:
+        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded).
+        ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows."""
+        return await self._drive(p.lookup_flow(self._http, hashes, self.headers, wait=wait, include_rows=include_rows))
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self.shared_memory:

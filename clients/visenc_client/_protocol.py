@@ -153,11 +153,22 @@ def encode_flow(
 
 
 def lookup_flow(
-    client: httpx.Client | httpx.AsyncClient, hashes: Sequence[str], headers: dict[str, str] | None
+    client: httpx.Client | httpx.AsyncClient,
+    hashes: Sequence[str],
+    headers: dict[str, str] | None,
+    *,
+    wait: bool = False,
+    include_rows: bool = False,
 ) -> Flow[list[Handle]]:
     """Hash-only, never uploading: ``ready``, ``pending`` (being encoded, here or on another replica;
-    a fetch waits for it) or ``missing`` per hash, in one round trip."""
-    payload = {"items": [{"hash": h} for h in hashes], "wait": False}
+    a fetch waits for it) or ``missing`` per hash, in one round trip. ``wait``: a pending image is
+    waited for (a missing one still answers at once); ``include_rows`` (needs ``wait``): ready
+    handles carry their rows, so look-up and fetch are one round trip."""
+    payload = {
+        "items": [{"hash": h} for h in hashes],
+        "wait": wait,
+        **({"include_rows": True} if include_rows else {}),
+    }
     return _handles((yield msgpack_request(client, "/v1/encode", payload, headers)))
 
 

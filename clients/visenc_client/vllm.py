@@ -11,51 +11,57 @@ vision tower. Configure it with::
 
 ``ec_connector_extra_config`` keys (all optional but ``url``):
 
-=====================  ====================================================================
-``url``                the visenc service
-``api_key``            bearer key (its tenant is the namespace)
-``namespace``          key namespace when the service runs without API keys
-``transport``          ``http`` (default) or ``shm`` (same host, service run with ``--shm-enabled true``)
-``timeout_s``          bound of every call to visenc (default 30: a fetch waits for a pending encode)
-``lookup_timeout_s``   bound of the scheduler's status look-ups (default 2)
-``defer_timeout_s``    longest a request is deferred while an image it needs is encoding (default 10)
-``expected_fingerprint``  refuse to start unless visenc serves exactly this model fingerprint
-=====================  ====================================================================
+=======================  ====================================================================
+``url``                  the visenc service; a list of URLs (replicas) is tried in order
+``api_key``              bearer key (its tenant is the namespace)
+``namespace``            key namespace when the service runs without API keys
+``transport``            ``http`` (default) or ``shm`` (same host, service run with ``--shm-enabled true``)
+``timeout_s``            bound of one fetch of an image's rows from one URL (default 10)
+``defer_timeout_s``      longest a request waits for its rows before vLLM encodes the images itself (default 2)
+``local_cache_bytes``    rows kept in the scheduler's memory for later requests (default 256 MiB)
+``redis_url``            read a ready image's rows straight from the shared index when no URL answers
+``expected_fingerprint`` refuse to start unless visenc serves exactly this model fingerprint
+=======================  ====================================================================
+
+At start-up a visenc that serves rows of another width, or loads images as another engine or
+vLLM release does (``image_loader`` other than ``vllm-<this vLLM's major.minor>``), is refused.
 
 An image's identifier in vLLM is its visenc hash (SHA-256 of the image bytes, 64 hex
 digits): pass it as the image's ``multi_modal_uuids`` entry offline, or as the
 ``uuid`` of the image content part over the OpenAI API (``visenc proxy`` does that).
 Any other identifier is simply "not cached" and vLLM encodes the image itself.
 
-**Scheduler side** (engine-core process). ``ensure_cache_available`` is called per
-request before it is scheduled: every image of the request whose status is not yet
-known is looked up in one hash-only round trip (never uploading). ``has_cache_item``
-then answers from that status: ``ready`` and ``pending`` (being encoded, here or on
-another replica) count as present; ``missing``, an error, or visenc unreachable
-count as absent, and vLLM encodes the image itself (counted: ``misses``). While an
-image the request still needs is ``pending``, ``ensure_cache_available`` defers the
-request (vLLM schedules the others and asks again next step; ``deferred``), for at
-most ``defer_timeout_s``; so a worker loads rows that exist instead of blocking the
-whole step on an encode in progress.
+**Never worse than vLLM alone.** In vLLM an exception in the worker step, or an item
+counted present that is missing from the encoder cache when the model gathers it,
+ends the engine. So nothing that can fail happens after an image is counted present:
 
-**Worker side** (each worker process). ``start_load_caches`` loads every item the
-step scheduled in one round trip (``/v1/embeddings/fetch``, or shared-memory
-segments), waits for pending encodes up to ``timeout_s``, checks each tensor's shape
-against what vLLM will read, and puts it in the encoder cache in the model's dtype
-and on its device. vLLM's API hands the connector whole images, not prefill
-chunks, so whole images are loaded (the encoder cache keeps them for later chunks).
-
-**Faults.** Nothing hangs: every call is bounded. At start-up a visenc serving rows
-of another width than the model's embeddings is refused with a clear error. An item
-the worker cannot load after the scheduler counted it present fails loudly (a
-``RuntimeError`` naming the image and the cause): vLLM's connector API has no way
-for a worker to fall back to encoding an image the scheduler handed to it.
+- **Scheduler side** (engine-core process). ``ensure_cache_available`` starts, in the
+  background, one round trip per image the request still needs (look-up, wait while
+  it is being encoded, rows; ``visenc_client.Client.lookup(wait=True,
+  include_rows=True)``) and defers the request while any is in flight, for at most
+  ``defer_timeout_s``. The rows land in this process's memory, checked against what
+  vLLM will read: the number of rows and their width, and for models whose items
+  carry a grid (Qwen-style ``image_grid_thw``) the grid, so a picture visenc decoded
+  otherwise (rotated, resized) is never loaded. ``has_cache_item`` is true only for
+  rows already held here. Whatever went wrong (an error status, a reset, a hang, a
+  wrong shape or model, an eviction, a restart) the image is simply not held: vLLM
+  encodes it itself, as it would without visenc.
+- **Worker side**. The rows travel to the workers inside the step's connector
+  metadata (vLLM's own channel to its workers, whatever their number or node):
+  ``start_load_caches`` only copies tensors it was handed into the encoder cache.
+  It makes no call that visenc, Redis or the network could fail.
+- **An image vLLM cannot encode itself** (sent as its grid only, no pixels) whose rows
+  cannot be had fails that request alone (``take_unavailable_requests``: vLLM finishes
+  it with an error, retryable), logged with the image's hash; the engine and every
+  other request go on.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -69,7 +75,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from visenc_client._client import Client
 from visenc_client._exceptions import VisencClientError
-from visenc_client._types import RowRange
+from visenc_client._types import Handle
 from visenc_client.format import is_valid_hash
 
 if TYPE_CHECKING:
@@ -79,33 +85,57 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-PRESENT = ("ready", "pending")
+MiB = 1 << 20
+#: how long an image found absent (missing, failed, unreachable) answers "not cached" without asking again
+ABSENT_TTL_S = 1.0
 
 
 @dataclass
 class VisencConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]
-    """What one step's worker loads: ``(identifier, rows vLLM reads)`` pairs (plain, picklable)."""
+    """What one step's workers put into their encoder caches: ``(identifier, rows)`` pairs, the
+    rows already in this host's memory (CPU tensors, picklable for workers in other processes)."""
 
-    items: list[tuple[str, int]] = field(default_factory=list)
+    items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
 class ConnectorStats:
     """Counters of one connector (``VisencConnector.stats``)."""
 
-    lookups: int = 0  # round trips of the scheduler's status look-ups
+    fetches: int = 0  # background round trips started (one per image not held)
     hits: int = 0  # images answered present (vLLM runs no encoder for them)
     misses: int = 0  # images answered absent (vLLM encodes them itself)
-    unreachable: int = 0  # look-ups that failed (visenc down or slow): answered absent
-    deferred: int = 0  # scheduler steps a request waited because an image it needs next was still encoding
-    loaded: int = 0  # images loaded into the encoder cache by a worker
+    failures: int = 0  # fetches that failed (visenc, Redis or network): the image is encoded by vLLM
+    rejected: int = 0  # rows refused: another shape or grid than vLLM reads
+    deferred: int = 0  # scheduler steps a request waited for rows in flight
+    timed_out: int = 0  # requests that stopped waiting (defer_timeout_s) and went on without the rows
+    unavailable: int = 0  # requests failed: an image without pixels whose rows could not be had
+    loaded: int = 0  # images put into the encoder cache by a worker
     loaded_bytes: int = 0
 
 
-def _torch_rows(rows: np.ndarray, dtype: str) -> torch.Tensor:
+@dataclass(frozen=True, slots=True)
+class _Want:
+    """What vLLM will read for one item: its row count and, where the item carries one, its grid."""
+
+    rows: int
+    grid: tuple[int, ...] | None
+
+
+class _Absent(Exception):
+    """An image's rows cannot be had (said once per fetch, logged by the scheduler side)."""
+
+
+class _Mismatch(_Absent):
+    """visenc's rows are not what vLLM reads for the image (rows, width or grid): no replica of the
+    same model answers otherwise, and they are never loaded."""
+
+
+def _torch_rows(rows: np.ndarray, dtype: str | None) -> torch.Tensor:
+    """The rows as a CPU tensor that owns its memory (the response body is not kept)."""
     if dtype == "bfloat16":  # carried as raw 16-bit words
-        return torch.from_numpy(np.ascontiguousarray(rows).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.ascontiguousarray(rows))
+        return torch.from_numpy(np.array(rows, copy=True).view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(np.array(rows, copy=True))
 
 
 def encoder_output_width(model_config: Any) -> int:
@@ -117,107 +147,266 @@ def encoder_output_width(model_config: Any) -> int:
     return int(model_config.get_inputs_embeds_size()) * (1 + levels)
 
 
+def _vllm_minor() -> str:
+    """``major.minor`` of the vLLM running this connector (``0.32``)."""
+    import vllm
+
+    return ".".join(vllm.__version__.split(".")[:2])
+
+
+def _item_grid(data: Any) -> tuple[int, ...] | None:
+    """The grid vLLM's processor gave an item (``image_grid_thw`` and the like), if it has one."""
+    if data is None:
+        return None
+    for key in ("image_grid_thw", "video_grid_thw"):
+        if key in data:
+            return tuple(int(x) for x in data[key].data.reshape(-1).tolist())
+    return None
+
+
+def _encodable(data: Any) -> bool:
+    """Whether vLLM holds what it needs to encode the item itself (pixels or embeddings), rather
+    than only its grid (an ``ec_consumer`` accepts grid-only images)."""
+    if data is None:
+        return True  # vLLM filled no data here: it came with the request, as pixels
+    return any(k.startswith("pixel_values") or k.endswith("_embeds") for k in data)
+
+
+class _LocalRows:
+    """Rows held in the scheduler's memory, least recently used first, within a byte budget.
+    Only the scheduler thread touches it. Pinned entries (counted present this step) are never
+    evicted: vLLM will read them."""
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget_bytes = budget_bytes
+        self.bytes = 0
+        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
+        self.pinned: set[str] = set()
+
+    def __contains__(self, identifier: str) -> bool:
+        return identifier in self._rows
+
+    def get(self, identifier: str) -> torch.Tensor | None:
+        rows = self._rows.get(identifier)
+        if rows is not None:
+            self._rows.move_to_end(identifier)
+        return rows
+
+    def put(self, identifier: str, rows: torch.Tensor) -> bool:
+        size = rows.numel() * rows.element_size()
+        for victim in [k for k in self._rows if k not in self.pinned]:
+            if self.bytes + size <= self.budget_bytes:
+                break
+            self.bytes -= self._rows[victim].numel() * self._rows[victim].element_size()
+            del self._rows[victim]
+        if self.bytes + size > self.budget_bytes:
+            return False
+        self._rows[identifier] = rows
+        self.bytes += size
+        return True
+
+
 class VisencConnector(ECConnectorBase):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
-        extra = vllm_config.ec_transfer_config
-        self.url: str = extra.get_from_extra_config("url", "http://127.0.0.1:8000")
-        self.timeout_s = float(extra.get_from_extra_config("timeout_s", 30.0))
-        self.lookup_timeout_s = float(extra.get_from_extra_config("lookup_timeout_s", 2.0))
-        self.defer_timeout_s = float(extra.get_from_extra_config("defer_timeout_s", 10.0))
-        transport = extra.get_from_extra_config("transport", "http")
-        if transport not in ("http", "shm"):
-            raise ValueError(f"VisencConnector: transport must be 'http' or 'shm', not {transport!r}")
-        options: dict[str, Any] = {
-            "namespace": extra.get_from_extra_config("namespace", None),
-            "api_key": extra.get_from_extra_config("api_key", None),
-        }
-        self._client = Client(self.url, timeout=self.timeout_s, shared_memory=transport == "shm", **options)
-        self._lookup_client = Client(self.url, timeout=self.lookup_timeout_s, **options)
         self.stats = ConnectorStats()
-        self._status: dict[str, str] = {}  # scheduler side: identifier -> last known status
-        self._to_load: dict[str, int] = {}  # scheduler side: this step's loads
-        self._pending_since: dict[str, float] = {}  # scheduler side: when a needed image was first seen pending
         model = vllm_config.model_config
         self._hidden = encoder_output_width(model)
         self._dtype: torch.dtype = model.dtype
         self._device = torch.device(vllm_config.device_config.device)
-        self._check_model(extra.get_from_extra_config("expected_fingerprint", None))
-
-    def _check_model(self, expected_fingerprint: str | None) -> None:
-        """Refuse a visenc that serves another model; only warn when it cannot be reached yet."""
-        try:
-            served = self._lookup_client.model()
-        except VisencClientError as e:
-            log.warning(
-                "VisencConnector: visenc at %s is not reachable yet (%s); images count as not cached until it is",
-                self.url,
-                e,
-            )
-            return
-        hidden = int(served.get("hidden_size", -1))
-        if hidden != self._hidden:
-            raise ValueError(
-                f"VisencConnector: visenc at {self.url} serves {served.get('name')!r} with rows of width {hidden}, "
-                f"but this model's image embeddings are {self._hidden} wide: it serves another model"
-            )
-        if expected_fingerprint is not None and served.get("fingerprint") != expected_fingerprint:
-            raise ValueError(
-                f"VisencConnector: visenc at {self.url} serves fingerprint {served.get('fingerprint')}, "
-                f"expected {expected_fingerprint}"
-            )
-        log.info(
-            "VisencConnector: visenc at %s serves %s (fingerprint %s, %s, rows of %d)",
-            self.url,
-            served.get("name"),
-            served.get("fingerprint"),
-            served.get("dtype"),
-            hidden,
-        )
+        if role == ECConnectorRole.SCHEDULER:
+            self._start_scheduler_side(vllm_config.ec_transfer_config)
 
     # --- scheduler side -------------------------------------------------------------------
-    def _refresh(self, identifiers: list[str]) -> None:
-        """One hash-only look-up for every identifier whose status is not yet ``ready``."""
-        todo = [i for i in dict.fromkeys(identifiers) if is_valid_hash(i) and self._status.get(i) != "ready"]
-        if not todo:
-            return
-        self.stats.lookups += 1
-        try:
-            handles = self._lookup_client.lookup(todo)
-        except VisencClientError as e:
-            self.stats.unreachable += 1
-            log.warning("VisencConnector: look-up of %d images failed (%s): vLLM encodes them", len(todo), e)
-            for i in todo:
-                self._status[i] = "unreachable"
-            return
-        for i, h in zip(todo, handles):
-            self._status[i] = h.status
+    def _start_scheduler_side(self, extra: Any) -> None:
+        option = extra.get_from_extra_config
+        urls = option("url", "http://127.0.0.1:8000")
+        self.urls: list[str] = [urls] if isinstance(urls, str) else list(urls)
+        self.timeout_s = float(option("timeout_s", 10.0))
+        self.defer_timeout_s = float(option("defer_timeout_s", 2.0))
+        transport = option("transport", "http")
+        if transport not in ("http", "shm"):
+            raise ValueError(f"VisencConnector: transport must be 'http' or 'shm', not {transport!r}")
+        auth = {"namespace": option("namespace", None), "api_key": option("api_key", None)}
+        self._clients = [
+            Client(url, timeout=self.timeout_s, shared_memory=transport == "shm", **auth) for url in self.urls
+        ]
+        self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))
+        self._inflight: dict[str, Future[torch.Tensor]] = {}
+        self._wants: dict[str, _Want] = {}  # identifier -> what vLLM reads, for fetches in flight
+        self._absent: dict[str, float] = {}  # identifier -> when it was found absent
+        self._waiting_since: dict[str, float] = {}  # request id -> first step it was deferred
+        self._unavailable: set[str] = set()
+        self._to_load: dict[str, torch.Tensor] = {}
+        self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="visenc-fetch")
+        fingerprint = self._check_model(option("expected_fingerprint", None))
+        self._redis = None
+        redis_url = option("redis_url", None)
+        if redis_url and fingerprint:
+            from visenc_client._redis import RedisRows
+
+            self._redis = RedisRows.from_url(
+                redis_url, fingerprint=fingerprint, namespace=auth["namespace"] or "default"
+            )
+
+    def _check_model(self, expected_fingerprint: str | None) -> str | None:
+        """Refuse a visenc that serves another model; only warn when none can be reached yet.
+        Returns the served fingerprint (or the expected one), for direct Redis reads."""
+        for url, client in zip(self.urls, self._clients):
+            try:
+                served = client.model()
+            except VisencClientError as e:
+                log.warning("VisencConnector: visenc at %s is not reachable yet (%s)", url, e)
+                continue
+            hidden = int(served.get("hidden_size", -1))
+            if hidden != self._hidden:
+                raise ValueError(
+                    f"VisencConnector: visenc at {url} serves {served.get('name')!r} with rows of width {hidden}, "
+                    f"but this model's image embeddings are {self._hidden} wide: it serves another model"
+                )
+            loader = str(served.get("image_loader"))
+            if loader != f"vllm-{_vllm_minor()}":
+                raise ValueError(
+                    f"VisencConnector: visenc at {url} loads images as {loader!r}, but this is vLLM "
+                    f"{_vllm_minor()}: serve visenc with --image-loader vllm, in a release that follows this vLLM "
+                    "(EXIF orientation and transparency would give other rows)"
+                )
+            if expected_fingerprint is not None and served.get("fingerprint") != expected_fingerprint:
+                raise ValueError(
+                    f"VisencConnector: visenc at {url} serves fingerprint {served.get('fingerprint')}, "
+                    f"expected {expected_fingerprint}"
+                )
+            log.info(
+                "VisencConnector: visenc at %s serves %s (fingerprint %s, %s, rows of %d, image loader %s)",
+                url,
+                served.get("name"),
+                served.get("fingerprint"),
+                served.get("dtype"),
+                hidden,
+                served.get("image_loader"),
+            )
+            return expected_fingerprint or served.get("fingerprint")
+        log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")
+        return expected_fingerprint
+
+    def _obtain(self, identifier: str, want: _Want) -> torch.Tensor:
+        """One image's rows, checked against what vLLM reads (runs on a fetch thread). Each URL in
+        turn, then the shared index; raises ``_Absent`` if none has them."""
+        causes: list[str] = []
+        for url, client in zip(self.urls, self._clients):
+            try:
+                (handle,) = client.lookup([identifier], wait=True, include_rows=not client.shared_memory)
+                if handle.status != "ready":
+                    raise _Absent(f"{handle.status}{f' ({handle.error})' if handle.error else ''}")
+                self._check(handle, want)
+                rows = handle.rows if handle.rows is not None else client.fetch(identifier)
+                return self._checked_rows(_torch_rows(rows, handle.dtype), want)
+            except _Mismatch:
+                raise
+            except (VisencClientError, _Absent) as e:
+                causes.append(f"{url}: {e}")
+        if self._redis is not None:  # same fingerprint, so the same image loader: the row count is checked
+            try:
+                info = self._redis.info(identifier)
+                rows = self._redis.fetch(identifier)
+                return self._checked_rows(_torch_rows(rows, info.dtype), want)
+            except VisencClientError as e:
+                causes.append(f"redis: {e}")
+        raise _Absent("; ".join(causes) or "no visenc configured")
+
+    def _check(self, handle: Handle, want: _Want) -> None:
+        if handle.num_tokens != want.rows:
+            raise _Mismatch(f"visenc has {handle.num_tokens} rows, vLLM reads {want.rows}")
+        if want.grid is not None and handle.grid_thw is not None and tuple(handle.grid_thw) != want.grid:
+            raise _Mismatch(
+                f"visenc's grid {tuple(handle.grid_thw)} is not vLLM's {want.grid} "
+                "(the two decode or resize this image differently)"
+            )
+
+    def _checked_rows(self, rows: torch.Tensor, want: _Want) -> torch.Tensor:
+        if tuple(rows.shape) != (want.rows, self._hidden):
+            raise _Mismatch(f"visenc has rows {tuple(rows.shape)}, vLLM reads ({want.rows}, {self._hidden})")
+        return rows
+
+    def _collect(self) -> None:
+        """Move finished fetches into local memory (scheduler thread only)."""
+        for identifier in [i for i, f in self._inflight.items() if f.done()]:
+            future = self._inflight.pop(identifier)
+            self._wants.pop(identifier, None)
+            try:
+                rows = future.result()
+            except _Absent as e:
+                self.stats.rejected += isinstance(e, _Mismatch)
+                self.stats.failures += 1
+                log.warning(
+                    "VisencConnector: image %s is not available from visenc (%s): vLLM encodes it", identifier, e
+                )
+                self._absent[identifier] = time.monotonic()
+                continue
+            except Exception:  # a bug of the fetch path: the image is still only "not cached"
+                log.exception("VisencConnector: fetching image %s failed", identifier)
+                self.stats.failures += 1
+                self._absent[identifier] = time.monotonic()
+                continue
+            if not self._local.put(identifier, rows):
+                log.warning("VisencConnector: image %s does not fit local_cache_bytes: vLLM encodes it", identifier)
+                self._absent[identifier] = time.monotonic()
+
+    def _is_absent(self, identifier: str, now: float) -> bool:
+        since = self._absent.get(identifier)
+        if since is None:
+            return False
+        if now - since < ABSENT_TTL_S:
+            return True
+        del self._absent[identifier]
+        return False
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Look up the request's images in one round trip. While an image the request still
-        needs (past ``num_computed_tokens``) is being encoded, the request is deferred (vLLM
-        schedules others and asks again next step), so no worker blocks on it; past
-        ``defer_timeout_s`` it is scheduled anyway and its load waits for the rows."""
-        needed = [
-            f.identifier
-            for f in request.mm_features
-            if f.mm_position.offset + f.mm_position.length > num_computed_tokens
-        ]
-        self._refresh(needed)
+        """Start fetching the rows of every image the request still needs (past
+        ``num_computed_tokens``) that is not held here, and defer the request while any is in
+        flight, at most ``defer_timeout_s``; then vLLM encodes what did not arrive."""
+        self._collect()
         now = time.monotonic()
-        pending = [i for i in needed if self._status.get(i) == "pending"]
-        for i in [i for i in self._pending_since if self._status.get(i) != "pending"]:
-            del self._pending_since[i]
-        if any(now - self._pending_since.setdefault(i, now) < self.defer_timeout_s for i in pending):
+        in_flight = False
+        lacking: list[str] = []  # needed, not held, and not encodable by vLLM
+        for feature in request.mm_features:
+            identifier = feature.identifier
+            if feature.mm_position.offset + feature.mm_position.length <= num_computed_tokens:
+                continue
+            if not is_valid_hash(identifier) or identifier in self._local:
+                continue
+            if identifier in self._inflight:
+                in_flight = True
+            elif not self._is_absent(identifier, now):
+                want = _Want(int(feature.mm_position.get_num_embeds()), _item_grid(feature.data))
+                self._wants[identifier] = want
+                self._inflight[identifier] = self._pool.submit(self._obtain, identifier, want)
+                self.stats.fetches += 1
+                in_flight = True
+            if not _encodable(feature.data):
+                lacking.append(identifier)
+        rid = request.request_id
+        if in_flight and now - self._waiting_since.setdefault(rid, now) < self.defer_timeout_s:
             self.stats.deferred += 1
             return False
+        if in_flight:
+            self.stats.timed_out += 1
+        if lacking:  # vLLM cannot encode these itself: this request alone fails
+            log.warning(
+                "VisencConnector: request %s fails: images %s came without pixels and visenc could not give their rows",
+                rid,
+                ", ".join(lacking),
+            )
+            self._unavailable.add(rid)
+            self._waiting_since.pop(rid, None)
+            return False
+        self._waiting_since.pop(rid, None)
         return True
 
     def has_cache_item(self, identifier: str) -> bool:
-        if identifier not in self._status:
-            self._refresh([identifier])
-        present = self._status.get(identifier) in PRESENT
+        present = identifier in self._local
         if present:
+            self._local.pinned.add(identifier)  # vLLM will read it: not evicted before the step is built
             self.stats.hits += 1
         else:
             self.stats.misses += 1
@@ -225,46 +414,46 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
 
     def update_state_after_alloc(self, request: Request, index: int) -> None:
         identifier = request.mm_features[index].identifier
-        if self._status.get(identifier) in PRESENT:
-            self._to_load[identifier] = int(request.get_num_encoder_embeds(index))
-
-    def update_state_after_free(self, request: Request, index: int) -> None:
-        # vLLM dropped its copy: the next request with this image asks again (it may have been evicted)
-        self._status.pop(request.mm_features[index].identifier, None)
+        rows = self._local.get(identifier)
+        if rows is not None:
+            self._to_load[identifier] = rows
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> VisencConnectorMetadata:
         meta = VisencConnectorMetadata(items=list(self._to_load.items()))
         self._to_load.clear()
+        self._local.pinned.clear()
         return meta
+
+    def take_unavailable_requests(self) -> set[str]:
+        taken, self._unavailable = self._unavailable, set()
+        self.stats.unavailable += len(taken)
+        return taken
+
+    def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
+        self._waiting_since.pop(request.request_id, None)
+        return False, None
 
     # --- worker side -----------------------------------------------------------------------
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
+        """Copy the rows the scheduler handed over into the encoder cache: local memory only."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, VisencConnectorMetadata):
             return
-        todo = [(i, n) for i, n in meta.items if i not in encoder_cache]
-        if not todo:
-            return
-        try:
-            arrays = self._client.fetch_many([RowRange(i) for i, _ in todo])
-        except VisencClientError as e:
-            raise RuntimeError(
-                f"VisencConnector: could not load {len(todo)} image embeddings from {self.url}: {e}"
-            ) from e
-        for (identifier, rows), array in zip(todo, arrays):
-            if array.shape != (rows, self._hidden):
-                raise RuntimeError(
-                    f"VisencConnector: image {identifier}: visenc has rows {tuple(array.shape)}, vLLM reads "
-                    f"({rows}, {self._hidden}): the two preprocess this image differently"
-                )
-            wire = "bfloat16" if array.dtype == np.uint16 else str(array.dtype)
-            encoder_cache[identifier] = _torch_rows(array, wire).to(device=self._device, dtype=self._dtype)
+        for identifier, rows in meta.items:
+            if identifier in encoder_cache:
+                continue
+            encoder_cache[identifier] = rows.to(device=self._device, dtype=self._dtype)
             self.stats.loaded += 1
-            self.stats.loaded_bytes += array.nbytes
+            self.stats.loaded_bytes += rows.numel() * rows.element_size()
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
         return  # a consumer only loads
 
     def shutdown(self) -> None:
-        self._client.close()
-        self._lookup_client.close()
+        if self.role != ECConnectorRole.SCHEDULER:
+            return
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        for client in self._clients:
+            client.close()
+        if self._redis is not None:
+            self._redis.close()

@@ -4,7 +4,8 @@
 
 ``--visenc URL``: vLLM as an ``ec_consumer`` with ``visenc_client.vllm.VisencConnector``; every
 image carries its visenc hash as its uuid (the images must already be encoded by visenc).
-``--grid-only``: the images are sent as their ``image_grid_thw`` (taken from visenc), no pixels.
+``--grid-only``: the images are sent as their ``image_grid_thw`` (taken from visenc, or from the
+tower's layout where visenc cannot be reached), no pixels; then one more prompt with pixels.
 Run in its own process: vLLM keeps process-wide state.
 """
 
@@ -66,7 +67,7 @@ def main() -> int:
     from vllm import LLM, SamplingParams
     from vllm.config import ECTransferConfig
 
-    from visenc_client import Client, image_hash
+    from visenc_client import Client, VisencClientError, image_hash
 
     options: dict = {}
     if args.visenc:
@@ -92,8 +93,14 @@ def main() -> int:
     for datas in images():
         hashes = [image_hash(d) for d in datas]
         if args.grid_only:
-            with Client(args.visenc) as vc:
-                grids = [list(h.grid_thw) for h in vc.lookup(hashes)]
+            try:
+                with Client(args.visenc) as vc:
+                    grids = [list(h.grid_thw) for h in vc.lookup(hashes)]
+            except VisencClientError:
+                from visenc.models.loading import load_tower
+
+                tower = load_tower(args.model)
+                grids = [list(tower.layout(*Image.open(io.BytesIO(d)).size).grid_thw) for d in datas]
             data: object = {"image_grid_thw": torch.tensor(grids)}
         else:
             data = [Image.open(io.BytesIO(d)).convert("RGB") for d in datas]
@@ -101,13 +108,22 @@ def main() -> int:
         if args.visenc:
             request["multi_modal_uuids"] = {"image": hashes}
         requests.append(request)
+    if args.grid_only:  # and one with pixels, in the same engine
+        datas = images()[0]
+        pixels = [Image.open(io.BytesIO(d)).convert("RGB") for d in datas]
+        request = {"prompt": text(len(datas), model_type), "multi_modal_data": {"image": pixels}}
+        if args.visenc:
+            request["multi_modal_uuids"] = {"image": [image_hash(d) for d in datas]}
+        requests.append(request)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
     outs = llm.generate(requests, params, use_tqdm=False)
     result = []
     for out in outs:
         completion = out.outputs[0]
         chosen = [step[token].logprob for token, step in zip(completion.token_ids, completion.logprobs)]
-        result.append({"tokens": list(completion.token_ids), "logprobs": chosen})
+        result.append(
+            {"tokens": list(completion.token_ids), "logprobs": chosen, "finish_reason": completion.finish_reason}
+        )
     print("RESULT " + json.dumps(result), flush=True)
     return 0
 

@@ -1,0 +1,103 @@
+"""``vllm serve`` (vLLM's OpenAI server) in a subprocess, and chat requests to it, for the tests here."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent.parent
+
+
+def connector_config(url: str | list[str], **options: Any) -> str:
+    """``--ec-transfer-config`` for vLLM as an ``ec_consumer`` of the visenc at ``url``."""
+    return json.dumps(
+        {
+            "ec_connector": "VisencConnector",
+            "ec_connector_module_path": "visenc_client.vllm",
+            "ec_role": "ec_consumer",
+            "ec_connector_extra_config": {"url": url, **options},
+        }
+    )
+
+
+def openai_server(model: Path, port: int, *extra: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
+    out = open(log, "wb") if log else subprocess.DEVNULL  # the child holds it
+    return subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "vllm.entrypoints.openai.api_server",
+            "--model",
+            str(model),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--max-model-len",
+            "2048",
+            "--limit-mm-per-prompt",
+            '{"image": 2, "video": 0}',
+            "--seed",
+            "0",
+            *extra,
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=out,
+        stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
+    )
+
+
+def wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, f"{url} exited with {proc.returncode}"
+        with contextlib.suppress(httpx.TransportError):
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+def chat_request(url: str, datas: list[bytes], uuids: list[str] | None = None) -> httpx.Response:
+    """A greedy 8-token chat completion over ``datas`` (PNG bytes as data: URLs), each image part
+    given its ``uuid`` when ``uuids`` is set."""
+    parts: list[dict[str, Any]] = []
+    for i, d in enumerate(datas):
+        part: dict[str, Any] = {
+            "type": "image_url",
+            "image_url": {"url": "data:image/png;base64," + base64.b64encode(d).decode()},
+        }
+        if uuids is not None:
+            part["uuid"] = uuids[i]
+        parts.append(part)
+    body = {
+        "model": httpx.get(f"{url}/v1/models", timeout=30).json()["data"][0]["id"],
+        "temperature": 0.0,
+        "max_tokens": 8,
+        "logprobs": True,
+        "top_logprobs": 1,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "Describe the pictures."}]}],
+    }
+    return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
+
+
+def chat(url: str, datas: list[bytes], uuids: list[str] | None = None) -> dict:
+    """Tokens and logprobs of ``chat_request``'s answer (which must be a 200)."""
+    r = chat_request(url, datas, uuids)
+    assert r.status_code == 200, r.text
+    content = r.json()["choices"][0]["logprobs"]["content"]
+    return {"tokens": [c["token"] for c in content], "logprobs": [c["logprob"] for c in content]}

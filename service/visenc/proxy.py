@@ -2,11 +2,18 @@
 
 For ``POST /v1/chat/completions`` it finds the image parts of the messages
 (``data:`` URLs always; ``http(s)`` URLs only under an ``--allow-url-prefix``, with
-size and time limits), hashes each image, sends a hash-first encode with
-``wait=false`` to visenc (bytes only for images visenc lacks), adds the visenc hash
-as the part's ``uuid`` and forwards the request, so encoding overlaps vLLM's own
-request processing. vLLM's ``VisencConnector`` then loads the rows instead of
-running its vision tower. ``POST /v1/completions`` and ``GET /v1/models`` pass through.
+size and time limits), hashes each image, adds the visenc hash as the part's
+``uuid`` and forwards the request at once. vLLM's ``VisencConnector`` loads the
+rows of every image visenc holds instead of running its vision tower, and vLLM
+encodes the others itself (the uuid, a SHA-256 of the image bytes, is a sound
+content identifier either way). Once the answer is through, the proxy sends visenc
+a hash-first encode with ``wait=false`` (bytes only for images visenc lacks), in the
+background: the request never waits for visenc, and visenc's encode of an image new
+to it does not compete with the request that brought it; the next request with the
+image, on any replica, finds its rows. ``--encode-first`` (``encode_first``) hands
+the images to visenc before forwarding instead (with ``wait_for_encoding`` on the
+connector, every image then comes from visenc).
+``POST /v1/completions`` and ``GET /v1/models`` pass through.
 Streaming responses are streamed through as they come.
 
 **Upstream choice.** A request goes to the healthy upstream that last saw most of
@@ -15,8 +22,10 @@ else round robin. Upstreams are health-checked (``GET /health``) in the
 background and marked down on a connection error.
 
 **Failures.** A malformed request gets an OpenAI-style error (``{"error": {"message",
-"type", "param", "code"}}``, 400). visenc unreachable: the request is forwarded
-without uuids and vLLM encodes the images itself. No healthy upstream: 503.
+"type", "param", "code"}}``, 400). visenc unreachable: the encodes fail (logged,
+counted in ``encode_failures``) and vLLM encodes the images itself. At most
+``max_background_encodes`` run at once; past that a request's images are not sent to
+visenc (counted in ``encodes_skipped``), never waited for. No healthy upstream: 503.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
+import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -58,6 +68,11 @@ class ProxySettings:
     health_interval_s: float = 2.0
     #: images remembered for cache affinity (hash -> the upstream that saw it last)
     affinity_size: int = 100_000
+    #: background encodes (one per request) in flight at once; more are skipped, never queued
+    max_background_encodes: int = 64
+    #: hand a request's images to visenc before forwarding it (default: after its answer is through;
+    #: with ``wait_for_encoding`` on the connector, every image of it then comes from visenc)
+    encode_first: bool = False
 
 
 class ProxyError(Exception):
@@ -119,6 +134,8 @@ class Proxy:
         self.http = httpx.AsyncClient(timeout=settings.upstream_timeout_s, transport=transport)
         self.visenc = AsyncClient(settings.visenc_url, api_key=settings.visenc_api_key, transport=visenc_transport)
         self.encode_failures = 0
+        self.encodes_skipped = 0
+        self._encodes: set[asyncio.Task[None]] = set()
         self._health: asyncio.Task[None] | None = None
 
     # --- images ----------------------------------------------------------------------
@@ -171,33 +188,64 @@ class Proxy:
             part["_url"] = url
         return parts
 
-    async def tag_images(self, body: dict[str, Any]) -> list[str]:
-        """Give every image part its visenc hash as ``uuid`` and start its encode; the hashes, in order."""
+    async def tag_images(self, body: dict[str, Any]) -> tuple[list[str], list[bytes]]:
+        """Give every image part its visenc hash as ``uuid``; the hashes and the images, in order."""
         parts = self._image_parts(body)
         if not parts:
-            return []
+            return [], []
         datas = await asyncio.gather(*(self._image_bytes(p.pop("_url")) for p in parts))
         hashes = [image_hash(d) for d in datas]
+        for part, h in zip(parts, hashes):
+            part["uuid"] = h  # the connector finds the rows under it
+        return hashes, list(datas)
+
+    def encode_later(self, datas: Sequence[bytes]) -> None:
+        """Hand ``datas`` to visenc in the background (at most ``max_background_encodes`` at once;
+        past that they are skipped, never queued)."""
+        if not datas:
+            return
+        if len(self._encodes) >= self.settings.max_background_encodes:
+            self.encodes_skipped += 1
+            return
+        task = asyncio.create_task(self.encode(datas))
+        self._encodes.add(task)
+        task.add_done_callback(self._encodes.discard)
+
+    async def drain(self) -> None:
+        """Wait for the background encodes started so far (each is bounded by the visenc client's timeout)."""
+        if self._encodes:
+            await asyncio.wait(set(self._encodes))
+
+    async def encode(self, datas: Sequence[bytes]) -> None:
+        """A hash-first encode of ``datas`` (``wait=false``); a failure is logged and counted."""
         try:
-            handles = await self.visenc.encode(datas, wait=False)
+            await self.visenc.encode(datas, wait=False)
         except VisencClientError as e:  # vLLM encodes the images itself
             self.encode_failures += 1
-            log.warning("visenc encode failed (%s): forwarding %d images without uuids", e, len(parts))
-            return hashes
-        for part, h, handle in zip(parts, hashes, handles):
-            if handle.status in ("ready", "pending"):
-                part["uuid"] = h  # the connector finds the rows under it
-        return hashes
+            log.warning("visenc encode of %d images failed (%s): vLLM encodes them", len(datas), e)
+        except Exception:
+            self.encode_failures += 1
+            log.exception("visenc encode of %d images failed", len(datas))
 
     # --- forwarding --------------------------------------------------------------------
     async def forward(
-        self, request: Request, path: str, body: dict[str, Any] | None, hashes: Sequence[str]
+        self,
+        request: Request,
+        path: str,
+        body: dict[str, Any] | None,
+        hashes: Sequence[str],
+        encode_after: Sequence[bytes] = (),
     ) -> Response:
+        """Send the request to an upstream and stream its answer back; ``encode_after``: images
+        handed to visenc once the answer is through (``encode_later``)."""
         upstream = self.upstreams.choose(hashes)
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
         method = request.method
         try:
-            outgoing = self.http.build_request(method, upstream + path, json=body, headers=headers)
+            content = None if body is None else orjson.dumps(body)
+            if content is not None:
+                headers["content-type"] = "application/json"
+            outgoing = self.http.build_request(method, upstream + path, content=content, headers=headers)
             upstream_response = await self.http.send(outgoing, stream=True)
         except httpx.TransportError as e:
             self.upstreams.healthy[upstream] = False
@@ -211,6 +259,7 @@ class Proxy:
                     yield chunk
             finally:
                 await upstream_response.aclose()
+                self.encode_later(encode_after)
 
         return StreamingResponse(relay(), upstream_response.status_code, out_headers)
 
@@ -232,14 +281,15 @@ class Proxy:
             self._health.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health
+        await self.drain()
         await self.http.aclose()
         await self.visenc.aclose()
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
     try:
-        body = await request.json()
-    except ValueError as e:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError as e:
         raise ProxyError("the body is not valid JSON") from e
     if not isinstance(body, dict):
         raise ProxyError("the body must be a JSON object")
@@ -265,8 +315,11 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _json_body(request)
-        hashes = await proxy.tag_images(body)
-        return await proxy.forward(request, "/v1/chat/completions", body, hashes)
+        hashes, datas = await proxy.tag_images(body)
+        if proxy.settings.encode_first:
+            await proxy.encode(datas)
+            datas = []
+        return await proxy.forward(request, "/v1/chat/completions", body, hashes, encode_after=datas)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

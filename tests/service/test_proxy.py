@@ -68,6 +68,7 @@ async def proxied(tiny_tower):
         app = create_proxy_app(proxy)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+                client.proxy = proxy  # type: ignore[attr-defined]
                 yield client, upstream, visenc
 
 
@@ -80,6 +81,7 @@ async def test_image_parts_get_their_hash_as_uuid_and_are_encoded(proxied):
     parts = [p for p in body["messages"][0]["content"] if p["type"] == "image_url"]
     assert [p["uuid"] for p in parts] == [image_hash(a), image_hash(b)]
     assert parts[0]["image_url"]["url"] == data_url(a)  # the request is otherwise unchanged
+    await client.proxy.drain()  # visenc gets the images once the answer is through
     r = await visenc.post("/v1/encode", json={"items": [{"hash": image_hash(a)}, {"hash": image_hash(b)}]})
     assert [it["status"] for it in r.json()["items"]] == ["ready", "ready"]  # encoded by the proxy's request
 
@@ -135,7 +137,9 @@ async def test_malformed_bodies_get_openai_style_errors(proxied):
     assert r.status_code == 400 and "'messages' must be a list" in r.json()["error"]["message"]
 
 
-async def test_visenc_down_still_forwards_without_uuids(tiny_tower):
+async def test_visenc_down_still_forwards_at_once(tiny_tower):
+    """The request never waits for visenc: with visenc down it is forwarded with its uuids (the
+    connector then finds no rows and vLLM encodes the images itself); the failure is counted."""
     upstream = Upstream()
 
     def down(request: httpx.Request) -> httpx.Response:
@@ -144,10 +148,32 @@ async def test_visenc_down_still_forwards_without_uuids(tiny_tower):
     settings = ProxySettings(upstreams=UPSTREAMS[:1], visenc_url="http://visenc", health_interval_s=3600)
     proxy = Proxy(settings, transport=httpx.MockTransport(upstream), visenc_transport=httpx.MockTransport(down))
     app = create_proxy_app(proxy)
+    data = png_bytes(906, 64, 64)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
-            r = await client.post("/v1/chat/completions", json=chat(png_bytes(906, 64, 64)))
+            r = await client.post("/v1/chat/completions", json=chat(data))
     assert r.status_code == 200
     ((_, body),) = upstream.seen
-    assert "uuid" not in body["messages"][0]["content"][0]  # vLLM encodes it itself
-    assert proxy.encode_failures == 1
+    assert body["messages"][0]["content"][0]["uuid"] == image_hash(data)
+    assert proxy.encode_failures == 1  # the lifespan's end waited for the background encode
+
+
+async def test_background_encodes_are_bounded_never_queued(tiny_tower):
+    """Past ``max_background_encodes`` a request's images are not handed to visenc (counted), and the
+    request is answered as any other."""
+    upstream = Upstream()
+    calls: list[httpx.Request] = []
+
+    def visenc(request: httpx.Request) -> httpx.Response:
+        calls.append(request)
+        return httpx.Response(503, json={"error": {"type": "not_ready", "message": "busy"}})
+
+    settings = ProxySettings(
+        upstreams=UPSTREAMS[:1], visenc_url="http://visenc", health_interval_s=3600, max_background_encodes=0
+    )
+    proxy = Proxy(settings, transport=httpx.MockTransport(upstream), visenc_transport=httpx.MockTransport(visenc))
+    app = create_proxy_app(proxy)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            r = await client.post("/v1/chat/completions", json=chat(png_bytes(907, 64, 64)))
+    assert r.status_code == 200 and proxy.encodes_skipped == 1 and not calls

@@ -118,16 +118,18 @@ def test_a_visenc_serving_another_model_is_refused(checkpoints, tmp_path):
 
 def test_openai_server_behind_visenc_proxy(checkpoints, visenc):
     """``vllm serve`` on the wrong copy, with the connector, behind ``visenc proxy`` (which tags the data:
-    URL images with their hash and encodes them): the same answers as ``vllm serve`` on the right one."""
+    URL images with their hash and encodes them): the same answers as ``vllm serve`` on the right one.
+    (``--encode-first`` and ``wait_for_encoding``: images visenc never saw still come from it.)"""
     from tests.conftest import free_port, stop_process
 
     right, wrong = checkpoints
     ports = [free_port() for _ in range(3)]
     alone = openai_server(right, ports[0])
-    behind = openai_server(wrong, ports[1], "--ec-transfer-config", connector_config(visenc))
+    behind = openai_server(wrong, ports[1], "--ec-transfer-config", connector_config(visenc, wait_for_encoding=True))
     upstream = f"http://127.0.0.1:{ports[1]}"
+    command = ["-m", "visenc", "proxy", "--port", str(ports[2]), "--upstream", upstream, "--visenc", visenc]
     proxy = subprocess.Popen(
-        [sys.executable, "-m", "visenc", "proxy", "--port", str(ports[2]), "--upstream", upstream, "--visenc", visenc],
+        [sys.executable, *command, "--encode-first"],
         cwd=ROOT,
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
@@ -173,7 +175,7 @@ def test_other_families_through_the_connector(arch, tmp_path):
 
 def _scheduler_side(monkeypatch, obtain, defer_timeout_s=0.5):
     """A scheduler-side connector (no vLLM config; its visenc is a closed port) whose fetches are
-    ``obtain(identifier, want)``."""
+    ``obtain(identifier, want, wait)``."""
     from types import SimpleNamespace
 
     from visenc_client.vllm import ConnectorStats, VisencConnector
@@ -224,7 +226,7 @@ def test_rows_are_local_before_an_image_counts_present(monkeypatch):
     release = threading.Event()
     rows = torch.arange(12.0).reshape(3, 4)
 
-    def obtain(identifier, want):
+    def obtain(identifier, want, wait):
         release.wait(5)
         assert want.rows == 3
         return rows
@@ -259,7 +261,7 @@ def test_a_failed_fetch_means_vllm_encodes_the_image(monkeypatch, fault):
 
     never = threading.Event()
 
-    def obtain(identifier, want):
+    def obtain(identifier, want, wait):
         if fault == "absent":
             raise _Absent("503: injected")
         if fault == "bug":
@@ -279,7 +281,7 @@ def test_a_failed_fetch_means_vllm_encodes_the_image(monkeypatch, fault):
 def test_an_image_without_pixels_fails_its_request_alone(monkeypatch):
     from visenc_client.vllm import _Absent
 
-    def obtain(identifier, want):
+    def obtain(identifier, want, wait):
         raise _Absent("connection refused")
 
     connector = _scheduler_side(monkeypatch, obtain)

@@ -106,7 +106,23 @@ def _classes(arch: str) -> tuple[type, type]:
     return getattr(transformers, f"{prefix}Config"), getattr(transformers, f"{prefix}ForConditionalGeneration")
 
 
-def build(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None, arch: str = "qwen2_vl") -> Path:
+#: vision towers of real sizes for the Qwen2-VL architecture (random weights; rows still 128 wide)
+TOWERS = {
+    "tiny": {},
+    "vit-b": {"depth": 12, "embed_dim": 768, "num_heads": 12, "mlp_ratio": 4},
+    "vit-l": {"depth": 24, "embed_dim": 1024, "num_heads": 16, "mlp_ratio": 4},
+}
+
+
+def build(
+    outdir: str | Path,
+    *,
+    seed: int = 0,
+    vision_seed: int | None = None,
+    arch: str = "qwen2_vl",
+    vision: dict | None = None,
+) -> Path:
+    """``vision``: overrides of the vision config (``TOWERS`` for Qwen2-VL towers of real sizes)."""
     import torch
 
     config_class, model_class = _classes(arch)
@@ -119,7 +135,13 @@ def build(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None, 
     if arch == "qwen3_vl":
         rope = {**rope, "mrope_section": [8, 12, 12], "mrope_interleaved": True}
     config = config_class(
-        vision_config={**VISION[arch], "spatial_merge_size": 2, "temporal_patch_size": 2, "in_channels": 3},
+        vision_config={
+            **VISION[arch],
+            **(vision or {}),
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "in_channels": 3,
+        },
         text_config={
             **_text_config(len(tok), bos=ids["<|endoftext|>"], eos=ids["<|im_end|>"], pad=ids["<|endoftext|>"]),
             "rms_norm_eps": 1e-6,

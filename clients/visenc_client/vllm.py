@@ -92,6 +92,8 @@ log = logging.getLogger(__name__)
 MiB = 1 << 20
 #: how long an image found absent (missing, failed, unreachable) answers "not cached" without asking again
 ABSENT_TTL_S = 1.0
+#: absences remembered before the expired ones are dropped
+MAX_ABSENT = 10_000
 #: a step that schedules nothing while rows are in flight waits this long for one to land
 IDLE_WAIT_S = 0.005
 
@@ -336,7 +338,11 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         return rows
 
     def _collect(self) -> None:
-        """Move finished fetches into local memory (scheduler thread only)."""
+        """Move finished fetches into local memory (scheduler thread only); forget absences past
+        their time once there are many (images never asked again)."""
+        if len(self._absent) > MAX_ABSENT:
+            now = time.monotonic()
+            self._absent = {i: t for i, t in self._absent.items() if now - t < ABSENT_TTL_S}
         for identifier in [i for i, f in self._inflight.items() if f.done()]:
             future = self._inflight.pop(identifier)
             try:
@@ -379,11 +385,11 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             identifier = feature.identifier
             if feature.mm_position.offset + feature.mm_position.length <= num_computed_tokens:
                 continue
-            if not is_valid_hash(identifier) or identifier in self._local:
+            if identifier in self._local:
                 continue
             if identifier in self._inflight:
                 in_flight = True
-            elif not self._is_absent(identifier, now):
+            elif is_valid_hash(identifier) and not self._is_absent(identifier, now):
                 want = _Want(int(feature.mm_position.get_num_embeds()), _item_grid(feature.data))
                 wait = self.wait_for_encoding or not _encodable(feature.data)
                 self._inflight[identifier] = self._pool.submit(self._obtain, identifier, want, wait)

@@ -15,7 +15,6 @@ need a resize, odd aspect ratios and tiny sizes, in both image-processor backend
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -24,7 +23,14 @@ import pytest
 import torch
 from PIL import Image
 from safetensors.torch import load_file, save_file
-from tests.support.tiny_families import BUILDERS, build_family, placeholder_rows, reference_inputs, save_family
+from tests.support.tiny_families import (
+    BACKENDS,
+    BUILDERS,
+    build_family,
+    placeholder_rows,
+    reference_inputs,
+    save_family,
+)
 from transformers import AutoImageProcessor
 
 from visenc.errors import InvalidImage
@@ -32,14 +38,6 @@ from visenc.models.base import Rows
 from visenc.models.loading import load_tower
 
 SIZES = [(230, 150), (61, 97), (120, 300), (640, 90), (45, 40)]
-HAS_TORCHVISION = importlib.util.find_spec("torchvision") is not None
-BACKENDS = [
-    "pil",
-    pytest.param(
-        "torchvision",
-        marks=pytest.mark.skipif(not HAS_TORCHVISION, reason="the torchvision backend needs torchvision installed"),
-    ),
-]
 
 
 def _images() -> list[Image.Image]:

@@ -13,7 +13,6 @@ most not multiples of the patch or the merged patch), in both image-processor ba
 
 from __future__ import annotations
 
-import importlib.util
 from pathlib import Path
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tests.support.tiny_families import IMAGE_TOKEN, build_family, language_model_inputs, save_family
+from tests.support.tiny_families import BACKENDS, IMAGE_TOKEN, build_family, language_model_inputs, save_family
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
 
@@ -30,15 +29,6 @@ from visenc.models.base import Rows
 from visenc.models.loading import load_tower
 
 SPECIALS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
-BACKENDS = [
-    "pil",
-    pytest.param(
-        "torchvision",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("torchvision") is None, reason="the torchvision backend needs torchvision"
-        ),
-    ),
-]
 
 
 def sizes(n: int = 24) -> list[tuple[int, int]]:

@@ -295,7 +295,9 @@ def test_an_image_without_pixels_fails_its_request_alone(monkeypatch):
     assert not connector.ensure_cache_available(with_pixels, 0)
     _until(lambda: connector.ensure_cache_available(with_pixels, 0))
     assert not connector.ensure_cache_available(grid_only, 0)  # never scheduled for vLLM to encode
-    assert connector.take_unavailable_requests() == {"r1"}
+    grid = {"image_grid_thw": SimpleNamespace(data=torch.tensor([1, 2, 6]))}
+    assert not connector.ensure_cache_available(_request("r3", ("not-a-visenc-hash", 0, 3, grid)), 0)
+    assert connector.take_unavailable_requests() == {"r1", "r3"}
     assert connector.take_unavailable_requests() == set()
 
 

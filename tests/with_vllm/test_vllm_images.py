@@ -79,6 +79,13 @@ def corrupt(png: bytes) -> bytes:
     return png[:60] + b"\xff" * 20 + png[80:]
 
 
+def keyed(image: Image.Image, colour: tuple[int, int, int]) -> Image.Image:
+    """``image`` with a block of ``colour`` (the colour a tRNS chunk makes transparent)."""
+    keyed = image.copy()
+    keyed.paste(colour, (8, 8, 30, 24))
+    return keyed
+
+
 def corpus() -> dict[str, bytes]:
     rgb = Image.fromarray(noise(64, 48), "RGB")
     gray = Image.fromarray(noise(50, 30, 1), "L")
@@ -90,7 +97,7 @@ def corpus() -> dict[str, bytes]:
         "png-palette-trns": save(palette(), "PNG", transparency=3),
         "png-palette-alpha-table": save(palette(), "PNG", transparency=bytes(range(0, 256, 16))),
         "png-gray-trns": save(gray, "PNG", transparency=7),
-        "png-rgb-trns": save(rgb, "PNG", transparency=(10, 20, 30)),
+        "png-rgb-trns": save(keyed(rgb, (10, 20, 30)), "PNG", transparency=(10, 20, 30)),
         "png-16bit-gray": save(Image.fromarray(noise(40, 30, 1).astype(np.uint16) * 257), "PNG"),
         "png-1bit": save(gray.convert("1"), "PNG"),
         "jpeg-cmyk": save(Image.fromarray(noise(40, 32, 4), "CMYK"), "JPEG", quality=95),

@@ -100,9 +100,12 @@ def exif_upright(image: Image.Image) -> Image.Image:
 def rgb_like_vllm(image: Image.Image) -> Image.Image:
     """vLLM's ``ImageMediaIO._convert_image_mode`` to RGB: RGB as it is; RGBA pasted onto white
     through its alpha; any other image with transparency (LA, PA, or a ``transparency`` entry:
-    PNG tRNS, transparent GIF) made RGBA and pasted the same way; the rest ``convert("RGB")``."""
+    PNG tRNS, transparent GIF) made RGBA and pasted the same way; the rest ``convert("RGB")``.
+    An RGB image goes on as it is, a tRNS colour included: vLLM's processor (transformers 5.19
+    beside vLLM 0.32) keeps that colour, so the ``transparency`` entry is dropped here before a
+    tower's own ``convert_to_rgb`` could composite it."""
     if image.mode == "RGB":
-        return image
+        return _opaque(image)
     if image.mode not in ("RGBA", "LA", "PA") and "transparency" not in image.info:
         return image.convert("RGB")
     rgba = image if image.mode == "RGBA" else image.convert("RGBA")

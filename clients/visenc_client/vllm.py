@@ -38,7 +38,7 @@ counted present that is missing from the encoder cache when the model gathers it
 ends the engine. So nothing that can fail happens after an image is counted present:
 
 - **Scheduler side** (engine-core process). ``ensure_cache_available`` starts, in the
-  background, one round trip per image the request still needs (look-up and rows;
+  background, one round trip for the images the request still needs (look-up and rows;
   ``visenc_client.Client.lookup(include_rows=True)``) and defers the request while any
   is in flight, for at most ``defer_timeout_s``. An image visenc is still encoding is
   not waited for (vLLM encodes it sooner itself) unless ``wait_for_encoding`` is set or
@@ -96,6 +96,8 @@ ABSENT_TTL_S = 1.0
 MAX_ABSENT = 10_000
 #: a step that schedules nothing while rows are in flight waits this long for one to land
 IDLE_WAIT_S = 0.005
+#: rows asked for in one look-up, at most (the service's bodies are capped, 256 MiB by default)
+MAX_FETCH_BYTES = 64 * MiB
 
 
 @dataclass
@@ -110,7 +112,7 @@ class VisencConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]
 class ConnectorStats:
     """Counters of one connector (``VisencConnector.stats``)."""
 
-    fetches: int = 0  # background round trips started (one per image not held)
+    fetches: int = 0  # background look-ups started (one per request's images not held, rows permitting)
     hits: int = 0  # images answered present (vLLM runs no encoder for them)
     misses: int = 0  # images answered absent (vLLM encodes them itself)
     failures: int = 0  # fetches that failed (visenc, Redis or network): the image is encoded by vLLM
@@ -241,7 +243,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             Client(url, timeout=self.timeout_s, shared_memory=transport == "shm", **auth) for url in self.urls
         ]
         self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))
-        self._inflight: dict[str, Future[torch.Tensor]] = {}
+        self._inflight: dict[str, Future[dict[str, torch.Tensor | _Absent]]] = {}
         self._absent: dict[str, float] = {}  # identifier -> when it was found absent
         self._waiting_since: dict[str, float] = {}  # request id -> first step it was deferred
         self._unavailable: set[str] = set()
@@ -297,31 +299,51 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")
         return expected_fingerprint
 
-    def _obtain(self, identifier: str, want: _Want, wait: bool) -> torch.Tensor:
-        """One image's rows, checked against what vLLM reads (runs on a fetch thread). Each URL in
-        turn, then the shared index; raises ``_Absent`` if none has them. ``wait``: an image still
-        being encoded is waited for (else it is absent: vLLM encodes it sooner than it would wait)."""
-        causes: list[str] = []
+    def _obtain(self, wants: dict[str, _Want], wait: bool) -> dict[str, torch.Tensor | _Absent]:
+        """Several images' rows in one look-up, each checked against what vLLM reads (runs on a
+        fetch thread): each URL in turn for what is still lacking, then the shared index; what
+        none has maps to ``_Absent``. ``wait``: an image still being encoded is waited for (else
+        it is absent: vLLM encodes it sooner than it would wait)."""
+        results: dict[str, torch.Tensor | _Absent] = {}
+        causes: dict[str, list[str]] = {i: [] for i in wants}
         for url, client in zip(self.urls, self._clients):
+            todo = [i for i in wants if i not in results]
+            if not todo:
+                break
             try:
-                (handle,) = client.lookup([identifier], wait=wait, include_rows=not client.shared_memory)
-                if handle.status != "ready":
-                    raise _Absent(f"{handle.status}{f' ({handle.error})' if handle.error else ''}")
-                self._check(handle, want)
-                rows = handle.rows if handle.rows is not None else client.fetch(identifier)
-                return self._checked_rows(_torch_rows(rows, handle.dtype), want)
-            except _Mismatch:
-                raise
-            except (VisencClientError, _Absent) as e:
-                causes.append(f"{url}: {e}")
-        if self._redis is not None:  # same fingerprint, so the same image loader: the row count is checked
-            try:
-                info = self._redis.info(identifier)
-                rows = self._redis.fetch(identifier)
-                return self._checked_rows(_torch_rows(rows, info.dtype), want)
+                handles = client.lookup(todo, wait=wait, include_rows=not client.shared_memory)
             except VisencClientError as e:
-                causes.append(f"redis: {e}")
-        raise _Absent("; ".join(causes) or "no visenc configured")
+                for i in todo:
+                    causes[i].append(f"{url}: {e}")
+                continue
+            for identifier, handle in zip(todo, handles):
+                try:
+                    results[identifier] = self._rows_of(client, handle, wants[identifier])
+                except _Mismatch as e:  # no replica of the same model answers otherwise
+                    results[identifier] = e
+                except (VisencClientError, _Absent) as e:
+                    causes[identifier].append(f"{url}: {e}")
+        for identifier in [i for i in wants if i not in results]:
+            if self._redis is not None:  # same fingerprint, so the same image loader: the row count is checked
+                try:
+                    info = self._redis.info(identifier)
+                    rows = self._redis.fetch(identifier)
+                    results[identifier] = self._checked_rows(_torch_rows(rows, info.dtype), wants[identifier])
+                    continue
+                except VisencClientError as e:
+                    causes[identifier].append(f"redis: {e}")
+                except _Mismatch as e:
+                    results[identifier] = e
+                    continue
+            results[identifier] = _Absent("; ".join(causes[identifier]) or "no visenc configured")
+        return results
+
+    def _rows_of(self, client: Client, handle: Handle, want: _Want) -> torch.Tensor:
+        if handle.status != "ready":
+            raise _Absent(f"{handle.status}{f' ({handle.error})' if handle.error else ''}")
+        self._check(handle, want)
+        rows = handle.rows if handle.rows is not None else client.fetch(handle.hash)
+        return self._checked_rows(_torch_rows(rows, handle.dtype), want)
 
     def _check(self, handle: Handle, want: _Want) -> None:
         if handle.num_tokens != want.rows:
@@ -346,7 +368,9 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         for identifier in [i for i, f in self._inflight.items() if f.done()]:
             future = self._inflight.pop(identifier)
             try:
-                rows = future.result()
+                rows = future.result()[identifier]
+                if isinstance(rows, _Absent):
+                    raise rows
             except _Absent as e:
                 self.stats.rejected += isinstance(e, _Mismatch)
                 self.stats.failures += 1
@@ -381,6 +405,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         now = time.monotonic()
         in_flight = False
         lacking: list[str] = []  # needed, not held, and not encodable by vLLM
+        batches: dict[bool, dict[str, _Want]] = {}  # this request's new fetches, by whether they wait
         for feature in request.mm_features:
             identifier = feature.identifier
             if feature.mm_position.offset + feature.mm_position.length <= num_computed_tokens:
@@ -392,11 +417,12 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             elif is_valid_hash(identifier) and not self._is_absent(identifier, now):
                 want = _Want(int(feature.mm_position.get_num_embeds()), _item_grid(feature.data))
                 wait = self.wait_for_encoding or not _encodable(feature.data)
-                self._inflight[identifier] = self._pool.submit(self._obtain, identifier, want, wait)
-                self.stats.fetches += 1
+                batches.setdefault(wait, {})[identifier] = want
                 in_flight = True
             if not _encodable(feature.data):
                 lacking.append(identifier)
+        for wait, wants in batches.items():
+            self._fetch(wants, wait)
         rid = request.request_id
         if in_flight and now - self._waiting_since.setdefault(rid, now) < self.defer_timeout_s:
             self.stats.deferred += 1
@@ -414,6 +440,21 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             return False
         self._waiting_since.pop(rid, None)
         return True
+
+    def _fetch(self, wants: dict[str, _Want], wait: bool) -> None:
+        """Start look-ups of ``wants``, as few as the rows' size allows (``MAX_FETCH_BYTES`` each)."""
+        batch: dict[str, _Want] = {}
+        size = 0
+        for identifier, want in [*wants.items(), ("", None)]:
+            bytes_ = 0 if want is None else 4 * want.rows * self._hidden  # at most 4 bytes a value
+            if batch and (want is None or size + bytes_ > MAX_FETCH_BYTES):
+                future = self._pool.submit(self._obtain, batch, wait)
+                self._inflight.update(dict.fromkeys(batch, future))
+                self.stats.fetches += 1
+                batch, size = {}, 0
+            if want is not None:
+                batch[identifier] = want
+                size += bytes_
 
     def has_cache_item(self, identifier: str) -> bool:
         present = identifier in self._local

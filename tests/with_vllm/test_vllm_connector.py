@@ -175,7 +175,7 @@ def test_other_families_through_the_connector(arch, tmp_path):
 
 def _scheduler_side(monkeypatch, obtain, defer_timeout_s=0.5):
     """A scheduler-side connector (no vLLM config; its visenc is a closed port) whose fetches are
-    ``obtain(identifier, want, wait)``."""
+    ``obtain(wants, wait)`` (rows or ``_Absent`` per identifier)."""
     from types import SimpleNamespace
 
     from visenc_client.vllm import ConnectorStats, VisencConnector
@@ -226,10 +226,10 @@ def test_rows_are_local_before_an_image_counts_present(monkeypatch):
     release = threading.Event()
     rows = torch.arange(12.0).reshape(3, 4)
 
-    def obtain(identifier, want, wait):
+    def obtain(wants, wait):
         release.wait(5)
-        assert want.rows == 3
-        return rows
+        assert [w.rows for w in wants.values()] == [3] and not wait
+        return {A: rows}
 
     connector = _scheduler_side(monkeypatch, obtain, defer_timeout_s=30)
     request = _request("r1", (A, 10, 3, {"pixel_values": 0}))
@@ -261,13 +261,13 @@ def test_a_failed_fetch_means_vllm_encodes_the_image(monkeypatch, fault):
 
     never = threading.Event()
 
-    def obtain(identifier, want, wait):
+    def obtain(wants, wait):
         if fault == "absent":
-            raise _Absent("503: injected")
+            return dict.fromkeys(wants, _Absent("503: injected"))
         if fault == "bug":
             raise KeyError("rows")
         never.wait(10)
-        raise _Absent("too late")
+        return dict.fromkeys(wants, _Absent("too late"))
 
     connector = _scheduler_side(monkeypatch, obtain, defer_timeout_s=0.3)
     request = _request("r1", (A, 0, 3, {"pixel_values": 0}))
@@ -281,8 +281,8 @@ def test_a_failed_fetch_means_vllm_encodes_the_image(monkeypatch, fault):
 def test_an_image_without_pixels_fails_its_request_alone(monkeypatch):
     from visenc_client.vllm import _Absent
 
-    def obtain(identifier, want, wait):
-        raise _Absent("connection refused")
+    def obtain(wants, wait):
+        return dict.fromkeys(wants, _Absent("connection refused"))
 
     connector = _scheduler_side(monkeypatch, obtain)
     from types import SimpleNamespace
@@ -322,3 +322,19 @@ def test_rows_for_another_grid_or_count_are_refused(grid, rows, fits):
     else:
         with pytest.raises(_Mismatch):
             check()
+
+
+def test_a_requests_images_are_fetched_in_one_look_up(monkeypatch):
+    import torch
+
+    calls = []
+
+    def obtain(wants, wait):
+        calls.append(sorted(wants))
+        return {i: torch.zeros(3, 4) for i in wants}
+
+    connector = _scheduler_side(monkeypatch, obtain, defer_timeout_s=30)
+    request = _request("r1", (A, 0, 3, {"pixel_values": 0}), (B, 10, 3, {"pixel_values": 0}))
+    assert not connector.ensure_cache_available(request, 0)
+    _until(lambda: connector.ensure_cache_available(request, 0))
+    assert calls == [[A, B]] and connector.has_cache_item(A) and connector.has_cache_item(B)

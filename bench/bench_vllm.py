@@ -20,9 +20,9 @@ processor to at most 256 rows).
   forward hook on its vision tower, offline ``LLM``, as ``vllm serve`` exposes no such counter).
 * **Cost of the visenc path** (one request of ``--turns`` screenshots visenc holds): the proxy
   hop (the same request, already in vLLM's prefix cache, sent through the proxy and straight to
-  the connector's vLLM, alternating), hashing the images, the connector's round trips (look-up +
-  rows, one per image; the connector runs up to 4 at once) and the copy of the rows into vLLM's
-  encoder cache, in ms and as a share of the warm TTFT at the last turn.
+  the connector's vLLM, alternating), hashing the images, the connector's look-up (every image's
+  rows in one round trip) and the copy of the rows into vLLM's encoder cache, in ms and as a
+  share of the warm TTFT at the last turn.
 
     .venv-vllm/bin/python bench/bench_vllm.py [--towers tiny,vit-b,vit-l] [--turns 8] [--rounds 5]
 """
@@ -193,7 +193,7 @@ def path_cost(urls: dict[str, str], turns: int, size: tuple[int, int]) -> dict[s
                 hashlib.sha256(d).hexdigest()
             samples["hash"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            rows = [vc.lookup([h], include_rows=True)[0].rows for h in hashes]
+            rows = [h.rows for h in vc.lookup(hashes, include_rows=True)]  # as the connector asks
             samples["fetch"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
             for a in rows:
@@ -348,7 +348,7 @@ def main() -> int:
         for key, label in (
             ("hop", "proxy hop (a prefix-cached request via the proxy - direct)"),
             ("hash", "hashing the images"),
-            ("fetch", "look-up + rows, one round trip per image, in turn"),
+            ("fetch", "look-up + rows of every image, one round trip"),
             ("copy", "rows into the encoder cache"),
         ):
             print(f"    {label:50s} {cost[key]:6.2f} ms  ({cost[key] / turn:.1%} of TTFT)")

@@ -17,6 +17,7 @@ gather time, so a single one of these faults used to take the whole server down.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 import time
@@ -72,7 +73,8 @@ def servers(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             finally:
                 stop_process(behind)
                 stop_process(alone)
-                (logs / "vllm.log").exists() and print((logs / "vllm.log").read_text()[-4000:])
+                if (logs / "vllm.log").exists():  # the connector's warnings, shown with a failure
+                    print((logs / "vllm.log").read_text()[-4000:])
 
 
 def same(got: dict, want: dict) -> None:
@@ -171,8 +173,6 @@ def test_images_without_pixels_fail_alone_when_visenc_cannot_answer(checkpoint: 
     assert out.returncode == 0, out.stderr[-4000:]
     lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     assert lines, out.stderr[-4000:]
-    import json
-
     results = json.loads(lines[-1].removeprefix("RESULT "))
     assert [r["finish_reason"] for r in results[:-1]] == ["error"] * (len(results) - 1)
     assert results[-1]["finish_reason"] == "length" and len(results[-1]["tokens"]) == 8  # the one with pixels

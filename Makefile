@@ -49,7 +49,7 @@ lint: $(VENV)/.test
 
 test: install-test lint
 	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
-	$(MAKE) test-vllm
+	$(MAKE) test-vllm test-sglang
 
 # vLLM (CPU build) with visenc_client.vllm importable, in its own venv: `make vllm`.
 # The registry's torchvision is a CUDA build: the shim lets it import beside the CPU torch vLLM pins.
@@ -71,6 +71,22 @@ $(VLLM_VENV)/.ready: pyproject.toml tests/support/torchvision_cpu_shim.py
 # vLLM end to end: token identity with the connector (tests/with_vllm)
 test-vllm: vllm system-deps
 	$(VLLM_VENV)/bin/python -m pytest -q tests/with_vllm
+
+# SGLang's wheel without its dependencies (most are CUDA-only) in the vLLM venv: SGLang 0.5.23 pins
+# the transformers vLLM 0.32 pins (5.19), so its loaders, processors and receiver run beside vLLM's.
+# IPython and gguf: imported at module level on the way to the modules the tests use.
+SGLANG_VERSION ?= 0.5.23
+.PHONY: sglang test-sglang
+sglang: $(VLLM_VENV)/.sglang
+$(VLLM_VENV)/.sglang: $(VLLM_VENV)/.ready
+	$(VLLM_VENV)/bin/pip install -q --no-deps sglang==$(SGLANG_VERSION)
+	$(VLLM_VENV)/bin/pip install -q ipython==9.18.1 gguf==0.19.0
+	$(VLLM_VENV)/bin/python -c "import sglang, sglang.srt.disaggregation.encoder.preprocessor; print('sglang', sglang.__version__)"
+	touch $@
+
+# SGLang's own code against visenc (tests/with_sglang)
+test-sglang: sglang system-deps
+	$(VLLM_VENV)/bin/python -m pytest -q tests/with_sglang
 
 bench: install-test
 	$(BIN)/python bench/run_all.py

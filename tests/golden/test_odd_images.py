@@ -13,13 +13,17 @@ import io
 
 import numpy as np
 import pytest
+import transformers
 from PIL import Image
 from tests.conftest import running_app
 from tests.service.test_api import encode_json, fetch_rows, sha
 from tests.support.images import noise as random_pixels
 from tests.support.images import save
+from tests.support.odd_images import corpus as odd_corpus
+from transformers.image_transforms import convert_to_rgb
 
-from visenc.imaging.decode import decode
+from visenc.errors import VisencError
+from visenc.imaging.decode import LOADERS, decode
 from visenc.models.loading import load_tower
 
 LIMIT = 1 << 26
@@ -101,6 +105,28 @@ def test_decode_equals_the_vllm_loader(name):
     got = np.asarray(decode(data, max_pixels=LIMIT)).astype(np.float64)
     assert got.shape == want.shape
     np.testing.assert_allclose(got, want, atol=1, rtol=0)  # PIL's paste rounds its blend (±1 level)
+
+
+ODD = odd_corpus()
+
+
+def test_the_transformers_loader_names_the_installed_transformers():
+    assert transformers.__version__.startswith(LOADERS["transformers"].version + ".")
+
+
+@pytest.mark.parametrize("name", sorted(ODD))
+def test_decode_equals_transformers_convert_to_rgb(name):
+    """``--image-loader transformers``: what a processor given ``Image.open(file)`` makes of it (its
+    ``convert_to_rgb``, the installed transformers' own code), pixel for pixel; a broken file refused."""
+    data = ODD[name]
+    try:
+        want = convert_to_rgb(Image.open(io.BytesIO(data)), return_numpy=True)
+    except Exception:  # Pillow cannot open or decode it (a broken file, EPS without Ghostscript)
+        with pytest.raises(VisencError):
+            decode(data, max_pixels=LIMIT, loader="transformers")
+        return
+    got = np.asarray(decode(data, max_pixels=LIMIT, loader="transformers"))
+    np.testing.assert_array_equal(got, want, err_msg=name)
 
 
 def test_alpha_semantics_per_loader():

@@ -29,8 +29,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
 import vllm
 from PIL import Image
-from tests.support.images import noise as random_pixels
-from tests.support.images import save
+from tests.support.odd_images import corpus
 from vllm.multimodal.media.image import ImageMediaIO
 
 from visenc.errors import VisencError
@@ -41,87 +40,6 @@ sys.path.insert(0, str(HERE))
 import tiny_vlm  # noqa: E402
 
 LIMIT = 1 << 26
-RNG = np.random.default_rng(11)
-
-
-def noise(width: int, height: int, channels: int = 3) -> np.ndarray:
-    return random_pixels(RNG, width, height, channels)
-
-
-def oriented(orientation: int) -> bytes:
-    """A 240x160 JPEG (blocky, so the orientation shows) whose EXIF says ``orientation``."""
-    image = Image.fromarray(np.kron(noise(24, 16), np.ones((10, 10, 1), np.uint8)), "RGB")
-    exif = Image.Exif()
-    exif[0x0112] = orientation
-    return save(image, "JPEG", quality=95, exif=exif.tobytes())
-
-
-def with_alpha(mode: str, width: int = 61, height: int = 45) -> Image.Image:
-    bands = noise(width, height, len(mode))
-    bands[: height // 3, :, -1] = 0  # a transparent band
-    bands[height // 3 : 2 * height // 3, :, -1] = 128  # a half transparent band
-    return Image.fromarray(bands, mode)
-
-
-def palette(width: int = 50, height: int = 38) -> Image.Image:
-    p = Image.fromarray(noise(width, height, 1) % 16, "L").convert("P")
-    p.putpalette([v for i in range(16) for v in (i * 15, 255 - i * 15, (i * 40) % 256)])
-    return p
-
-
-def animation(fmt: str, **options) -> bytes:
-    frames = [Image.fromarray(noise(40, 30), "RGB"), Image.new("RGB", (40, 30), (20, 20, 200))]
-    return save(frames[0], fmt, save_all=True, append_images=frames[1:], duration=100, loop=0, **options)
-
-
-def corrupt(png: bytes) -> bytes:
-    """The PNG with bytes of its compressed stream overwritten (CRC and zlib errors)."""
-    return png[:60] + b"\xff" * 20 + png[80:]
-
-
-def keyed(image: Image.Image, colour: tuple[int, int, int]) -> Image.Image:
-    """``image`` with a block of ``colour`` (the colour a tRNS chunk makes transparent)."""
-    keyed = image.copy()
-    keyed.paste(colour, (8, 8, 30, 24))
-    return keyed
-
-
-def corpus() -> dict[str, bytes]:
-    rgb = Image.fromarray(noise(64, 48), "RGB")
-    gray = Image.fromarray(noise(50, 30, 1), "L")
-    files = {f"jpeg-exif-orientation-{o}": oriented(o) for o in range(1, 9)}
-    files |= {
-        "png-rgb": save(rgb, "PNG"),
-        "png-rgba": save(with_alpha("RGBA"), "PNG"),
-        "png-la": save(with_alpha("LA"), "PNG"),
-        "png-palette-trns": save(palette(), "PNG", transparency=3),
-        "png-palette-alpha-table": save(palette(), "PNG", transparency=bytes(range(0, 256, 16))),
-        "png-gray-trns": save(gray, "PNG", transparency=7),
-        "png-rgb-trns": save(keyed(rgb, (10, 20, 30)), "PNG", transparency=(10, 20, 30)),
-        "png-16bit-gray": save(Image.fromarray(noise(40, 30, 1).astype(np.uint16) * 257), "PNG"),
-        "png-1bit": save(gray.convert("1"), "PNG"),
-        "jpeg-cmyk": save(Image.fromarray(noise(40, 32, 4), "CMYK"), "JPEG", quality=95),
-        "jpeg-progressive": save(rgb, "JPEG", quality=90, progressive=True),
-        "jpeg-gray": save(gray, "JPEG"),
-        "webp-lossless": save(rgb, "WEBP", lossless=True),
-        "webp-alpha": save(with_alpha("RGBA"), "WEBP", lossless=True),
-        "webp-animated": animation("WEBP", lossless=True),
-        "gif-animated": animation("GIF"),
-        "gif-transparent": save(palette(), "GIF", transparency=3),
-        "bmp": save(rgb, "BMP"),
-        "tiff": save(rgb, "TIFF"),
-        "tiff-rgba": save(with_alpha("RGBA"), "TIFF"),
-        "tall-200-to-1": save(Image.fromarray(noise(2, 400), "RGB"), "PNG"),
-        "wide-200-to-1": save(Image.fromarray(noise(400, 2), "RGB"), "PNG"),
-        "one-pixel": save(Image.fromarray(noise(1, 1), "RGB"), "PNG"),
-        "large-1000x999": save(Image.fromarray(noise(1000, 999), "RGB"), "PNG"),
-        # refused by vLLM: a format outside its allow-list, and broken files
-        "eps": save(rgb, "EPS"),
-        "truncated-png": save(rgb, "PNG")[:200],
-        "corrupt-png-stream": corrupt(save(rgb, "PNG")),
-        "not-an-image": b"GIF89a but not really" * 4,
-    }
-    return files
 
 
 CORPUS = corpus()

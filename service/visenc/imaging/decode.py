@@ -115,9 +115,11 @@ def rgb_like_vllm(image: Image.Image) -> Image.Image:
 
 
 def rgb_like_sglang(image: Image.Image) -> Image.Image:
-    """SGLang's processor (``base_processor``): every mode that is not RGB through ``convert("RGB")``
-    (any alpha dropped); its loader applies no EXIF orientation."""
-    return image if image.mode == "RGB" else _opaque(image.convert("RGB"))
+    """SGLang's encoder (``EncoderPreprocessor._load_single_item``): every mode that is not RGB through
+    ``convert("RGB")`` (any alpha dropped), no EXIF orientation. An RGB image's ``transparency``
+    entry (a PNG's tRNS colour) is dropped too: the processor SGLang pins (transformers 5.19) keeps
+    that colour, so a tower's own ``convert_to_rgb`` must not composite it."""
+    return _opaque(image if image.mode == "RGB" else image.convert("RGB"))
 
 
 def _opaque(rgb: Image.Image) -> Image.Image:

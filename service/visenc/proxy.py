@@ -31,12 +31,9 @@ visenc (counted in ``encodes_skipped``), never waited for. No healthy upstream: 
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import contextlib
 import itertools
 import logging
-import re
 from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -47,12 +44,11 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from visenc.api.codec import read_capped
+from visenc.media import MediaError, data_url_bytes, fetch, is_allowed_url
 from visenc_client import AsyncClient, VisencClientError
 from visenc_client.format import image_hash
 
 log = logging.getLogger("visenc.proxy")
-_DATA_URL = re.compile(r"data:(?P<mime>[\w/+.-]*)(?P<params>(;[\w=.-]+)*?);base64,(?P<data>.*)", re.S)
 
 
 @dataclass
@@ -70,6 +66,9 @@ class ProxySettings:
     affinity_size: int = 100_000
     #: background encodes (one per request) in flight at once; more are skipped, never queued
     max_background_encodes: int = 64
+    #: data: URLs remembered with their image's hash, in characters (an image resent turn after turn
+    #: is neither decoded nor hashed again; its hand-over to visenc, once accepted, is not repeated)
+    memo_chars: int = 128 << 20
     #: hand a request's images to visenc before forwarding it (default: after its answer is through;
     #: with ``wait_for_encoding`` on the connector, every image of it then comes from visenc)
     encode_first: bool = False
@@ -121,6 +120,52 @@ class Upstreams:
             self._seen.popitem(last=False)
 
 
+@dataclass(slots=True)
+class _Image:
+    """One image part of a request: its visenc hash, and its bytes or, where the proxy knew the
+    data: URL already and did not decode it again, the URL (decoded only if it is handed over)."""
+
+    hash: str
+    source: bytes | str
+
+
+class _Memo:
+    """data: URL -> its image's hash, least recently used first, bounded in characters; and the
+    hashes visenc accepted from this proxy (not handed over again while remembered)."""
+
+    def __init__(self, max_chars: int, max_handed: int) -> None:
+        self.max_chars = max_chars
+        self.max_handed = max_handed
+        self.chars = 0
+        self._hashes: OrderedDict[str, str] = OrderedDict()
+        self._handed: OrderedDict[str, None] = OrderedDict()
+
+    def hash_of(self, url: str) -> str | None:
+        h = self._hashes.get(url)  # a hit compares the whole string: exact, not a digest of it
+        if h is not None:
+            self._hashes.move_to_end(url)
+        return h
+
+    def remember(self, url: str, h: str) -> None:
+        if len(url) > self.max_chars or url in self._hashes:
+            return
+        self._hashes[url] = h
+        self.chars += len(url)
+        while self.chars > self.max_chars:
+            old, _ = self._hashes.popitem(last=False)
+            self.chars -= len(old)
+
+    def handed(self, h: str) -> bool:
+        return h in self._handed
+
+    def hand(self, hashes: Sequence[str]) -> None:
+        for h in hashes:
+            self._handed[h] = None
+            self._handed.move_to_end(h)
+        while len(self._handed) > self.max_handed:
+            self._handed.popitem(last=False)
+
+
 class Proxy:
     def __init__(
         self,
@@ -135,41 +180,40 @@ class Proxy:
         self.visenc = AsyncClient(settings.visenc_url, api_key=settings.visenc_api_key, transport=visenc_transport)
         self.encode_failures = 0
         self.encodes_skipped = 0
+        self.memo = _Memo(settings.memo_chars, settings.affinity_size)
         self._encodes: set[asyncio.Task[None]] = set()
         self._health: asyncio.Task[None] | None = None
 
     # --- images ----------------------------------------------------------------------
-    async def _image_bytes(self, url: str) -> bytes:
-        m = _DATA_URL.fullmatch(url)
-        if m is not None:
-            try:
-                data = base64.b64decode(m.group("data"), validate=True)
-            except (binascii.Error, ValueError) as e:
-                raise ProxyError("an image data: URL is not valid base64") from e
-            if len(data) > self.settings.max_image_bytes:
-                raise ProxyError(f"an image is over {self.settings.max_image_bytes} bytes")
-            return data
-        if url.startswith(("http://", "https://")):
-            if not any(url.startswith(p) for p in self.settings.allow_url_prefixes):
-                raise ProxyError("image URLs are not allowed here (only data: URLs, or URLs under an allowed prefix)")
-            return await self._fetch(url)
-        raise ProxyError("an image_url must be a data: URL or an allowed http(s) URL")
-
-    async def _fetch(self, url: str) -> bytes:
-        limit = self.settings.max_image_bytes
-
-        async def read() -> bytes:
-            async with self.http.stream("GET", url) as r:
-                if r.status_code != 200:
-                    raise ProxyError(f"fetching an image URL answered {r.status_code}")
-                return await read_capped(r.aiter_bytes(), limit, lambda: ProxyError(f"an image is over {limit} bytes"))
-
+    def _data_url_bytes(self, url: str) -> bytes | None:
+        """The image bytes of a ``data:`` URL (``None``: not a data: URL)."""
         try:
-            return await asyncio.wait_for(read(), self.settings.fetch_timeout_s)
-        except asyncio.TimeoutError as e:
-            raise ProxyError(f"fetching an image URL took longer than {self.settings.fetch_timeout_s} s") from e
-        except httpx.HTTPError as e:
-            raise ProxyError(f"fetching an image URL failed: {type(e).__name__}") from e
+            return data_url_bytes(url, self.settings.max_image_bytes)
+        except MediaError as e:
+            raise ProxyError(str(e)) from e
+
+    async def _image(self, url: str) -> _Image:
+        """The part's image: a data: URL seen before by its remembered hash alone, others read
+        (decoded, or fetched under an allowed prefix) and hashed."""
+        known = self.memo.hash_of(url)
+        if known is not None:
+            return _Image(known, url)
+        data = self._data_url_bytes(url)
+        if data is not None:
+            image = _Image(image_hash(data), data)
+            self.memo.remember(url, image.hash)
+            return image
+        if url.startswith(("http://", "https://")):
+            if not is_allowed_url(url, self.settings.allow_url_prefixes):
+                raise ProxyError("image URLs are not allowed here (only data: URLs, or URLs under an allowed prefix)")
+            try:  # never remembered: what a URL serves may change
+                data = await fetch(
+                    self.http, url, max_bytes=self.settings.max_image_bytes, timeout_s=self.settings.fetch_timeout_s
+                )
+            except MediaError as e:
+                raise ProxyError(str(e)) from e
+            return _Image(image_hash(data), data)
+        raise ProxyError("an image_url must be a data: URL or an allowed http(s) URL")
 
     def _image_parts(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         messages = body.get("messages")
@@ -188,26 +232,27 @@ class Proxy:
             part["_url"] = url
         return parts
 
-    async def tag_images(self, body: dict[str, Any]) -> tuple[list[str], list[bytes]]:
-        """Give every image part its visenc hash as ``uuid``; the hashes and the images, in order."""
+    async def tag_images(self, body: dict[str, Any]) -> list[_Image]:
+        """Give every image part its visenc hash as ``uuid``; the images, in order."""
         parts = self._image_parts(body)
         if not parts:
-            return [], []
-        datas = await asyncio.gather(*(self._image_bytes(p.pop("_url")) for p in parts))
-        hashes = [image_hash(d) for d in datas]
-        for part, h in zip(parts, hashes):
-            part["uuid"] = h  # the connector finds the rows under it
-        return hashes, list(datas)
+            return []
+        images = await asyncio.gather(*(self._image(p.pop("_url")) for p in parts))
+        for part, image in zip(parts, images):
+            part["uuid"] = image.hash  # the connector finds the rows under it
+        return list(images)
 
-    def encode_later(self, datas: Sequence[bytes]) -> None:
-        """Hand ``datas`` to visenc in the background (at most ``max_background_encodes`` at once;
-        past that they are skipped, never queued)."""
-        if not datas:
+    def encode_later(self, images: Sequence[_Image]) -> None:
+        """Hand ``images`` to visenc in the background, but those it accepted from this proxy
+        before (at most ``max_background_encodes`` hand-overs at once; past that they are skipped,
+        never queued)."""
+        images = [i for i in images if not self.memo.handed(i.hash)]
+        if not images:
             return
         if len(self._encodes) >= self.settings.max_background_encodes:
             self.encodes_skipped += 1
             return
-        task = asyncio.create_task(self.encode(datas))
+        task = asyncio.create_task(self.encode(images))
         self._encodes.add(task)
         task.add_done_callback(self._encodes.discard)
 
@@ -216,16 +261,19 @@ class Proxy:
         if self._encodes:
             await asyncio.wait(set(self._encodes))
 
-    async def encode(self, datas: Sequence[bytes]) -> None:
-        """A hash-first encode of ``datas`` (``wait=false``); a failure is logged and counted."""
+    async def encode(self, images: Sequence[_Image]) -> None:
+        """A hash-first encode of ``images`` (``wait=false``); a failure is logged and counted."""
         try:
-            await self.visenc.encode(datas, wait=False)
+            datas = [i.source if isinstance(i.source, bytes) else self._data_url_bytes(i.source) for i in images]
+            await self.visenc.encode([d for d in datas if d is not None], wait=False)
         except VisencClientError as e:  # vLLM encodes the images itself
             self.encode_failures += 1
-            log.warning("visenc encode of %d images failed (%s): vLLM encodes them", len(datas), e)
+            log.warning("visenc encode of %d images failed (%s): vLLM encodes them", len(images), e)
         except Exception:
             self.encode_failures += 1
-            log.exception("visenc encode of %d images failed", len(datas))
+            log.exception("visenc encode of %d images failed", len(images))
+        else:
+            self.memo.hand([i.hash for i in images])
 
     # --- forwarding --------------------------------------------------------------------
     async def forward(
@@ -234,7 +282,7 @@ class Proxy:
         path: str,
         body: dict[str, Any] | None,
         hashes: Sequence[str],
-        encode_after: Sequence[bytes] = (),
+        encode_after: Sequence[_Image] = (),
     ) -> Response:
         """Send the request to an upstream and stream its answer back; ``encode_after``: images
         handed to visenc once the answer is through (``encode_later``)."""
@@ -315,11 +363,12 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         body = await _json_body(request)
-        hashes, datas = await proxy.tag_images(body)
+        images = await proxy.tag_images(body)
+        hashes = [i.hash for i in images]
         if proxy.settings.encode_first:
-            await proxy.encode(datas)
-            datas = []
-        return await proxy.forward(request, "/v1/chat/completions", body, hashes, encode_after=datas)
+            await proxy.encode(images)
+            images = []
+        return await proxy.forward(request, "/v1/chat/completions", body, hashes, encode_after=images)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -177,3 +177,55 @@ async def test_background_encodes_are_bounded_never_queued(tiny_tower):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
             r = await client.post("/v1/chat/completions", json=chat(png_bytes(907, 64, 64)))
     assert r.status_code == 200 and proxy.encodes_skipped == 1 and not calls
+
+
+async def test_a_resent_image_is_handed_over_once_and_again_after_a_failure(tiny_tower):
+    """An agent resends its screenshots every turn: the proxy tags them by the hash it remembers for
+    their data: URL, and hands an image to visenc again only while visenc has not accepted it."""
+    upstream = Upstream()
+    asked: list[tuple[int, set[str]]] = []  # (turn, hashes) of each hand-over request that reached visenc
+    failing, turn_now = [True], [0]
+
+    class Visenc(httpx.AsyncBaseTransport):  # the real app, refusing while ``failing``
+        def __init__(self, app) -> None:
+            self.inner = httpx.ASGITransport(app=app)
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            if failing[0]:
+                return httpx.Response(503, json={"error": {"type": "not_ready", "message": "restarting"}})
+            if request.url.path == "/v1/encode":
+                asked.append(
+                    (turn_now[0], {h for h in (image_hash(a), image_hash(b)) if h.encode() in request.content})
+                )
+            return await self.inner.handle_async_request(request)
+
+    a, b = png_bytes(908, 64, 64), png_bytes(909, 64, 64)
+    async with running_app(tiny_tower) as visenc:
+        settings = ProxySettings(upstreams=UPSTREAMS[:1], visenc_url="http://visenc", health_interval_s=3600)
+        proxy = Proxy(settings, transport=httpx.MockTransport(upstream), visenc_transport=Visenc(visenc.app))
+        app = create_proxy_app(proxy)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+                for turn, images in enumerate([(a,), (a, b), (a, b), (a, b)]):
+                    failing[0], turn_now[0] = turn == 0, turn  # visenc refuses the first hand-over
+                    assert (await client.post("/v1/chat/completions", json=chat(*images))).status_code == 200
+                    await proxy.drain()
+        r = await visenc.post("/v1/encode", json={"items": [{"hash": image_hash(a)}, {"hash": image_hash(b)}]})
+        assert [it["status"] for it in r.json()["items"]] == ["ready", "ready"]
+    uuids = [
+        [p["uuid"] for p in body["messages"][0]["content"] if p["type"] == "image_url"] for _, body in upstream.seen
+    ]
+    assert uuids == [[image_hash(a)], *[[image_hash(a), image_hash(b)]] * 3]
+    assert proxy.encode_failures == 1
+    # the second turn hands over a (refused before) and b; the third and fourth nothing
+    assert {t for t, _ in asked} == {1} and set().union(*(h for _, h in asked)) == {image_hash(a), image_hash(b)}
+
+
+def test_the_url_memo_is_bounded_in_characters():
+    memo = Proxy(ProxySettings(upstreams=UPSTREAMS[:1], visenc_url="http://visenc", memo_chars=110)).memo
+    urls = ["data:image/png;base64," + c * 30 for c in "ABCD"]  # 52 characters each
+    for i, url in enumerate(urls):
+        memo.remember(url, f"h{i}")
+    assert memo.chars <= 110
+    assert [memo.hash_of(u) for u in urls] == [None, None, "h2", "h3"]
+    assert memo.hash_of("data:image/png;base64," + "C" * 29 + "c") is None  # exact strings only

@@ -40,15 +40,18 @@ def build_parser() -> argparse.ArgumentParser:
         "serve", help="Run the HTTP service.", formatter_class=argparse.ArgumentDefaultsHelpFormatter
     )
     for name, field in Settings.model_fields.items():
-        kind, choices = _flag_type(field.annotation)
         env = f"VISENC_{name.upper()}"
+        if typing.get_origin(field.annotation) is list:  # repeat the flag; the variable holds a JSON list
+            flag: dict[str, Any] = {"action": "append"}
+        else:
+            kind, choices = _flag_type(field.annotation)
+            flag = {"type": kind, "choices": choices}
         serve.add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
-            type=kind,
-            choices=choices,
             default=argparse.SUPPRESS,
             help=f"{field.description} [env {env}]",
+            **flag,
         )
     proxy = sub.add_parser(
         "proxy",

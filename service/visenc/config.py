@@ -155,6 +155,21 @@ class Settings(BaseSettings):
         description="On shutdown, how long the forward in progress and the writes of its "
         "results may take before they are abandoned.",
     )
+    # --- SGLang encoder endpoints (POST /encode, /scheduler_receive_url) ------
+    sglang_namespace: str | None = Field(
+        None,
+        pattern=NAMESPACE_PATTERN,
+        description="Namespace of the entries SGLang's /encode reads and writes (SGLang sends no key). Unset: "
+        "the default namespace without API keys; with API keys the SGLang endpoints then refuse (403).",
+    )
+    sglang_url_prefixes: list[str] = Field(
+        default_factory=list,
+        description="http(s) image URLs in SGLang's /encode items are fetched only under one of these prefixes "
+        "(none: data: URLs and base64 only).",
+    )
+    sglang_register_timeout_s: float = Field(
+        60.0, gt=0, description="How long an encoded part waits for its SGLang receivers to register."
+    )
     # --- shared memory (same-host transport) ---------------------------------
     shm_enabled: bool = Field(
         False,

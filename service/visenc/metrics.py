@@ -33,11 +33,16 @@ ENDPOINTS = (
     "/healthz",
     "/readyz",
     "/metrics",
+    "/encode",
+    "/scheduler_receive_url",
+    "/health",
 )
 TRANSPORTS = ("http", "shm", "inline")
 LOOKUP_RESULTS = ("hit", "miss", "corrupt", "error")
 REDIS_OPS = ("get", "set", "queue", "claim", "look", "renew", "release")
 CLAIM_OUTCOMES = ("owned", "held", "ready", "takeover", "timeout", "unavailable", "fetch_wait")
+#: what became of an SGLang /encode part: delivered; refused (the request was bad); failed (encode or delivery)
+PART_OUTCOMES = ("delivered", "refused", "failed")
 #: where an encode failed: the forward raised, the forward stalled, copying its outputs out failed
 FAILURE_STAGES = ("forward", "stall", "output")
 
@@ -59,6 +64,7 @@ class Metrics:
         self._engine(r)
         self._index(r)
         self._health(r)
+        self._sglang(r)
 
     def _http(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -201,6 +207,15 @@ class Metrics:
         )
         self.shm_segments = Gauge("visenc_shm_segments", "Shared-memory segments held (leased to clients).", registry=r)
         self.shm_bytes = Gauge("visenc_shm_bytes", "Bytes held in shared-memory segments.", registry=r)
+
+    def _sglang(self, r: CollectorRegistry) -> None:
+        self.sglang_parts = Counter("visenc_sglang_parts", "SGLang /encode parts, by outcome.", ["outcome"], registry=r)
+        _preset(self.sglang_parts, PART_OUTCOMES)
+        self.sglang_waiting = Gauge(
+            "visenc_sglang_parts_waiting",
+            "SGLang parts whose rows are ready, waiting for their receivers to register.",
+            registry=r,
+        )
 
     def export_index_health(self, health: Mapping[str, object]) -> None:
         """Set ``visenc_index_up`` from ``Index.health()``: every mapping in it (nested ones

@@ -15,7 +15,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from visenc.api import embeddings, encode, ops
+from visenc.api import embeddings, encode, ops, sglang
 from visenc.api import shm as shm_api
 from visenc.api.auth import AuthMiddleware, load_api_keys
 from visenc.api.codec import error_response
@@ -69,11 +69,15 @@ def create_api(settings: Settings, metrics: Metrics, engine: EngineContext) -> F
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with engine(app) as started:
             app.state.shm = await shm_api.start_pool(settings, metrics)  # None unless shm_enabled
+            app.state.epd = sglang.start(
+                settings, metrics, auth=bool(api_keys)
+            )  # None: refused (API keys, no namespace)
             app.state.engine = started
             try:
                 yield
             finally:
                 app.state.engine = None
+                await sglang.stop(app.state.epd)
                 await shm_api.stop_pool(app.state.shm)
 
     app = FastAPI(
@@ -84,7 +88,7 @@ def create_api(settings: Settings, metrics: Metrics, engine: EngineContext) -> F
     )
     app.state.settings = settings
     app.state.metrics = metrics
-    for module in (encode, embeddings, shm_api, ops):
+    for module in (encode, embeddings, shm_api, ops, sglang):
         app.include_router(module.router)
     if api_keys:
         log.info("API keys on: %d keys, tenants %s", len(api_keys), sorted(set(api_keys.values())))

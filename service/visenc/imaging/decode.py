@@ -171,6 +171,25 @@ LOADERS = {
 }
 
 
+def loads_alike(data: bytes, loaders: tuple[str, str], *, max_pixels: int) -> bool:
+    """Whether both ``loaders`` turn this file into the same RGB image, read from its header alone:
+    both open its format, its EXIF orientation is upright or both apply it, and it carries no
+    transparency (an alpha band or a ``transparency`` entry, where engines' loaders differ). Every
+    other mode becomes RGB alike (as it is, or ``convert("RGB")``) in every loader."""
+    first, second = (LOADERS[name] for name in loaders)
+    image = _open(data, max_pixels)
+    try:
+        if any(how.formats is not None and image.format not in how.formats for how in (first, second)):
+            return False
+        if first.upright != second.upright and _orientation(image) != 1:
+            return False
+        return (
+            "A" not in image.getbands() and image.mode not in ("PA", "La", "RGBa") and "transparency" not in image.info
+        )
+    finally:
+        image.close()
+
+
 def decode(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Image.Image:
     """Fully decoded RGB image, loaded as ``loader``'s engine loads it (``LOADERS``): the formats it
     opens, the EXIF orientation where it applies it, its RGB conversion; the first frame of an

@@ -6,6 +6,9 @@ transparent GIF, BMP, TIFF, extreme aspect ratios, the smallest image and a larg
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import numpy as np
 from PIL import Image
 from tests.support.images import noise as random_pixels
@@ -87,3 +90,35 @@ def corpus(seed: int = 11) -> dict[str, bytes]:
         "not-an-image": b"GIF89a but not really" * 4,
     }
     return files
+
+
+LIMIT = 1 << 26
+
+
+def assert_engine_inputs(
+    tower: Any, data: bytes, loader: str, engine_inputs: Callable[[], tuple[int, tuple[int, ...], np.ndarray]]
+) -> None:
+    """visenc's handle for ``data`` (row count and grid, from the header alone) and its preprocessed
+    pixels equal what an engine's processor makes of the image (``engine_inputs()``: placeholder
+    count, grid, ``pixel_values``; within 1e-6); where the engine's processor refuses the size, the
+    handle is refused too (the test is then skipped, saying so)."""
+    import pytest
+
+    from visenc.errors import VisencError
+    from visenc.imaging.decode import decode, probe
+
+    size = probe(data, max_pixels=LIMIT, loader=loader)
+    try:
+        tokens, grid, want = engine_inputs()
+    except Exception as e:  # the engine's processor refuses the size (an aspect ratio over 200)
+        with pytest.raises(VisencError):
+            tower.layout(*size)
+        pytest.skip(f"the engine's processor refuses {size}: {e}")
+    layout = tower.layout(*size)  # what the handle says
+    prepared = tower.preprocess(decode(data, max_pixels=LIMIT, loader=loader))
+    assert (layout.num_tokens, layout.grid_thw) == (tokens, grid)
+    assert prepared.layout == layout
+    pixels = prepared.pixels["pixel_values"] if isinstance(prepared.pixels, dict) else prepared.pixels
+    pixels = np.asarray(pixels, dtype=np.float32)
+    assert pixels.shape == want.shape
+    np.testing.assert_allclose(pixels, want, atol=1e-6, rtol=0)

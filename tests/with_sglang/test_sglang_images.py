@@ -36,7 +36,7 @@ from sglang.srt.disaggregation.encoder.preprocessor import EncoderPreprocessor
 from sglang.srt.managers.schedule_batch import Modality
 from sglang.srt.multimodal.encoder_preprocessing import EncoderMediaProcessorConfig
 from sglang.srt.multimodal.processors.base_processor import BaseMultimodalProcessor
-from tests.support.odd_images import corpus
+from tests.support.odd_images import LIMIT, assert_engine_inputs, corpus
 from transformers.image_transforms import convert_to_rgb
 
 from visenc.errors import VisencError
@@ -45,7 +45,6 @@ from visenc.imaging.decode import LOADERS, decode, probe
 sys.path.insert(0, str(Path(__file__).parent.parent / "with_vllm"))
 import tiny_vlm
 
-LIMIT = 1 << 26
 CORPUS = corpus()
 
 
@@ -119,20 +118,11 @@ def test_handle_and_inputs_equal_sglangs_processor(model, name: str) -> None:
     image = sglang_load(data)
     if isinstance(image, Exception):
         return  # refused (test_decode_equals_sglangs_encoder_loader_pixel_for_pixel checks visenc refuses it)
-    try:
+
+    def engine_inputs() -> tuple[int, tuple[int, ...], np.ndarray]:
         out = processor(images=[image], return_tensors="pt")
-    except Exception as e:  # the processor refuses the size (an aspect ratio over 200)
-        with pytest.raises(VisencError):
-            tower.layout(*probe(data, max_pixels=LIMIT, loader="sglang"))
-        pytest.skip(f"the processor refuses {name}: {e}")
-    grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
-    tokens = int(np.prod(grid)) // processor.merge_size**2  # SGLang's placeholder count per image
-    layout = tower.layout(*probe(data, max_pixels=LIMIT, loader="sglang"))  # what the handle says
-    prepared = tower.preprocess(decode(data, max_pixels=LIMIT, loader="sglang"))
-    assert (layout.num_tokens, layout.grid_thw) == (tokens, grid), name
-    assert prepared.layout == layout
-    pixels = prepared.pixels["pixel_values"] if isinstance(prepared.pixels, dict) else prepared.pixels
-    pixels = np.asarray(pixels, dtype=np.float32)
-    want = out["pixel_values"].float().numpy()
-    assert pixels.shape == want.shape, name
-    np.testing.assert_allclose(pixels, want, atol=1e-6, rtol=0, err_msg=name)
+        grid = tuple(int(x) for x in out["image_grid_thw"][0].tolist())
+        tokens = int(np.prod(grid)) // processor.merge_size**2  # SGLang's placeholder count per image
+        return tokens, grid, out["pixel_values"].float().numpy()
+
+    assert_engine_inputs(tower, data, "sglang", engine_inputs)

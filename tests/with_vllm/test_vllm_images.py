@@ -29,7 +29,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
 import vllm
 from PIL import Image
-from tests.support.odd_images import corpus
+from tests.support.odd_images import LIMIT, assert_engine_inputs, corpus
 from vllm.multimodal.media.image import ImageMediaIO
 
 from visenc.errors import VisencError
@@ -38,9 +38,6 @@ from visenc.imaging.decode import LOADERS, decode, probe
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import tiny_vlm  # noqa: E402
-
-LIMIT = 1 << 26
-
 
 CORPUS = corpus()
 
@@ -117,17 +114,4 @@ def test_handle_and_inputs_equal_vllms_processor(model, name: str) -> None:
     image = vllm_load(data)
     if isinstance(image, Exception) or isinstance(visenc_load(data), VisencError):
         return  # refused (test_decode_equals_vllms_loader_pixel_for_pixel says by whom and why)
-    try:
-        want = vllm_inputs(processor, image)
-    except Exception as e:  # vLLM's processor refuses the size (e.g. an aspect ratio over 200)
-        with pytest.raises(VisencError):
-            tower.layout(*probe(data, max_pixels=LIMIT, loader="vllm"))
-        pytest.skip(f"vLLM's processor refuses {name}: {e}")
-    layout = tower.layout(*probe(data, max_pixels=LIMIT, loader="vllm"))  # what the handle says
-    prepared = tower.preprocess(decode(data, max_pixels=LIMIT, loader="vllm"))
-    assert (layout.num_tokens, layout.grid_thw) == want[:2], name
-    assert prepared.layout == layout
-    pixels = prepared.pixels["pixel_values"] if isinstance(prepared.pixels, dict) else prepared.pixels
-    pixels = np.asarray(pixels, dtype=np.float32)
-    assert pixels.shape == want[2].shape, name
-    np.testing.assert_allclose(pixels, want[2], atol=1e-6, rtol=0, err_msg=name)
+    assert_engine_inputs(tower, data, "vllm", lambda: vllm_inputs(processor, image))

@@ -12,6 +12,7 @@ SGLang sends no credentials: with API keys on, these routes serve only where
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeVar
 
 import orjson
@@ -85,32 +86,34 @@ def _epd(request: Request) -> EPD:
     return epd
 
 
-@router.post("/encode")
-async def encode(request: Request) -> Response:
+async def _answer(request: Request, model: type[M], act: Callable[[EPD, M], Awaitable[None]]) -> Response:
+    """``null`` once ``act`` is done with the parsed body, or SGLang's error shape with its req_id."""
     req_id = None
     try:
         epd = _epd(request)
         data, req_id = await _json(request)
-        await epd.serve(engine_of(request), _parse(EncodePart, data))
+        await act(epd, _parse(model, data))
     except EPDError as e:
         return _error(str(e), e.status, req_id)
     except VisencError as e:
         return _error(str(e), e.status_code, req_id)
     return JSONResponse(None)
+
+
+@router.post("/encode")
+async def encode(request: Request) -> Response:
+    async def serve(epd: EPD, part: EncodePart) -> None:
+        await epd.serve(engine_of(request), part)
+
+    return await _answer(request, EncodePart, serve)
 
 
 @router.post("/scheduler_receive_url")
 async def scheduler_receive_url(request: Request) -> Response:
-    req_id = None
-    try:
-        epd = _epd(request)
-        data, req_id = await _json(request)
-        epd.register(_parse(ReceiveUrl, data))
-    except EPDError as e:
-        return _error(str(e), e.status, req_id)
-    except VisencError as e:
-        return _error(str(e), e.status_code, req_id)
-    return JSONResponse(None)
+    async def register(epd: EPD, body: ReceiveUrl) -> None:
+        epd.register(body)
+
+    return await _answer(request, ReceiveUrl, register)
 
 
 @router.get("/health")

@@ -6,7 +6,7 @@ The tower is Qwen2.5-VL-7B's vision config (32 blocks, width 1280, window attent
 and 1080p (resized by the processor's rules, ``max_pixels`` 12.8 Mpx), 8 per batch. Rounds
 alternate a packed forward of the 8 with 8 single-image forwards; each figure is the median over
 rounds, with min and max. FLOPs per image are counted from the config
-(``visenc.models.flops``, checked against torch's FLOP counter in the tests), and
+(``bench/flops.py``, checked against torch's FLOP counter in the tests), and
 ``images/s x FLOPs per image / peak`` is the model FLOP utilisation.
 
 Prints "no CUDA device" and exits 0 where there is none.
@@ -65,13 +65,13 @@ def main() -> int:
     if not torch.cuda.is_available():
         print("no CUDA device")
         return 0
+    from flops import qwen_vision_flops
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     from visenc.imaging.decode import decode
     from visenc.models import varlen
     from visenc.models.building import build_seeded, set_attention
-    from visenc.models.flops import qwen_vision_flops
     from visenc.models.qwen2vl import QwenPreprocess, QwenVisionTower
 
     device = torch.device("cuda")

@@ -31,12 +31,14 @@ import msgpack
 import numpy as np
 from PIL import Image
 
+from visenc_client.format import DTYPES
+
 MSGPACK = "application/msgpack"
 ROWS_MEDIA_TYPE = "application/x-visenc-rows"
 #: bytes per element of each wire dtype
-ITEMSIZE = {"float32": 4, "float16": 2, "bfloat16": 2}
+ITEMSIZE = {name: size for name, (size, _) in DTYPES.items()}
 #: numpy reading of a wire dtype, for the finiteness check (bfloat16 has none: skipped)
-NUMPY_DTYPES = {"float32": np.dtype("<f4"), "float16": np.dtype("<f2")}
+NUMPY_DTYPES = {name: raw for name, (_, raw) in DTYPES.items() if raw.kind == "f"}
 
 
 class PayloadError(Exception):

@@ -21,6 +21,7 @@ from visenc_client._exceptions import (
     ProtocolError,
     ServerError,
     TransportError,
+    UnavailableError,
     VisencClientError,
 )
 from visenc_client._redis import AsyncRedisRows, RedisRows, RowsInfo
@@ -49,6 +50,7 @@ __all__ = [
     "RowsInfo",
     "ServerError",
     "TransportError",
+    "UnavailableError",
     "VisencClientError",
     "VisencPrefill",
     "expand_placeholders",

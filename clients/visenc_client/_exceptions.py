@@ -9,6 +9,7 @@
         ├── NotFoundError     404: unknown image (upload its bytes again)
         ├── OverloadedError   429: retry after ``retry_after_s``
         └── ServerError       5xx
+            ├── UnavailableError 503: not ready (loading, shutting down, worker down); retry after ``retry_after_s``
             └── DeadlineError 504: not ready in time; retrying may succeed
 """
 
@@ -65,15 +66,31 @@ class ServerError(APIError):
     pass
 
 
+class UnavailableError(ServerError):
+    def __init__(self, status_code: int, kind: str, message: str, retry_after_s: float = 1.0) -> None:
+        super().__init__(status_code, kind, message)
+        self.retry_after_s = retry_after_s
+
+
 class DeadlineError(ServerError):
     pass
+
+
+def _seconds(retry_after: str | None) -> float:
+    """``Retry-After`` in seconds (1 where absent or not a number of seconds, e.g. an HTTP date)."""
+    try:
+        return max(0.0, float(retry_after)) if retry_after is not None else 1.0
+    except ValueError:
+        return 1.0
 
 
 def error_for(status_code: int, kind: str, message: str, retry_after: str | None = None) -> APIError:
     if status_code == 404:
         return NotFoundError(status_code, kind, message)
     if status_code == 429:
-        return OverloadedError(status_code, kind, message, float(retry_after or 1))
+        return OverloadedError(status_code, kind, message, _seconds(retry_after))
+    if status_code == 503:
+        return UnavailableError(status_code, kind, message, _seconds(retry_after))
     if status_code == 504:
         return DeadlineError(status_code, kind, message)
     if status_code >= 500:

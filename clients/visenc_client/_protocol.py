@@ -27,6 +27,7 @@ import numpy as np
 
 from visenc_client._exceptions import ProtocolError, error_for
 from visenc_client._types import Handle, RowRange, image_hash
+from visenc_client.format import NUMPY_DTYPES
 
 T = TypeVar("T")
 Flow = Generator[httpx.Request, httpx.Response, T]
@@ -70,12 +71,6 @@ ImageInput = bytes | bytearray | memoryview | str | os.PathLike[str]
 
 MSGPACK = "application/msgpack"
 ROWS_MEDIA_TYPE = "application/x-visenc-rows"
-#: wire dtype -> numpy dtype of the returned array (bfloat16 comes as raw 16-bit words)
-NUMPY_DTYPES: dict[str, np.dtype] = {
-    "float32": np.dtype("<f4"),
-    "float16": np.dtype("<f2"),
-    "bfloat16": np.dtype("<u2"),
-}
 
 
 def read_image(image: ImageInput) -> bytes:
@@ -199,20 +194,24 @@ def fetch_flow(
 
 
 def parse_rows(body: bytes) -> list[tuple[dict[str, Any], memoryview | None]]:
-    """Split an ``application/x-visenc-rows`` body into (item header, rows view) pairs."""
+    """Split an ``application/x-visenc-rows`` body into (item header, rows view) pairs
+    (``ProtocolError`` for anything malformed: a short body, a bad header, rows out of range)."""
     view = memoryview(body)
     try:
         (hlen,) = struct.unpack_from("<I", view, 0)
         header = msgpack.unpackb(view[4 : 4 + hlen])
+        base = 4 + hlen
+        out: list[tuple[dict[str, Any], memoryview | None]] = []
+        for item in header["items"]:
+            if "offset" in item:
+                start, end = base + int(item["offset"]), base + int(item["offset"]) + int(item["nbytes"])
+                if not base <= start <= end <= len(view):
+                    raise ValueError(f"rows [{start}, {end}) are outside the {len(view)}-byte body")
+                out.append((item, view[start:end]))
+            else:
+                out.append((item, None))
     except Exception as e:
-        raise ProtocolError(f"unreadable rows response: {e}") from e
-    base = 4 + hlen
-    out: list[tuple[dict[str, Any], memoryview | None]] = []
-    for item in header["items"]:
-        if "offset" in item:
-            out.append((item, view[base + item["offset"] : base + item["offset"] + item["nbytes"]]))
-        else:
-            out.append((item, None))
+        raise ProtocolError(f"unreadable rows response: {type(e).__name__}: {e}") from e
     return out
 
 

@@ -31,6 +31,7 @@ from visenc_client._protocol import (
 from visenc_client._shm import SegmentHandles, SegmentMaps
 from visenc_client._types import RowRange
 from visenc_client.chunks import ChunkPlan
+from visenc_client.format import tensor_words
 
 Client = httpx.Client | httpx.AsyncClient
 
@@ -83,9 +84,7 @@ def destination(out: Any, rows: int, hidden: int, dtype: str, dense: bool) -> tu
         return array, array
     target = out
     if not isinstance(out, np.ndarray) and type(out).__module__.startswith("torch"):
-        import torch
-
-        target = (out.view(torch.int16) if out.dtype == torch.bfloat16 else out).numpy()
+        target = tensor_words(out)
     if not isinstance(target, np.ndarray):
         raise TypeError(f"out must be a numpy array or a CPU torch tensor, not {type(out).__name__}")
     if target.shape != (rows, hidden):

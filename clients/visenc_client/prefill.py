@@ -65,11 +65,12 @@ from visenc_client._exceptions import (
 from visenc_client._protocol import NUMPY_DTYPES, ImageInput, read_image
 from visenc_client._types import Handle
 from visenc_client.chunks import ImagePlacement
+from visenc_client.format import TORCH_NAMES, bfloat16_as_float32, words_tensor
 
 T = TypeVar("T")
 
 #: torch dtype name → wire dtype of embeddings that can be written into it without a conversion
-_TORCH_WIRE = {"torch.float32": "float32", "torch.float16": "float16", "torch.bfloat16": "bfloat16"}
+_TORCH_WIRE = {torch_name: wire for wire, torch_name in TORCH_NAMES.items()}
 
 
 def expand_placeholders(
@@ -246,14 +247,10 @@ class VisencPrefill:
 def _scatter(out: Any, positions: np.ndarray, rows: np.ndarray, wire_dtype: str) -> None:
     """``out[positions] = rows``, converting dtype (bfloat16 rows arrive as 16-bit words) and device."""
     if isinstance(out, np.ndarray):
-        if wire_dtype == "bfloat16":
-            rows = (rows.astype(np.uint32) << 16).view(np.float32)
-        out[positions] = rows
+        out[positions] = bfloat16_as_float32(rows) if wire_dtype == "bfloat16" else rows
         return
     import torch
 
-    src = torch.from_numpy(np.ascontiguousarray(rows))
-    if wire_dtype == "bfloat16":
-        src = src.view(torch.bfloat16)
+    src = words_tensor(np.ascontiguousarray(rows), wire_dtype)
     index = torch.from_numpy(positions).to(out.device)
     out.index_copy_(0, index, src.to(device=out.device, dtype=out.dtype, non_blocking=True))

@@ -80,7 +80,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from visenc_client._client import Client
 from visenc_client._exceptions import VisencClientError
 from visenc_client._types import Handle
-from visenc_client.format import is_valid_hash
+from visenc_client.format import is_valid_hash, words_tensor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -143,9 +143,7 @@ class _Mismatch(_Absent):
 
 def _torch_rows(rows: np.ndarray, dtype: str | None) -> torch.Tensor:
     """The rows as a CPU tensor that owns its memory (the response body is not kept)."""
-    if dtype == "bfloat16":  # carried as raw 16-bit words
-        return torch.from_numpy(np.array(rows, copy=True).view(np.int16)).view(torch.bfloat16)
-    return torch.from_numpy(np.array(rows, copy=True))
+    return words_tensor(np.array(rows, copy=True), dtype or "float32")
 
 
 def encoder_output_width(model_config: Any) -> int:

@@ -41,6 +41,18 @@ TRANSPORTS = ("http", "shm", "inline")
 LOOKUP_RESULTS = ("hit", "miss", "corrupt", "error")
 REDIS_OPS = ("get", "set", "queue", "claim", "look", "renew", "release")
 CLAIM_OUTCOMES = ("owned", "held", "ready", "takeover", "timeout", "unavailable", "fetch_wait")
+#: the background tasks whose failures are counted (``visenc.tasks.spawn``)
+BACKGROUND_TASKS = (
+    "device-worker",
+    "outputs",
+    "index-write",
+    "claims-flush",
+    "claims-renew",
+    "remote-waits",
+    "prepare",
+    "shm-reaper",
+    "request",
+)
 #: what became of an SGLang /encode part: delivered; refused (the request was bad); failed (encode or delivery)
 PART_OUTCOMES = ("delivered", "refused", "failed")
 #: where an encode failed: the forward raised, the forward stalled, copying its outputs out failed
@@ -65,6 +77,7 @@ class Metrics:
         self._index(r)
         self._health(r)
         self._sglang(r)
+        self._tasks(r)
 
     def _http(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -207,6 +220,22 @@ class Metrics:
         )
         self.shm_segments = Gauge("visenc_shm_segments", "Shared-memory segments held (leased to clients).", registry=r)
         self.shm_bytes = Gauge("visenc_shm_bytes", "Bytes held in shared-memory segments.", registry=r)
+
+    def _tasks(self, r: CollectorRegistry) -> None:
+        self.background_failures = Counter(
+            "visenc_background_failures",
+            "Background tasks that ended with an exception (a bug: logged with its traceback).",
+            ["task"],
+            registry=r,
+        )
+        _preset(self.background_failures, BACKGROUND_TASKS)
+        self.redis_script_errors = Counter(
+            "visenc_redis_script_errors",
+            "Redis answered a command or script with an error that is no outage (a bug: the request got 500).",
+            ["op"],
+            registry=r,
+        )
+        _preset(self.redis_script_errors, REDIS_OPS)
 
     def _sglang(self, r: CollectorRegistry) -> None:
         self.sglang_parts = Counter("visenc_sglang_parts", "SGLang /encode parts, by outcome.", ["outcome"], registry=r)

@@ -40,6 +40,7 @@ from dataclasses import dataclass
 
 from visenc.errors import Overloaded
 from visenc.metrics import Metrics
+from visenc.tasks import spawn
 from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
@@ -132,7 +133,7 @@ class SegmentPool:
         stale = await asyncio.to_thread(sweep_stale, self.directory)
         if stale:
             log.warning("removed %s shared-memory segments left by dead visenc processes", len(stale))
-        self._reaper = asyncio.get_running_loop().create_task(self._reap_forever(), name="visenc-shm-reaper")
+        self._reaper = spawn(self._reap_forever(), "shm-reaper", self._metrics)
 
     async def close(self) -> None:
         if self._reaper is not None:

@@ -10,7 +10,8 @@ import pytest
 from tests.conftest import redis_process, running_app
 from tests.images import png_bytes
 from tests.reliability.conftest import server_process
-from tests.service.test_api import encode_json, metric, sha
+from tests.service.test_api import encode_json, sha
+from tests.support.waits import metric
 
 from visenc.api import auth
 from visenc.api.auth import ApiKeyError, load_api_keys, tenant_of

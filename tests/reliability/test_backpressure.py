@@ -12,7 +12,8 @@ import pytest
 from tests.conftest import running_app
 from tests.images import png_bytes
 from tests.reliability.conftest import server_process
-from tests.service.test_api import encode_json, metric, sha
+from tests.service.test_api import encode_json, sha
+from tests.support.waits import metric, until
 
 
 @contextlib.contextmanager
@@ -30,13 +31,6 @@ def held_device(encoder, monkeypatch):
         yield gate
     finally:
         gate.set()
-
-
-async def until(predicate, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 def assert_no_leaks(encoder) -> None:
@@ -87,7 +81,7 @@ async def test_encode_deadline_504_and_the_work_is_released(tiny_tower, monkeypa
             assert r.status_code == 504 and "fetch_timeout_s=0.3" in r.json()["error"]["message"]
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_cancelled_images_total") == 1
-        assert metric(m, 'visenc_requests_total{endpoint="/v1/encode",status="504"}') == 1
+        assert metric(m, "visenc_requests_total", endpoint="/v1/encode", status="504") == 1
 
 
 async def test_many_concurrent_requests_cancel_half_rest_succeed_nothing_leaks(tiny_tower, monkeypatch):
@@ -158,7 +152,7 @@ def test_client_disconnect_cancels_its_queued_work(tmp_path):
                 time.sleep(0.1)
             assert metric(m, "visenc_encoded_images_total") == 1  # only X
             assert metric(m, "visenc_cancelled_images_total") == 1  # Y, dropped before its forward
-            assert metric(m, 'visenc_requests_total{endpoint="/v1/encode",status="499"}') == 1
+            assert metric(m, "visenc_requests_total", endpoint="/v1/encode", status="499") == 1
             r = http.post("/v1/encode", json={"items": [{"hash": sha(y)}]})
             assert r.json()["items"][0]["status"] == "missing"
 

@@ -14,9 +14,10 @@ import httpx
 import numpy as np
 from tests.conftest import running_app, serve_subprocess
 from tests.images import png_bytes
-from tests.reliability.test_backpressure import _b64, until
-from tests.service.test_api import encode_json, fetch_rows, metric, reference, sha
+from tests.reliability.test_backpressure import _b64
+from tests.service.test_api import encode_json, fetch_rows, reference, sha
 from tests.support.faults import FaultyTower, faulty_index
+from tests.support.waits import metric, until
 
 from visenc.engine.worker import WorkerState
 
@@ -39,7 +40,7 @@ async def test_failed_forward_answers_503_restarts_and_serves_again(tiny_tower):
             assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
             np.testing.assert_allclose(await fetch_rows(client, sha(data)), reference(tiny_tower, data), atol=1e-5)
         m = (await client.get("/metrics")).text
-        assert metric(m, "visenc_encode_failures_total", 'kind="forward"') == 1
+        assert metric(m, "visenc_encode_failures_total", kind="forward") == 1
         assert metric(m, "visenc_worker_restarts_total") == 1
         assert engine.intake.inflight == {}
 
@@ -74,7 +75,7 @@ async def test_stalled_forward_answers_503_within_a_second_and_restarts(tiny_tow
         assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_worker_stalls_total") == 1
-        assert metric(m, "visenc_encode_failures_total", 'kind="stall"') == 1
+        assert metric(m, "visenc_encode_failures_total", kind="stall") == 1
 
 
 async def test_hits_are_answered_while_the_device_is_down(tiny_tower):
@@ -161,7 +162,10 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
 
         t = threading.Thread(target=call)
         t.start()
-        time.sleep(0.7)  # the encode is in its (2 s) forward
+        deadline = time.monotonic() + 30
+        while metric(httpx.get(f"{url}/metrics").text, "visenc_queue_wait_seconds_count") < 1:  # not in its forward
+            assert time.monotonic() < deadline, "the encode never reached its forward"
+            time.sleep(0.02)
         proc.send_signal(signal.SIGTERM)
         t.join(30)
         r = result["r"]

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 from tests.conftest import running_app
 from tests.images import png_bytes
-from tests.service.test_api import encode_json, fetch_rows, metric, reference, sha
+from tests.service.test_api import encode_json, fetch_rows, reference, sha
 from tests.support.faults import faulty_index
+from tests.support.waits import metric
 
 from visenc_client.format import Entry, entry_key, pack_entry
 

@@ -13,6 +13,7 @@ import pytest
 import torch
 from tests.conftest import running_app
 from tests.images import png_bytes
+from tests.support.waits import metric
 
 from visenc.imaging.decode import decode
 from visenc.models.base import VisionTower
@@ -46,15 +47,6 @@ async def fetch_rows(client, h: str, start=None, end=None, headers=None) -> np.n
     rows, hidden = map(int, r.headers["x-visenc-shape"].split(","))
     assert r.headers["x-visenc-dtype"] == "float32"
     return np.frombuffer(r.content, dtype="<f4").reshape(rows, hidden)
-
-
-def metric(text: str, name: str, labels: str = "") -> float:
-    """Sum of the samples of ``name`` (those whose labels contain ``labels``, e.g. ``'kind="stall"'``)."""
-    total = 0.0
-    for line in text.splitlines():
-        if (line.startswith(name + " ") or line.startswith(name + "{")) and labels in line.split(" ")[0]:
-            total += float(line.rsplit(" ", 1)[1])
-    return total
 
 
 async def test_encode_then_fetch_equals_single_image_forward(service, tiny_tower):

@@ -7,7 +7,8 @@ import time
 import pytest
 from tests.conftest import running_app
 from tests.images import png_bytes
-from tests.service.test_api import encode_json, metric
+from tests.service.test_api import encode_json
+from tests.support.waits import metric
 
 
 def timings(r) -> tuple[float, float]:

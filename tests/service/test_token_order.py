@@ -18,6 +18,7 @@ import pytest
 from tests.conftest import running_app
 from tests.images import png_bytes
 from tests.service.test_api import encode_json
+from tests.support.waits import until
 
 from visenc.models.base import VisionTower
 
@@ -70,19 +71,8 @@ async def held_app(tiny_tower: VisionTower, monkeypatch: pytest.MonkeyPatch, **s
 async def occupy_device(client, probe: Probe, seed: int) -> asyncio.Task:
     """Start one encode whose forward blocks on the gate; return once the device is held."""
     task = asyncio.create_task(encode_json(client, [{"data": png_bytes(seed, 64, 64)}]))
-    for _ in range(500):
-        if probe.held_started.is_set():
-            return task
-        await asyncio.sleep(0.01)
-    raise AssertionError("the first forward never started")
-
-
-async def wait_until(predicate, what: str, timeout_s: float = 10.0) -> None:
-    for _ in range(int(timeout_s / 0.01)):
-        if predicate():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError(f"timed out waiting until {what}")
+    await until(probe.held_started.is_set, what="the first forward started")
+    return task
 
 
 def hashes_of(response) -> list[str]:
@@ -104,10 +94,10 @@ async def check_prompt_and_arrival_order(client, probe: Probe) -> None:
     ha = hashes_of(await encode_json(client, [{"data": d} for d in a], wait=False))
     hb = hashes_of(await encode_json(client, [{"data": d} for d in b], wait=False))
     # everything is admitted and queued behind the held forward before it is released
-    await wait_until(lambda: scheduler.depth == len(a) + len(b), "both requests are queued")
+    await until(lambda: scheduler.depth == len(a) + len(b), what="both requests are queued")
     probe.gate.set()
     await blocker
-    await wait_until(lambda: set(ha + hb) <= set(probe.batch_of), "every image is encoded")
+    await until(lambda: set(ha + hb) <= set(probe.batch_of), what="every image is encoded")
     assert all(
         it["status"] == "ready" for it in (await encode_json(client, [{"hash": h} for h in ha + hb])).json()["items"]
     )
@@ -129,7 +119,7 @@ async def check_fetch_priority(client, probe: Probe) -> None:
     images = [png_bytes(960 + i, *SIZES[i % len(SIZES)]) for i in range(16)]
     hashes = hashes_of(await encode_json(client, [{"data": d} for d in images], wait=False))
     # the prefetch gate admits only the first few images into preprocessing; the last ones wait
-    await wait_until(lambda: len(scheduler._ready) >= 2 and not scheduler._preparing, "the staged work is ready")
+    await until(lambda: len(scheduler._ready) >= 2 and not scheduler._preparing, what="the staged work is ready")
     late = hashes[-3:]
     assert set(late) <= {j.image_hash for j in scheduler._waiting}, "the last images should be behind the gate"
     # one fetch for the three (one prefill chunk): all of them are bumped at once, not one after the other
@@ -137,11 +127,11 @@ async def check_fetch_priority(client, probe: Probe) -> None:
     fetch = asyncio.create_task(
         client.post("/v1/embeddings/fetch", content=body, headers={"content-type": "application/msgpack"})
     )
-    await wait_until(lambda: set(late) <= {j.image_hash for j in scheduler._ready}, "the fetched images are ready")
+    await until(lambda: set(late) <= {j.image_hash for j in scheduler._ready}, what="the fetched images are ready")
     probe.gate.set()
     await blocker
     r = await asyncio.wait_for(fetch, 30)
     assert r.status_code == 200
     assert [probe.batch_of[h] for h in late] == [2, 2, 2], "the fetched images did not run in the next forward"
-    await wait_until(lambda: set(hashes) <= set(probe.batch_of), "every image is encoded")
+    await until(lambda: set(hashes) <= set(probe.batch_of), what="every image is encoded")
     assert min(probe.batch_of[h] for h in hashes[:-3]) >= 3  # an urgent forward is not padded with the rest

@@ -6,7 +6,6 @@ ports (``tests/conftest.py: redis_process`` for single servers)."""
 from __future__ import annotations
 
 import contextlib
-import re
 import shutil
 import socket
 import subprocess
@@ -16,17 +15,6 @@ from pathlib import Path
 
 import pytest
 from tests.conftest import free_port
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    """The value of one sample in a Prometheus exposition (0 if absent)."""
-    want = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
-    pattern = re.compile(rf"^{re.escape(name)}(?:\{{([^}}]*)\}})? (\S+)$", re.M)
-    for m in pattern.finditer(text):
-        got = ",".join(sorted((m.group(1) or "").split(","))) if m.group(1) else ""
-        if got == want:
-            return float(m.group(2))
-    return 0.0
 
 
 def _wait_port(port: int, timeout_s: float = 10.0) -> None:

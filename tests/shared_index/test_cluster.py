@@ -11,7 +11,8 @@ from redis.crc import key_slot
 from tests.conftest import running_app
 from tests.images import png_bytes
 from tests.service.test_api import encode_json, reference
-from tests.shared_index.conftest import metric, redis_cluster
+from tests.shared_index.conftest import redis_cluster
+from tests.support.waits import metric, until
 
 from visenc.index.redis_claims import claim_key
 from visenc_client import AsyncRedisRows, Handle, RedisRows, image_hash
@@ -42,7 +43,8 @@ async def test_encode_and_fetch_round_trips_on_a_cluster(cluster_url, tiny_tower
         assert metric(ma, "visenc_encoded_images_total") + metric(mb, "visenc_encoded_images_total") == 8
         assert metric(ma, "visenc_redis_errors_total", op="claim") == 0
 
-        await asyncio.sleep(0.05)  # write-through after the answer
+        for replica in (a, b):  # the write-through follows the answer
+            await until(lambda replica=replica: not replica.app.state.engine.outputs.pending_writes)
         # a third replica: one multi-slot lookup (MGET per slot, all nodes at once) finds them all
         async with running_app(tiny_tower, **settings) as c:
             r = await encode_json(c, [{"hash": image_hash(d)} for d in images])

@@ -12,7 +12,7 @@ import redis.asyncio as aioredis
 from tests.conftest import free_port, redis_process, running_app
 from tests.images import png_bytes
 from tests.service.test_api import reference
-from tests.shared_index.conftest import metric
+from tests.support.waits import metric, until
 
 from visenc_client import AsyncClient, image_hash
 from visenc_client.format import entry_key
@@ -88,16 +88,14 @@ async def test_service_survives_a_redis_restart_under_traffic(tiny_tower):
                 assert h.status == "ready"
             fp = (await a.get("/v1/model")).json()["fingerprint"]
             raw = aioredis.Redis.from_url(url)
-            for _ in range(50):
-                if await raw.exists(entry_key("default", fp, h.hash)):
-                    break
-                await asyncio.sleep(0.01)
-            assert await raw.exists(entry_key("default", fp, h.hash)) == 1
+            await until(lambda: raw.exists(entry_key("default", fp, h.hash)), what="a's entry is in Redis")
             await raw.aclose()
-            for c in (a, b):
-                m = (await c.get("/metrics")).text
-                # b may not have touched Redis since it came back
-                assert metric(m, "visenc_index_up", tier="redis") == 1 or c is b
+            # b finds it there by hash: no bytes, no forward
+            assert (await b.post("/v1/encode", json={"items": [{"hash": h.hash}]})).json()["items"][0][
+                "status"
+            ] == "ready"
+            for c in (a, b):  # both touched Redis since it came back
+                assert metric((await c.get("/metrics")).text, "visenc_index_up", tier="redis") == 1
             assert (await a.get("/readyz")).json()["status"] == "ready"
             texts = [(await c.get("/metrics")).text for c in (a, b)]
             errors = sum(

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from tests.conftest import free_port
-from tests.shared_index.conftest import metric
+from tests.support.waits import metric
 
 from visenc.config import Settings
 from visenc.index.memory import MemoryLRU
@@ -225,3 +225,27 @@ def test_shipped_redis_conf_is_a_valid_cache_config(tmp_path):
     finally:
         proc.terminate()
         proc.wait(timeout=10)
+
+
+async def test_a_script_error_is_a_bug_answered_500_not_an_outage(raw, redis_url):
+    """A Lua script that fails (here on a key of the wrong type) is logged, counted and raised as a
+    500: Redis stays up, nothing is silently skipped. An out-of-memory reply stays an outage."""
+    from redis.exceptions import OutOfMemoryError
+
+    from visenc.errors import VisencError
+
+    m = Metrics()
+    conn = RedisConnection.from_settings(Settings(redis_url=redis_url), m)
+    await raw.set("a-string", "x")
+    with pytest.raises(VisencError) as raised:
+        await conn.run("claim", lambda: conn.client.eval("return redis.call('INCR', KEYS[1])", 1, "a-string"))
+    assert raised.value.status_code == 500 and "claim" in str(raised.value)
+    assert conn.up and metric(text(m), "visenc_redis_script_errors_total", op="claim") == 1
+
+    async def oom() -> None:
+        raise OutOfMemoryError("OOM command not allowed when used memory > 'maxmemory'.")
+
+    assert await conn.run("set", oom) is None  # dropped and counted, as for any outage
+    assert metric(text(m), "visenc_redis_errors_total", op="set") == 1
+    assert metric(text(m), "visenc_redis_script_errors_total", op="set") == 0
+    await conn.close()

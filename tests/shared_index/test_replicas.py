@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from tests.conftest import redis_process, serve_process
 from tests.images import jpeg_bytes, png_bytes
-from tests.shared_index.conftest import metric
+from tests.support.waits import metric
 
 from visenc_client import AsyncClient, Client, RedisRows
 

@@ -10,8 +10,8 @@ import redis.asyncio as aioredis
 from tests.conftest import free_port, running_app
 from tests.images import jpeg_bytes, png_bytes
 from tests.service.test_api import encode_json, reference
-from tests.shared_index.conftest import metric
 from tests.support.faults import FaultyTower
+from tests.support.waits import metric, until
 
 from visenc.index.redis_claims import claim_key, queued_key
 from visenc_client import AsyncRedisRows, Handle, image_hash
@@ -40,7 +40,7 @@ async def test_an_image_encoded_on_one_replica_is_a_hit_on_another(raw, redis_ur
     ):
         r = await encode_json(a, [{"data": d} for d in images])
         assert [it["status"] for it in r.json()["items"]] == ["ready", "ready"]
-        await asyncio.sleep(0.05)  # the write-through runs after the answer
+        await until(lambda: not a.app.state.engine.outputs.pending_writes)  # the write-through follows the answer
         # hash-only on the other replica: found in Redis, no bytes needed, no forward
         r = await encode_json(b, [{"hash": image_hash(d)} for d in images])
         assert [it["status"] for it in r.json()["items"]] == ["ready", "ready"]
@@ -65,7 +65,7 @@ async def test_direct_getrange_reads_equal_the_http_fetch(raw, redis_url, tiny_t
         r = await encode_json(a, [{"data": data}])
         handle = Handle.from_wire(r.json()["items"][0])
         fp = (await a.get("/v1/model")).json()["fingerprint"]
-        await asyncio.sleep(0.05)
+        await until(lambda: not a.app.state.engine.outputs.pending_writes)  # the write-through follows the answer
         n = handle.num_tokens
         async with AsyncRedisRows.from_url(redis_url, fingerprint=fp) as rows:
             for start, end in [(None, None), (0, 1), (3, n - 2), (n - 1, n), (5, 5), (0, n)]:
@@ -121,13 +121,6 @@ async def test_a_claim_whose_owner_died_is_taken_over(raw, redis_url, tiny_tower
         assert metric(m, "visenc_claims_total", outcome="held") == 1
         assert metric(m, "visenc_claims_total", outcome="takeover") == 1
         assert metric(m, "visenc_encoded_images_total") == 1
-
-
-async def until(check, timeout_s: float = 5.0) -> None:
-    deadline = asyncio.get_running_loop().time() + timeout_s
-    while not await check():
-        assert asyncio.get_running_loop().time() < deadline, "condition not met in time"
-        await asyncio.sleep(0.01)
 
 
 async def busy_replica_with_a_queued_image(raw, a, first: bytes, queued: bytes) -> tuple[str, str]:

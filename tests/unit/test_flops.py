@@ -1,4 +1,4 @@
-"""FLOP counting of the Qwen vision towers (``visenc.models.flops``, used by ``bench/bench_gpu.py``):
+"""FLOP counting of the Qwen vision towers (``bench/flops.py``, used by ``bench/bench_gpu.py``):
 equal to torch's own FLOP counter on the real modules, window attention's partial windows included."""
 
 from __future__ import annotations
@@ -11,10 +11,11 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from visenc.models.flops import qwen_vision_flops
 from visenc.models.loading import load_tower
 
 ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+from flops import qwen_vision_flops  # noqa: E402
 
 
 @pytest.mark.parametrize(

@@ -51,6 +51,7 @@ from sglang.srt.managers.schedule_batch import Modality
 from sglang.srt.utils.common import safe_pickle_loads
 from tests.conftest import serve_subprocess
 from tests.support.images import noise, save
+from tests.support.waits import metric, until
 from transformers import AutoImageProcessor
 
 from visenc_client import Client, image_hash
@@ -136,17 +137,14 @@ async def sglang_request(
     return await encode
 
 
-async def until_waiting(url: str, parts: int, timeout_s: float = 60) -> None:
+async def until_waiting(url: str, parts: int) -> None:
     """Until visenc holds ``parts`` encoded parts waiting for their receivers."""
-    deadline = asyncio.get_running_loop().time() + timeout_s
     async with httpx.AsyncClient() as client:
-        while asyncio.get_running_loop().time() < deadline:
-            text = (await client.get(url + "/metrics")).text
-            line = next(x for x in text.splitlines() if x.startswith("visenc_sglang_parts_waiting "))
-            if float(line.split()[1]) >= parts:
-                return
-            await asyncio.sleep(0.02)
-    raise TimeoutError("the parts never waited for their receivers")
+
+        async def waiting() -> bool:
+            return metric((await client.get(url + "/metrics")).text, "visenc_sglang_parts_waiting") >= parts
+
+        await until(waiting, timeout_s=60, what=f"{parts} parts wait for their receivers")
 
 
 def expected(encoder: Any, datas: list[bytes]) -> tuple[torch.Tensor, torch.Tensor, int]:

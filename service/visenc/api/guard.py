@@ -19,13 +19,13 @@ messages, so nothing else may read the body concurrently.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Awaitable
 from typing import Any, TypeVar
 
 from starlette.requests import Request
 
-from visenc.errors import ClientClosed, DeadlineExceeded
+from visenc.errors import ClientClosed, DeadlineExceeded, VisencError
+from visenc.tasks import report
 
 T = TypeVar("T")
 
@@ -37,10 +37,16 @@ async def _until_disconnected(request: Request) -> None:
             return
 
 
-async def _cancel(task: asyncio.Task[Any]) -> None:
+async def _cancel(request: Request, task: asyncio.Task[Any]) -> None:
+    """Cancel ``task`` and wait for it. A service error it ended with is an answer nobody reads any
+    more; any other exception is a bug, logged with its traceback and counted (``tasks.report``)."""
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, Exception):
+    try:
         await task
+    except (asyncio.CancelledError, VisencError):
+        pass
+    except Exception:
+        report("request", request.app.state.metrics, task)
 
 
 def remaining(deadline: float) -> float:
@@ -64,13 +70,13 @@ async def guarded(request: Request, coro: Awaitable[T], deadline: float, what: s
     try:
         done, _ = await asyncio.wait({work, watcher}, timeout=remaining(deadline), return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
-        await _cancel(work)
+        await _cancel(request, work)
         raise
     finally:
-        await _cancel(watcher)
+        await _cancel(request, watcher)
     if work in done:
         return work.result()
-    await _cancel(work)
+    await _cancel(request, work)
     if watcher in done:
         raise ClientClosed("the client closed the connection")
     raise DeadlineExceeded(what)

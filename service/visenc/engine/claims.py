@@ -34,9 +34,9 @@ import uuid
 from collections.abc import Sequence
 
 from visenc.engine.job import Job, JobState
-from visenc.engine.threads import stop_task
 from visenc.index.redis_claims import ClaimState, RedisClaims
 from visenc.metrics import Metrics
+from visenc.tasks import spawn, stop_task
 from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
@@ -91,7 +91,7 @@ class Claims:
         answer: asyncio.Future[Entry | bool] = loop.create_future()
         self._starting.append((job, answer))
         if self._flush is None:
-            self._flush = loop.create_task(self._claim_starting())
+            self._flush = spawn(self._claim_starting(), "claims-flush", self.metrics)
         return await answer
 
     async def _claim_starting(self) -> None:
@@ -126,7 +126,7 @@ class Claims:
 
     # --- renewal loop ------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._renew_loop(), name="visenc-claims")
+        self._task = spawn(self._renew_loop(), "claims-renew", self.metrics)
 
     async def stop(self) -> None:
         await stop_task(self._task)

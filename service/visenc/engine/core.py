@@ -94,6 +94,7 @@ class Engine:
             packable=tower.packable,
             prefetch_tokens=self.budget.prefetch_tokens,
             max_batch_bytes=self.budget.max_batch_bytes,
+            metrics=metrics,
             batch_bytes=tower.forward_bytes,
             on_prepared=lambda job, s: metrics.preprocess_seconds.observe(s),
         )

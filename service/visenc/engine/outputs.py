@@ -33,16 +33,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 import torch
 
 from visenc.engine.claims import Claims
 from visenc.engine.job import Job, JobState
-from visenc.engine.threads import stop_task
 from visenc.errors import Cancelled, EncodeFailed, VisencError
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
-from visenc_client.format import Entry, pack_entry
+from visenc.tasks import spawn, stop_task
+from visenc_client.format import Entry, pack_entry, tensor_words
 
 log = logging.getLogger(__name__)
 
@@ -71,12 +70,7 @@ class _Failed:
     error: BaseException
 
 
-def raw_rows(t: torch.Tensor) -> np.ndarray:
-    """A CPU tensor's values as numpy without a copy (bfloat16 as its 16-bit words)."""
-    t = t.detach()
-    if t.dtype == torch.bfloat16:
-        t = t.view(torch.int16)
-    return t.numpy()
+raw_rows = tensor_words  # a CPU tensor's values as numpy without a copy (bfloat16 as its 16-bit words)
 
 
 class Outputs:
@@ -106,7 +100,7 @@ class Outputs:
 
     # --- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="visenc-outputs")
+        self._task = spawn(self._run(), "outputs", self.metrics)
 
     async def stop(self, timeout_s: float) -> None:
         """Finish the copies in progress (up to ``timeout_s``), answer everything queued, stop."""
@@ -138,7 +132,7 @@ class Outputs:
                 return
             error = fut.exception()
             if error is not None:
-                log.error("copying out a forward of %d images failed: %r", len(forwarded.batch), error)
+                log.error("copying out a forward of %d images failed", len(forwarded.batch), exc_info=error)
                 self.metrics.encode_failures.labels("output").inc(len(forwarded.batch))
                 self._queue.put_nowait(
                     _Failed(forwarded.batch, EncodeFailed(f"encoding failed: {type(error).__name__}"))
@@ -239,7 +233,7 @@ class Outputs:
         if isinstance(error, Cancelled):
             self.metrics.cancelled_images.inc()
         if not isinstance(error, VisencError):  # a bug in a stage: logged, answered without internals
-            log.error("encode of %s failed: %r", job.image_hash, error)
+            log.error("encode of %s failed", job.image_hash, exc_info=error)
             error = EncodeFailed(f"encoding failed: {type(error).__name__}")
         if self.claims is not None:
             self._spawn(self.claims.release(job.key))
@@ -252,6 +246,6 @@ class Outputs:
             await self.claims.release(key)
 
     def _spawn(self, coro: Any) -> None:
-        task = asyncio.get_running_loop().create_task(coro)
+        task = spawn(coro, "index-write", self.metrics)
         self._writes.add(task)
         task.add_done_callback(self._writes.discard)

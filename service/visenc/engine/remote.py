@@ -31,10 +31,10 @@ from visenc.engine.claims import Claims
 from visenc.engine.job import Job, JobState
 from visenc.engine.outputs import Outputs
 from visenc.engine.scheduler import Scheduler
-from visenc.engine.threads import stop_task
 from visenc.errors import Cancelled, NotFound, NotReady
 from visenc.index.redis_claims import ClaimState
 from visenc.metrics import Metrics
+from visenc.tasks import spawn, stop_task
 from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class RemoteWaits:
         return len(self._watched)
 
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="visenc-remote-waits")
+        self._task = spawn(self._run(), "remote-waits", self.metrics)
 
     async def stop(self) -> None:
         await stop_task(self._task)

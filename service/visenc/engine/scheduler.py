@@ -48,7 +48,9 @@ from concurrent.futures import Executor
 from visenc.engine.job import Job, JobState
 from visenc.engine.outputs import Outputs
 from visenc.errors import Cancelled
+from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout
+from visenc.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -73,7 +75,9 @@ class Scheduler:
         on_prepared: Callable[[Job, float], None] | None = None,
         max_batch_bytes: int | None = None,
         batch_bytes: Callable[[Sequence[TokenLayout]], int] | None = None,
+        metrics: Metrics | None = None,
     ) -> None:
+        self._metrics = metrics
         self._preprocess = preprocess
         self._pool = pool
         self._outputs = outputs
@@ -154,16 +158,6 @@ class Scheduler:
             self._drop_if_unwanted(job)
             self._dispatch()
 
-    def fail_queued(self, error: BaseException) -> int:
-        """Fail every job waiting or ready, not those preprocessing or on the device (a stalled
-        worker: their waiters are told at once rather than at their deadline). Returns how many."""
-        jobs = self._waiting + self._ready
-        self.staged_tokens -= sum(j.cost for j in self._ready)
-        self._waiting.clear()
-        self._ready.clear()
-        self._outputs.fail(jobs, error)
-        return len(jobs)
-
     def _drop_if_unwanted(self, job: Job) -> bool:
         if job.interest > 0:
             return False
@@ -185,7 +179,7 @@ class Scheduler:
             return
         self.staged_tokens += job.cost + job.decode_cost
         job.state = JobState.PREPARING
-        task = asyncio.get_running_loop().create_task(self._prepare(job))
+        task = spawn(self._prepare(job), "prepare", self._metrics)
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
 

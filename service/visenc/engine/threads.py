@@ -16,8 +16,6 @@ keeps 1 intra-op thread (the host side of a GPU forward is launch-bound).
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import functools
 import queue
 import threading
@@ -86,11 +84,3 @@ class DaemonThread(Executor):
         that ends inside torch at interpreter exit can abort the process, so a clean stop joins it."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()
-
-
-async def stop_task(task: asyncio.Task[Any] | None) -> None:
-    """Cancel a background task and wait until it has ended."""
-    if task is not None:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await task

@@ -47,6 +47,7 @@ from visenc.engine.threads import DaemonThread
 from visenc.errors import NotReady, OutOfMemory
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, VisionTower
+from visenc.tasks import spawn
 
 log = logging.getLogger(__name__)
 
@@ -101,7 +102,7 @@ class DeviceWorker:
 
     # --- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
-        self._task = asyncio.get_running_loop().create_task(self._run(), name="visenc-device-worker")
+        self._task = spawn(self._run(), "device-worker", self.metrics)
         self.metrics.worker_alive.set(1)
 
     @property
@@ -177,7 +178,7 @@ class DeviceWorker:
             reason = f"the device worker stalled: a forward ran longer than stall_timeout_s={self.stall_timeout_s}"
             await self._failed([j for j in batch if j.prepared is not None], reason)
         except Exception as error:
-            log.error("forward of %d images failed: %r", len(batch), error)
+            log.error("forward of %d images failed", len(batch), exc_info=error)
             self.metrics.encode_failures.labels("forward").inc(sum(j.prepared is not None for j in batch))
             await self._failed(
                 [j for j in batch if j.prepared is not None], f"the device worker failed: {type(error).__name__}"

@@ -9,6 +9,13 @@ after that tries again, so a restarted Redis is used again without restarting
 the service. Each command has socket timeouts (``redis_timeout_s``) and one
 immediate retry (a pooled connection broken by a Redis restart is replaced
 transparently).
+
+**A command or script error is a bug, not an outage.** Redis answering an error that no outage
+explains (a Lua script that fails, a command the server does not know, a wrong type) is logged
+with its traceback, counted (``visenc_redis_script_errors{op}``, alert
+``VisencRedisScriptErrors``) and raised as a 500 (``VisencError``): skipping Redis would hide it
+behind silent double encoding. Out of memory, read-only replicas, loading, busy scripts and
+failovers stay outages.
 """
 
 from __future__ import annotations
@@ -24,12 +31,13 @@ from redis.asyncio import Redis
 from redis.asyncio.cluster import RedisCluster
 from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
-from redis.exceptions import ClusterError, RedisError
+from redis.exceptions import ClusterError, OutOfMemoryError, ReadOnlyError, RedisError, ResponseError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.utils import HIREDIS_AVAILABLE
 
 from visenc.config import Settings
+from visenc.errors import VisencError
 from visenc.metrics import Metrics
 
 log = logging.getLogger(__name__)
@@ -37,6 +45,15 @@ T = TypeVar("T")
 
 #: errors that mean "Redis is unreachable or failing over": skip it for a while
 _OUTAGE = (RedisConnectionError, RedisTimeoutError, ClusterError, OSError, asyncio.TimeoutError)
+#: error replies that are the server's state, not a bug: counted as failed operations
+_STATE_REPLIES = ("BUSY", "MASTERDOWN", "MISCONF", "NOREPLICAS", "LOADING", "TRYAGAIN", "CLUSTERDOWN")
+
+
+def is_bug(error: BaseException) -> bool:
+    """Whether a Redis error is a command or script error no outage explains."""
+    if not isinstance(error, ResponseError) or isinstance(error, (OutOfMemoryError, ReadOnlyError)):
+        return False
+    return not str(error).startswith(_STATE_REPLIES)
 
 
 def redacted_location(url: str) -> str:
@@ -111,6 +128,11 @@ class RedisConnection:
         try:
             result = await call()
         except (RedisError, *_OUTAGE) as e:
+            if is_bug(e):
+                if self.metrics is not None:
+                    self.metrics.redis_script_errors.labels(op).inc()
+                log.error("redis %s answered %s with an error (a bug, not an outage)", self.location, op, exc_info=e)
+                raise VisencError(f"the shared index failed on {op}") from e
             self.errors += 1
             if self.metrics is not None:
                 self.metrics.redis_errors.labels(op).inc()

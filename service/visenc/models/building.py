@@ -8,13 +8,12 @@ from typing import Any, TypeVar
 import torch
 from transformers.initialization import no_init_weights
 
+from visenc_client.format import DTYPES as WIRE_DTYPES
+
 M = TypeVar("M", bound=torch.nn.Module)
 
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+#: the wire's dtypes (``visenc_client.format.DTYPES``) as torch's
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPES}
 
 #: config keys that never change a vision tower's output (bookkeeping, output flags)
 _NOISE_KEYS = {

@@ -13,7 +13,6 @@ over the whole image.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 
@@ -51,8 +50,3 @@ def qwen_vision_flops(config: Any, grid_thw: tuple[int, int, int]) -> int:
         flops += config.depth * full_attention
     merged, width = n // (merge * merge), d * merge * merge
     return flops + 2 * merged * width * width + 2 * merged * width * out
-
-
-def images_per_s_bound(flops_per_image: int, peak_flops: float) -> float:
-    """Images/s a device would reach at its peak FLOP rate: the roofline the bench divides by."""
-    return peak_flops / flops_per_image if flops_per_image else math.inf

@@ -208,7 +208,7 @@ async def test_a_watched_image_nobody_waits_for_is_dropped(raw, redis_url, tiny_
             if not encoder.intake.inflight:
                 break
             await asyncio.sleep(0.01)
-        assert encoder.intake.inflight == {} and encoder.remote.watching == 0
+        assert encoder.intake.inflight == {} and encoder.coordination.watching == 0
         assert metric(await metrics_of(a), "visenc_encoded_images_total") == 0
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from visenc.engine.job import Job, JobState
+from visenc.engine.job import Job
 
 
 class RecordedFailures:
@@ -16,5 +16,6 @@ class RecordedFailures:
 
     def fail(self, jobs: Sequence[Job], error: BaseException) -> None:
         for job in jobs:
-            job.state = JobState.FAILED
-            self.failed.append((job, error))
+            if not job.finished:
+                job.fail()
+                self.failed.append((job, error))

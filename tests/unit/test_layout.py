@@ -14,19 +14,22 @@ SERVICE = ROOT / "service" / "visenc"
 #: engine modules by stage: a module may import only modules of a lower rank (data flows one way)
 ENGINE_RANKS = {
     "interface": 0,
-    "job": 0,
+    "job": 1,
     "limits": 0,
     "prepare": 0,
     "items": 1,
     "threads": 1,
     "budget": 1,
+    # coordination across replicas: beside the stages, below every one of them (it calls none)
     "claims": 2,
-    "outputs": 3,
-    "scheduler": 4,
-    "worker": 5,
-    "remote": 5,
-    "intake": 6,
-    "core": 7,
+    "remote": 3,
+    "coordination": 4,
+    # the stages, in the order data flows
+    "outputs": 5,
+    "scheduler": 6,
+    "worker": 7,
+    "intake": 8,
+    "core": 9,
 }
 #: deliberate exceptions to the size limits, with the reason
 MAX_FILE_LINES = 400

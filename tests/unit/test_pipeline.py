@@ -14,6 +14,7 @@ import numpy as np
 import torch
 from tests.unit.test_scheduler import drain_ready, job, make_scheduler
 
+from visenc.engine.coordination import LocalCoordination
 from visenc.engine.outputs import Outputs
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
@@ -96,14 +97,21 @@ def pipeline(
 ) -> tuple[ThreadPoolExecutor, Outputs, Scheduler, DeviceWorker]:
     """The engine's stages around ``tower`` (the outputs stage started, the worker not yet)."""
     pool = ThreadPoolExecutor(2, thread_name_prefix="visenc-pre")
+    local = LocalCoordination()
     outputs = Outputs(
-        index=Index(MemoryLRU(1 << 20)), metrics=Metrics(), fingerprint="f" * 32, hidden_size=4, device=tower.device
+        index=Index(MemoryLRU(1 << 20)),
+        metrics=Metrics(),
+        fingerprint="f" * 32,
+        hidden_size=4,
+        device=tower.device,
+        coordination=local,
     )
     outputs.start()
     s = Scheduler(
         preprocess=lambda data: tower.preprocess(data),
         pool=pool,
         outputs=outputs,
+        coordination=local,
         max_batch_tokens=batch,
         max_batch_images=batch,
         packable=False,

@@ -8,7 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from tests.support.stages import RecordedFailures
 
+from visenc.engine.coordination import LocalCoordination
 from visenc.engine.job import Job
+from visenc.engine.prepare import Inspected
 from visenc.engine.scheduler import Scheduler
 from visenc.models.base import Prepared, TokenLayout
 
@@ -22,6 +24,7 @@ def make_scheduler(packable=False, max_tokens=100, max_images=8, prefetch=None, 
         preprocess=preprocess,
         pool=ThreadPoolExecutor(2),
         outputs=RecordedFailures(failed),  # type: ignore[arg-type]
+        coordination=LocalCoordination(),
         max_batch_tokens=max_tokens,
         max_batch_images=max_images,
         packable=packable,
@@ -31,16 +34,8 @@ def make_scheduler(packable=False, max_tokens=100, max_images=8, prefetch=None, 
 
 def job(cost: int, order: tuple[int, int], bucket=None) -> Job:
     loop = asyncio.get_running_loop()
-    j = Job(
-        key=f"k{order}",
-        image_hash="h",
-        layout=TokenLayout(cost, (1, 1, cost), bucket or cost),
-        cost=cost,
-        order=order,
-        future=loop.create_future(),
-        admitted_at=0.0,
-        data=b"x" * cost,
-    )
+    j = Job(key=f"k{order}", image_hash="h", order=order, future=loop.create_future(), admitted_at=0.0)
+    j.give_bytes(b"x" * cost, Inspected("h", TokenLayout(cost, (1, 1, cost), bucket or cost), cost, 0))
     j.interest = 1
     return j
 

@@ -33,7 +33,7 @@ import logging
 import uuid
 from collections.abc import Sequence
 
-from visenc.engine.job import Job, JobState
+from visenc.engine.job import Job, JobState, Place
 from visenc.index.redis_claims import ClaimState, RedisClaims
 from visenc.metrics import Metrics
 from visenc.tasks import spawn, stop_task
@@ -50,23 +50,25 @@ class Claims:
         self.metrics = metrics
         self._owned: dict[str, Job] = {}
         self._queued: dict[str, Job] = {}
-        self._starting: list[tuple[Job, asyncio.Future[Entry | bool]]] = []
+        self._starting: list[tuple[Job, asyncio.Future[Entry | Place]]] = []
         self._flush: asyncio.Task[None] | None = None
         self._task: asyncio.Task[None] | None = None
 
-    async def admit(self, keys: Sequence[str]) -> dict[str, Entry | bool]:
-        """Per key: the entry (already encoded elsewhere), ``True`` (queue it here; marked queued, or
-        Redis is unavailable) or ``False`` (another replica is encoding it: wait)."""
+    async def admit(self, keys: Sequence[str]) -> dict[str, Entry | Place]:
+        """Per key: the entry (already encoded elsewhere), ``HERE`` (queue it here; marked queued, or
+        Redis is unavailable) or ``ELSEWHERE`` (another replica is encoding it: wait)."""
         replies = await self.store.states(keys, "queue", self.token, self.ttl_ms)
         if replies is None:
-            return dict.fromkeys(keys, True)
-        out: dict[str, Entry | bool] = {}
+            return dict.fromkeys(keys, Place.HERE)
+        out: dict[str, Entry | Place] = {}
         for key, reply in zip(keys, replies):
             if reply is ClaimState.HELD:
                 self.metrics.claims.labels("held").inc()
             elif isinstance(reply, Entry):
                 self.metrics.claims.labels("ready").inc()
-            out[key] = reply if isinstance(reply, Entry) else reply is not ClaimState.HELD
+            out[key] = (
+                reply if isinstance(reply, Entry) else Place.ELSEWHERE if reply is ClaimState.HELD else Place.HERE
+            )
         return out
 
     def queued(self, job: Job) -> None:
@@ -77,18 +79,13 @@ class Claims:
         """Where each image stands (read only); ``None`` while Redis is unavailable."""
         return await self.store.states(keys, "look", self.token, self.ttl_ms)
 
-    async def pending(self, key: str) -> bool:
-        """Whether another replica is encoding ``key``, has it queued, or has just written it."""
-        (state,) = await self.look([key]) or [ClaimState.FREE]
-        return state not in (ClaimState.FREE, ClaimState.OURS)
-
-    async def begin(self, job: Job) -> Entry | bool:
-        """``job``'s encode starts: ``True`` (the claim is ours, or Redis is unavailable: encode it),
-        its entry (another replica finished it) or ``False`` (another replica is encoding it).
+    async def begin(self, job: Job) -> Entry | Place:
+        """``job``'s encode starts: ``HERE`` (the claim is ours, or Redis is unavailable: encode it),
+        its entry (another replica finished it) or ``ELSEWHERE`` (another replica is encoding it).
 
         The calls made before the event loop next turns share one pipelined round trip."""
         loop = asyncio.get_running_loop()
-        answer: asyncio.Future[Entry | bool] = loop.create_future()
+        answer: asyncio.Future[Entry | Place] = loop.create_future()
         self._starting.append((job, answer))
         if self._flush is None:
             self._flush = spawn(self._claim_starting(), "claims-flush", self.metrics)
@@ -115,7 +112,7 @@ class Claims:
             if answer.done() or job.finished:  # its encode was given up while we asked
                 given_up.append(job.key)
             else:
-                answer.set_result(reply if isinstance(reply, Entry) else mine)
+                answer.set_result(reply if isinstance(reply, Entry) else Place.HERE if mine else Place.ELSEWHERE)
         for key in given_up:  # after every answer is out: no encode start waits on these round trips
             await self.release(key)
 

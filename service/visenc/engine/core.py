@@ -3,11 +3,14 @@
 ``Engine`` builds the stages, starts and stops them in order, and is the one
 object the API talks to (``interface.EngineAPI``)::
 
-    api ─▶ intake (admit, dedup, claim) ─▶ scheduler (bucket, budget, priority)
+    api ─▶ intake (admit, dedup) ─▶ scheduler (bucket, budget, priority)
         ─▶ device worker (forward only) ─▶ outputs (D2H, pack, index, futures)
+                     coordination (beside them: claims and waits across replicas)
 
 Each stage is handed the public objects of the stages after it, never a
-private method of the one before it.
+private method of the one before it; the coordination (local no-op, or Redis
+claims and waits when replicas share an index) is chosen once, here, and
+answers the stages without calling any of them.
 """
 
 from __future__ import annotations
@@ -20,11 +23,11 @@ from typing import Any
 from visenc.config import Settings
 from visenc.engine.budget import device_memory_budget, plan_budget
 from visenc.engine.claims import Claims
+from visenc.engine.coordination import Coordination, LocalCoordination, SharedCoordination
 from visenc.engine.intake import Intake
 from visenc.engine.interface import EncodeItem, Handle, Timing
 from visenc.engine.outputs import Outputs
 from visenc.engine.prepare import ImagePrep
-from visenc.engine.remote import RemoteWaits
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.threads import default_preprocess_workers
 from visenc.engine.worker import DeviceWorker
@@ -74,8 +77,15 @@ class Engine:
     def _build_stages(self, prep: ImagePrep, claim_store: RedisClaims | None) -> None:
         """The stages, from the last to the first: each is handed the ones after it."""
         tower, index, settings, metrics = self.tower, self.index, self.settings, self.metrics
-        self.claims = (
-            None if claim_store is None else Claims(claim_store, ttl_ms=settings.claim_ttl_ms, metrics=metrics)
+        self.coordination: Coordination = (
+            LocalCoordination()
+            if claim_store is None
+            else SharedCoordination(
+                Claims(claim_store, ttl_ms=settings.claim_ttl_ms, metrics=metrics),
+                poll_max_s=settings.claim_poll_ms / 1000,
+                wait_s=settings.claim_wait_s,
+                metrics=metrics,
+            )
         )
         self.outputs = Outputs(
             index=index,
@@ -83,12 +93,13 @@ class Engine:
             fingerprint=tower.fingerprint,
             hidden_size=tower.hidden_size,
             device=tower.device,
-            claims=self.claims,
+            coordination=self.coordination,
         )
         self.scheduler = Scheduler(
             preprocess=prep.preprocess,
             pool=self.pool,
             outputs=self.outputs,
+            coordination=self.coordination,
             max_batch_tokens=self.budget.max_batch_tokens,
             max_batch_images=settings.max_batch_images,
             packable=tower.packable,
@@ -108,20 +119,6 @@ class Engine:
             restart_attempts=settings.worker_restart_attempts,
             heap_idle_s=settings.heap_idle_s,
         )
-        self.remote = (
-            None
-            if self.claims is None
-            else RemoteWaits(
-                self.claims,
-                self.scheduler,
-                self.outputs,
-                poll_max_s=settings.claim_poll_ms / 1000,
-                wait_s=settings.claim_wait_s,
-                metrics=metrics,
-            )
-        )
-        if self.remote is not None:
-            self.scheduler.gate = self.remote.begin
         self.intake = Intake(
             index=index,
             prep=prep,
@@ -130,8 +127,7 @@ class Engine:
             worker=self.worker,
             settings=settings,
             metrics=metrics,
-            claims=self.claims,
-            remote=self.remote,
+            coordination=self.coordination,
         )
 
     # --- lifecycle ---------------------------------------------------------------------
@@ -140,9 +136,7 @@ class Engine:
         self.worker.on_fatal = on_fatal
         self.outputs.start()
         self.worker.start()
-        if self.claims is not None and self.remote is not None:
-            self.claims.start()
-            self.remote.start()
+        self.coordination.start()
         self.metrics.queue_capacity.set(self.settings.max_queue_images)
         self.export_gauges()
 
@@ -153,11 +147,9 @@ class Engine:
         self.intake.closing = True
         self.scheduler.cancel_all(NotReady("the service is shutting down"))
         await self.worker.stop(timeout_s)
-        if self.remote is not None:
-            await self.remote.stop()
+        await self.coordination.stop_waits()
         await self.outputs.stop(timeout_s)
-        if self.claims is not None:
-            await self.claims.stop()
+        await self.coordination.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
     # --- EngineAPI ---------------------------------------------------------------------

@@ -15,10 +15,10 @@
 * lookups go in-flight map → the index tiers, one round trip per wave (a request of hashes only
   is one wave);
 * a miss with bytes becomes one ``Job`` per distinct key (**single-flight**:
-  concurrent requests for the same new image join the job in flight); with a
-  shared index an image another replica is encoding is waited for
-  (``remote.py``), not encoded again, and one it is not is marked queued here
-  (``claims.py``; the claim itself is taken when the encode starts);
+  concurrent requests for the same new image join the job in flight); the
+  coordination (``coordination.py``) says where each new image is encoded: here
+  (the scheduler queues it) or, with a shared index, at another replica already
+  encoding it (the scheduler watches it: it is waited for, not encoded again);
 * every entry read from any tier is checked against its header and its key
   before it is used: a corrupt or truncated one is a miss, never served;
 * a waiter that goes away releases its interest; a job nobody wants is dropped before its forward.
@@ -37,12 +37,11 @@ from collections.abc import Sequence
 from concurrent.futures import Executor
 
 from visenc.config import Settings
-from visenc.engine.claims import Claims
+from visenc.engine.coordination import Coordination
 from visenc.engine.interface import EncodeItem, Handle, Timing
 from visenc.engine.items import Item, inspect, itemise, waves
-from visenc.engine.job import Job
-from visenc.engine.prepare import ImagePrep, Inspected
-from visenc.engine.remote import RemoteWaits
+from visenc.engine.job import Job, JobState, Place
+from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import (
@@ -73,8 +72,7 @@ class Intake:
         worker: DeviceWorker,
         settings: Settings,
         metrics: Metrics,
-        claims: Claims | None = None,
-        remote: RemoteWaits | None = None,
+        coordination: Coordination,
     ) -> None:
         self.index = index
         self.prep = prep
@@ -83,8 +81,7 @@ class Intake:
         self.worker = worker
         self.settings = settings
         self.metrics = metrics
-        self.claims = claims
-        self.remote = remote
+        self.coordination = coordination
         tower = prep.tower
         self.fingerprint = tower.fingerprint
         self.hidden_size = tower.hidden_size
@@ -101,13 +98,7 @@ class Intake:
     def _admit(self, key: str, image_hash: str, order: tuple[int, int]) -> Job:
         loop = asyncio.get_running_loop()
         job = Job(
-            key=key,
-            image_hash=image_hash,
-            layout=None,
-            cost=0,
-            order=order,
-            future=loop.create_future(),
-            admitted_at=time.monotonic(),
+            key=key, image_hash=image_hash, order=order, future=loop.create_future(), admitted_at=time.monotonic()
         )
         self.inflight[key] = job
         job.future.add_done_callback(lambda _: self._forget(job))
@@ -120,11 +111,6 @@ class Intake:
         self.metrics.inflight.set(len(self.inflight))
         if not job.future.cancelled():
             job.future.exception()  # retrieved: a failed job nobody waits for is not logged
-
-    @staticmethod
-    def _give_bytes(job: Job, data: bytes | None, inspected: Inspected) -> None:
-        job.data, job.layout = data, inspected.layout
-        job.cost, job.decode_cost = inspected.cost, inspected.decode_cost
 
     # --- entries ---------------------------------------------------------------------------
     def _checked(self, key: str, image_hash: str, entry: Entry | None) -> Entry | None:
@@ -204,29 +190,25 @@ class Intake:
             )
         return new
 
-    async def _claim(self, items: list[Item], new: set[str]) -> dict[str, Entry | bool]:
-        if self.claims is None or not new:
-            return {}
-        claimed = await self.claims.admit(sorted(new))  # one round trip: entry, or queue here, or wait
+    async def _place(self, items: list[Item], new: set[str]) -> dict[str, Entry | Place]:
+        """Where each new image is encoded (one round trip); an entry written meanwhile is taken."""
+        placed = await self.coordination.admit(sorted(new)) if new else {}
         for it in items:
-            got = claimed.get(it.key)
+            got = placed.get(it.key)
             if it.inspected is not None and isinstance(got, Entry):
                 it.entry = self._checked(it.key, it.hash, got)
                 if it.entry is not None:
                     self.index.store_local(it.key, it.entry)
-        return claimed
+        return placed
 
-    def _start(self, it: Item, order: tuple[int, int], claimed: dict[str, Entry | bool]) -> Job:
-        assert it.inspected is not None
+    def _start(self, it: Item, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Job:
+        assert it.inspected is not None and it.data is not None
         job = self._admit(it.key, it.hash, order)
         job.interest = 1
-        self._give_bytes(job, it.data, it.inspected)
-        if claimed.get(it.key, True) is False:
-            assert self.remote is not None
-            self.remote.watch(job)  # another replica encodes it
+        job.give_bytes(it.data, it.inspected)
+        if placed.get(it.key) is Place.ELSEWHERE:
+            self.scheduler.watch(job)  # another replica encodes it
         else:
-            if self.claims is not None:
-                self.claims.queued(job)
             self.scheduler.submit(job)
         return job
 
@@ -235,19 +217,19 @@ class Intake:
         each item's handle and the job it waits on."""
         await inspect(part, self.prep, self.pool)
         await self._lookup(part, namespace)
-        claimed = await self._claim(part, self._admission(part))
+        placed = await self._place(part, self._admission(part))
         out: list[tuple[Handle, Job | None]] = []
         for i, it in enumerate(part, lo):
             if it.error is None and it.entry is None:
                 it.entry = self._peek(it.key, it.hash)  # finished while we looked elsewhere
             job = None if it.error is not None or it.entry is not None else self._joinable(it.key)
             if job is None and it.error is None and it.entry is None and it.inspected is not None:
-                job = self._start(it, (order, i), claimed)
+                job = self._start(it, (order, i), placed)
             elif job is not None:
                 self.metrics.singleflight_joins.inc()
                 job.interest += 1
-                if job.layout is None and it.inspected is not None:  # adopt a fetch's remote wait
-                    self._give_bytes(job, it.data, it.inspected)
+                if job.state is JobState.FOLLOWING and it.data is not None and it.inspected is not None:
+                    job.give_bytes(it.data, it.inspected)  # a fetch's wait for another replica adopts the bytes
             out.append((self._handle(it, "pending" if job is not None else "missing", job), job))
         return out
 
@@ -331,15 +313,15 @@ class Intake:
             self.scheduler.release(job)
 
     # --- fetch ---------------------------------------------------------------------------------
-    async def _watch_remote(self, key: str, image_hash: str) -> Job | None:
-        """A job waiting for another replica's encode of ``key`` (pending there), or ``None``. It has no
+    async def _follow(self, key: str, image_hash: str) -> Job | None:
+        """A job following another replica's encode of ``key`` (pending there), or ``None``. It has no
         bytes or layout yet; local requests join it, and a local encode that brings the bytes adopts it."""
-        if self.claims is None or self.remote is None or not await self.claims.pending(key):
+        if not await self.coordination.elsewhere(key):
             return None
         job = self._joinable(key)  # a local encode may have started while we asked
         if job is None:
             job = self._admit(key, image_hash, (next(self._requests), 0))
-            self.remote.watch(job)
+            self.scheduler.watch(job)
             self.metrics.claims.labels("fetch_wait").inc()
         return job
 
@@ -357,7 +339,7 @@ class Intake:
             entry = self._checked(key, image_hash, entry) or self._peek(key, image_hash)
             if entry is not None:
                 return entry
-            job = self._joinable(key) or await self._watch_remote(key, image_hash)
+            job = self._joinable(key) or await self._follow(key, image_hash)
             if job is None:
                 raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
         return await self._wait_one(job, image_hash, timeout_s)

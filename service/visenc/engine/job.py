@@ -1,12 +1,24 @@
-"""One image's trip through the engine, and who moves it along.
+"""One image's trip through the engine: a state machine that only its own methods move.
 
 A ``Job`` is a distinct image being encoded (single-flight: one job per index
-key). Each state transition is made by exactly one module::
+key). Its state changes only through the methods below, each of which checks
+the state it comes from (``EDGES``) and raises ``IllegalTransition`` (a bug)
+otherwise. Each edge has one mover::
 
-    intake     ──▶ QUEUED  (handed to the scheduler)   or  WATCHING (another replica encodes it)
-    remote     WATCHING ──▶ QUEUED (owner gone: encode here)
-    scheduler  QUEUED ──▶ PREPARING ──▶ READY ──▶ RUNNING (taken into a batch)
-    outputs    any ──▶ DONE | FAILED  (the only place a job's future is resolved)
+    NEW ──queue()────▶ QUEUED        scheduler.submit      (intake hands it on: encode here)
+    NEW ──watch()────▶ WATCHING      scheduler.watch       (another replica encodes it; bytes in hand)
+    NEW ──watch()────▶ FOLLOWING     scheduler.watch       (a fetch: no bytes, another replica encodes it)
+    FOLLOWING ──give_bytes()──▶ WATCHING      intake       (a local encode brought the bytes)
+    WATCHING ──queue()──▶ QUEUED     scheduler             (the other replica went away, or took too long)
+    QUEUED ──start_preparing()──▶ PREPARING   scheduler    (leaves the queue; its encode starts)
+    PREPARING ──watch()──▶ WATCHING  scheduler             (another replica claimed it first)
+    PREPARING ──prepared()──▶ READY  scheduler             (tower input made)
+    READY ──run()──▶ RUNNING         scheduler.take_batch  (taken into a batch)
+    RUNNING ──forwarded()──▶ FORWARDED        worker       (its forward ended; pixels freed)
+    FOLLOWING | WATCHING | PREPARING | FORWARDED ──finish()──▶ DONE     outputs
+    any unfinished ──fail()──▶ FAILED                      outputs
+
+``outputs`` is the only stage that finishes a job and resolves its future.
 
 ``order`` is (request arrival, position in the request): jobs run in arrival
 order and, within a request, in prompt order, so the first chunk's images are
@@ -29,6 +41,7 @@ from typing import TYPE_CHECKING
 from visenc_client.format import Entry
 
 if TYPE_CHECKING:
+    from visenc.engine.prepare import Inspected
     from visenc.models.base import Prepared, TokenLayout
 
 _arrivals = itertools.count()
@@ -36,11 +49,16 @@ _arrivals = itertools.count()
 
 class JobState(enum.Enum):
     NEW = "new"
+    #: a fetch (no bytes) waiting for another replica's encode
+    FOLLOWING = "following"
+    #: bytes in hand, another replica encodes it: its entry is waited for
     WATCHING = "watching"
     QUEUED = "queued"
     PREPARING = "preparing"
     READY = "ready"
     RUNNING = "running"
+    #: the forward ended; its rows are being copied out and packed
+    FORWARDED = "forwarded"
     DONE = "done"
     FAILED = "failed"
 
@@ -49,41 +67,134 @@ class JobState(enum.Enum):
         return self in (JobState.DONE, JobState.FAILED)
 
 
+S = JobState
+_UNFINISHED = frozenset(s for s in S if not s.finished)
+#: state -> the states a job may move to from it (the drawing above, as data)
+EDGES: dict[JobState, frozenset[JobState]] = {
+    S.NEW: frozenset({S.QUEUED, S.WATCHING, S.FOLLOWING, S.FAILED}),
+    S.FOLLOWING: frozenset({S.WATCHING, S.DONE, S.FAILED}),
+    S.WATCHING: frozenset({S.QUEUED, S.DONE, S.FAILED}),
+    S.QUEUED: frozenset({S.PREPARING, S.FAILED}),
+    S.PREPARING: frozenset({S.WATCHING, S.READY, S.DONE, S.FAILED}),
+    S.READY: frozenset({S.RUNNING, S.FAILED}),
+    S.RUNNING: frozenset({S.FORWARDED, S.FAILED}),
+    S.FORWARDED: frozenset({S.DONE, S.FAILED}),
+    S.DONE: frozenset(),
+    S.FAILED: frozenset(),
+}
+assert all(S.FAILED in EDGES[s] for s in _UNFINISHED)
+
+
+class Place(enum.Enum):
+    """Where an image's encode happens (``coordination.py`` decides)."""
+
+    HERE = "here"
+    #: another replica encodes it: wait for its entry
+    ELSEWHERE = "elsewhere"
+
+
+class IllegalTransition(RuntimeError):
+    """A stage tried to move a job along an edge that does not exist: a bug in that stage."""
+
+
 @dataclass(eq=False)
 class Job:
     key: str
     image_hash: str
-    #: ``None`` while only the hash is known (a fetch waiting for another replica's encode)
-    layout: TokenLayout | None
-    cost: int
     order: tuple[int, int]
     future: asyncio.Future[Entry]
     admitted_at: float
-    state: JobState = JobState.NEW
-    data: bytes | None = None
-    #: extra staging charge (input-token units) while the image is decoded and
-    #: preprocessed: its decoded pixels, which can dwarf the tower input
+    #: the image's layout, tower-input cost and extra staging charge (input-token units: its decoded
+    #: pixels, which can dwarf the tower input); known once the bytes are given (``give_bytes``)
+    layout: TokenLayout | None = None
+    cost: int = 0
     decode_cost: int = 0
-    prepared: Prepared | None = None
     urgent: bool = False
-    #: encode here whoever holds the claim (waited ``claim_wait_s`` for another replica already)
-    unclaimed: bool = False
     interest: int = 0
-    #: set by the worker: monotonic start of the forward that ran this job, and its duration (s)
+    #: monotonic start of the forward that ran it, and that forward's duration (s): the jobs of one
+    #: forward share both
     started_at: float | None = None
     forward_s: float | None = None
     seq: int = field(default_factory=lambda: next(_arrivals))
+    _state: JobState = JobState.NEW
+    _data: bytes | None = None
+    _input: Prepared | None = None
+
+    @property
+    def state(self) -> JobState:
+        return self._state
+
+    @property
+    def finished(self) -> bool:
+        return self._state.finished
 
     @property
     def priority(self) -> tuple[bool, tuple[int, int], int]:
         return (not self.urgent, self.order, self.seq)
 
     @property
-    def finished(self) -> bool:
-        return self.state.finished
-
-    @property
     def shape(self) -> TokenLayout:
-        """The layout of a job that has its bytes (every job the scheduler holds)."""
+        """The layout of a job that has its bytes (every job the scheduler queues)."""
         assert self.layout is not None, "a job without bytes reached the scheduler"
         return self.layout
+
+    @property
+    def input(self) -> Prepared:
+        """The tower input (``READY`` and ``RUNNING`` only)."""
+        if self._input is None:
+            raise IllegalTransition(f"job {self.key} has no tower input in state {self._state.name}")
+        return self._input
+
+    def _move(self, to: JobState) -> None:
+        if to not in EDGES[self._state]:
+            raise IllegalTransition(f"job {self.key}: no edge {self._state.name} -> {to.name}")
+        self._state = to
+
+    # --- the edges ----------------------------------------------------------------------
+    def give_bytes(self, data: bytes, inspected: Inspected) -> None:
+        """The image's bytes and what inspecting them found: at admission (``NEW``), or when a local
+        encode brings them to a fetch that follows another replica (``FOLLOWING`` -> ``WATCHING``)."""
+        if self._state is S.FOLLOWING:
+            self._move(S.WATCHING)
+        elif self._state is not S.NEW or self.layout is not None:
+            raise IllegalTransition(f"job {self.key}: bytes given in state {self._state.name}, or twice")
+        self._data, self.layout = data, inspected.layout
+        self.cost, self.decode_cost = inspected.cost, inspected.decode_cost
+
+    def queue(self) -> None:
+        """Wait here for preprocessing (``NEW`` or ``WATCHING`` -> ``QUEUED``)."""
+        self._move(S.QUEUED)
+
+    def watch(self) -> None:
+        """Wait for another replica's encode: ``WATCHING`` with bytes, ``FOLLOWING`` without."""
+        self._move(S.FOLLOWING if self.layout is None else S.WATCHING)
+
+    def start_preparing(self) -> None:
+        self._move(S.PREPARING)
+
+    def take_bytes(self) -> bytes:
+        """The bytes to preprocess (``PREPARING``); the job lets go of them."""
+        if self._state is not S.PREPARING or self._data is None:
+            raise IllegalTransition(f"job {self.key}: bytes taken in state {self._state.name}")
+        data, self._data = self._data, None
+        return data
+
+    def prepared(self, tower_input: Prepared) -> None:
+        self._move(S.READY)
+        self._input = tower_input
+
+    def run(self) -> None:
+        """Taken into a batch for the device."""
+        self._move(S.RUNNING)
+
+    def forwarded(self, started_at: float, forward_s: float) -> None:
+        """Its forward ended: the tower input is freed now, not when the request ends."""
+        self._move(S.FORWARDED)
+        self.started_at, self.forward_s, self._input = started_at, forward_s, None
+
+    def finish(self) -> None:
+        self._move(S.DONE)
+
+    def fail(self) -> None:
+        self._move(S.FAILED)
+        self._data = self._input = None

@@ -15,7 +15,8 @@ the next one. This stage then
 
 Every failure of every stage comes through here too (``fail``): the job is
 marked failed at once, so intake never joins it again, and its waiters are
-answered by the same task. This is the only module that resolves a job's future.
+answered by the same task. This is the only module that finishes a job
+(``Job.finish`` / ``Job.fail``) and resolves its future.
 
 On CUDA the forward's outputs are read on this stage's own stream after waiting
 on an event the worker recorded behind the forward, and the tensors are marked
@@ -35,8 +36,8 @@ from typing import Any
 
 import torch
 
-from visenc.engine.claims import Claims
-from visenc.engine.job import Job, JobState
+from visenc.engine.coordination import Coordination
+from visenc.engine.job import Job
 from visenc.errors import Cancelled, EncodeFailed, VisencError
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
@@ -82,13 +83,13 @@ class Outputs:
         fingerprint: str,
         hidden_size: int,
         device: torch.device,
-        claims: Claims | None = None,
+        coordination: Coordination,
     ) -> None:
         self.index = index
         self.metrics = metrics
         self.fingerprint = fingerprint
         self.hidden_size = hidden_size
-        self.claims = claims
+        self.coordination = coordination
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="visenc-output")
         self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._queue: asyncio.Queue[_Done | _Failed] = asyncio.Queue()
@@ -128,15 +129,13 @@ class Outputs:
         def landed(fut: asyncio.Future[list[Entry]]) -> None:
             self._copies.discard(fut)
             if fut.cancelled():
-                self._queue.put_nowait(_Failed(forwarded.batch, EncodeFailed("encoding was cancelled")))
+                self.fail(forwarded.batch, EncodeFailed("encoding was cancelled"))
                 return
             error = fut.exception()
             if error is not None:
                 log.error("copying out a forward of %d images failed", len(forwarded.batch), exc_info=error)
                 self.metrics.encode_failures.labels("output").inc(len(forwarded.batch))
-                self._queue.put_nowait(
-                    _Failed(forwarded.batch, EncodeFailed(f"encoding failed: {type(error).__name__}"))
-                )
+                self.fail(forwarded.batch, EncodeFailed(f"encoding failed: {type(error).__name__}"))
                 return
             if self.on_materialised is not None:
                 self.on_materialised(forwarded.batch, time.perf_counter() - t0)
@@ -149,7 +148,7 @@ class Outputs:
         """Fail ``jobs`` (any stage, any reason): marked failed now, answered by the output task."""
         live = [j for j in jobs if not j.finished]
         for job in live:
-            job.state = JobState.FAILED
+            job.fail()
         if live:
             self._queue.put_nowait(_Failed(live, error))
 
@@ -217,10 +216,10 @@ class Outputs:
                 self._fail_now(job, item.error)
 
     def _complete(self, job: Job, entry: Entry, *, remote: bool) -> None:
-        if job.future.done():
+        if job.finished:  # failed meanwhile: its failure is answered
             return
         self.index.store_local(job.key, entry)
-        job.state = JobState.DONE
+        job.finish()
         job.future.set_result(entry)
         if remote:
             return
@@ -229,21 +228,19 @@ class Outputs:
         self._spawn(self._write_through(job.key, entry))
 
     def _fail_now(self, job: Job, error: BaseException) -> None:
-        job.state = JobState.FAILED
+        """Answer a job ``fail`` marked failed."""
         if isinstance(error, Cancelled):
             self.metrics.cancelled_images.inc()
         if not isinstance(error, VisencError):  # a bug in a stage: logged, answered without internals
             log.error("encode of %s failed", job.image_hash, exc_info=error)
             error = EncodeFailed(f"encoding failed: {type(error).__name__}")
-        if self.claims is not None:
-            self._spawn(self.claims.release(job.key))
+        self._spawn(self.coordination.release(job.key))
         if not job.future.done():
             job.future.set_exception(error)
 
     async def _write_through(self, key: str, entry: Entry) -> None:
         await self.index.write_through(key, entry)
-        if self.claims is not None:
-            await self.claims.release(key)
+        await self.coordination.release(key)
 
     def _spawn(self, coro: Any) -> None:
         task = spawn(coro, "index-write", self.metrics)

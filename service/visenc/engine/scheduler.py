@@ -29,10 +29,12 @@ Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
   for yet would only delay them. A single job over any limit still runs, alone
   (and is staged alone when it exceeds the prefetch bound).
 
-With a shared index, leaving the queue is where an image's encode *starts*: the
-``gate`` (``RemoteWaits.begin``) claims it across replicas first, and an image
-another replica started (or finished) meanwhile is handed over instead of
-preprocessed.
+Leaving the queue is where an image's encode *starts*: the coordination
+(``coordination.begin``) claims it across replicas first when they share an
+index, and an image another replica started (or finished) meanwhile is watched
+(or finished with that replica's entry) instead of preprocessed. Jobs that wait
+for another replica are handed in with ``watch``; when the wait ends without an
+entry they are queued here (``submit``).
 
 Everything here runs on the event loop thread; nothing blocks.
 """
@@ -42,23 +44,22 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
-from visenc.engine.job import Job, JobState
+from visenc.engine.coordination import Coordination, WaitOutcome
+from visenc.engine.job import Job, JobState, Place
 from visenc.engine.outputs import Outputs
-from visenc.errors import Cancelled
+from visenc.errors import Cancelled, NotFound
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout
 from visenc.tasks import spawn
+from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
 
 #: image bytes -> tower input (decode + the tower's preprocessing), run in the CPU pool
 Preprocess = Callable[[bytes], Prepared]
-#: asked as a job's encode starts (it leaves the queue): whether to encode it here. On ``False`` the
-#: gate has taken the job over (another replica encodes it, or did); the scheduler forgets it
-Gate = Callable[[Job], Awaitable[bool]]
 
 
 class Scheduler:
@@ -68,6 +69,7 @@ class Scheduler:
         preprocess: Preprocess,
         pool: Executor,
         outputs: Outputs,
+        coordination: Coordination,
         max_batch_tokens: int,
         max_batch_images: int,
         packable: bool,
@@ -81,6 +83,7 @@ class Scheduler:
         self._preprocess = preprocess
         self._pool = pool
         self._outputs = outputs
+        self._coordination = coordination
         self.max_batch_tokens = max_batch_tokens
         self.max_batch_images = max_batch_images
         self.packable = packable
@@ -88,8 +91,6 @@ class Scheduler:
         self._on_prepared = on_prepared
         self.max_batch_bytes = max_batch_bytes
         self._batch_bytes = batch_bytes
-        #: set by the engine when replicas share an index (``RemoteWaits.begin``: claim at encode start)
-        self.gate: Gate | None = None
         self._waiting: list[Job] = []
         self._ready: list[Job] = []
         self._preparing: set[asyncio.Task[None]] = set()
@@ -115,9 +116,34 @@ class Scheduler:
 
     # --- intake ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        job.state = JobState.QUEUED
+        """Encode ``job`` here (``NEW`` or ``WATCHING``)."""
+        job.queue()
+        self._coordination.queued(job)
         self._waiting.append(job)
         self._dispatch()
+
+    def watch(self, job: Job) -> None:
+        """Wait for another replica's encode of ``job``; queue it here if that replica goes away."""
+        job.watch()
+        self._coordination.watch(job, self._wait_ended)
+
+    def _wait_ended(self, job: Job, outcome: WaitOutcome) -> None:
+        if job.finished:
+            return
+        if isinstance(outcome, Entry):
+            self._outputs.complete_remote(job, outcome)
+        elif outcome is not None:
+            self._outputs.fail([job], outcome)
+        elif job.state is JobState.FOLLOWING:  # a fetch: no bytes to encode it here
+            self._outputs.fail(
+                [job],
+                NotFound(
+                    f"image {job.image_hash} was being encoded by another replica that did "
+                    "not finish; encode it again with its bytes"
+                ),
+            )
+        else:
+            self.submit(job)
 
     def bump(self, job: Job) -> None:
         """Move a job ahead of all non-urgent work (a fetch is waiting on it).
@@ -178,21 +204,25 @@ class Scheduler:
         if self._drop_if_unwanted(job):
             return
         self.staged_tokens += job.cost + job.decode_cost
-        job.state = JobState.PREPARING
+        job.start_preparing()
         task = spawn(self._prepare(job), "prepare", self._metrics)
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
 
     async def _prepare(self, job: Job) -> None:
         try:
-            if self.gate is not None and not await self.gate(job):
-                self.staged_tokens -= job.cost + job.decode_cost  # another replica's work now
+            place = await self._coordination.begin(job)
+            if place is not Place.HERE:  # another replica's work now
+                self.staged_tokens -= job.cost + job.decode_cost
+                if isinstance(place, Entry):
+                    self._outputs.complete_remote(job, place)
+                else:
+                    self.watch(job)
                 self._dispatch()
                 return
             t0 = time.perf_counter()
-            data, job.data = job.data, None
-            assert data is not None
-            job.prepared = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
+            data = job.take_bytes()
+            tower_input = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
         except BaseException as e:
             self.staged_tokens -= job.cost + job.decode_cost
             self._outputs.fail([job], e)
@@ -207,7 +237,7 @@ class Scheduler:
             self.staged_tokens -= job.cost
             self._dispatch()
             return
-        job.state = JobState.READY
+        job.prepared(tower_input)
         self._ready.append(job)
         self._changed.set()
         if job.decode_cost:
@@ -247,7 +277,7 @@ class Scheduler:
         taken = set(map(id, batch))
         self._ready = [j for j in self._ready if id(j) not in taken]
         for job in batch:
-            job.state = JobState.RUNNING
+            job.run()
         self._dispatch()  # with nothing left ahead of the device, its next input starts now
         return batch
 

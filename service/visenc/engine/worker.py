@@ -40,7 +40,7 @@ import torch
 from PIL import Image
 
 from visenc import heap
-from visenc.engine.job import Job
+from visenc.engine.job import Job, JobState
 from visenc.engine.outputs import Forwarded, Outputs
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.threads import DaemonThread
@@ -164,25 +164,21 @@ class DeviceWorker:
     async def _run_batch(self, batch: list[Job]) -> None:
         """Forward ``batch`` in the tower's groups (each split on out-of-memory) and hand each finished
         piece to the outputs as soon as it is done."""
-        started = self.busy_since = time.monotonic()
+        self.busy_since = time.monotonic()
         for job in batch:
-            job.started_at = started
-            self.metrics.queue_wait_seconds.observe(started - job.admitted_at)
+            self.metrics.queue_wait_seconds.observe(self.busy_since - job.admitted_at)
         try:
-            pairs = [(j, j.prepared) for j in batch if j.prepared is not None]
-            for group in self.tower.forward_groups([p for _, p in pairs]):
-                await self._forward_fitting([pairs[i][0] for i in group])  # each group's rows go on at once
+            for group in self.tower.forward_groups([j.input for j in batch]):
+                await self._forward_fitting([batch[i] for i in group])  # each group's rows go on at once
         except _Stalled:
             self.metrics.worker_stalls.inc()
             self.metrics.encode_failures.labels("stall").inc(sum(not j.finished for j in batch))
             reason = f"the device worker stalled: a forward ran longer than stall_timeout_s={self.stall_timeout_s}"
-            await self._failed([j for j in batch if j.prepared is not None], reason)
+            await self._failed(_not_forwarded(batch), reason)
         except Exception as error:
             log.error("forward of %d images failed", len(batch), exc_info=error)
-            self.metrics.encode_failures.labels("forward").inc(sum(j.prepared is not None for j in batch))
-            await self._failed(
-                [j for j in batch if j.prepared is not None], f"the device worker failed: {type(error).__name__}"
-            )
+            self.metrics.encode_failures.labels("forward").inc(len(_not_forwarded(batch)))
+            await self._failed(_not_forwarded(batch), f"the device worker failed: {type(error).__name__}")
         finally:
             self.busy_since = None
             self._release_held()
@@ -192,7 +188,7 @@ class DeviceWorker:
         An image that does not fit even alone fails with ``OutOfMemory`` (a per-item error)."""
         started = time.monotonic()
         try:
-            outputs, event = await self._call([j.prepared for j in jobs if j.prepared is not None])
+            outputs, event = await self._call([j.input for j in jobs])
         except Exception as error:
             if not is_out_of_memory(error):
                 raise
@@ -201,7 +197,6 @@ class DeviceWorker:
                 torch.cuda.empty_cache()
             if len(jobs) == 1:
                 log.warning("image %s does not fit in device memory alone: %r", jobs[0].image_hash, error)
-                jobs[0].prepared = None
                 self.outputs.fail(
                     jobs, OutOfMemory(f"the image does not fit in the device's memory alone ({type(error).__name__})")
                 )
@@ -218,8 +213,7 @@ class DeviceWorker:
         self.metrics.batch_images.observe(len(jobs))
         self.metrics.batch_tokens.observe(sum(j.cost for j in jobs))
         for job in jobs:
-            job.forward_s = elapsed
-            job.prepared = None  # free the pixels now, not when the request ends; marks the job forwarded
+            job.forwarded(started, elapsed)
         self.outputs.submit(Forwarded(jobs, outputs, event))
         self._release(jobs)
 
@@ -292,6 +286,10 @@ class DeviceWorker:
             event.synchronize()
         if out.shape[0] != prepared.layout.num_tokens:
             raise RuntimeError(f"probe produced {out.shape[0]} rows, expected {prepared.layout.num_tokens}")
+
+
+def _not_forwarded(batch: list[Job]) -> list[Job]:
+    return [j for j in batch if j.state is JobState.RUNNING]
 
 
 class _Stalled(Exception):

@@ -21,7 +21,6 @@ import hashlib
 import io
 import itertools
 import re
-import struct
 import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,10 +30,17 @@ import msgpack
 import numpy as np
 from PIL import Image
 
-from visenc_client.format import DTYPES
+from visenc_client.format import (
+    DTYPES,
+    FRAME_PREFIX_BYTES,
+    MSGPACK,
+    ROWS_MEDIA_TYPE,
+    CorruptFrame,
+    frame_header_length,
+    split_frame,
+)
 
-MSGPACK = "application/msgpack"
-ROWS_MEDIA_TYPE = "application/x-visenc-rows"
+__all__ = ["MSGPACK", "ROWS_MEDIA_TYPE"]
 #: bytes per element of each wire dtype
 ITEMSIZE = {name: size for name, (size, _) in DTYPES.items()}
 #: numpy reading of a wire dtype, for the finiteness check (bfloat16 has none: skipped)
@@ -255,34 +261,29 @@ def check_rows_body(
 
     ``handles[k]`` is the encode handle of ``ranges[k]``'s image (for hidden
     size and dtype)."""
-    view = memoryview(body)
     try:
-        (hlen,) = struct.unpack_from("<I", view, 0)
-        items = msgpack.unpackb(view[4 : 4 + hlen])["items"]
-    except Exception as e:
-        raise PayloadError(f"unreadable rows answer: {type(e).__name__}: {e}") from e
-    if len(items) != len(ranges):
-        raise PayloadError(f"fetch answered {len(items)} ranges for {len(ranges)} asked")
-    base, total = 4 + hlen, 0
-    for k, (item, (h, s, e), handle) in enumerate(zip(items, ranges, handles)):
+        pieces = split_frame(body)
+        head = FRAME_PREFIX_BYTES + frame_header_length(body)
+    except CorruptFrame as e:
+        raise PayloadError(f"unreadable rows answer: {e}") from e
+    if len(pieces) != len(ranges):
+        raise PayloadError(f"fetch answered {len(pieces)} ranges for {len(ranges)} asked")
+    total = 0
+    for k, ((item, data), (h, s, e), handle) in enumerate(zip(pieces, ranges, handles)):
         label = f"range {k} ({h[:12]} [{s},{e}))"
-        if "offset" not in item:
+        if data is None:
             raise PayloadError(f"{label}: status {item.get('status')}: {item.get('error')}")
         if (item.get("hash"), item.get("start"), item.get("end")) != (h, s, e):
             raise PayloadError(f"{label}: answered {item.get('hash')} [{item.get('start')},{item.get('end')})")
         rows, hidden = item["shape"]
         if rows != e - s:
             raise PayloadError(f"{label}: shape {item['shape']} for {e - s} rows")
-        start = base + item["offset"]
-        data = view[start : start + item["nbytes"]]
-        if len(data) != item["nbytes"]:
-            raise PayloadError(f"{label}: body is {len(body)} bytes, too short for the item")
         _check_rows(label, rows, hidden, item["dtype"], data, handle)
         if ledger is not None:
             ledger.check(h, s, data, rows)
         total += len(data)
-    if base + total != len(body):
-        raise PayloadError(f"body is {len(body)} bytes; header + rows account for {base + total}")
+    if head + total != len(body):
+        raise PayloadError(f"body is {len(body)} bytes; header + rows account for {head + total}")
     return total
 
 

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import struct
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -27,7 +26,9 @@ import numpy as np
 
 from visenc_client._exceptions import ProtocolError, error_for
 from visenc_client._types import Handle, RowRange, image_hash
-from visenc_client.format import NUMPY_DTYPES
+from visenc_client.format import MSGPACK, NUMPY_DTYPES, ROWS_MEDIA_TYPE, CorruptFrame, split_frame
+
+__all__ = ["MSGPACK", "ROWS_MEDIA_TYPE"]
 
 T = TypeVar("T")
 Flow = Generator[httpx.Request, httpx.Response, T]
@@ -68,9 +69,6 @@ def read_all() -> Generator[Read, Any, bytes]:
 
 
 ImageInput = bytes | bytearray | memoryview | str | os.PathLike[str]
-
-MSGPACK = "application/msgpack"
-ROWS_MEDIA_TYPE = "application/x-visenc-rows"
 
 
 def read_image(image: ImageInput) -> bytes:
@@ -196,23 +194,10 @@ def fetch_flow(
 def parse_rows(body: bytes) -> list[tuple[dict[str, Any], memoryview | None]]:
     """Split an ``application/x-visenc-rows`` body into (item header, rows view) pairs
     (``ProtocolError`` for anything malformed: a short body, a bad header, rows out of range)."""
-    view = memoryview(body)
     try:
-        (hlen,) = struct.unpack_from("<I", view, 0)
-        header = msgpack.unpackb(view[4 : 4 + hlen])
-        base = 4 + hlen
-        out: list[tuple[dict[str, Any], memoryview | None]] = []
-        for item in header["items"]:
-            if "offset" in item:
-                start, end = base + int(item["offset"]), base + int(item["offset"]) + int(item["nbytes"])
-                if not base <= start <= end <= len(view):
-                    raise ValueError(f"rows [{start}, {end}) are outside the {len(view)}-byte body")
-                out.append((item, view[start:end]))
-            else:
-                out.append((item, None))
-    except Exception as e:
-        raise ProtocolError(f"unreadable rows response: {type(e).__name__}: {e}") from e
-    return out
+        return split_frame(body)
+    except CorruptFrame as e:
+        raise ProtocolError(f"unreadable rows response: {e}") from e
 
 
 def fetch_many_flow(

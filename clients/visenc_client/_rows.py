@@ -9,7 +9,6 @@ each row once, from the mapping into the buffer.
 
 from __future__ import annotations
 
-import struct
 from collections.abc import Generator, Sequence
 from typing import Any
 
@@ -31,7 +30,7 @@ from visenc_client._protocol import (
 from visenc_client._shm import SegmentHandles, SegmentMaps
 from visenc_client._types import RowRange
 from visenc_client.chunks import ChunkPlan
-from visenc_client.format import tensor_words
+from visenc_client.format import FRAME_PREFIX_BYTES, CorruptFrame, frame_header_length, frame_items, tensor_words
 
 Client = httpx.Client | httpx.AsyncClient
 
@@ -135,9 +134,9 @@ def fetch_chunk_flow(
         raise_for_status(resp, (yield from read_all()))
     reader = BodyReader()
     try:
-        (hlen,) = struct.unpack("<I", (yield from reader.read(4)))
-        items = msgpack.unpackb((yield from reader.read(hlen)))["items"]
-    except (struct.error, ValueError, KeyError, TypeError, msgpack.UnpackException) as e:
+        hlen = frame_header_length((yield from reader.read(FRAME_PREFIX_BYTES)))
+        items = frame_items((yield from reader.read(hlen)))
+    except CorruptFrame as e:
         raise ProtocolError(f"unreadable rows response: {e}") from e
     if len(items) != len(plan.pieces):
         raise ProtocolError(f"asked for {len(plan.pieces)} ranges, got {len(items)}")

@@ -1,7 +1,9 @@
 """What the service and its clients agree on, defined once: the stored value of
-an embedding, index keys, image hashes, namespaces, handle statuses and the
-per-item error reasons. Pure Python + numpy + msgpack (no torch, no I/O), so
-the service and every client import the same definitions.
+an embedding, the wire's dtypes and media types, the rows frame, index keys,
+image hashes, namespaces, the handle (its fields and statuses) and the per-item
+error reasons. Pure Python + numpy + msgpack (no torch, no I/O), so the
+service, every client, the engine connectors and the load tests import the
+same definitions.
 
 Stored value, version 1 (all integers little-endian)::
 
@@ -21,6 +23,16 @@ are the byte range ``256 + start*row_bytes .. 256 + end*row_bytes``: one Redis
 magic, version or header does not match is corrupt and must be treated as a
 miss (never served). No pickle: the header is msgpack of plain types.
 
+The rows frame (``application/x-visenc-rows``, the answer of a multi-range
+fetch) is a small header followed by raw rows, never msgpack in full
+(``unpackb`` would copy every ``bin`` value)::
+
+    u32 LE  header_len
+    bytes   msgpack {"items": [{"hash", "start", "end", "shape", "dtype",
+                                "offset", "nbytes"} | {"hash", "status", "error"}]}
+    bytes   the rows of every item, back to back; item k is
+            body[4 + header_len + offset_k : ... + nbytes_k]
+
 Index keys are ``visenc:{namespace}:{fingerprint}:{image_hash}``. The
 fingerprint covers the model, its weights, dtype and preprocessing, so two
 models or two resolutions never share an entry; the namespace isolates tenants.
@@ -32,11 +44,19 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
 import msgpack
 import numpy as np
+
+# --- media types ----------------------------------------------------------------------------
+JSON = "application/json"
+MSGPACK = "application/msgpack"
+#: every name msgpack goes by that the service accepts (``MSGPACK`` is the one it answers with)
+MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
+#: the rows frame (module docstring)
+ROWS_MEDIA_TYPE = "application/x-visenc-rows"
 
 MAGIC = b"VENC"
 VERSION = 1
@@ -227,3 +247,120 @@ Reason = Literal[
     "out_of_memory",  # the image alone does not fit in the device's memory (batches are split and retried first)
 ]
 REASONS: tuple[str, ...] = get_args(Reason)
+
+
+@dataclass(frozen=True, slots=True)
+class Handle:
+    """One image's embedding handle: what a caller learns about one image, enough to lay out its prompt.
+
+    ``status`` is ``ready`` (fetch now), ``pending`` (being encoded; a fetch
+    waits), ``missing`` (not in the index and no bytes were sent) or ``error``
+    (``reason`` says why: ``Reason``). ``num_tokens`` / ``grid_thw`` are known
+    even while pending, so a prompt can be laid out before the embeddings exist.
+    ``rows`` (client side) holds the embedding itself (a read-only ``[num_tokens,
+    hidden]`` array) when the encode asked for ``include_rows`` and the image was
+    ready; it travels beside the wire fields, not among them."""
+
+    hash: str
+    status: Status
+    num_tokens: int | None = None
+    hidden_size: int | None = None
+    dtype: str | None = None
+    grid_thw: tuple[int, int, int] | None = None
+    error: str | None = None
+    reason: Reason | None = None
+    rows: np.ndarray | None = field(default=None, compare=False, repr=False)
+
+    def to_wire(self) -> dict[str, Any]:
+        """The handle's wire fields (``error`` and ``reason`` only on an error)."""
+        out: dict[str, Any] = {
+            "hash": self.hash,
+            "status": self.status,
+            "num_tokens": self.num_tokens,
+            "hidden_size": self.hidden_size,
+            "dtype": self.dtype,
+            "grid_thw": list(self.grid_thw) if self.grid_thw else None,
+        }
+        if self.error is not None:
+            out["error"] = self.error
+            out["reason"] = self.reason
+        return out
+
+    @classmethod
+    def from_wire(cls, d: dict[str, Any], rows: np.ndarray | None = None) -> Handle:
+        """A handle from its wire fields (``KeyError`` / ``ValueError`` / ``TypeError`` if malformed)."""
+        if d["status"] not in STATUSES:
+            raise ValueError(f"unknown handle status {d['status']!r}")
+        grid = d.get("grid_thw")
+        return cls(
+            str(d["hash"]),
+            d["status"],
+            d.get("num_tokens"),
+            d.get("hidden_size"),
+            d.get("dtype"),
+            (int(grid[0]), int(grid[1]), int(grid[2])) if grid else None,
+            d.get("error"),
+            d.get("reason"),
+            rows,
+        )
+
+
+#: the wire fields of a handle (``Handle.to_wire``), in order; the rows travel beside them
+HANDLE_FIELDS: tuple[str, ...] = ("hash", "status", "num_tokens", "hidden_size", "dtype", "grid_thw", "error", "reason")
+
+
+# --- the rows frame ---------------------------------------------------------------------------
+_FRAME_PREFIX = struct.Struct("<I")
+#: bytes of the frame's length prefix
+FRAME_PREFIX_BYTES = _FRAME_PREFIX.size
+
+
+class CorruptFrame(ValueError):
+    """A rows frame that does not parse: a short body, a bad header, rows out of range."""
+
+
+def frame_head(items: list[dict[str, Any]]) -> bytes:
+    """The frame's length prefix and header; the items' rows follow, back to back."""
+    header = msgpack.packb({"items": items})
+    return _FRAME_PREFIX.pack(len(header)) + header
+
+
+def frame_header_length(prefix: bytes | memoryview) -> int:
+    """The header length a frame's first ``FRAME_PREFIX_BYTES`` announce."""
+    if len(prefix) < FRAME_PREFIX_BYTES:
+        raise CorruptFrame("body shorter than the frame's length prefix")
+    return int(_FRAME_PREFIX.unpack_from(prefix, 0)[0])
+
+
+def frame_items(header: bytes | memoryview) -> list[dict[str, Any]]:
+    """The item list of a frame's header."""
+    try:
+        items = msgpack.unpackb(header)["items"]
+    except Exception as e:
+        raise CorruptFrame(f"unreadable frame header: {type(e).__name__}: {e}") from e
+    if not isinstance(items, list) or not all(isinstance(it, dict) for it in items):
+        raise CorruptFrame("the frame header's items are not a list of maps")
+    return items
+
+
+def split_frame(body: bytes | memoryview) -> list[tuple[dict[str, Any], memoryview | None]]:
+    """A whole rows frame as (item header, view of its rows | ``None`` for a failed item) pairs, in order."""
+    view = memoryview(body)
+    hlen = frame_header_length(view)
+    base = FRAME_PREFIX_BYTES + hlen
+    if base > len(view):
+        raise CorruptFrame(f"a {hlen}-byte header overruns the {len(view)}-byte body")
+    out: list[tuple[dict[str, Any], memoryview | None]] = []
+    for item in frame_items(view[FRAME_PREFIX_BYTES:base]):
+        if "offset" not in item:
+            out.append((item, None))
+            continue
+        try:
+            start = base + int(item["offset"])
+            end = start + int(item["nbytes"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise CorruptFrame(f"an item without a readable offset and size: {e}") from e
+        if not base <= start <= end <= len(view):
+            raise CorruptFrame(f"rows [{start}, {end}) are outside the {len(view)}-byte body")
+        out.append((item, view[start:end]))
+    return out

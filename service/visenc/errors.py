@@ -30,6 +30,8 @@ A 500 never echoes internals (the handler logs them and answers a generic text).
 
 from __future__ import annotations
 
+from visenc_client.format import Reason
+
 
 class VisencError(Exception):
     status_code = 500
@@ -37,7 +39,7 @@ class VisencError(Exception):
     #: whether the message may be shown to the caller
     public = False
     #: the per-item reason code (``visenc_client.format.Reason``) when the error is about one image
-    item_reason: str | None = None
+    item_reason: Reason | None = None
 
     def __init__(self, message: str = "internal error", **headers: str) -> None:
         super().__init__(message)
@@ -53,17 +55,17 @@ class BadRequest(VisencError):
 
 class InvalidHash(BadRequest):
     kind = "invalid_hash"
-    item_reason = "invalid_hash"
+    item_reason: Reason | None = "invalid_hash"
 
 
 class InvalidImage(BadRequest):
     kind = "invalid_image"
-    item_reason = "invalid_image"
+    item_reason: Reason | None = "invalid_image"
 
 
 class HashMismatch(BadRequest):
     kind = "hash_mismatch"
-    item_reason = "hash_mismatch"
+    item_reason: Reason | None = "hash_mismatch"
 
 
 class InvalidBody(BadRequest):
@@ -101,7 +103,7 @@ class PayloadTooLarge(VisencError):
 
 class ImageTooLarge(PayloadTooLarge):
     kind = "image_too_large"
-    item_reason = "image_too_large"
+    item_reason: Reason | None = "image_too_large"
 
 
 class UnsupportedMediaType(VisencError):
@@ -139,12 +141,12 @@ class EncodeFailed(VisencError):
     status_code = 500
     kind = "encode_failed"
     public = True
-    item_reason = "encode_failed"
+    item_reason: Reason | None = "encode_failed"
 
 
 class OutOfMemory(EncodeFailed):
     kind = "out_of_memory"
-    item_reason = "out_of_memory"
+    item_reason: Reason | None = "out_of_memory"
 
 
 class NotReady(VisencError):

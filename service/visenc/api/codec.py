@@ -1,20 +1,13 @@
 """Request and response encodings: JSON or msgpack, chosen by Content-Type / Accept.
 
-The fetch response is *not* msgpack-in-full: msgpack's ``unpackb`` copies every
-``bin`` value, so embedding bytes travel as a small header followed by raw rows
-(``application/x-visenc-rows``)::
-
-    u32 LE  header_len
-    bytes   msgpack {"items": [{"hash", "start", "end", "shape", "dtype",
-                                "offset", "nbytes"} | {"hash", "status", "error"}]}
-    bytes   the rows of every item, back to back; item k is
-            body[4 + header_len + offset_k : ... + nbytes_k]
+The multi-range fetch answers a rows frame (``application/x-visenc-rows``), not
+msgpack in full: its layout, and the media types, are defined once in
+``visenc_client.format``, which the clients parse with.
 """
 
 from __future__ import annotations
 
 import json
-import struct
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -25,9 +18,10 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from visenc.errors import BadRequest, InvalidBody, PayloadTooLarge, UnsupportedMediaType, VisencError
+from visenc_client.format import JSON, MSGPACK, MSGPACK_TYPES, ROWS_MEDIA_TYPE, frame_head
 
-MSGPACK_TYPES = ("application/msgpack", "application/x-msgpack", "application/vnd.msgpack")
-ROWS_MEDIA_TYPE = "application/x-visenc-rows"
+__all__ = ["MSGPACK", "MSGPACK_TYPES", "ROWS_MEDIA_TYPE"]
+
 M = TypeVar("M", bound=BaseModel)
 
 
@@ -129,7 +123,7 @@ async def parse(request: Request, model: type[M], limit: int, max_items: int) ->
     before the values are built); the media type must be JSON or msgpack (415,
     checked before the body is read)."""
     media = _media_type(request.headers.get("content-type"))
-    if media not in MSGPACK_TYPES and media not in ("application/json", ""):
+    if media not in MSGPACK_TYPES and media not in (JSON, ""):
         raise UnsupportedMediaType(
             f"Content-Type {media!r} is not supported; use application/json or application/msgpack"
         )
@@ -147,9 +141,9 @@ def render(
     request: Request, payload: dict[str, Any], status_code: int = 200, headers: dict[str, str] | None = None
 ) -> Response:
     if wants_msgpack(request):
-        return Response(msgpack.packb(payload), status_code, headers, media_type="application/msgpack")
+        return Response(msgpack.packb(payload), status_code, headers, media_type=MSGPACK)
     body = json.dumps(payload, separators=(",", ":")).encode()
-    return Response(body, status_code, headers, media_type="application/json")
+    return Response(body, status_code, headers, media_type=JSON)
 
 
 class ChunksResponse(Response):
@@ -171,8 +165,7 @@ class ChunksResponse(Response):
 
 
 def rows_response(meta: list[dict[str, Any]], views: Sequence[memoryview]) -> ChunksResponse:
-    header = msgpack.packb({"items": meta})
-    return ChunksResponse([struct.pack("<I", len(header)) + header, *views], ROWS_MEDIA_TYPE)
+    return ChunksResponse([frame_head(meta), *views], ROWS_MEDIA_TYPE)
 
 
 def error_response(exc: VisencError) -> JSONResponse:

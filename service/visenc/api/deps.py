@@ -9,7 +9,7 @@ from fastapi import Request
 from visenc.api.schemas import ErrorResponse
 from visenc.engine.interface import EngineAPI
 from visenc.errors import BadRequest, NotReady
-from visenc_client.format import NAMESPACE_RULE, Entry, is_valid_namespace
+from visenc_client.format import JSON, MSGPACK, NAMESPACE_RULE, Entry, is_valid_namespace
 
 #: the error answers every /v1 route may give, for the OpenAPI document
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -30,7 +30,7 @@ ERRORS: dict[int | str, dict[str, Any]] = {
 def body_schema(model: type) -> dict[str, Any]:
     """OpenAPI ``requestBody`` for a route that reads ``model`` as JSON or msgpack itself."""
     ref = {"$ref": f"#/components/schemas/{model.__name__}"}
-    content = {"application/json": {"schema": ref}, "application/msgpack": {"schema": ref}}
+    content = {JSON: {"schema": ref}, MSGPACK: {"schema": ref}}
     return {"requestBody": {"required": True, "content": content}}
 
 

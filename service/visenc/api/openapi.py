@@ -17,7 +17,6 @@ from fastapi import FastAPI
 from fastapi.openapi.utils import get_openapi
 from pydantic import BaseModel
 
-from visenc.api.codec import ROWS_MEDIA_TYPE
 from visenc.api.schemas import (
     EncodeRequest,
     EncodeResponse,
@@ -27,8 +26,8 @@ from visenc.api.schemas import (
     ModelInfo,
     ReadyOut,
 )
+from visenc_client.format import JSON, MSGPACK, ROWS_MEDIA_TYPE
 
-JSON, MSGPACK = "application/json", "application/msgpack"
 _REASONS = {
     400: "Bad input: malformed body, bad hash, bad range, corrupt or unsupported image, hash mismatch",
     401: "Missing or unknown API key",

@@ -10,7 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from visenc_client.format import Entry, Status
+from visenc_client.format import Entry, Handle
+
+__all__ = ["EncodeItem", "EngineAPI", "Handle", "Timing"]
 
 
 @dataclass(slots=True)
@@ -19,35 +21,6 @@ class EncodeItem:
 
     hash: str | None = None
     data: bytes | None = None
-
-
-@dataclass(slots=True)
-class Handle:
-    """What a caller learns about one image: enough to lay out its prompt."""
-
-    hash: str
-    status: Status
-    num_tokens: int | None = None
-    hidden_size: int | None = None
-    dtype: str | None = None
-    grid_thw: tuple[int, int, int] | None = None
-    error: str | None = None
-    #: the stable reason code when ``status == "error"`` (``visenc_client.format.Reason``)
-    reason: str | None = None
-
-    def to_wire(self) -> dict[str, Any]:
-        out: dict[str, Any] = {
-            "hash": self.hash,
-            "status": self.status,
-            "num_tokens": self.num_tokens,
-            "hidden_size": self.hidden_size,
-            "dtype": self.dtype,
-            "grid_thw": list(self.grid_thw) if self.grid_thw else None,
-        }
-        if self.error is not None:
-            out["error"] = self.error
-            out["reason"] = self.reason
-        return out
 
 
 @dataclass(slots=True)

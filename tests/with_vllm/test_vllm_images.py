@@ -9,8 +9,9 @@ transparent GIF, BMP, TIFF, extreme aspect ratios, the smallest image, and files
   refuses, where vLLM takes it, only a file whose pixel data Pillow itself reports broken);
 - visenc's handle for it (token count and grid, from the header alone) and its preprocessed input
   equal what vLLM's own multimodal processor makes of the image (placeholder count,
-  ``image_grid_thw``, ``pixel_values``), for Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints; the
-  tower's rows for equal inputs are pinned by the token-identity tests beside this one.
+  ``image_grid_thw`` where the model has one, ``pixel_values``), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL
+  and Gemma 3 checkpoints; the tower's rows for equal inputs are pinned by the token-identity tests
+  beside this one.
 
 This runs vLLM's installed code, so it fails when a vLLM upgrade changes how images load: then
 ``visenc.imaging.decode.LOADERS["vllm"]`` and its version must follow.
@@ -84,34 +85,44 @@ def test_a_rotated_photo_is_encoded_upright():
     assert isinstance(image, Image.Image) and image.size == (160, 240)
 
 
-@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
-def model(request, tmp_path_factory) -> tuple[object, object]:
-    """(vLLM's own multimodal processor, visenc's tower) for a tiny checkpoint of ``arch``."""
+#: the text each architecture's prompt carries for one image (vLLM's processor expands it)
+IMAGE_PROMPTS = {
+    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
+    "gemma3": "<start_of_image>",
+}
+
+
+@pytest.fixture(scope="module", params=sorted(IMAGE_PROMPTS))
+def model(request, tmp_path_factory) -> tuple[object, object, str]:
+    """(vLLM's own multimodal processor, visenc's tower, the image's prompt) for a tiny checkpoint of ``arch``."""
     from vllm.config import ModelConfig
     from vllm.multimodal import MULTIMODAL_REGISTRY
 
     from visenc.models.loading import load_tower
 
-    path = tiny_vlm.build(tmp_path_factory.mktemp(request.param), seed=0, arch=request.param)
+    arch, folder = request.param, tmp_path_factory.mktemp(request.param)
+    path = tiny_vlm.build_gemma3(folder, seed=0) if arch == "gemma3" else tiny_vlm.build(folder, seed=0, arch=arch)
     # normalisation on the host, as the checkpoint's processor does it: pixel_values comparable
     config = ModelConfig(model=str(path), dtype="float32", mm_device_do_normalize=False)
-    return MULTIMODAL_REGISTRY.create_processor(config), load_tower(str(path))
+    return MULTIMODAL_REGISTRY.create_processor(config), load_tower(str(path)), IMAGE_PROMPTS[arch]
 
 
-def vllm_inputs(processor, image: Image.Image) -> tuple[int, tuple[int, ...], np.ndarray]:
-    """(placeholder count, image_grid_thw, pixel_values) vLLM's processor makes of ``image``."""
-    out = processor("<|vision_start|><|image_pad|><|vision_end|>", processor.info.parse_mm_data({"image": [image]}))
+def vllm_inputs(processor, prompt: str, image: Image.Image) -> tuple[int, tuple[int, ...] | None, np.ndarray]:
+    """(placeholder count, image_grid_thw or ``None``, pixel_values) vLLM's processor makes of ``image``."""
+    out = processor(prompt, processor.info.parse_mm_data({"image": [image]}))
     (placeholder,) = out["mm_placeholders"]["image"]
     (item,) = out["mm_kwargs"]["image"]
-    grid = tuple(int(x) for x in item["image_grid_thw"].data.tolist())
+    grid = tuple(int(x) for x in item["image_grid_thw"].data.tolist()) if "image_grid_thw" in item else None
     return int(placeholder.get_num_embeds()), grid, item["pixel_values"].data.float().numpy()
 
 
 @pytest.mark.parametrize("name", sorted(CORPUS))
 def test_handle_and_inputs_equal_vllms_processor(model, name: str) -> None:
-    processor, tower = model
+    processor, tower, prompt = model
     data = CORPUS[name]
     image = vllm_load(data)
     if isinstance(image, Exception) or isinstance(visenc_load(data), VisencError):
         return  # refused (test_decode_equals_vllms_loader_pixel_for_pixel says by whom and why)
-    assert_engine_inputs(tower, data, "vllm", lambda: vllm_inputs(processor, image))
+    assert_engine_inputs(tower, data, "vllm", lambda: vllm_inputs(processor, prompt, image))

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Sequence
-from typing import Protocol
+from typing import Protocol, TypeAlias
 
 from visenc.engine.claims import Claims
 from visenc.engine.job import Job, Place
@@ -28,8 +28,8 @@ from visenc_client.format import Entry
 
 #: how a wait for another replica ended: its entry; ``None``: encode it here (the other replica went away
 #: or took too long); an error: fail the job with it (nobody wants it any more, or shutting down)
-WaitOutcome = Entry | BaseException | None
-WaitEnded = Callable[[Job, WaitOutcome], None]
+WaitOutcome: TypeAlias = Entry | BaseException | None
+WaitEnded: TypeAlias = Callable[[Job, WaitOutcome], None]
 __all__ = ["Coordination", "LocalCoordination", "Place", "SharedCoordination", "WaitEnded", "WaitOutcome"]
 
 

@@ -116,9 +116,9 @@ class Job:
     started_at: float | None = None
     forward_s: float | None = None
     seq: int = field(default_factory=lambda: next(_arrivals))
-    _state: JobState = JobState.NEW
-    _data: bytes | None = None
-    _input: Prepared | None = None
+    _state: JobState = field(default=JobState.NEW, init=False)
+    _data: bytes | None = field(default=None, init=False, repr=False)
+    _input: Prepared | None = field(default=None, init=False, repr=False)
 
     @property
     def state(self) -> JobState:

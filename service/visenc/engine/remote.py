@@ -28,6 +28,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeAlias
 
 from visenc.engine.claims import Claims
 from visenc.engine.job import Job, JobState
@@ -47,7 +48,7 @@ FIRST_POLL_S = 0.001
 
 #: ``(job, outcome, timed_out)``: the entry, ``None`` (encode it here; ``timed_out`` when the other
 #: replica still held the claim after ``claim_wait_s``) or the error to fail the job with
-Ended = Callable[[Job, "Entry | BaseException | None", bool], None]
+Ended: TypeAlias = Callable[[Job, "Entry | BaseException | None", bool], None]
 
 
 @dataclass(eq=False, slots=True)

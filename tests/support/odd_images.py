@@ -125,5 +125,7 @@ def assert_engine_inputs(
     assert prepared.layout == layout
     pixels = prepared.pixels["pixel_values"] if isinstance(prepared.pixels, dict) else prepared.pixels
     pixels = np.asarray(pixels, dtype=np.float32)
+    if pixels.ndim == want.ndim + 1 and pixels.shape[0] == 1:  # a batch of this one image
+        pixels = pixels[0]
     assert pixels.shape == want.shape
     np.testing.assert_allclose(pixels, want, atol=1e-6, rtol=0)

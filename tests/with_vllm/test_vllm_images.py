@@ -9,8 +9,8 @@ transparent GIF, BMP, TIFF, extreme aspect ratios, the smallest image, and files
   refuses, where vLLM takes it, only a file whose pixel data Pillow itself reports broken);
 - visenc's handle for it (token count and grid, from the header alone) and its preprocessed input
   equal what vLLM's own multimodal processor makes of the image (placeholder count,
-  ``image_grid_thw`` where the model has one, ``pixel_values``), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL
-  and Gemma 3 checkpoints; the tower's rows for equal inputs are pinned by the token-identity tests
+  ``image_grid_thw`` where the model has one, ``pixel_values``), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
+  Gemma 3 and Mistral 3 checkpoints; the tower's rows for equal inputs are pinned by the token-identity tests
   beside this one.
 
 This runs vLLM's installed code, so it fails when a vLLM upgrade changes how images load: then
@@ -91,7 +91,10 @@ IMAGE_PROMPTS = {
     "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
     "gemma3": "<start_of_image>",
+    "mistral3": "[IMG]",
 }
+#: builders of the checkpoints that are not Qwen's (``tiny_vlm.build`` makes those)
+BUILDERS = {"gemma3": tiny_vlm.build_gemma3, "mistral3": tiny_vlm.build_mistral3}
 
 
 @pytest.fixture(scope="module", params=sorted(IMAGE_PROMPTS))
@@ -103,7 +106,7 @@ def model(request, tmp_path_factory) -> tuple[object, object, str]:
     from visenc.models.loading import load_tower
 
     arch, folder = request.param, tmp_path_factory.mktemp(request.param)
-    path = tiny_vlm.build_gemma3(folder, seed=0) if arch == "gemma3" else tiny_vlm.build(folder, seed=0, arch=arch)
+    path = BUILDERS[arch](folder, seed=0) if arch in BUILDERS else tiny_vlm.build(folder, seed=0, arch=arch)
     # normalisation on the host, as the checkpoint's processor does it: pixel_values comparable
     config = ModelConfig(model=str(path), dtype="float32", mm_device_do_normalize=False)
     return MULTIMODAL_REGISTRY.create_processor(config), load_tower(str(path)), IMAGE_PROMPTS[arch]

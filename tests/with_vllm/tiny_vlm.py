@@ -282,6 +282,76 @@ def build_gemma3(outdir: str | Path, *, seed: int = 0, vision_seed: int | None =
     return out
 
 
+MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+
+
+def build_mistral3(outdir: str | Path, *, seed: int = 0) -> Path:
+    """A tiny Mistral 3 (Pixtral vision, 14 px patches merged 2x2, images up to 224 px) in the Hub's
+    transformers format, with a tokenizer and ``PixtralProcessor`` configuration vLLM loads offline."""
+    import torch
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    out = Path(outdir)
+    out.mkdir(parents=True, exist_ok=True)
+    tok = _tokenizer(MISTRAL_SPECIALS, bos_token="<s>", eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+    ids = {s: tok.convert_tokens_to_ids(s) for s in MISTRAL_SPECIALS}
+    config = Mistral3Config(
+        vision_config={
+            "model_type": "pixtral",
+            "hidden_size": 64,
+            "intermediate_size": 128,
+            "num_hidden_layers": 2,
+            "num_attention_heads": 2,
+            "head_dim": 32,
+            "image_size": 224,
+            "patch_size": 14,
+        },
+        text_config={
+            **_text_config(len(tok), bos=ids["<s>"], eos=ids["</s>"], pad=ids["<pad>"]),
+            "model_type": "mistral",
+        },
+        image_token_index=ids["[IMG]"],
+        spatial_merge_size=2,
+        vision_feature_layer=-1,
+    )
+    torch.manual_seed(seed)
+    Mistral3ForConditionalGeneration(config).eval().save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "processor_config.json").write_text(
+        json.dumps(
+            {
+                "processor_class": "PixtralProcessor",
+                "patch_size": 14,
+                "spatial_merge_size": 2,
+                "image_token": "[IMG]",
+                "image_break_token": "[IMG_BREAK]",
+                "image_end_token": "[IMG_END]",
+            },
+            indent=2,
+        )
+    )
+    (out / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "image_processor_type": "PixtralImageProcessor",
+                "processor_class": "PixtralProcessor",
+                "size": {"longest_edge": 224},
+                "patch_size": 14,
+                "do_resize": True,
+                "resample": 3,
+                "do_rescale": True,
+                "rescale_factor": 1 / 255,
+                "do_normalize": True,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "do_convert_rgb": True,
+            },
+            indent=2,
+        )
+    )
+    return out
+
+
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("outdir")

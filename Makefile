@@ -64,7 +64,8 @@ $(VLLM_VENV)/.ready: pyproject.toml tests/support/torchvision_cpu_shim.py
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchaudio torchcodec  # audio/video only; CUDA builds that cannot load
 	cp tests/support/torchvision_cpu_shim.py "$(VLLM_SITE)/"
 	echo "import torchvision_cpu_shim; torchvision_cpu_shim.install()" > "$(VLLM_SITE)/torchvision_cpu_shim.pth"
-	$(VLLM_VENV)/bin/pip install -q -e . pytest pytest-asyncio pytest-timeout
+	# num2words: SmolVLM's processor needs it (tests/with_vllm/test_vllm_images.py builds one)
+	$(VLLM_VENV)/bin/pip install -q -e . pytest pytest-asyncio pytest-timeout num2words
 	$(VLLM_VENV)/bin/python -c "import vllm, visenc_client.vllm; print('vllm', vllm.__version__, 'with visenc_client.vllm')"
 	touch $@
 

@@ -9,9 +9,11 @@ transparent GIF, BMP, TIFF, extreme aspect ratios, the smallest image, and files
   refuses, where vLLM takes it, only a file whose pixel data Pillow itself reports broken);
 - visenc's handle for it (token count and grid, from the header alone) and its preprocessed input
   equal what vLLM's own multimodal processor makes of the image (placeholder count,
-  ``image_grid_thw`` where the model has one, ``pixel_values``), for Qwen2-VL, Qwen2.5-VL, Qwen3-VL,
-  Gemma 3 and Mistral 3 checkpoints; the tower's rows for equal inputs are pinned by the token-identity tests
-  beside this one.
+  ``image_grid_thw`` where the model has one, ``pixel_values``), for a tiny checkpoint of every
+  family visenc serves that vLLM's CPU build runs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3,
+  Mistral 3, LLaVA-OneVision, GLM-4.1V, Idefics3, SmolVLM, InternVL), each with its own transformers
+  ``Processor`` as vLLM loads it; the tower's rows for equal inputs are pinned by the token-identity
+  tests beside this one.
 
 This runs vLLM's installed code, so it fails when a vLLM upgrade changes how images load: then
 ``visenc.imaging.decode.LOADERS["vllm"]`` and its version must follow.
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import io
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -85,19 +88,107 @@ def test_a_rotated_photo_is_encoded_upright():
     assert isinstance(image, Image.Image) and image.size == (160, 240)
 
 
-#: the text each architecture's prompt carries for one image (vLLM's processor expands it)
-IMAGE_PROMPTS = {
-    "qwen2_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-    "qwen2_5_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-    "qwen3_vl": "<|vision_start|><|image_pad|><|vision_end|>",
-    "gemma3": "<start_of_image>",
-    "mistral3": "[IMG]",
-}
-#: builders of the checkpoints that are not Qwen's (``tiny_vlm.build`` makes those)
-BUILDERS = {"gemma3": tiny_vlm.build_gemma3, "mistral3": tiny_vlm.build_mistral3}
+def _family(name: str, specials: list[str], token_ids: dict[str, str], processor, **kwargs):
+    """A builder of a tiny ``tests/support/tiny_families.py`` checkpoint vLLM builds its processor for."""
+    return lambda folder: tiny_vlm.build_family_for_vllm(
+        name, folder, specials=specials, token_ids=token_ids, processor=processor, **kwargs
+    )
 
 
-@pytest.fixture(scope="module", params=sorted(IMAGE_PROMPTS))
+def _checkpoints() -> dict[str, tuple[Callable[[Path], Path], str]]:
+    """Per architecture: a builder of a tiny checkpoint, and the text a prompt carries for one image
+    (vLLM's processor expands it). One per family visenc serves that vLLM's CPU build runs."""
+    import transformers as t
+
+    qwen = "<|vision_start|><|image_pad|><|vision_end|>"
+    glm = ["<|image|>", "<|begin_of_image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>", "<|end_of_video|>"]
+    idefics = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+    internvl = {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>",
+    }
+    return {
+        **{
+            arch: (lambda folder, arch=arch: tiny_vlm.build(folder, seed=0, arch=arch), qwen)
+            for arch in tiny_vlm.ARCHES
+        },
+        "gemma3": (lambda folder: tiny_vlm.build_gemma3(folder, seed=0), "<start_of_image>"),
+        "mistral3": (lambda folder: tiny_vlm.build_mistral3(folder, seed=0), "[IMG]"),
+        "llava_onevision": (
+            _family(
+                "llava_onevision",
+                ["<image>", "<video>"],
+                {"image_token_id": "<image>", "video_token_id": "<video>"},
+                lambda ip, tok: t.LlavaOnevisionProcessor(
+                    image_processor=ip,
+                    tokenizer=tok,
+                    video_processor=t.LlavaOnevisionVideoProcessor(),
+                    num_image_tokens=16,
+                    vision_feature_select_strategy="full",
+                    vision_aspect_ratio="anyres_max_4",
+                ),
+            ),
+            "<image>",
+        ),
+        "glm4v": (
+            _family(
+                "glm4v",
+                glm,
+                {
+                    "image_token_id": glm[0],
+                    "image_start_token_id": glm[1],
+                    "image_end_token_id": glm[2],
+                    "video_token_id": glm[3],
+                    "video_start_token_id": glm[4],
+                    "video_end_token_id": glm[5],
+                },
+                lambda ip, tok: t.Glm4vProcessor(
+                    image_processor=ip, tokenizer=tok, video_processor=t.Glm4vVideoProcessor()
+                ),
+            ),
+            glm[1] + glm[0] + glm[2],
+        ),
+        "idefics3": (
+            _family(
+                "idefics3",
+                idefics,
+                {"image_token_id": "<image>"},
+                lambda ip, tok: t.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4),
+            ),
+            "<image>",
+        ),
+        "smolvlm": (
+            _family(
+                "smolvlm",
+                idefics,
+                {"image_token_id": "<image>"},
+                lambda ip, tok: t.SmolVLMProcessor(
+                    image_processor=ip, tokenizer=tok, video_processor=t.SmolVLMVideoProcessor(), image_seq_len=4
+                ),
+            ),
+            "<image>",
+        ),
+        "internvl": (
+            _family(
+                "internvl",
+                list(internvl.values()),
+                {"image_token_id": "<IMG_CONTEXT>"},
+                lambda ip, tok: t.InternVLProcessor(
+                    image_processor=ip, tokenizer=tok, video_processor=t.InternVLVideoProcessor(), image_seq_length=4
+                ),
+                tokenizer_kwargs={"extra_special_tokens": internvl},
+            ),
+            "<IMG_CONTEXT>",
+        ),
+    }
+
+
+CHECKPOINTS = _checkpoints()
+
+
+@pytest.fixture(scope="module", params=sorted(CHECKPOINTS))
 def model(request, tmp_path_factory) -> tuple[object, object, str]:
     """(vLLM's own multimodal processor, visenc's tower, the image's prompt) for a tiny checkpoint of ``arch``."""
     from vllm.config import ModelConfig
@@ -105,11 +196,11 @@ def model(request, tmp_path_factory) -> tuple[object, object, str]:
 
     from visenc.models.loading import load_tower
 
-    arch, folder = request.param, tmp_path_factory.mktemp(request.param)
-    path = BUILDERS[arch](folder, seed=0) if arch in BUILDERS else tiny_vlm.build(folder, seed=0, arch=arch)
+    build, prompt = CHECKPOINTS[request.param]
+    path = build(tmp_path_factory.mktemp(request.param))
     # normalisation on the host, as the checkpoint's processor does it: pixel_values comparable
     config = ModelConfig(model=str(path), dtype="float32", mm_device_do_normalize=False)
-    return MULTIMODAL_REGISTRY.create_processor(config), load_tower(str(path)), IMAGE_PROMPTS[arch]
+    return MULTIMODAL_REGISTRY.create_processor(config), load_tower(str(path)), prompt
 
 
 def vllm_inputs(processor, prompt: str, image: Image.Image) -> tuple[int, tuple[int, ...] | None, np.ndarray]:

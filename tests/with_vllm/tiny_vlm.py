@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import Any
 
 SPECIALS = [
     "<|endoftext|>",
@@ -349,6 +350,36 @@ def build_mistral3(outdir: str | Path, *, seed: int = 0) -> Path:
             indent=2,
         )
     )
+    return out
+
+
+def build_family_for_vllm(
+    name: str,
+    outdir: str | Path,
+    *,
+    specials: list[str],
+    token_ids: dict[str, str],
+    processor: Any,
+    tokenizer_kwargs: dict[str, Any] | None = None,
+) -> Path:
+    """A tiny checkpoint of a family from ``tests/support/tiny_families.py`` that vLLM can build its
+    multimodal processor for: the family's weights and image processor, a tokenizer of
+    ``specials``, the config's token ids (``token_ids``: config attribute -> special) set to the
+    tokenizer's, and the family's own ``Processor`` (``processor(image_processor, tokenizer)``) saved."""
+    from tests.support.tiny_families import build_family
+    from transformers import AutoConfig
+
+    out = Path(outdir)
+    model, image_processor = build_family(name)
+    model.save_pretrained(out)
+    tok = _tokenizer(specials, **(tokenizer_kwargs or {}))
+    tok.save_pretrained(out)
+    config = AutoConfig.from_pretrained(out)
+    for attr, special in token_ids.items():
+        setattr(config, attr, tok.convert_tokens_to_ids(special))
+    config.get_text_config().vocab_size = len(tok)
+    config.save_pretrained(out)
+    processor(image_processor, tok).save_pretrained(out)
     return out
 
 

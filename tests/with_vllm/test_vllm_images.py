@@ -34,6 +34,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 import vllm
 from PIL import Image
 from tests.support.odd_images import LIMIT, assert_engine_inputs, corpus
+from tests.support.tiny_processors import PROCESSORS, save_with_processor
 from vllm.multimodal.media.image import ImageMediaIO
 
 from visenc.errors import VisencError
@@ -88,101 +89,18 @@ def test_a_rotated_photo_is_encoded_upright():
     assert isinstance(image, Image.Image) and image.size == (160, 240)
 
 
-def _family(name: str, specials: list[str], token_ids: dict[str, str], processor, **kwargs):
-    """A builder of a tiny ``tests/support/tiny_families.py`` checkpoint vLLM builds its processor for."""
-    return lambda folder: tiny_vlm.build_family_for_vllm(
-        name, folder, specials=specials, token_ids=token_ids, processor=processor, **kwargs
-    )
-
-
 def _checkpoints() -> dict[str, tuple[Callable[[Path], Path], str]]:
     """Per architecture: a builder of a tiny checkpoint, and the text a prompt carries for one image
     (vLLM's processor expands it). One per family visenc serves that vLLM's CPU build runs."""
-    import transformers as t
-
     qwen = "<|vision_start|><|image_pad|><|vision_end|>"
-    glm = ["<|image|>", "<|begin_of_image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>", "<|end_of_video|>"]
-    idefics = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
-    internvl = {
-        "start_image_token": "<img>",
-        "end_image_token": "</img>",
-        "context_image_token": "<IMG_CONTEXT>",
-        "video_token": "<video>",
+    out: dict[str, tuple[Callable[[Path], Path], str]] = {
+        arch: (lambda folder, arch=arch: tiny_vlm.build(folder, seed=0, arch=arch), qwen) for arch in tiny_vlm.ARCHES
     }
-    return {
-        **{
-            arch: (lambda folder, arch=arch: tiny_vlm.build(folder, seed=0, arch=arch), qwen)
-            for arch in tiny_vlm.ARCHES
-        },
-        "gemma3": (lambda folder: tiny_vlm.build_gemma3(folder, seed=0), "<start_of_image>"),
-        "mistral3": (lambda folder: tiny_vlm.build_mistral3(folder, seed=0), "[IMG]"),
-        "llava_onevision": (
-            _family(
-                "llava_onevision",
-                ["<image>", "<video>"],
-                {"image_token_id": "<image>", "video_token_id": "<video>"},
-                lambda ip, tok: t.LlavaOnevisionProcessor(
-                    image_processor=ip,
-                    tokenizer=tok,
-                    video_processor=t.LlavaOnevisionVideoProcessor(),
-                    num_image_tokens=16,
-                    vision_feature_select_strategy="full",
-                    vision_aspect_ratio="anyres_max_4",
-                ),
-            ),
-            "<image>",
-        ),
-        "glm4v": (
-            _family(
-                "glm4v",
-                glm,
-                {
-                    "image_token_id": glm[0],
-                    "image_start_token_id": glm[1],
-                    "image_end_token_id": glm[2],
-                    "video_token_id": glm[3],
-                    "video_start_token_id": glm[4],
-                    "video_end_token_id": glm[5],
-                },
-                lambda ip, tok: t.Glm4vProcessor(
-                    image_processor=ip, tokenizer=tok, video_processor=t.Glm4vVideoProcessor()
-                ),
-            ),
-            glm[1] + glm[0] + glm[2],
-        ),
-        "idefics3": (
-            _family(
-                "idefics3",
-                idefics,
-                {"image_token_id": "<image>"},
-                lambda ip, tok: t.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4),
-            ),
-            "<image>",
-        ),
-        "smolvlm": (
-            _family(
-                "smolvlm",
-                idefics,
-                {"image_token_id": "<image>"},
-                lambda ip, tok: t.SmolVLMProcessor(
-                    image_processor=ip, tokenizer=tok, video_processor=t.SmolVLMVideoProcessor(), image_seq_len=4
-                ),
-            ),
-            "<image>",
-        ),
-        "internvl": (
-            _family(
-                "internvl",
-                list(internvl.values()),
-                {"image_token_id": "<IMG_CONTEXT>"},
-                lambda ip, tok: t.InternVLProcessor(
-                    image_processor=ip, tokenizer=tok, video_processor=t.InternVLVideoProcessor(), image_seq_length=4
-                ),
-                tokenizer_kwargs={"extra_special_tokens": internvl},
-            ),
-            "<IMG_CONTEXT>",
-        ),
-    }
+    out["gemma3"] = (lambda folder: tiny_vlm.build_gemma3(folder, seed=0), "<start_of_image>")
+    out["mistral3"] = (lambda folder: tiny_vlm.build_mistral3(folder, seed=0), "[IMG]")
+    for name in ("llava_onevision", "glm4v", "idefics3", "smolvlm", "internvl"):
+        out[name] = (lambda folder, name=name: save_with_processor(name, folder), PROCESSORS[name].prompt)
+    return out
 
 
 CHECKPOINTS = _checkpoints()

@@ -12,8 +12,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
-from typing import Any
+
+if str(ROOT := Path(__file__).resolve().parents[2]) not in sys.path:  # run as a script: tests.support
+    sys.path.insert(0, str(ROOT))
 
 SPECIALS = [
     "<|endoftext|>",
@@ -40,18 +43,10 @@ GEMMA_SPECIALS = ["<pad>", "<bos>", "<eos>", "<start_of_image>", "<end_of_image>
 
 
 def _tokenizer(specials: list[str] | None = None, **kwargs):
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tests.support.tiny_processors import byte_tokenizer
 
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    vocab = {ch: i for i, ch in enumerate(sorted(alphabet))}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = byte_level
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(specials or SPECIALS)
     names = {"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>"} if specials is None else {}
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096, **names, **kwargs)
+    fast = byte_tokenizer(specials or SPECIALS, **names, **kwargs)
     fast.chat_template = CHAT_TEMPLATE
     return fast
 
@@ -350,36 +345,6 @@ def build_mistral3(outdir: str | Path, *, seed: int = 0) -> Path:
             indent=2,
         )
     )
-    return out
-
-
-def build_family_for_vllm(
-    name: str,
-    outdir: str | Path,
-    *,
-    specials: list[str],
-    token_ids: dict[str, str],
-    processor: Any,
-    tokenizer_kwargs: dict[str, Any] | None = None,
-) -> Path:
-    """A tiny checkpoint of a family from ``tests/support/tiny_families.py`` that vLLM can build its
-    multimodal processor for: the family's weights and image processor, a tokenizer of
-    ``specials``, the config's token ids (``token_ids``: config attribute -> special) set to the
-    tokenizer's, and the family's own ``Processor`` (``processor(image_processor, tokenizer)``) saved."""
-    from tests.support.tiny_families import build_family
-    from transformers import AutoConfig
-
-    out = Path(outdir)
-    model, image_processor = build_family(name)
-    model.save_pretrained(out)
-    tok = _tokenizer(specials, **(tokenizer_kwargs or {}))
-    tok.save_pretrained(out)
-    config = AutoConfig.from_pretrained(out)
-    for attr, special in token_ids.items():
-        setattr(config, attr, tok.convert_tokens_to_ids(special))
-    config.get_text_config().vocab_size = len(tok)
-    config.save_pretrained(out)
-    processor(image_processor, tok).save_pretrained(out)
     return out
 
 

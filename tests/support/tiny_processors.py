@@ -1,0 +1,173 @@
+"""Each tiny family's own transformers ``Processor`` (image processor + a tokenizer), saved beside its
+checkpoint, so that transformers' ``AutoProcessor`` and vLLM's multimodal processor both load it.
+
+``byte_tokenizer(specials)`` is a byte-level tokenizer (256 byte tokens, no merges: nothing to
+download) with the family's special tokens; ``save_with_processor(name, outdir)`` writes a
+``tiny_families`` checkpoint whose config takes the tokenizer's ids for its special tokens, and the
+family's ``Processor``. ``PROCESSORS[name].prompt`` is the text a prompt carries for one image (the
+processor expands it into the image's placeholder span), ``.image_token`` the placeholder of a row.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def byte_tokenizer(specials: list[str], **kwargs: Any) -> Any:
+    """A byte-level BPE tokenizer without merges, with ``specials`` as special tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(specials)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096, **kwargs)
+
+
+@dataclass(frozen=True)
+class ProcessorSpec:
+    """How a family's ``Processor`` is made: its special tokens, the config attributes that name
+    their ids, the processor (``make(image_processor, tokenizer)``), and the prompt of one image."""
+
+    specials: list[str]
+    token_ids: dict[str, str]
+    make: Callable[[Any, Any], Any]
+    prompt: str
+    image_token: str
+    tokenizer_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+def _specs() -> dict[str, ProcessorSpec]:
+    import transformers as t
+
+    qwen = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
+    glm = ["<|image|>", "<|begin_of_image|>", "<|end_of_image|>", "<|video|>", "<|begin_of_video|>", "<|end_of_video|>"]
+    idefics = ["<image>", "<fake_token_around_image>", "<global-img>", "<end_of_utterance>"]
+    gemma = {"boi_token": "<start_of_image>", "eoi_token": "<end_of_image>", "image_token": "<image_soft_token>"}
+    internvl = {
+        "start_image_token": "<img>",
+        "end_image_token": "</img>",
+        "context_image_token": "<IMG_CONTEXT>",
+        "video_token": "<video>",
+    }
+    mistral = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    return {
+        "qwen3_vl": ProcessorSpec(
+            qwen,
+            {"image_token_id": qwen[1], "video_token_id": qwen[3]},
+            lambda ip, tok: t.Qwen3VLProcessor(
+                image_processor=ip, tokenizer=tok, video_processor=t.Qwen3VLVideoProcessor()
+            ),
+            qwen[0] + qwen[1] + qwen[2],
+            qwen[1],
+        ),
+        "gemma3": ProcessorSpec(
+            [*gemma.values(), "\n\n"],
+            {"image_token_index": gemma["image_token"], "boi_token_index": gemma["boi_token"]},
+            lambda ip, tok: t.Gemma3Processor(image_processor=ip, tokenizer=tok, image_seq_length=16),
+            gemma["boi_token"],
+            gemma["image_token"],
+            {"extra_special_tokens": gemma},
+        ),
+        "mistral3": ProcessorSpec(
+            mistral,
+            {"image_token_index": "[IMG]"},
+            lambda ip, tok: t.PixtralProcessor(
+                image_processor=ip,
+                tokenizer=tok,
+                patch_size=14,
+                spatial_merge_size=2,
+                image_token=mistral[0],
+                image_break_token=mistral[1],
+                image_end_token=mistral[2],
+            ),
+            "[IMG]",
+            "[IMG]",
+        ),
+        "llava_onevision": ProcessorSpec(
+            ["<image>", "<video>"],
+            {"image_token_id": "<image>", "video_token_id": "<video>"},
+            lambda ip, tok: t.LlavaOnevisionProcessor(
+                image_processor=ip,
+                tokenizer=tok,
+                video_processor=t.LlavaOnevisionVideoProcessor(),
+                num_image_tokens=16,
+                vision_feature_select_strategy="full",
+                vision_aspect_ratio="anyres_max_4",
+            ),
+            "<image>",
+            "<image>",
+        ),
+        "glm4v": ProcessorSpec(
+            glm,
+            {
+                "image_token_id": glm[0],
+                "image_start_token_id": glm[1],
+                "image_end_token_id": glm[2],
+                "video_token_id": glm[3],
+                "video_start_token_id": glm[4],
+                "video_end_token_id": glm[5],
+            },
+            lambda ip, tok: t.Glm4vProcessor(
+                image_processor=ip, tokenizer=tok, video_processor=t.Glm4vVideoProcessor()
+            ),
+            glm[1] + glm[0] + glm[2],
+            glm[0],
+        ),
+        "idefics3": ProcessorSpec(
+            idefics,
+            {"image_token_id": "<image>"},
+            lambda ip, tok: t.Idefics3Processor(image_processor=ip, tokenizer=tok, image_seq_len=4),
+            "<image>",
+            "<image>",
+        ),
+        "smolvlm": ProcessorSpec(
+            idefics,
+            {"image_token_id": "<image>"},
+            lambda ip, tok: t.SmolVLMProcessor(
+                image_processor=ip, tokenizer=tok, video_processor=t.SmolVLMVideoProcessor(), image_seq_len=4
+            ),
+            "<image>",
+            "<image>",
+        ),
+        "internvl": ProcessorSpec(
+            list(internvl.values()),
+            {"image_token_id": "<IMG_CONTEXT>"},
+            lambda ip, tok: t.InternVLProcessor(
+                image_processor=ip, tokenizer=tok, video_processor=t.InternVLVideoProcessor(), image_seq_length=4
+            ),
+            "<IMG_CONTEXT>",
+            "<IMG_CONTEXT>",
+            {"extra_special_tokens": internvl},
+        ),
+    }
+
+
+PROCESSORS = _specs()
+
+
+def save_with_processor(name: str, outdir: str | Path, seed: int = 0) -> Path:
+    """A tiny ``tiny_families`` checkpoint of ``name`` with its tokenizer and ``Processor`` saved beside
+    it; the config's special-token ids are the tokenizer's (its text vocabulary grows to the
+    tokenizer's; the language model's own weights are not what any test reads)."""
+    from tests.support.tiny_families import build_family
+    from transformers import AutoConfig
+
+    spec = PROCESSORS[name]
+    out = Path(outdir)
+    model, image_processor = build_family(name, seed)
+    model.save_pretrained(out)
+    tok = byte_tokenizer(spec.specials, **spec.tokenizer_kwargs)
+    tok.save_pretrained(out)
+    config = AutoConfig.from_pretrained(out)
+    for attr, special in spec.token_ids.items():
+        setattr(config, attr, tok.convert_tokens_to_ids(special))
+    config.get_text_config().vocab_size = len(tok)
+    config.save_pretrained(out)
+    spec.make(image_processor, tok).save_pretrained(out)
+    return out

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from transformers.image_utils import ChannelDimension
 from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
 
 from visenc.errors import InvalidImage
@@ -57,9 +58,13 @@ class Mistral3Tower(FamilyTower):
         p = self.processor
         longest = p.size["longest_edge"] if isinstance(p.size, dict) else p.size.longest_edge
         merged = self._merged_patch()
-        # only the shape is read: a zero-stride view, no pixels allocated
+        # only the shape is read: a zero-stride view, no pixels allocated; its axes are named, as the
+        # processor names them for a PIL image (left to guess, transformers reads an image 1 or 3
+        # pixels tall as channels-first and transposes the grid)
         shape_only = np.broadcast_to(np.zeros((1, 1, 1), np.uint8), (height, width, 3))
-        h, w = get_resize_output_image_size(shape_only, size=(longest, longest), patch_size=(merged, merged))
+        h, w = get_resize_output_image_size(
+            shape_only, size=(longest, longest), patch_size=(merged, merged), input_data_format=ChannelDimension.LAST
+        )
         return int(h), int(w)
 
     def layout(self, width: int, height: int) -> TokenLayout:

@@ -10,6 +10,7 @@ processor expands it into the image's placeholder span), ``.image_token`` the pl
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -40,6 +41,8 @@ class ProcessorSpec:
     prompt: str
     image_token: str
     tokenizer_kwargs: dict[str, Any] = field(default_factory=dict)
+    #: further config values the engines read (``sub_config.attribute`` -> value)
+    config: dict[str, Any] = field(default_factory=dict)
 
 
 def _specs() -> dict[str, ProcessorSpec]:
@@ -56,6 +59,15 @@ def _specs() -> dict[str, ProcessorSpec]:
         "video_token": "<video>",
     }
     mistral = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
+    gemma4 = {
+        "boi_token": "<|image>",
+        "eoi_token": "<image|>",
+        "image_token": "<|image|>",
+        # transformers' Gemma4Processor asks for its audio tokens even without audio
+        "audio_token": "<|audio|>",
+        "boa_token": "<|audio>",
+        "eoa_token": "<audio|>",
+    }
     return {
         "qwen3_vl": ProcessorSpec(
             qwen,
@@ -73,6 +85,21 @@ def _specs() -> dict[str, ProcessorSpec]:
             gemma["boi_token"],
             gemma["image_token"],
             {"extra_special_tokens": gemma},
+        ),
+        "gemma4": ProcessorSpec(
+            [*gemma4.values(), "<pad>"],
+            {"image_token_id": gemma4["image_token"], "boi_token_id": gemma4["boi_token"]},
+            lambda ip, tok: t.Gemma4Processor(
+                feature_extractor=t.Gemma4AudioFeatureExtractor(),
+                image_processor=ip,
+                tokenizer=tok,
+                video_processor=t.Gemma4VideoProcessor(),
+                image_seq_length=ip.max_soft_tokens,
+            ),
+            gemma4["image_token"],
+            gemma4["image_token"],
+            {"extra_special_tokens": gemma4, "pad_token": "<pad>"},
+            {"vision_config.default_output_length": 70},  # tiny_families' max_soft_tokens
         ),
         "mistral3": ProcessorSpec(
             mistral,
@@ -167,6 +194,9 @@ def save_with_processor(name: str, outdir: str | Path, seed: int = 0) -> Path:
     config = AutoConfig.from_pretrained(out)
     for attr, special in spec.token_ids.items():
         setattr(config, attr, tok.convert_tokens_to_ids(special))
+    for path, value in spec.config.items():
+        *parents, attr = path.split(".")
+        setattr(functools.reduce(getattr, parents, config), attr, value)
     config.get_text_config().vocab_size = len(tok)
     config.save_pretrained(out)
     spec.make(image_processor, tok).save_pretrained(out)

@@ -11,7 +11,7 @@ transparent GIF, BMP, TIFF, extreme aspect ratios, the smallest image, and files
   equal what vLLM's own multimodal processor makes of the image (placeholder count,
   ``image_grid_thw`` where the model has one, ``pixel_values``), for a tiny checkpoint of every
   family visenc serves that vLLM's CPU build runs (Qwen2-VL, Qwen2.5-VL, Qwen3-VL, Gemma 3,
-  Mistral 3, LLaVA-OneVision, GLM-4.1V, Idefics3, SmolVLM, InternVL), each with its own transformers
+  Gemma 4, Mistral 3, LLaVA-OneVision, GLM-4.1V, Idefics3, SmolVLM, InternVL), each with its own transformers
   ``Processor`` as vLLM loads it; the tower's rows for equal inputs are pinned by the token-identity
   tests beside this one.
 
@@ -98,7 +98,7 @@ def _checkpoints() -> dict[str, tuple[Callable[[Path], Path], str]]:
     }
     out["gemma3"] = (lambda folder: tiny_vlm.build_gemma3(folder, seed=0), "<start_of_image>")
     out["mistral3"] = (lambda folder: tiny_vlm.build_mistral3(folder, seed=0), "[IMG]")
-    for name in ("llava_onevision", "glm4v", "idefics3", "smolvlm", "internvl"):
+    for name in ("llava_onevision", "glm4v", "idefics3", "smolvlm", "internvl", "gemma4"):
         out[name] = (lambda folder, name=name: save_with_processor(name, folder), PROCESSORS[name].prompt)
     return out
 

@@ -47,6 +47,8 @@ def images() -> list[list[bytes]]:
 
 
 def text(n_images: int, model_type: str = "qwen2_vl") -> str:
+    if model_type == "mistral3":
+        return "<s>user\n" + "[IMG]" * n_images + "Describe the pictures.\nassistant\n"
     if model_type == "gemma3":
         return "<bos>user\n" + "<start_of_image>" * n_images + "Describe the pictures.\nmodel\n"
     pads = "<|vision_start|><|image_pad|><|vision_end|>" * n_images

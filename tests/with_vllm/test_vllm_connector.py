@@ -152,15 +152,17 @@ def test_openai_server_behind_visenc_proxy(checkpoints, visenc):
             stop_process(proc)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "gemma3"])
+@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "gemma3", "mistral3"])
 def test_other_families_through_the_connector(arch, tmp_path):
     """Qwen2.5-VL (window attention), Qwen3-VL (rows carry the deepstack levels,
-    ``[main | ds_1 | ds_2]``, as vLLM's encoder cache does) and Gemma 3 (SigLIP, pooled, in a
-    Hub-format checkpoint): the wrong copy with the connector gives the right checkpoint's
+    ``[main | ds_1 | ds_2]``, as vLLM's encoder cache does), Gemma 3 (SigLIP, pooled, in a
+    Hub-format checkpoint) and Mistral 3 (Pixtral, 2-D rotary positions, patches merged 2x2, images
+    resized to fit 224 px): the wrong copy with the connector gives the right checkpoint's
     tokens, and alone it does not."""
-    if arch == "gemma3":
-        right = tiny_vlm.build_gemma3(tmp_path / "right", seed=0)
-        wrong = tiny_vlm.build_gemma3(tmp_path / "wrong", seed=0, vision_seed=1)
+    if arch in ("gemma3", "mistral3"):
+        build = tiny_vlm.build_gemma3 if arch == "gemma3" else tiny_vlm.build_mistral3
+        right = build(tmp_path / "right", seed=0)
+        wrong = build(tmp_path / "wrong", seed=0, vision_seed=1)
     else:
         right = tiny_vlm.build(tmp_path / "right", seed=0, arch=arch)
         wrong = tiny_vlm.build(tmp_path / "wrong", seed=0, vision_seed=1, arch=arch)
@@ -170,7 +172,16 @@ def test_other_families_through_the_connector(arch, tmp_path):
             for datas in run_vllm.images():
                 assert all(h.status == "ready" for h in vc.encode(datas))
         same(vllm_run(wrong, "--in-process", "--visenc", url), reference)
-    assert [r["tokens"] for r in vllm_run(wrong, "--in-process")] != [r["tokens"] for r in reference]
+    assert differs(vllm_run(wrong, "--in-process"), reference)
+
+
+def differs(got: list[dict], want: list[dict]) -> bool:
+    """Whether two runs disagree beyond what ``same`` tolerates tenfold: other tokens, or the same
+    tokens with logprobs moved by over ``10 * LOGPROB_ATOL`` (a tiny model can be too flat for its
+    greedy tokens to follow the picture; its logprobs still do)."""
+    if [r["tokens"] for r in got] != [r["tokens"] for r in want]:
+        return True
+    return max(abs(a - b) for g, w in zip(got, want) for a, b in zip(g["logprobs"], w["logprobs"])) > 10 * LOGPROB_ATOL
 
 
 def _scheduler_side(monkeypatch, obtain, defer_timeout_s=0.5):

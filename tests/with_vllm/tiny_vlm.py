@@ -281,7 +281,7 @@ def build_gemma3(outdir: str | Path, *, seed: int = 0, vision_seed: int | None =
 MISTRAL_SPECIALS = ["<unk>", "<s>", "</s>", "<pad>", "[IMG]", "[IMG_BREAK]", "[IMG_END]"]
 
 
-def build_mistral3(outdir: str | Path, *, seed: int = 0) -> Path:
+def build_mistral3(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None) -> Path:
     """A tiny Mistral 3 (Pixtral vision, 14 px patches merged 2x2, images up to 224 px) in the Hub's
     transformers format, with a tokenizer and ``PixtralProcessor`` configuration vLLM loads offline."""
     import torch
@@ -311,7 +311,15 @@ def build_mistral3(outdir: str | Path, *, seed: int = 0) -> Path:
         vision_feature_layer=-1,
     )
     torch.manual_seed(seed)
-    Mistral3ForConditionalGeneration(config).eval().save_pretrained(out)
+    model = Mistral3ForConditionalGeneration(config).eval()
+    with torch.no_grad():  # a projector of random small weights: give the image path weight to matter
+        for param in model.model.multi_modal_projector.parameters():
+            param.normal_(0.0, 0.5)
+    if vision_seed is not None and vision_seed != seed:
+        torch.manual_seed(vision_seed)
+        other = Mistral3ForConditionalGeneration(config).eval()
+        model.model.vision_tower.load_state_dict(other.model.vision_tower.state_dict())
+    model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "processor_config.json").write_text(
         json.dumps(

@@ -30,6 +30,20 @@ def byte_tokenizer(specials: list[str], **kwargs: Any) -> Any:
     return PreTrainedTokenizerFast(tokenizer_object=tok, model_max_length=4096, **kwargs)
 
 
+def hub_siglip_names(file: Path) -> None:
+    """Rewrite SigLIP vision tensors' names as Hub checkpoints have them (``vision_tower.vision_model.*``):
+    vLLM's loader expects that nesting, which ``save_pretrained`` of transformers 5.x leaves out
+    (visenc loads either)."""
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(file)
+    fixed = {
+        ("vision_tower.vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.") else k): v
+        for k, v in tensors.items()
+    }
+    save_file({k: v.contiguous() for k, v in fixed.items()}, file, metadata={"format": "pt"})
+
+
 @dataclass(frozen=True)
 class ProcessorSpec:
     """How a family's ``Processor`` is made: its special tokens, the config attributes that name
@@ -178,26 +192,35 @@ def _specs() -> dict[str, ProcessorSpec]:
 PROCESSORS = _specs()
 
 
-def save_with_processor(name: str, outdir: str | Path, seed: int = 0) -> Path:
+def save_with_processor(name: str, outdir: str | Path, seed: int = 0, vision_seed: int | None = None) -> Path:
     """A tiny ``tiny_families`` checkpoint of ``name`` with its tokenizer and ``Processor`` saved beside
-    it; the config's special-token ids are the tokenizer's (its text vocabulary grows to the
-    tokenizer's; the language model's own weights are not what any test reads)."""
+    it, whole enough for vLLM to load and run: the config's special-token ids are the tokenizer's and
+    the language model's embeddings grow to its vocabulary. ``vision_seed`` redraws the image path
+    (everything but the language model): a copy whose own image embeddings are wrong."""
+    import torch
     from tests.support.tiny_families import build_family
-    from transformers import AutoConfig
 
     spec = PROCESSORS[name]
     out = Path(outdir)
     model, image_processor = build_family(name, seed)
-    model.save_pretrained(out)
+    if vision_seed is not None and vision_seed != seed:
+        other = dict(build_family(name, vision_seed)[0].named_parameters())
+        language = {id(p) for m in (model.get_decoder(), model.get_output_embeddings()) for p in m.parameters()}
+        with torch.no_grad():
+            for key, param in model.named_parameters():
+                if id(param) not in language:
+                    param.copy_(other[key])
     tok = byte_tokenizer(spec.specials, **spec.tokenizer_kwargs)
-    tok.save_pretrained(out)
-    config = AutoConfig.from_pretrained(out)
+    config = model.config
     for attr, special in spec.token_ids.items():
         setattr(config, attr, tok.convert_tokens_to_ids(special))
     for path, value in spec.config.items():
         *parents, attr = path.split(".")
         setattr(functools.reduce(getattr, parents, config), attr, value)
-    config.get_text_config().vocab_size = len(tok)
-    config.save_pretrained(out)
+    model.resize_token_embeddings(len(tok))
+    model.save_pretrained(out)
+    if getattr(config, "vision_config", None) is not None and config.vision_config.model_type == "siglip_vision_model":
+        hub_siglip_names(out / "model.safetensors")
+    tok.save_pretrained(out)
     spec.make(image_processor, tok).save_pretrained(out)
     return out

@@ -46,7 +46,20 @@ def images() -> list[list[bytes]]:
     return [[picture(w, h, 100 * p + i) for i, (w, h) in enumerate(sizes)] for p, sizes in enumerate(PROMPTS)]
 
 
+#: one image's prompt text for the families built by tests/support/tiny_processors.py (by model_type)
+FAMILY_PROMPTS = {
+    "llava_onevision": "<image>",
+    "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
+    "idefics3": "<image>",
+    "smolvlm": "<image>",
+    "internvl": "<IMG_CONTEXT>",
+    "gemma4": "<|image|>",
+}
+
+
 def text(n_images: int, model_type: str = "qwen2_vl") -> str:
+    if model_type in FAMILY_PROMPTS:
+        return "user\n" + FAMILY_PROMPTS[model_type] * n_images + "Describe the pictures.\nassistant\n"
     if model_type == "mistral3":
         return "<s>user\n" + "[IMG]" * n_images + "Describe the pictures.\nassistant\n"
     if model_type == "gemma3":

@@ -24,6 +24,7 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
 from tests.conftest import free_port, serve_process
+from tests.support import tiny_processors
 
 from visenc_client import Client
 
@@ -152,14 +153,21 @@ def test_openai_server_behind_visenc_proxy(checkpoints, visenc):
             stop_process(proc)
 
 
-@pytest.mark.parametrize("arch", ["qwen2_5_vl", "qwen3_vl", "gemma3", "mistral3"])
+@pytest.mark.parametrize(
+    "arch", ["qwen2_5_vl", "qwen3_vl", "gemma3", "mistral3", "internvl", "idefics3", "smolvlm", "llava_onevision"]
+)
 def test_other_families_through_the_connector(arch, tmp_path):
     """Qwen2.5-VL (window attention), Qwen3-VL (rows carry the deepstack levels,
     ``[main | ds_1 | ds_2]``, as vLLM's encoder cache does), Gemma 3 (SigLIP, pooled, in a
-    Hub-format checkpoint) and Mistral 3 (Pixtral, 2-D rotary positions, patches merged 2x2, images
-    resized to fit 224 px): the wrong copy with the connector gives the right checkpoint's
-    tokens, and alone it does not."""
-    if arch in ("gemma3", "mistral3"):
+    Hub-format checkpoint), Mistral 3 (Pixtral, 2-D rotary positions, patches merged 2x2, images
+    resized to fit 224 px), InternVL (tiles plus a thumbnail, pixel shuffle), Idefics3 / SmolVLM
+    (tiles plus a global image, the rows of each among text tokens) and LLaVA-OneVision (anyres
+    tiles, unpadded, a learnt newline row after each row of patches): the wrong copy with the
+    connector gives the right checkpoint's tokens, and alone it does not."""
+    if arch in tiny_processors.PROCESSORS and arch not in ("gemma3", "mistral3", "qwen3_vl"):
+        right = tiny_processors.save_with_processor(arch, tmp_path / "right")
+        wrong = tiny_processors.save_with_processor(arch, tmp_path / "wrong", vision_seed=1)
+    elif arch in ("gemma3", "mistral3"):
         build = tiny_vlm.build_gemma3 if arch == "gemma3" else tiny_vlm.build_mistral3
         right = build(tmp_path / "right", seed=0)
         wrong = build(tmp_path / "wrong", seed=0, vision_seed=1)

@@ -187,22 +187,10 @@ def build(
     return out
 
 
-def _hub_siglip_names(file: Path) -> None:
-    """Rewrite the vision tensors' names as Hub checkpoints have them (``vision_tower.vision_model.*``):
-    vLLM's loader expects that nesting, which ``save_pretrained`` of transformers 5.x leaves out."""
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(file)
-    fixed = {
-        ("vision_tower.vision_model." + k.removeprefix("vision_tower.") if k.startswith("vision_tower.") else k): v
-        for k, v in tensors.items()
-    }
-    save_file({k: v.contiguous() for k, v in fixed.items()}, file, metadata={"format": "pt"})
-
-
 def build_gemma3(outdir: str | Path, *, seed: int = 0, vision_seed: int | None = None) -> Path:
     """A tiny Gemma 3: SigLIP at 112 px (8x8 patches, pooled to 16 image tokens), a 2-layer text model."""
     import torch
+    from tests.support.tiny_processors import hub_siglip_names
     from transformers import Gemma3Config, Gemma3ForConditionalGeneration
 
     out = Path(outdir)
@@ -251,7 +239,7 @@ def build_gemma3(outdir: str | Path, *, seed: int = 0, vision_seed: int | None =
         other = Gemma3ForConditionalGeneration(config).eval()
         model.model.vision_tower.load_state_dict(other.model.vision_tower.state_dict())
     model.save_pretrained(out)
-    _hub_siglip_names(out / "model.safetensors")
+    hub_siglip_names(out / "model.safetensors")
     tok.save_pretrained(out)
     (out / "processor_config.json").write_text(
         json.dumps({"processor_class": "Gemma3Processor", "image_seq_length": 16}, indent=2)

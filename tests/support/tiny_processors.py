@@ -101,8 +101,16 @@ def _specs() -> dict[str, ProcessorSpec]:
             {"extra_special_tokens": gemma},
         ),
         "gemma4": ProcessorSpec(
-            [*gemma4.values(), "<pad>"],
-            {"image_token_id": gemma4["image_token"], "boi_token_id": gemma4["boi_token"]},
+            [*gemma4.values(), "<|video|>", "<pad>"],
+            {
+                "image_token_id": gemma4["image_token"],
+                "boi_token_id": gemma4["boi_token"],
+                "eoi_token_id": gemma4["eoi_token"],
+                "audio_token_id": gemma4["audio_token"],
+                "boa_token_id": gemma4["boa_token"],
+                "eoa_token_index": gemma4["eoa_token"],
+                "video_token_id": "<|video|>",
+            },
             lambda ip, tok: t.Gemma4Processor(
                 feature_extractor=t.Gemma4AudioFeatureExtractor(),
                 image_processor=ip,
@@ -159,6 +167,16 @@ def _specs() -> dict[str, ProcessorSpec]:
             ),
             glm[1] + glm[0] + glm[2],
             glm[0],
+            {},
+            # vLLM's GLM-4 rotates half of each head (partial_rotary_factor 0.5): the sections split that half
+            {
+                "text_config.rope_parameters": {
+                    "rope_type": "default",
+                    "mrope_section": [2, 3, 3],
+                    "rope_theta": 1e4,
+                    "partial_rotary_factor": 0.5,
+                }
+            },
         ),
         "idefics3": ProcessorSpec(
             idefics,

@@ -154,7 +154,19 @@ def test_openai_server_behind_visenc_proxy(checkpoints, visenc):
 
 
 @pytest.mark.parametrize(
-    "arch", ["qwen2_5_vl", "qwen3_vl", "gemma3", "mistral3", "internvl", "idefics3", "smolvlm", "llava_onevision"]
+    "arch",
+    [
+        "qwen2_5_vl",
+        "qwen3_vl",
+        "gemma3",
+        "mistral3",
+        "internvl",
+        "idefics3",
+        "smolvlm",
+        "llava_onevision",
+        "glm4v",
+        "gemma4",
+    ],
 )
 def test_other_families_through_the_connector(arch, tmp_path):
     """Qwen2.5-VL (window attention), Qwen3-VL (rows carry the deepstack levels,
@@ -162,7 +174,9 @@ def test_other_families_through_the_connector(arch, tmp_path):
     Hub-format checkpoint), Mistral 3 (Pixtral, 2-D rotary positions, patches merged 2x2, images
     resized to fit 224 px), InternVL (tiles plus a thumbnail, pixel shuffle), Idefics3 / SmolVLM
     (tiles plus a global image, the rows of each among text tokens) and LLaVA-OneVision (anyres
-    tiles, unpadded, a learnt newline row after each row of patches): the wrong copy with the
+    tiles, unpadded, a learnt newline row after each row of patches), GLM-4.1V (Qwen-style grid,
+    2-D rotary positions) and Gemma 4 (variable-resolution patches pooled to soft tokens): the
+    wrong copy with the
     connector gives the right checkpoint's tokens, and alone it does not."""
     if arch in tiny_processors.PROCESSORS and arch not in ("gemma3", "mistral3", "qwen3_vl"):
         right = tiny_processors.save_with_processor(arch, tmp_path / "right")

@@ -48,6 +48,7 @@ def images() -> list[list[bytes]]:
 
 #: one image's prompt text for the families built by tests/support/tiny_processors.py (by model_type)
 FAMILY_PROMPTS = {
+    "mistral3": "[IMG]",
     "llava_onevision": "<image>",
     "glm4v": "<|begin_of_image|><|image|><|end_of_image|>",
     "idefics3": "<image>",
@@ -60,8 +61,6 @@ FAMILY_PROMPTS = {
 def text(n_images: int, model_type: str = "qwen2_vl") -> str:
     if model_type in FAMILY_PROMPTS:
         return "user\n" + FAMILY_PROMPTS[model_type] * n_images + "Describe the pictures.\nassistant\n"
-    if model_type == "mistral3":
-        return "<s>user\n" + "[IMG]" * n_images + "Describe the pictures.\nassistant\n"
     if model_type == "gemma3":
         return "<bos>user\n" + "<start_of_image>" * n_images + "Describe the pictures.\nmodel\n"
     pads = "<|vision_start|><|image_pad|><|vision_end|>" * n_images

@@ -178,13 +178,12 @@ def test_other_families_through_the_connector(arch, tmp_path):
     2-D rotary positions) and Gemma 4 (variable-resolution patches pooled to soft tokens): the
     wrong copy with the
     connector gives the right checkpoint's tokens, and alone it does not."""
-    if arch in tiny_processors.PROCESSORS and arch not in ("gemma3", "mistral3", "qwen3_vl"):
+    if arch == "gemma3":
+        right = tiny_vlm.build_gemma3(tmp_path / "right", seed=0)
+        wrong = tiny_vlm.build_gemma3(tmp_path / "wrong", seed=0, vision_seed=1)
+    elif arch in tiny_processors.PROCESSORS and arch != "qwen3_vl":
         right = tiny_processors.save_with_processor(arch, tmp_path / "right")
         wrong = tiny_processors.save_with_processor(arch, tmp_path / "wrong", vision_seed=1)
-    elif arch in ("gemma3", "mistral3"):
-        build = tiny_vlm.build_gemma3 if arch == "gemma3" else tiny_vlm.build_mistral3
-        right = build(tmp_path / "right", seed=0)
-        wrong = build(tmp_path / "wrong", seed=0, vision_seed=1)
     else:
         right = tiny_vlm.build(tmp_path / "right", seed=0, arch=arch)
         wrong = tiny_vlm.build(tmp_path / "wrong", seed=0, vision_seed=1, arch=arch)

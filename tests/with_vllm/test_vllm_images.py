@@ -97,8 +97,7 @@ def _checkpoints() -> dict[str, tuple[Callable[[Path], Path], str]]:
         arch: (lambda folder, arch=arch: tiny_vlm.build(folder, seed=0, arch=arch), qwen) for arch in tiny_vlm.ARCHES
     }
     out["gemma3"] = (lambda folder: tiny_vlm.build_gemma3(folder, seed=0), "<start_of_image>")
-    out["mistral3"] = (lambda folder: tiny_vlm.build_mistral3(folder, seed=0), "[IMG]")
-    for name in ("llava_onevision", "glm4v", "idefics3", "smolvlm", "internvl", "gemma4"):
+    for name in ("mistral3", "llava_onevision", "glm4v", "idefics3", "smolvlm", "internvl", "gemma4"):
         out[name] = (lambda folder, name=name: save_with_processor(name, folder), PROCESSORS[name].prompt)
     return out
 

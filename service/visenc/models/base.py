@@ -30,12 +30,15 @@ import json
 from abc import ABC, abstractmethod
 from collections.abc import Hashable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
+
+import numpy as np
 
 import torch
 from PIL import Image
 
 from visenc.imaging.decode import LOADERS
+from visenc.imaging.video import Rule, VideoPreprocess
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +97,11 @@ class VisionTower(ABC):
     #: whose loader turns a file into the RGB image ``preprocess`` gets (``imaging.decode.LOADERS``);
     #: set before the fingerprint is first read (``models.loading.load_tower``)
     image_loader: str = "vllm"
+    #: whose video processor a tower that encodes video tube by tube follows (``imaging/video.py``);
+    #: ``None``: images only
+    video_rule: ClassVar[Rule | None] = None
+    #: the video processor settings (set by ``models.loading.load_tower`` where ``video_rule`` is)
+    video: VideoPreprocess | None = None
 
     @abstractmethod
     def layout(self, width: int, height: int) -> TokenLayout: ...
@@ -114,6 +122,17 @@ class VisionTower(ABC):
         """The placeholder span of a ``width x height`` image in the engine's prompt: its rows and
         the text the engine's processor writes around and between them (default: rows alone)."""
         return [Rows(self.layout(width, height).num_tokens)]
+
+    def video_geometry(self) -> dict[str, int]:
+        """``patch_size``, ``merge_size``, ``temporal_patch_size`` of a video tower's model."""
+        raise NotImplementedError
+
+    def tube_input(self, pixels: np.ndarray, grid_hw: tuple[int, int]) -> Prepared:
+        """One tube's tower input (``VideoPreprocess.tubes``) as ``forward`` takes it: an input of
+        grid ``(1, h, w)`` whose two frames differ. Default: the array itself."""
+        assert self.video is not None
+        grid = (1, *grid_hw)
+        return Prepared(pixels, TokenLayout(self.video.tube_tokens(grid), grid, grid))
 
     def row_layout(self) -> list[dict[str, Any]]:
         """What the columns of a row are, along the hidden axis: ``[{"name", "width"}]``."""

@@ -37,6 +37,7 @@ from safetensors import safe_open
 from transformers import AutoConfig, CLIPVisionModelWithProjection, SiglipVisionModel
 
 from visenc.models.base import VisionTower
+from visenc.imaging.video import VideoPreprocess, video_config
 from visenc.models.building import build_empty, resolve_dtype, set_attention
 from visenc.models.clip import FixedPreprocess, FixedResolutionTower
 from visenc.models.families import FAMILIES
@@ -83,7 +84,27 @@ def load_tower(
             path, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, backend=image_backend
         )
     tower.image_loader = image_loader
+    tower.video = video_settings(tower, None if spec in REGISTRY else Path(spec))
     return tower
+
+
+#: where transformers' ``AutoVideoProcessor`` looks for a checkpoint's video processor settings
+VIDEO_CONFIG_FILES = ("processor_config.json", "video_preprocessor_config.json", "preprocessor_config.json")
+
+
+def video_settings(tower: VisionTower, path: Path | None) -> VideoPreprocess | None:
+    """The video processor settings of a tower that encodes video (``VisionTower.video_rule``): the
+    checkpoint's own (``path``), else the processor class's defaults, with the model's patch, merge
+    and temporal sizes where the settings do not state them. Settings that disagree with the model
+    raise ``ValueError``."""
+    if tower.video_rule is None:
+        return None
+    files = {} if path is None else {name: _read_json(path / name) for name in VIDEO_CONFIG_FILES}
+    geometry = tower.video_geometry()
+    settings = VideoPreprocess.from_config(tower.video_rule, {**geometry, **video_config(files)})
+    if any(getattr(settings, k) != v for k, v in geometry.items()):
+        raise ValueError(f"the video processor's patch, merge or temporal size differ from the model's {geometry}")
+    return settings
 
 
 def _load_checkpoint(

@@ -121,6 +121,7 @@ class QwenVisionTower(VisionTower):
     """
 
     packable = True
+    video_rule = "qwen2"
 
     def __init__(
         self,
@@ -175,6 +176,10 @@ class QwenVisionTower(VisionTower):
     @property
     def image_backend(self) -> str:
         return self.settings.backend
+
+    def video_geometry(self) -> dict[str, int]:
+        s = self.settings
+        return {"patch_size": s.patch_size, "merge_size": s.merge_size, "temporal_patch_size": s.temporal_patch_size}
 
     def layout(self, width: int, height: int) -> TokenLayout:
         resized_h, resized_w = self._resized(width, height)

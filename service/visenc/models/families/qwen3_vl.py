@@ -12,11 +12,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from visenc.errors import InvalidImage
-from visenc.models.base import Rows, Segment, TokenLayout
+from visenc.models.base import Prepared, Rows, Segment, TokenLayout
 from visenc.models.vlm import FamilyTower
 
 
@@ -27,6 +28,7 @@ class Qwen3VLTower(FamilyTower):
     base_model = "Qwen3VLModel"
     input_names = ("pixel_values", "image_grid_thw")
     packable = True
+    video_rule = "qwen3"
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:
@@ -40,6 +42,21 @@ class Qwen3VLTower(FamilyTower):
     def span(self, width: int, height: int) -> list[Segment]:
         layout = self.layout(width, height)
         return ["<|vision_start|>", Rows(layout.num_tokens), "<|vision_end|>"]
+
+    def video_geometry(self) -> dict[str, int]:
+        vc = self.config.vision_config
+        return {
+            "patch_size": int(vc.patch_size),
+            "merge_size": int(vc.spatial_merge_size),
+            "temporal_patch_size": int(vc.temporal_patch_size),
+        }
+
+    def tube_input(self, pixels: np.ndarray, grid_hw: tuple[int, int]) -> Prepared:
+        """The tube as the image processor's outputs: ``pixel_values`` and ``image_grid_thw``
+        (``get_image_features`` and ``get_video_features`` run the same ``visual``)."""
+        plain = super().tube_input(pixels, grid_hw)
+        tensors = {"pixel_values": torch.from_numpy(pixels), "image_grid_thw": torch.tensor([plain.layout.grid_thw])}
+        return Prepared(tensors, plain.layout)
 
     def image_rows(self, outputs: Any) -> torch.Tensor:
         levels = [outputs.pooler_output, *outputs.deepstack_features]

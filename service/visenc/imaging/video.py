@@ -1,0 +1,232 @@
+"""Video preprocessing for the Qwen-VL towers, cut into **tubes**: equal to transformers' video processors.
+
+A Qwen-VL tower with ``temporal_patch_size = 2`` sees a video as a sequence of 2-frame
+tubes: frames (0, 1), (2, 3), ... from the clip's first frame, an odd last frame paired
+with itself. Attention never crosses tubes (one attention segment per temporal slice),
+so a video's rows are its tubes' rows, each tube encoded on its own as an input of grid
+``(1, h, w)``, concatenated in order.
+
+What the rows depend on is therefore exactly one tube's tower input: its two frames,
+resized to the clip's target size, rescaled, normalised and patchified. That target can
+depend on the whole clip (Qwen3-VL sizes frames from a pixel budget over every frame;
+``cap_pixels_per_frame`` divides a budget by the frame count), so a tube is keyed by the
+SHA-256 of its preprocessed input and grid (``tube_hash``): two clips share a tube only
+where the tower would see the very same input, and nothing else is ever reused.
+
+The arithmetic follows ``Qwen2VLVideoProcessor`` (Qwen2-VL, Qwen2.5-VL) and
+``Qwen3VLVideoProcessor`` (Qwen3-VL) of the installed transformers, pinned by
+``tests/golden/test_video.py``: the clip as a contiguous ``[T, C, H, W]`` uint8 tensor, one
+antialiased uint8 resize for every frame (``resize_tensor``, torchvision's own call), the fused
+``(x - mean/r) / (std/r)`` in float32, then the patch layout ``(C, T, P, P)`` per row with rows
+merge-block-major. Pure torch: torchvision is not needed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Literal
+
+import numpy as np
+import torch
+
+from visenc.errors import InvalidImage
+from visenc.imaging.preprocess import (
+    BICUBIC,
+    IMAGENET_STANDARD_MEAN,
+    IMAGENET_STANDARD_STD,
+    MAX_ASPECT_RATIO,
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    as_tuple,
+    resize_tensor,
+    smart_resize,
+)
+
+#: whose resize rule a tower's video processor follows: ``qwen2`` sizes each frame on its own
+#: (``Qwen2VLVideoProcessor``), ``qwen3`` from a pixel budget over the clip (``Qwen3VLVideoProcessor``)
+Rule = Literal["qwen2", "qwen3"]
+
+
+@dataclass(frozen=True)
+class VideoPreprocess:
+    """The video processor settings that change a tube's input (units: pixels)."""
+
+    rule: Rule
+    min_pixels: int
+    max_pixels: int
+    patch_size: int
+    merge_size: int
+    temporal_patch_size: int
+    image_mean: tuple[float, ...]
+    image_std: tuple[float, ...]
+    rescale_factor: float
+    resample: int = BICUBIC
+    #: qwen-vl-utils' per-frame share of a whole-clip budget: makes the target depend on the frame count
+    cap_pixels_per_frame: bool = False
+    max_video_tokens: int = 128000
+
+    @classmethod
+    def defaults(cls, rule: Rule) -> VideoPreprocess:
+        """The processor class's own defaults (``Qwen2VLVideoProcessor`` / ``Qwen3VLVideoProcessor``)."""
+        if rule == "qwen2":
+            return cls("qwen2", 128 * 28 * 28, 28 * 28 * 768, 14, 2, 2, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, 1 / 255)
+        return cls(
+            "qwen3",
+            128 * 32 * 32,
+            32 * 32 * 768,
+            16,
+            2,
+            2,
+            IMAGENET_STANDARD_MEAN,
+            IMAGENET_STANDARD_STD,
+            1 / 255,
+            max_video_tokens=768,
+        )
+
+    @classmethod
+    def from_config(cls, rule: Rule, cfg: Mapping[str, Any]) -> VideoPreprocess:
+        """From a video processor config dict (``video_config``); missing keys take the class
+        defaults. For ``qwen2``, top-level ``min_pixels``/``max_pixels`` win over ``size``, as in
+        ``Qwen2VLVideoProcessor.__init__``."""
+        base = cls.defaults(rule)
+        if cfg.get("do_resize") is False or cfg.get("do_rescale") is False or cfg.get("do_normalize") is False:
+            raise ValueError("video processors without resize, rescale or normalise are not supported")
+        size = dict(cfg.get("size") or {})
+        if rule == "qwen2":
+            if cfg.get("min_pixels") is not None:
+                size["shortest_edge"] = cfg["min_pixels"]
+            if cfg.get("max_pixels") is not None:
+                size["longest_edge"] = cfg["max_pixels"]
+        cap = cfg.get("cap_pixels_per_frame")
+        return replace(
+            base,
+            min_pixels=int(size.get("shortest_edge") or base.min_pixels),
+            max_pixels=int(size.get("longest_edge") or base.max_pixels),
+            patch_size=int(cfg.get("patch_size") or base.patch_size),
+            merge_size=int(cfg.get("merge_size") or base.merge_size),
+            temporal_patch_size=int(cfg.get("temporal_patch_size") or base.temporal_patch_size),
+            image_mean=as_tuple(cfg.get("image_mean", base.image_mean)),
+            image_std=as_tuple(cfg.get("image_std", base.image_std)),
+            rescale_factor=float(cfg.get("rescale_factor", base.rescale_factor)),
+            resample=int(cfg.get("resample", base.resample)),
+            cap_pixels_per_frame=bool(cap),
+            max_video_tokens=int(cfg.get("max_video_tokens") or base.max_video_tokens),
+        )
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    def target(self, num_frames: int, height: int, width: int) -> tuple[int, int]:
+        """The ``(height, width)`` every frame of a ``num_frames``-frame clip is resized to."""
+        if num_frames < 1 or height <= 0 or width <= 0:
+            raise InvalidImage(f"video has an empty size {num_frames}x{width}x{height}")
+        factor, t = self.factor, self.temporal_patch_size
+        if self.rule == "qwen2":
+            max_pixels = self.max_pixels
+            if self.cap_pixels_per_frame:
+                total = int(self.max_video_tokens * factor * factor * 0.9)
+                max_pixels = max(min(max_pixels, total * t // num_frames), int(self.min_pixels * 1.05))
+            return smart_resize(height, width, factor=factor, min_pixels=self.min_pixels, max_pixels=max_pixels)
+        max_pixels = self.max_pixels
+        if self.cap_pixels_per_frame:
+            per_frame = min(self.max_video_tokens * factor * factor, self.max_pixels // num_frames)
+            max_pixels = max(per_frame, int(self.min_pixels * 1.05)) * num_frames
+        return clip_resize(num_frames, height, width, t, factor, self.min_pixels, max_pixels)
+
+    def grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
+        """``(tubes, grid_h, grid_w)`` of a clip, before any pixel is read."""
+        h, w = self.target(num_frames, height, width)
+        t = self.temporal_patch_size
+        return -(-num_frames // t), h // self.patch_size, w // self.patch_size
+
+    def tube_tokens(self, grid: tuple[int, int, int]) -> int:
+        """Rows one tube of ``grid`` becomes."""
+        return grid[1] * grid[2] // (self.merge_size * self.merge_size)
+
+    def tubes(self, frames: np.ndarray) -> tuple[list[np.ndarray], tuple[int, int, int]]:
+        """``[T, H, W, 3]`` uint8 frames → each tube's ``[grid_h * grid_w, C * 2 * P * P]`` float32
+        input (the rows of the video processor's ``pixel_values_videos`` for that tube) and the
+        clip's grid ``(tubes, grid_h, grid_w)``."""
+        if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
+            raise ValueError(f"frames must be [T, H, W, 3] uint8, got {frames.shape} {frames.dtype}")
+        num_frames, height, width = frames.shape[:3]
+        grid = self.grid(num_frames, height, width)
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        clip = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()
+        clip = resize_tensor(clip, grid[1] * p, grid[2] * p, self.resample)
+        if pad := -num_frames % t:  # an odd last frame is paired with itself
+            clip = torch.cat([clip, clip[-1:].expand(pad, -1, -1, -1)])
+        scale = 1.0 / self.rescale_factor
+        mean = (torch.tensor(self.image_mean) * scale).view(1, -1, 1, 1, 1)
+        std = (torch.tensor(self.image_std) * scale).view(1, -1, 1, 1, 1)
+        c, gh, gw = clip.shape[1], grid[1], grid[2]
+        out = []
+        for i in range(grid[0]):
+            tube = clip[i * t : (i + 1) * t]  # [t, C, H, W]
+            blocks = tube.reshape(t, c, gh // m, m, p, gw // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
+            x = torch.empty(gh * gw, c, t, p, p)
+            x.view(gh // m, gw // m, m, m, c, t, p, p).copy_(blocks)  # patches, cast to float32
+            x.sub_(mean).div_(std)
+            out.append(x.reshape(gh * gw, c * t * p * p).numpy())
+        return out, grid
+
+
+def clip_resize(
+    num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
+) -> tuple[int, int]:
+    """Qwen3-VL's ``smart_resize``: the target of a clip from a pixel budget over its frames
+    (same arithmetic as ``transformers.models.qwen3_vl.video_processing_qwen3_vl.smart_resize``)."""
+    if num_frames < temporal_factor:
+        raise InvalidImage(f"a video needs at least {temporal_factor} frames here, got {num_frames}")
+    if height < factor or width < factor:
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
+        raise InvalidImage(
+            f"video aspect ratio {max(height, width) / min(height, width):.1f} is over the limit {MAX_ASPECT_RATIO}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    t_bar = round(num_frames / temporal_factor) * temporal_factor
+    if t_bar * h_bar * w_bar > max_pixels:
+        beta = math.sqrt((num_frames * height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif t_bar * h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (num_frames * height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def tube_hash(pixels: np.ndarray, grid_hw: tuple[int, int]) -> str:
+    """A tube's key: SHA-256 of its grid and its tower input (which both frames, the resize target
+    and every processor setting went into)."""
+    h = hashlib.sha256(b"visenc-tube\0%d,%d\0" % grid_hw)
+    h.update(memoryview(np.ascontiguousarray(pixels, dtype="<f4")).cast("B"))
+    return h.hexdigest()
+
+
+def video_config(files: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any]:
+    """The video processor dict transformers' ``AutoVideoProcessor`` reads from a checkpoint:
+    ``processor_config.json``'s nested ``video_processor``, else ``video_preprocessor_config.json``,
+    else ``preprocessor_config.json``. ``files``: those file names → their parsed JSON (or None)."""
+    nested = files.get("processor_config.json") or {}
+    if isinstance(nested.get("video_processor"), Mapping):
+        return dict(nested["video_processor"])
+    for name in ("video_preprocessor_config.json", "preprocessor_config.json"):
+        if files.get(name):
+            return dict(files[name] or {})
+    return {}
+
+
+def frames_array(frames: Sequence[np.ndarray]) -> np.ndarray:
+    """Decoded RGB frames (HWC uint8, one size) as one ``[T, H, W, 3]`` array."""
+    sizes = {f.shape for f in frames}
+    if len(sizes) != 1:
+        raise InvalidImage(f"a video's frames must share one size, got {sorted(sizes)}")
+    return np.stack(frames)

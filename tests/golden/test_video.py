@@ -111,14 +111,14 @@ def _check_registry_tower(name: str, config_class: type, base: type) -> None:
     assert tower.video is not None
     model: Any = tower.model  # type: ignore[attr-defined]
     host: Any = vision_only(base, config_class(vision_config=model.config.to_dict()), {"visual": model})
-    proc = Qwen2VLVideoProcessor(
-        size={"shortest_edge": tower.video.min_pixels, "longest_edge": tower.video.max_pixels}
-    )
+    proc = Qwen2VLVideoProcessor(size={"shortest_edge": tower.video.min_pixels, "longest_edge": tower.video.max_pixels})
     for t, h, w in CLIPS:
         frames = _clip(t, h, w, seed=t)
         inputs = proc(videos=[frames], return_tensors="pt", do_sample_frames=False, cap_pixels_per_frame=False)
         with torch.inference_mode():
-            ref = torch.cat(host.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output)
+            ref = torch.cat(
+                host.get_video_features(inputs["pixel_values_videos"], inputs["video_grid_thw"]).pooler_output
+            )
         rows, grid = _tube_rows(tower, frames)
         assert grid == tuple(inputs["video_grid_thw"][0].tolist())
         assert rows.shape == ref.shape

@@ -207,7 +207,7 @@ def tube_hash(pixels: np.ndarray, grid_hw: tuple[int, int]) -> str:
     """A tube's key: SHA-256 of its grid and its tower input (which both frames, the resize target
     and every processor setting went into)."""
     h = hashlib.sha256(b"visenc-tube\0%d,%d\0" % grid_hw)
-    h.update(memoryview(np.ascontiguousarray(pixels, dtype="<f4")).cast("B"))
+    h.update(np.ascontiguousarray(pixels, dtype="<f4").data)
     return h.hexdigest()
 
 

@@ -33,7 +33,6 @@ from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import numpy as np
-
 import torch
 from PIL import Image
 

@@ -36,8 +36,8 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, CLIPVisionModelWithProjection, SiglipVisionModel
 
-from visenc.models.base import VisionTower
 from visenc.imaging.video import VideoPreprocess, video_config
+from visenc.models.base import VisionTower
 from visenc.models.building import build_empty, resolve_dtype, set_attention
 from visenc.models.clip import FixedPreprocess, FixedResolutionTower
 from visenc.models.families import FAMILIES

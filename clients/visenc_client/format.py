@@ -44,6 +44,7 @@ from __future__ import annotations
 import hashlib
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
@@ -210,6 +211,40 @@ def image_hash(data: bytes | bytearray | memoryview) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
+def video_hash(frame_hashes: Sequence[str]) -> str:
+    """A video's key, from its frames' ``image_hash`` values in order (so a client computes it from
+    the frames it sends): SHA-256 of a tag and the frames' raw digests."""
+    h = hashlib.sha256(b"visenc-video\0")
+    for frame in frame_hashes:
+        h.update(bytes.fromhex(frame))
+    return h.hexdigest()
+
+
+#: what a video manifest's key holds in place of an image hash: ``video.<video hash>``
+_MANIFEST_TAG = "video."
+_DIGEST_BYTES = 32
+
+
+def manifest_key(namespace: str, fingerprint: str, video: str) -> str:
+    """The index key of a video's manifest: the ordered list of its tubes' hashes."""
+    return entry_key(namespace, fingerprint, _MANIFEST_TAG + video)
+
+
+def pack_manifest(tubes: Sequence[str], *, grid_thw: tuple[int, int, int], fingerprint: str, video: str) -> Entry:
+    """A video manifest as a stored value: an entry whose rows are its tubes' raw 32-byte digests
+    (``grid_thw``: the video's ``(tubes, grid_h, grid_w)``), checked like any entry when read."""
+    digests = np.frombuffer(b"".join(bytes.fromhex(t) for t in tubes), dtype="<f4").reshape(len(tubes), -1)
+    return pack_entry(digests, dtype="float32", grid_thw=grid_thw, fingerprint=fingerprint, hash=_MANIFEST_TAG + video)
+
+
+def manifest_tubes(entry: Entry) -> list[str]:
+    """The tube hashes of a manifest read from the index (``CorruptEntry`` if it is not one)."""
+    if entry.dtype != "float32" or entry.hidden * 4 != _DIGEST_BYTES or entry.rows != entry.grid_thw[0]:
+        raise CorruptEntry("not a video manifest")
+    raw = bytes(entry.rows_view())
+    return [raw[i : i + _DIGEST_BYTES].hex() for i in range(0, len(raw), _DIGEST_BYTES)]
+
+
 def is_valid_hash(value: str) -> bool:
     return _HASH_RE.fullmatch(value) is not None
 
@@ -242,6 +277,7 @@ Reason = Literal[
     "invalid_hash",  # 'hash' is not 64 lowercase hex digits
     "hash_mismatch",  # the uploaded bytes hash to another value than the given 'hash'
     "invalid_image",  # the bytes are not a decodable image (empty, unknown format, corrupt, truncated)
+    "invalid_video",  # a video the tower does not take (no video processor, frames of two sizes, no frames)
     "image_too_large",  # over max_image_bytes, or over max_image_pixels (decided from the header)
     "encode_failed",  # the image decoded but the model could not encode it
     "out_of_memory",  # the image alone does not fit in the device's memory (batches are split and retried first)
@@ -270,9 +306,12 @@ class Handle:
     error: str | None = None
     reason: Reason | None = None
     rows: np.ndarray | None = field(default=None, compare=False, repr=False)
+    #: a video's tubes' hashes, in order (``grid_thw[0]`` of them, ``num_tokens / grid_thw[0]`` rows
+    #: each); ``None`` for an image
+    tubes: tuple[str, ...] | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        """The handle's wire fields (``error`` and ``reason`` only on an error)."""
+        """The handle's wire fields (``error`` and ``reason`` only on an error; ``tubes`` null for an image)."""
         out: dict[str, Any] = {
             "hash": self.hash,
             "status": self.status,
@@ -284,6 +323,7 @@ class Handle:
         if self.error is not None:
             out["error"] = self.error
             out["reason"] = self.reason
+        out["tubes"] = list(self.tubes) if self.tubes is not None else None
         return out
 
     @classmethod
@@ -302,11 +342,22 @@ class Handle:
             d.get("error"),
             d.get("reason"),
             rows,
+            tuple(str(t) for t in d["tubes"]) if d.get("tubes") is not None else None,
         )
 
 
 #: the wire fields of a handle (``Handle.to_wire``), in order; the rows travel beside them
-HANDLE_FIELDS: tuple[str, ...] = ("hash", "status", "num_tokens", "hidden_size", "dtype", "grid_thw", "error", "reason")
+HANDLE_FIELDS: tuple[str, ...] = (
+    "hash",
+    "status",
+    "num_tokens",
+    "hidden_size",
+    "dtype",
+    "grid_thw",
+    "error",
+    "reason",
+    "tubes",
+)
 
 
 # --- the rows frame ---------------------------------------------------------------------------

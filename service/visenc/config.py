@@ -126,6 +126,10 @@ class Settings(BaseSettings):
     max_image_pixels: int = Field(
         64_000_000, gt=0, description="Most pixels of a decoded image (decompression-bomb guard)."
     )
+    max_video_frames: int = Field(768, gt=0, description="Most frames of one video item.")
+    max_video_pixels: int = Field(
+        256_000_000, gt=0, description="Most decoded pixels of one video item, all its frames together."
+    )
 
     # --- reliability and security -------------------------------------------
     stall_timeout_s: float = Field(

@@ -63,6 +63,11 @@ class InvalidImage(BadRequest):
     item_reason: Reason | None = "invalid_image"
 
 
+class InvalidVideo(BadRequest):
+    kind = "invalid_video"
+    item_reason: Reason | None = "invalid_video"
+
+
 class HashMismatch(BadRequest):
     kind = "hash_mismatch"
     item_reason: Reason | None = "hash_mismatch"

@@ -18,6 +18,7 @@ ENGINE_RANKS = {
     "limits": 0,
     "prepare": 0,
     "items": 1,
+    "videos": 2,
     "threads": 1,
     "budget": 1,
     # coordination across replicas: beside the stages, below every one of them (it calls none)

@@ -42,7 +42,7 @@ async def encode(request: Request) -> Response:
         deadline,
         f"the request body did not arrive within {limit}",
     )
-    inputs = [EncodeItem(it.hash, it.data) for it in body.items]
+    inputs = [EncodeItem(it.hash, it.data, it.frames) for it in body.items]
     timing = Timing()
     # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
     # cancels the wait if the client goes away first

@@ -31,6 +31,12 @@ class EncodeItemIn(_Wire):
         "one makes this item an error with reason invalid_hash.",
     )
     data: bytes | None = Field(None, description="The encoded image (JPEG, PNG, WebP, ...).")
+    frames: list[bytes] | None = Field(
+        None,
+        description="A video, as the frames the caller sampled, in order: each an encoded image, all one size. "
+        "The item's hash is then the video hash (visenc_client.format.video_hash of the frames' hashes); "
+        "only towers with a video processor (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) take videos.",
+    )
 
 
 class EncodeRequest(_Wire):
@@ -52,6 +58,11 @@ class HandleOut(_Wire):
     grid_thw: list[int] | None = None
     error: str | None = Field(None, description="What went wrong with this item (status 'error').")
     reason: Reason | None = Field(None, description="Stable reason code of an 'error' item (docs/api.md).")
+    tubes: list[str] | None = Field(
+        None,
+        description="A video's tubes' hashes, in order: grid_thw[0] tubes of num_tokens / grid_thw[0] rows each, "
+        "each fetchable on its own (null for an image).",
+    )
     rows: bytes | None = Field(None, description="The rows, when include_rows was asked (ready images only).")
 
 

@@ -70,7 +70,13 @@ class Engine:
         )
         log.info("batch budget: %s", self.budget)
         self._build_stages(
-            ImagePrep(tower, max_image_bytes=settings.max_image_bytes, max_image_pixels=settings.max_image_pixels),
+            ImagePrep(
+                tower,
+                max_image_bytes=settings.max_image_bytes,
+                max_image_pixels=settings.max_image_pixels,
+                max_video_frames=settings.max_video_frames,
+                max_video_pixels=settings.max_video_pixels,
+            ),
             claim_store,
         )
 

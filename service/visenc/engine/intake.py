@@ -43,6 +43,7 @@ from visenc.engine.items import Item, inspect, itemise, waves
 from visenc.engine.job import Job, JobState, Place
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
+from visenc.engine.videos import expand, fold, inspect_videos, manifests, video_rows
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import (
     DeadlineExceeded,
@@ -56,7 +57,8 @@ from visenc.errors import (
 )
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
-from visenc_client.format import CorruptEntry, Entry, entry_key, is_valid_hash, unpack_entry
+from visenc.tasks import spawn
+from visenc_client.format import CorruptEntry, Entry, entry_key, is_valid_hash, manifest_key, unpack_entry
 
 log = logging.getLogger(__name__)
 
@@ -177,6 +179,15 @@ class Intake:
         if todo:
             for it, entry in zip(todo, await self.index.get_many([it.key for it in todo])):
                 it.entry = self._checked(it.key, it.hash, entry)
+        asked = [it for it in todo if it.entry is None and it.source is None]  # hashes alone: videos too
+        if asked:
+            keys = [manifest_key(namespace, self.fingerprint, it.hash) for it in asked]
+            for it, manifest in zip(asked, await self.index.get_many(keys)):
+                if manifest is not None:
+                    try:  # ready when every tube is; else missing (a fetch waits for pending tubes)
+                        it.entry = await self._video(manifest, it.hash, namespace, 0.0)
+                    except (NotFound, DeadlineExceeded):
+                        pass
 
     def _admission(self, items: list[Item]) -> set[str]:
         """Keys this request would queue; 503 / 429 when it cannot."""
@@ -202,10 +213,10 @@ class Intake:
         return placed
 
     def _start(self, it: Item, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Job:
-        assert it.inspected is not None and it.data is not None
+        assert it.inspected is not None and it.source is not None
         job = self._admit(it.key, it.hash, order)
         job.interest = 1
-        job.give_bytes(it.data, it.inspected)
+        job.give_bytes(it.source, it.inspected)
         if placed.get(it.key) is Place.ELSEWHERE:
             self.scheduler.watch(job)  # another replica encodes it
         else:
@@ -228,8 +239,8 @@ class Intake:
             elif job is not None:
                 self.metrics.singleflight_joins.inc()
                 job.interest += 1
-                if job.state is JobState.FOLLOWING and it.data is not None and it.inspected is not None:
-                    job.give_bytes(it.data, it.inspected)  # a fetch's wait for another replica adopts the bytes
+                if job.state is JobState.FOLLOWING and it.source is not None and it.inspected is not None:
+                    job.give_bytes(it.source, it.inspected)  # a fetch's wait for another replica adopts the bytes
             out.append((self._handle(it, "pending" if job is not None else "missing", job), job))
         return out
 
@@ -248,11 +259,14 @@ class Intake:
             raise NotReady("the service is shutting down")
         if len(items) > self.settings.max_items:
             raise PayloadTooLarge(f"{len(items)} items exceed the limit of max_items={self.settings.max_items}")
-        work = itemise(items)
+        asked = itemise(items)
+        if any(it.frames is not None for it in asked):
+            await inspect_videos(asked, self.prep, self.pool)
+        work, spans = expand(asked)  # a video is taken as its tubes
         order, admitted = next(self._requests), time.monotonic()
         handles: list[Handle] = []
         joined: dict[int, Job] = {}
-        uploads = sum(it.data is not None for it in work)
+        uploads = sum(it.source is not None for it in work)
         fits = self.scheduler.depth + uploads <= self.settings.max_queue_images
         try:  # one wave where the request may not fit: a 429 then comes before any of it starts
             for lo, hi in waves(work) if fits else [(0, len(work))]:
@@ -265,9 +279,12 @@ class Intake:
                 self._release(job)
             raise
         self.metrics.queue_depth.set(self.scheduler.depth)
+        for key, manifest in manifests(spans, work, namespace, self.fingerprint):  # found by the video's hash
+            self.index.store_local(key, manifest)
+            spawn(self.index.write_through(key, manifest), "manifest-write", self.metrics)
         if wait and joined:
             await self._wait(joined, handles, work, admitted, timing, timeout_s)
-        return handles
+        return fold(handles, spans)
 
     async def _wait(
         self,
@@ -341,8 +358,15 @@ class Intake:
                 return entry
             job = self._joinable(key) or await self._follow(key, image_hash)
             if job is None:
+                (manifest,) = await self.index.get_many([manifest_key(namespace, self.fingerprint, image_hash)])
+                if manifest is not None:
+                    return await self._video(manifest, image_hash, namespace, timeout_s)
                 raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
         return await self._wait_one(job, image_hash, timeout_s)
+
+    async def _video(self, manifest: Entry, video: str, namespace: str, timeout_s: float | None) -> Entry:
+        """A video's rows: every tube of its manifest looked up (waited for while pending)."""
+        return await video_rows(manifest, video, lambda tube: self.lookup(tube, namespace, timeout_s=timeout_s))
 
     async def _wait_one(self, job: Job, image_hash: str, timeout_s: float | None) -> Entry:
         timeout_s = self.settings.fetch_timeout_s if timeout_s is None else timeout_s

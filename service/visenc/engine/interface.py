@@ -21,6 +21,8 @@ class EncodeItem:
 
     hash: str | None = None
     data: bytes | None = None
+    #: a video's frames (encoded images), in order
+    frames: list[bytes] | None = None
 
 
 @dataclass(slots=True)

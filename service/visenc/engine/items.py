@@ -15,8 +15,9 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from visenc.engine.interface import EncodeItem
-from visenc.engine.prepare import ImagePrep, Inspected
-from visenc.errors import InvalidHash, VisencError
+from visenc.engine.prepare import ImagePrep, Inspected, Source, Video
+from visenc.errors import InvalidHash, InvalidVideo, VisencError
+from visenc.models.base import Prepared
 from visenc_client.format import Entry, is_valid_hash
 
 HASH_RULE = "'hash' must be 64 lowercase hex digits (SHA-256 of the bytes)"
@@ -32,14 +33,28 @@ class Item:
     error: VisencError | None = None
     key: str = ""
     entry: Entry | None = None
+    #: a video item's frames, and the video they make once inspected (``videos.py``)
+    frames: list[bytes] | None = None
+    video: Video | None = None
+    #: a video tube's tower input (the tube is an item of its own, with no bytes)
+    tube: Prepared | None = None
+
+    @property
+    def source(self) -> Source | None:
+        """What a job for this item is given: its bytes, or a tube's tower input."""
+        return self.data if self.data is not None else self.tube
 
 
 def itemise(items: Sequence[EncodeItem]) -> list[Item]:
     """Per-item checks that need no work: the hash's syntax (the bytes are checked in ``inspect``)."""
     out = []
     for item in items:
-        it = Item(item.hash or "", item.data)
-        if (item.hash is None and item.data is None) or (item.hash is not None and not is_valid_hash(item.hash)):
+        it = Item(item.hash or "", item.data, frames=item.frames)
+        if item.data is not None and item.frames is not None:
+            it.error = InvalidVideo("an item is an image ('data') or a video ('frames'), not both")
+        elif (item.hash is None and item.data is None and item.frames is None) or (
+            item.hash is not None and not is_valid_hash(item.hash)
+        ):
             it.error = InvalidHash(HASH_RULE)
         out.append(it)
     return out

@@ -41,7 +41,7 @@ from typing import TYPE_CHECKING
 from visenc_client.format import Entry
 
 if TYPE_CHECKING:
-    from visenc.engine.prepare import Inspected
+    from visenc.engine.prepare import Inspected, Source
     from visenc.models.base import Prepared, TokenLayout
 
 _arrivals = itertools.count()
@@ -117,7 +117,8 @@ class Job:
     forward_s: float | None = None
     seq: int = field(default_factory=lambda: next(_arrivals))
     _state: JobState = field(default=JobState.NEW, init=False)
-    _data: bytes | None = field(default=None, init=False, repr=False)
+    #: the image's bytes, or a video tube's tower input (made when the video was inspected)
+    _data: Source | None = field(default=None, init=False, repr=False)
     _input: Prepared | None = field(default=None, init=False, repr=False)
 
     @property
@@ -151,7 +152,7 @@ class Job:
         self._state = to
 
     # --- the edges ----------------------------------------------------------------------
-    def give_bytes(self, data: bytes, inspected: Inspected) -> None:
+    def give_bytes(self, data: Source, inspected: Inspected) -> None:
         """The image's bytes and what inspecting them found: at admission (``NEW``), or when a local
         encode brings them to a fetch that follows another replica (``FOLLOWING`` -> ``WATCHING``)."""
         if self._state is S.FOLLOWING:
@@ -172,7 +173,7 @@ class Job:
     def start_preparing(self) -> None:
         self._move(S.PREPARING)
 
-    def take_bytes(self) -> bytes:
+    def take_bytes(self) -> Source:
         """The bytes to preprocess (``PREPARING``); the job lets go of them."""
         if self._state is not S.PREPARING or self._data is None:
             raise IllegalTransition(f"job {self.key}: bytes taken in state {self._state.name}")

@@ -1,15 +1,23 @@
 """CPU work on one image, run in the preprocessing pool: inspect an upload
 (hash it, read its size from the header) and preprocess it (decode + the
-tower's own preprocessing). Both are pure functions of the bytes."""
+tower's own preprocessing). Both are pure functions of the bytes.
+
+A video is inspected whole (``inspect_video``): its frames decoded and preprocessed as the
+tower's video processor does, cut into tubes, each keyed by its tower input
+(``imaging/video.py``). A tube is then a job like an image whose input is already made."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
-from visenc.errors import HashMismatch, ImageTooLarge, VisencError
+import numpy as np
+
+from visenc.errors import HashMismatch, ImageTooLarge, InvalidVideo, VisencError
 from visenc.imaging.decode import decode, probe
+from visenc.imaging.video import frames_array, tube_hash
 from visenc.models.base import Prepared, TokenLayout, VisionTower
-from visenc_client.format import image_hash
+from visenc_client.format import image_hash, video_hash
 
 #: host bytes per source pixel while an image is decoded and resized: PIL holds
 #: RGB as 4 bytes per pixel, plus the converted copy and resize buffers
@@ -26,11 +34,42 @@ class Inspected:
     decode_cost: int
 
 
+@dataclass(frozen=True, slots=True)
+class Tube:
+    """One tube of a video: its key, what it costs, and its tower input (already made)."""
+
+    inspected: Inspected
+    input: Prepared
+
+
+@dataclass(frozen=True, slots=True)
+class Video:
+    """A video, inspected: its ``(tubes, grid_h, grid_w)`` and its tubes in order."""
+
+    hash: str
+    grid_thw: tuple[int, int, int]
+    tubes: list[Tube]
+
+
+#: a job's input before preprocessing: an image's bytes, or a tube's tower input
+Source = bytes | Prepared
+
+
 class ImagePrep:
-    def __init__(self, tower: VisionTower, *, max_image_bytes: int, max_image_pixels: int) -> None:
+    def __init__(
+        self,
+        tower: VisionTower,
+        *,
+        max_image_bytes: int,
+        max_image_pixels: int,
+        max_video_frames: int = 768,
+        max_video_pixels: int = 256_000_000,
+    ) -> None:
         self.tower = tower
         self.max_image_bytes = max_image_bytes
         self.max_image_pixels = max_image_pixels
+        self.max_video_frames = max_video_frames
+        self.max_video_pixels = max_video_pixels
         self._input_bytes = max(1, tower.input_bytes_per_token())
 
     def inspect(self, data: bytes, given_hash: str | None) -> tuple[str, Inspected | VisencError]:
@@ -51,5 +90,46 @@ class ImagePrep:
         decode_cost = -(-DECODE_BYTES_PER_PIXEL * width * height // self._input_bytes)
         return digest, Inspected(digest, layout, self.tower.input_tokens(layout), decode_cost)
 
-    def preprocess(self, data: bytes) -> Prepared:
-        return self.tower.preprocess(decode(data, max_pixels=self.max_image_pixels, loader=self.tower.image_loader))
+    def inspect_video(self, frames: Sequence[bytes], given_hash: str | None) -> tuple[str, Video | VisencError]:
+        """Hash (and check) a video's frames, decode them and cut the clip into tubes.
+
+        Returns the video's hash and its tubes, or the per-item error that stops it
+        (``HashMismatch``, ``InvalidVideo``, ``InvalidImage``, ``ImageTooLarge``). Every limit is
+        checked from the frames' headers before a pixel is decoded."""
+        digest = video_hash([image_hash(f) for f in frames])
+        if given_hash is not None and given_hash != digest:
+            return digest, HashMismatch(f"the frames hash to video {digest}, not to the given {given_hash}")
+        video = self.tower.video
+        try:
+            if video is None:
+                raise InvalidVideo(f"the tower {self.tower.name} has no video processor: send images")
+            if not frames:
+                raise InvalidVideo("a video needs at least one frame")
+            if len(frames) > self.max_video_frames:
+                raise ImageTooLarge(f"{len(frames)} frames exceed max_video_frames={self.max_video_frames}")
+            pixels = 0
+            for data in frames:
+                if len(data) > self.max_image_bytes:
+                    raise ImageTooLarge(f"a frame of {len(data)} bytes exceeds max_image_bytes={self.max_image_bytes}")
+                width, height = probe(data, max_pixels=self.max_image_pixels, loader=self.tower.image_loader)
+                pixels += width * height
+            if pixels > self.max_video_pixels:
+                raise ImageTooLarge(f"{pixels} decoded pixels exceed max_video_pixels={self.max_video_pixels}")
+            decoded = [
+                np.asarray(decode(f, max_pixels=self.max_image_pixels, loader=self.tower.image_loader)) for f in frames
+            ]
+            inputs, grid = video.tubes(frames_array(decoded))
+        except VisencError as e:
+            return digest, e
+        tubes = []
+        for pixels_in in inputs:
+            prepared = self.tower.tube_input(pixels_in, grid[1:])
+            key = tube_hash(pixels_in, grid[1:])
+            tubes.append(Tube(Inspected(key, prepared.layout, self.tower.input_tokens(prepared.layout), 0), prepared))
+        return digest, Video(digest, grid, tubes)
+
+    def preprocess(self, source: Source) -> Prepared:
+        """A job's tower input: an image decoded and preprocessed, or a tube's (made at inspection)."""
+        if isinstance(source, Prepared):
+            return source
+        return self.tower.preprocess(decode(source, max_pixels=self.max_image_pixels, loader=self.tower.image_loader))

@@ -50,6 +50,7 @@ from concurrent.futures import Executor
 from visenc.engine.coordination import Coordination, WaitOutcome
 from visenc.engine.job import Job, JobState, Place
 from visenc.engine.outputs import Outputs
+from visenc.engine.prepare import Source
 from visenc.errors import Cancelled, NotFound
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout
@@ -59,7 +60,7 @@ from visenc_client.format import Entry
 log = logging.getLogger(__name__)
 
 #: image bytes -> tower input (decode + the tower's preprocessing), run in the CPU pool
-Preprocess = Callable[[bytes], Prepared]
+Preprocess = Callable[[Source], Prepared]
 
 
 class Scheduler:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 import numpy as np
 import torch
 
-from visenc.errors import InvalidImage
+from visenc.errors import InvalidImage, InvalidVideo
 from visenc.imaging.preprocess import (
     BICUBIC,
     IMAGENET_STANDARD_MEAN,
@@ -228,5 +228,5 @@ def frames_array(frames: Sequence[np.ndarray]) -> np.ndarray:
     """Decoded RGB frames (HWC uint8, one size) as one ``[T, H, W, 3]`` array."""
     sizes = {f.shape for f in frames}
     if len(sizes) != 1:
-        raise InvalidImage(f"a video's frames must share one size, got {sorted(sizes)}")
+        raise InvalidVideo(f"a video's frames must share one size, got {sorted(sizes)}")
     return np.stack(frames)

@@ -1,0 +1,151 @@
+"""Videos through the real app (tiny Qwen2-VL tower): encoded tube by tube, cached per tube.
+
+- a video's rows (fetched by its hash, or tube by tube) equal its tubes' forwards, which
+  ``tests/golden/test_video.py`` shows equal transformers' whole-video ``get_video_features``;
+- a clip that overlaps one already encoded (a sliding window advanced by a tube, the same clip
+  grown by two frames) encodes only its new tubes; a clip re-asked encodes nothing;
+- a video is found by its hash alone (``video_hash`` of its frames' hashes), as an engine asks;
+- a bad video is that item's error, with a reason; the service stays healthy.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import msgpack
+import numpy as np
+import pytest
+from tests.conftest import running_app
+from tests.images import png_bytes
+from tests.support.waits import metric
+
+from visenc.imaging.decode import decode
+from visenc.models.base import VisionTower
+from visenc.models.loading import load_tower
+from visenc_client.format import video_hash
+
+MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+W, H = 120, 90
+
+
+def frames(first: int, count: int, width: int = W, height: int = H) -> list[bytes]:
+    """Frames ``first ...`` of one synthetic stream (frame ``i`` is always the same picture)."""
+    return [png_bytes(1000 + i, width, height) for i in range(first, first + count)]
+
+
+def vid(fs: list[bytes]) -> str:
+    return video_hash([hashlib.sha256(f).hexdigest() for f in fs])
+
+
+def reference(tower: VisionTower, fs: list[bytes]) -> np.ndarray:
+    """The tower's rows for the clip, tube by tube (equal to the whole-video forward: golden tests)."""
+    assert tower.video is not None
+    clip = np.stack([np.asarray(decode(f, max_pixels=10**9)) for f in fs])
+    tubes, grid = tower.video.tubes(clip)
+    return np.concatenate([tower.forward([tower.tube_input(x, grid[1:])])[0].numpy() for x in tubes])
+
+
+async def encode(client, items: list[dict], wait: bool = True, include_rows: bool = False) -> dict:
+    body = msgpack.packb({"items": items, "wait": wait, "include_rows": include_rows})
+    r = await client.post("/v1/encode", content=body, headers=MSGPACK)
+    assert r.status_code == 200, r.text
+    return msgpack.unpackb(r.content)
+
+
+async def fetch(client, h: str, start: int | None = None, end: int | None = None) -> np.ndarray:
+    params = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
+    r = await client.get(f"/v1/embeddings/{h}", params=params)
+    assert r.status_code == 200, r.text
+    rows, hidden = map(int, r.headers["x-visenc-shape"].split(","))
+    return np.frombuffer(r.content, dtype="<f4").reshape(rows, hidden)
+
+
+async def encoded(client) -> float:
+    return metric((await client.get("/metrics")).text, "visenc_encoded_images_total")
+
+
+@pytest.mark.parametrize("count", [4, 5])
+async def test_a_video_is_its_tubes_rows(service, tiny_tower, count):
+    fs = frames(0, count)
+    (item,) = (await encode(service, [{"frames": fs}]))["items"]
+    grid = tiny_tower.video.grid(count, H, W)
+    assert item["status"] == "ready" and item["hash"] == vid(fs)
+    assert tuple(item["grid_thw"]) == grid and len(item["tubes"]) == grid[0] == (count + 1) // 2
+    ref = reference(tiny_tower, fs)
+    assert item["num_tokens"] == ref.shape[0]
+    np.testing.assert_array_equal(await fetch(service, item["hash"]), ref)
+    per_tube = ref.shape[0] // grid[0]
+    for i, tube in enumerate(item["tubes"]):
+        np.testing.assert_array_equal(await fetch(service, tube), ref[i * per_tube : (i + 1) * per_tube])
+    np.testing.assert_array_equal(
+        await fetch(service, item["hash"], per_tube - 3, per_tube + 5), ref[per_tube - 3 : per_tube + 5]
+    )
+
+
+async def test_overlapping_clips_encode_only_their_new_tubes(service, tiny_tower):
+    await encode(service, [{"frames": frames(0, 8)}])
+    before = await encoded(service)
+    slid = frames(2, 8)  # the window advanced by one tube: three tubes shared, one new
+    (item,) = (await encode(service, [{"frames": slid}]))["items"]
+    assert (await encoded(service)) - before == 1
+    np.testing.assert_array_equal(await fetch(service, item["hash"]), reference(tiny_tower, slid))
+    grown = frames(0, 10)  # the first clip grown by two frames
+    (item,) = (await encode(service, [{"frames": grown}]))["items"]
+    assert (await encoded(service)) - before == 1  # frames 8-9 are the window's new tube
+    again = (await encode(service, [{"frames": frames(0, 8)}]))["items"][0]
+    assert again["status"] == "ready" and (await encoded(service)) - before == 1
+    odd = frames(1, 8)  # an odd shift pairs other frames: nothing shared
+    await encode(service, [{"frames": odd}])
+    assert (await encoded(service)) - before == 5
+
+
+async def test_a_video_is_found_by_its_hash_alone(service, tiny_tower):
+    fs = frames(20, 4)
+    (missing,) = (await encode(service, [{"hash": vid(fs)}]))["items"]
+    assert missing["status"] == "missing"
+    await encode(service, [{"frames": fs}])
+    (hit,) = (await encode(service, [{"hash": vid(fs)}], include_rows=True))["items"]
+    assert hit["status"] == "ready" and tuple(hit["grid_thw"]) == tiny_tower.video.grid(4, H, W)
+    rows = np.frombuffer(hit["rows"], dtype="<f4").reshape(hit["num_tokens"], -1)
+    np.testing.assert_array_equal(rows, reference(tiny_tower, fs))
+
+
+async def test_a_video_and_its_frames_as_images_do_not_share_rows(service, tiny_tower):
+    fs = frames(40, 2)
+    items = (await encode(service, [{"frames": fs}, {"data": fs[0]}, {"frames": [fs[0], fs[0]]}]))["items"]
+    assert [it["status"] for it in items] == ["ready"] * 3
+    video, image, still = items
+    assert image["hash"] not in video["tubes"]
+    # a still clip is sized by the video processor's settings, not the image processor's: its own key
+    assert still["hash"] != image["hash"] and still["tubes"][0] != image["hash"]
+    np.testing.assert_array_equal(await fetch(service, still["hash"]), reference(tiny_tower, [fs[0], fs[0]]))
+
+
+async def test_bad_videos_are_per_item_errors(service):
+    big = frames(60, 1, 64, 64)
+    cases = {
+        "two sizes": ({"frames": [*frames(50, 1), *big]}, "invalid_video"),
+        "no frames": ({"frames": []}, "invalid_video"),
+        "both": ({"frames": frames(50, 2), "data": big[0]}, "invalid_video"),
+        "corrupt frame": ({"frames": [frames(50, 1)[0], b"not an image"]}, "invalid_image"),
+        "wrong hash": ({"frames": frames(50, 2), "hash": "0" * 64}, "hash_mismatch"),
+    }
+    items = (await encode(service, [c for c, _ in cases.values()]))["items"]
+    for name, ((_, reason), item) in zip(cases, zip(cases.values(), items)):
+        assert item["status"] == "error" and item["reason"] == reason, (name, item)
+    assert (await service.get("/readyz")).status_code == 200
+    (ok,) = (await encode(service, [{"frames": frames(50, 2)}]))["items"]
+    assert ok["status"] == "ready"
+
+
+async def test_video_limits(tiny_tower):
+    async with running_app(tiny_tower, max_video_frames=4, max_video_pixels=3 * W * H) as client:
+        items = (await encode(client, [{"frames": frames(0, 5)}, {"frames": frames(0, 4)}]))["items"]
+        assert [it.get("reason") for it in items] == ["image_too_large", "image_too_large"]
+        assert "max_video_frames=4" in items[0]["error"] and "max_video_pixels" in items[1]["error"]
+
+
+async def test_a_tower_without_a_video_processor_refuses_videos():
+    async with running_app(load_tower("tiny-clip")) as client:
+        (item,) = (await encode(client, [{"frames": frames(0, 2)}]))["items"]
+        assert item["status"] == "error" and item["reason"] == "invalid_video"

@@ -25,7 +25,7 @@ from visenc_client._exceptions import (
     VisencClientError,
 )
 from visenc_client._redis import AsyncRedisRows, RedisRows, RowsInfo
-from visenc_client._types import Handle, RowRange, image_hash
+from visenc_client._types import Handle, RowRange, Video, image_hash, video_hash
 from visenc_client.chunks import ChunkPiece, ChunkPlan, ImagePlacement, plan_chunk
 from visenc_client.prefill import PromptLayout, VisencPrefill, expand_placeholders
 
@@ -51,9 +51,11 @@ __all__ = [
     "ServerError",
     "TransportError",
     "UnavailableError",
+    "Video",
     "VisencClientError",
     "VisencPrefill",
     "expand_placeholders",
     "image_hash",
     "plan_chunk",
+    "video_hash",
 ]

@@ -31,7 +31,7 @@ from visenc_client import _protocol as p
 from visenc_client._exceptions import TransportError
 from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
 from visenc_client._shm import SegmentHandles
-from visenc_client._types import Handle, RowRange
+from visenc_client._types import Handle, RowRange, Video
 from visenc_client.chunks import ImagePlacement, plan_chunk
 
 T = TypeVar("T")
@@ -100,7 +100,12 @@ class Client(_Base):
                 streamed.close()
 
     def encode(
-        self, images: Sequence[p.ImageInput], *, wait: bool = True, hash_first: bool = True, include_rows: bool = False
+        self,
+        images: Sequence[p.ImageInput | Video],
+        *,
+        wait: bool = True,
+        hash_first: bool = True,
+        include_rows: bool = False,
     ) -> list[Handle]:
         return self._drive(
             p.encode_flow(
@@ -225,7 +230,12 @@ class AsyncClient(_Base):
                 await streamed.aclose()
 
     async def encode(
-        self, images: Sequence[p.ImageInput], *, wait: bool = True, hash_first: bool = True, include_rows: bool = False
+        self,
+        images: Sequence[p.ImageInput | Video],
+        *,
+        wait: bool = True,
+        hash_first: bool = True,
+        include_rows: bool = False,
     ) -> list[Handle]:
         return await self._drive(
             p.encode_flow(

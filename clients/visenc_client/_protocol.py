@@ -15,7 +15,6 @@ One implementation of the protocol, two drivers. Steps:
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -25,7 +24,7 @@ import msgpack
 import numpy as np
 
 from visenc_client._exceptions import ProtocolError, error_for
-from visenc_client._types import Handle, RowRange, image_hash
+from visenc_client._types import Handle, ImageInput, RowRange, Video, image_hash, video_hash
 from visenc_client.format import MSGPACK, NUMPY_DTYPES, ROWS_MEDIA_TYPE, CorruptFrame, split_frame
 
 __all__ = ["MSGPACK", "ROWS_MEDIA_TYPE"]
@@ -68,7 +67,13 @@ def read_all() -> Generator[Read, Any, bytes]:
     return b"".join(parts)
 
 
-ImageInput = bytes | bytearray | memoryview | str | os.PathLike[str]
+def _item(image: ImageInput | Video) -> dict[str, Any]:
+    """An encode item with its hash and what it uploads (``data``, or a video's ``frames``)."""
+    if isinstance(image, Video):
+        frames = [read_image(f) for f in image.frames]
+        return {"hash": video_hash([image_hash(f) for f in frames]), "frames": frames}
+    data = read_image(image)
+    return {"hash": image_hash(data), "data": data}
 
 
 def read_image(image: ImageInput) -> bytes:
@@ -118,27 +123,26 @@ def _handles(resp: httpx.Response) -> list[Handle]:
 
 def encode_flow(
     client: httpx.Client | httpx.AsyncClient,
-    images: Sequence[ImageInput],
+    images: Sequence[ImageInput | Video],
     *,
     wait: bool,
     hash_first: bool,
     headers: dict[str, str] | None,
     include_rows: bool = False,
 ) -> Flow[list[Handle]]:
-    """Hash-first: send hashes; upload bytes only for images the index answers ``missing``.
+    """Hash-first: send hashes; upload bytes (a video's frames) only for items the index answers
+    ``missing``. A video uploaded again sends every frame, but only its missing tubes are encoded.
 
     ``include_rows``: ready handles carry their rows (one round trip less than a fetch)."""
-    datas = [read_image(im) for im in images]
-    hashes = [image_hash(d) for d in datas]
+    uploads = [_item(im) for im in images]
     options = {"wait": wait, **({"include_rows": True} if include_rows else {})}
     if not hash_first:
-        items = [{"hash": h, "data": d} for h, d in zip(hashes, datas)]
-        return _handles((yield msgpack_request(client, "/v1/encode", {"items": items, **options}, headers)))
-    payload = {"items": [{"hash": h} for h in hashes], **options}
+        return _handles((yield msgpack_request(client, "/v1/encode", {"items": uploads, **options}, headers)))
+    payload = {"items": [{"hash": u["hash"]} for u in uploads], **options}
     handles = _handles((yield msgpack_request(client, "/v1/encode", payload, headers)))
     missing = [i for i, h in enumerate(handles) if h.status == "missing"]
     if missing:
-        items = [{"hash": hashes[i], "data": datas[i]} for i in missing]
+        items = [uploads[i] for i in missing]
         uploaded = _handles((yield msgpack_request(client, "/v1/encode", {"items": items, **options}, headers)))
         for i, h in zip(missing, uploaded):
             handles[i] = h

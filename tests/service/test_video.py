@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 
+import httpx
 import msgpack
 import numpy as np
 import pytest
@@ -22,6 +23,7 @@ from tests.support.waits import metric
 from visenc.imaging.decode import decode
 from visenc.models.base import VisionTower
 from visenc.models.loading import load_tower
+from visenc_client import AsyncClient, RowRange, Video
 from visenc_client.format import video_hash
 
 MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
@@ -149,3 +151,19 @@ async def test_a_tower_without_a_video_processor_refuses_videos():
     async with running_app(load_tower("tiny-clip")) as client:
         (item,) = (await encode(client, [{"frames": frames(0, 2)}]))["items"]
         assert item["status"] == "error" and item["reason"] == "invalid_video"
+
+
+async def test_the_client_encodes_videos_hash_first(service, tiny_tower):
+    fs = frames(70, 6)
+    transport = httpx.ASGITransport(app=service.app)
+    async with AsyncClient("http://visenc", transport=transport) as vc:
+        (first,) = await vc.encode([Video(fs)])
+        assert first.status == "ready" and first.hash == vid(fs) and first.tubes is not None
+        before = await encoded(service)
+        (again,) = await vc.encode([Video(fs)])  # the hash alone answers: nothing is uploaded
+        assert again.status == "ready" and await encoded(service) == before
+        ref = reference(tiny_tower, fs)
+        np.testing.assert_array_equal(await vc.fetch(first), ref)
+        per_tube = first.num_tokens // len(first.tubes)
+        parts = await vc.fetch_many([RowRange(t) for t in first.tubes[1:]])  # a chunk fetches only its tubes
+        np.testing.assert_array_equal(np.concatenate(parts), ref[per_tube:])

@@ -23,7 +23,7 @@ from transformers import AutoVideoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLModel, 
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from visenc.imaging.video import VideoPreprocess, tube_hash
+from visenc.imaging.video import RULES, VideoPreprocess, tube_hash
 from visenc.models.base import VisionTower
 from visenc.models.loading import load_tower
 from visenc.models.vlm import vision_only
@@ -145,7 +145,7 @@ def test_qwen3_vl_tubes_equal_get_video_features(qwen3_vl: tuple[Path, Any], cap
     path, model = qwen3_vl
     tower = load_tower(str(path), image_backend="pil")
     proc = AutoVideoProcessor.from_pretrained(path)
-    assert tower.video is not None and tower.video == _processor_settings("qwen3", proc)
+    assert tower.video is not None and tower.video == _processor_settings(RULES[type(proc).__name__], proc)
     if cap:
         proc.cap_pixels_per_frame, proc.max_video_tokens = True, 24
         tower.video = _processor_settings("qwen3", proc)
@@ -159,6 +159,47 @@ def test_qwen3_vl_tubes_equal_get_video_features(qwen3_vl: tuple[Path, Any], cap
         assert grid == tuple(inputs["video_grid_thw"][0].tolist())
         assert rows.shape == ref.shape == (grid[0] * tower.video.tube_tokens(grid), tower.hidden_size)
         torch.testing.assert_close(rows, ref, rtol=0, atol=TOLERANCE * ref.abs().max().item())
+
+
+@pytest.mark.parametrize(
+    "files",
+    [
+        {"preprocessor_config.json": {"image_processor_type": "Qwen2VLImageProcessor", "max_pixels": 50000}},
+        {"preprocessor_config.json": {"image_processor_type": "Qwen2VLImageProcessorFast", "min_pixels": 8192}},
+        {"video_preprocessor_config.json": {"video_processor_type": "Qwen2VLVideoProcessor", "merge_size": 2}},
+        {
+            "video_preprocessor_config.json": {"video_processor_type": "Qwen3VLVideoProcessor", "max_video_tokens": 9},
+            "preprocessor_config.json": {"image_processor_type": "Qwen2VLImageProcessor"},
+        },
+        {
+            "processor_config.json": {
+                "video_processor": {"video_processor_type": "Qwen2VLVideoProcessor", "patch_size": 16}
+            }
+        },
+    ],
+)
+def test_settings_resolve_as_auto_video_processor(qwen3_vl: tuple[Path, Any], files: dict, tmp_path: Path) -> None:
+    """Whichever files a checkpoint has, visenc follows the video processor class and settings
+    transformers' ``AutoVideoProcessor`` (which vLLM calls) resolves them to."""
+    import json
+    import shutil
+
+    path, _ = qwen3_vl
+    for name in ("config.json", "model.safetensors"):
+        shutil.copy(path / name, tmp_path / name)
+    for name, content in files.items():
+        nested = name == "processor_config.json"
+        (tmp_path / name).write_text(json.dumps(content if nested else {"patch_size": 16, **content}))
+    proc = AutoVideoProcessor.from_pretrained(tmp_path)
+    tower = load_tower(str(tmp_path), image_backend="pil") if files.get("preprocessor_config.json") else None
+    from visenc.imaging.video import video_config, video_rule
+
+    config = video_config({n: json.loads((tmp_path / n).read_text()) for n in files})
+    rule = video_rule(config, "qwen3")
+    assert rule == RULES[type(proc).__name__]
+    assert VideoPreprocess.from_config(rule, {"patch_size": 16, **config}) == _processor_settings(rule, proc)
+    if tower is not None:
+        assert tower.video == _processor_settings(rule, proc)
 
 
 def test_towers_without_tubes_have_no_video_settings() -> None:

@@ -1,11 +1,13 @@
 """One vLLM run over a fixed set of image prompts, printed as JSON (tokens and logprobs per prompt).
 
-    python tests/with_vllm/run_vllm.py MODEL [--visenc URL] [--grid-only] [--in-process]
+    python tests/with_vllm/run_vllm.py MODEL [--visenc URL] [--grid-only] [--in-process] [--video]
 
 ``--visenc URL``: vLLM as an ``ec_consumer`` with ``visenc_client.vllm.VisencConnector``; every
 image carries its visenc hash as its uuid (the images must already be encoded by visenc).
 ``--grid-only``: the images are sent as their ``image_grid_thw`` (taken from visenc, or from the
 tower's layout where visenc cannot be reached), no pixels; then one more prompt with pixels.
+``--video``: the prompts are videos instead (``videos()``: frames already sampled, as arrays), each
+carrying its visenc video hash as its uuid.
 Run in its own process: vLLM keeps process-wide state.
 """
 
@@ -46,6 +48,15 @@ def images() -> list[list[bytes]]:
     return [[picture(w, h, 100 * p + i) for i, (w, h) in enumerate(sizes)] for p, sizes in enumerate(PROMPTS)]
 
 
+#: (frames, width, height) of each video prompt: an even and an odd frame count, sizes that need a resize
+VIDEOS = [(4, 200, 120), (5, 97, 61), (6, 300, 90)]
+
+
+def videos() -> list[list[bytes]]:
+    """Each video prompt's frames as PNG files (lossless: vLLM gets the same pixels as arrays)."""
+    return [[picture(w, h, 1000 * v + i) for i in range(t)] for v, (t, w, h) in enumerate(VIDEOS)]
+
+
 #: one image's prompt text for the families built by tests/support/tiny_processors.py (by model_type)
 FAMILY_PROMPTS = {
     "mistral3": "[IMG]",
@@ -67,12 +78,32 @@ def text(n_images: int, model_type: str = "qwen2_vl") -> str:
     return f"<|im_start|>user\n{pads}Describe the pictures.<|im_end|>\n<|im_start|>assistant\n"
 
 
+def video_requests(uuids: bool) -> list[dict]:
+    """One prompt per video of ``videos()``: its frames as one ``[T, H, W, 3]`` array."""
+    import numpy as np
+    from PIL import Image
+
+    from visenc_client import image_hash, video_hash
+
+    out = []
+    for frames in videos():
+        clip = np.stack([np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in frames])
+        pads = "<|vision_start|><|video_pad|><|vision_end|>"
+        prompt = f"<|im_start|>user\n{pads}Describe the video.<|im_end|>\n<|im_start|>assistant\n"
+        request: dict = {"prompt": prompt, "multi_modal_data": {"video": clip}}
+        if uuids:
+            request["multi_modal_uuids"] = {"video": [video_hash([image_hash(f) for f in frames])]}
+        out.append(request)
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("model")
     parser.add_argument("--visenc", default=None)
     parser.add_argument("--grid-only", action="store_true")
     parser.add_argument("--in-process", action="store_true")
+    parser.add_argument("--video", action="store_true")
     args = parser.parse_args()
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
@@ -97,14 +128,14 @@ def main() -> int:
         enforce_eager=True,
         max_model_len=2048,
         max_num_seqs=4,
-        limit_mm_per_prompt={"image": 2, "video": 0},
+        limit_mm_per_prompt={"image": 2, "video": 1 if args.video else 0},
         seed=0,
         distributed_executor_backend="uni" if args.in_process else None,
         **options,
     )
     model_type = json.loads((Path(args.model) / "config.json").read_text())["model_type"]
-    requests = []
-    for datas in images():
+    requests = video_requests(args.visenc is not None) if args.video else []
+    for datas in [] if args.video else images():
         hashes = [image_hash(d) for d in datas]
         if args.grid_only:
             try:

@@ -224,6 +224,23 @@ def video_config(files: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any
     return {}
 
 
+#: transformers' video processor classes whose arithmetic ``VideoPreprocess`` follows
+RULES: dict[str, Rule] = {"Qwen2VLVideoProcessor": "qwen2", "Qwen3VLVideoProcessor": "qwen3"}
+
+
+def video_rule(cfg: Mapping[str, Any], default: Rule) -> Rule | None:
+    """Whose video processor a checkpoint's settings resolve to, in ``AutoVideoProcessor``'s order:
+    ``video_processor_type``; else the ``image_processor_type`` with ``Video`` for ``Image``, where
+    that names a processor here (a Qwen2-VL image processor config saved beside a Qwen3-VL model
+    makes it a ``Qwen2VLVideoProcessor``, and vLLM runs that one); else the model type's own
+    (``default``). ``None``: a video processor whose arithmetic visenc does not follow."""
+    name = cfg.get("video_processor_type")
+    if name is None and isinstance(cfg.get("image_processor_type"), str):
+        inferred = cfg["image_processor_type"].replace("ImageProcessor", "VideoProcessor")
+        name = inferred if inferred in RULES else None
+    return default if name is None else RULES.get(name)
+
+
 def frames_array(frames: Sequence[np.ndarray]) -> np.ndarray:
     """Decoded RGB frames (HWC uint8, one size) as one ``[T, H, W, 3]`` array."""
     sizes = {f.shape for f in frames}

@@ -36,7 +36,7 @@ import torch
 from safetensors import safe_open
 from transformers import AutoConfig, CLIPVisionModelWithProjection, SiglipVisionModel
 
-from visenc.imaging.video import VideoPreprocess, video_config
+from visenc.imaging.video import VideoPreprocess, video_config, video_rule
 from visenc.models.base import VisionTower
 from visenc.models.building import build_empty, resolve_dtype, set_attention
 from visenc.models.clip import FixedPreprocess, FixedResolutionTower
@@ -94,14 +94,19 @@ VIDEO_CONFIG_FILES = ("processor_config.json", "video_preprocessor_config.json",
 
 def video_settings(tower: VisionTower, path: Path | None) -> VideoPreprocess | None:
     """The video processor settings of a tower that encodes video (``VisionTower.video_rule``): the
-    checkpoint's own (``path``), else the processor class's defaults, with the model's patch, merge
+    checkpoint's own (``path``), of the video processor class they resolve to (``video_rule``;
+    ``None`` for one visenc does not follow), else the processor class's defaults, with the model's patch, merge
     and temporal sizes where the settings do not state them. Settings that disagree with the model
     raise ``ValueError``."""
     if tower.video_rule is None:
         return None
     files = {} if path is None else {name: _read_json(path / name) for name in VIDEO_CONFIG_FILES}
+    config = video_config(files)
+    rule = video_rule(config, tower.video_rule)
+    if rule is None:
+        return None
     geometry = tower.video_geometry()
-    settings = VideoPreprocess.from_config(tower.video_rule, {**geometry, **video_config(files)})
+    settings = VideoPreprocess.from_config(rule, {**geometry, **config})
     if any(getattr(settings, k) != v for k, v in geometry.items()):
         raise ValueError(f"the video processor's patch, merge or temporal size differ from the model's {geometry}")
     return settings

@@ -1,0 +1,92 @@
+"""Videos against vLLM's own code: visenc's tubes are what vLLM's processor makes of the clip, and
+vLLM consumes visenc's video rows through ``VisencConnector`` token-identically.
+
+- For tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints, clips that need a resize, odd frame
+  counts and a frame under the patch grid: visenc's tubes, concatenated, equal vLLM's
+  ``pixel_values_videos`` bit for bit, its grid equals ``video_grid_thw`` and its row count the
+  placeholder's embeddings (the rows of equal inputs are pinned in ``tests/golden/test_video.py``
+  against transformers and here below against vLLM's tokens).
+- vLLM serves a Qwen2-VL copy whose vision tower is wrong; visenc serves the right one. With the
+  connector (each video's uuid its visenc video hash), vLLM gives the right checkpoint's tokens,
+  and logprobs within 1e-3, for video prompts of 4, 5 and 6 frames; alone, the copy differs.
+
+This runs vLLM's installed code, so it fails when a vLLM upgrade changes how videos are processed.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
+
+from tests.conftest import serve_process
+
+from visenc_client import Client, Video
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+import run_vllm  # noqa: E402
+import tiny_vlm  # noqa: E402
+from test_vllm_connector import same, vllm_run  # noqa: E402
+
+CLIPS = [(4, 120, 200), (5, 61, 97), (3, 20, 30), (6, 90, 300), (2, 448, 448)]
+
+
+@pytest.mark.parametrize("arch", ["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def test_tubes_equal_vllms_video_inputs(arch, tmp_path):
+    from vllm.config import ModelConfig
+    from vllm.multimodal import MULTIMODAL_REGISTRY
+
+    from visenc.models.loading import load_tower
+
+    path = tiny_vlm.build(tmp_path / arch, seed=0, arch=arch)
+    config = ModelConfig(model=str(path), dtype="float32", mm_device_do_normalize=False)
+    processor = MULTIMODAL_REGISTRY.create_processor(config)
+    tower = load_tower(str(path))
+    assert tower.video is not None
+    rng = np.random.default_rng(0)
+    for t, h, w in CLIPS:
+        frames = rng.integers(0, 256, (t, h, w, 3), dtype=np.uint8)
+        # frames the caller sampled: vLLM samples none of its own (its metadata says so)
+        meta = {"fps": 2.0, "duration": t / 2, "total_num_frames": t, "frames_indices": list(range(t))}
+        meta |= {"video_backend": "opencv", "do_sample_frames": False}
+        out = processor(
+            "<|vision_start|><|video_pad|><|vision_end|>", processor.info.parse_mm_data({"video": [(frames, meta)]})
+        )
+        (placeholder,) = out["mm_placeholders"]["video"]
+        (item,) = out["mm_kwargs"]["video"]
+        tubes, grid = tower.video.tubes(frames)
+        assert grid == tuple(int(x) for x in item["video_grid_thw"].data.tolist()), (arch, (t, h, w))
+        assert placeholder.get_num_embeds() == grid[0] * tower.video.tube_tokens(grid)
+        want = item["pixel_values_videos"].data.float().numpy()
+        np.testing.assert_array_equal(np.concatenate(tubes), want, err_msg=f"{arch} {(t, h, w)}")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
+    folder = tmp_path_factory.mktemp("tiny-vlm-video")
+    return tiny_vlm.build(folder / "right", seed=0), tiny_vlm.build(folder / "wrong", seed=0, vision_seed=1)
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints) -> list[dict]:
+    return vllm_run(checkpoints[0], "--in-process", "--video")
+
+
+def test_the_wrong_checkpoint_alone_differs_on_video(checkpoints, reference):
+    assert [r["tokens"] for r in vllm_run(checkpoints[1], "--in-process", "--video")] != [
+        r["tokens"] for r in reference
+    ]
+
+
+def test_connector_gives_the_right_checkpoints_tokens_for_videos(checkpoints, reference):
+    right, wrong = checkpoints
+    with serve_process("--model", str(right), "--max-wait-ms", "1") as url:
+        with Client(url) as vc:  # the videos, encoded once; the connector never uploads
+            handles = vc.encode([Video(frames) for frames in run_vllm.videos()])
+            assert all(h.status == "ready" for h in handles)
+        same(vllm_run(wrong, "--in-process", "--visenc", url, "--video"), reference)

@@ -9,6 +9,8 @@ vLLM consumes visenc's video rows through ``VisencConnector`` token-identically.
 - vLLM serves a Qwen2-VL copy whose vision tower is wrong; visenc serves the right one. With the
   connector (each video's uuid its visenc video hash), vLLM gives the right checkpoint's tokens,
   and logprobs within 1e-3, for video prompts of 4, 5 and 6 frames; alone, the copy differs.
+  Where visenc cannot give a video's rows (unreachable, or never sent the video), vLLM encodes
+  it itself and answers as alone.
 
 This runs vLLM's installed code, so it fails when a vLLM upgrade changes how videos are processed.
 """
@@ -23,7 +25,7 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
-from tests.conftest import serve_process
+from tests.conftest import free_port, serve_process
 
 from visenc_client import Client, Video
 
@@ -77,10 +79,21 @@ def reference(checkpoints) -> list[dict]:
     return vllm_run(checkpoints[0], "--in-process", "--video")
 
 
-def test_the_wrong_checkpoint_alone_differs_on_video(checkpoints, reference):
-    assert [r["tokens"] for r in vllm_run(checkpoints[1], "--in-process", "--video")] != [
-        r["tokens"] for r in reference
-    ]
+@pytest.fixture(scope="module")
+def wrong_alone(checkpoints) -> list[dict]:
+    return vllm_run(checkpoints[1], "--in-process", "--video")
+
+
+def test_the_wrong_checkpoint_alone_differs_on_video(wrong_alone, reference):
+    assert [r["tokens"] for r in wrong_alone] != [r["tokens"] for r in reference]
+
+
+def test_videos_visenc_cannot_give_are_encoded_by_vllm(checkpoints, wrong_alone):
+    """visenc unreachable, or up without these videos: vLLM encodes them itself (its own answer)."""
+    _, wrong = checkpoints
+    same(vllm_run(wrong, "--in-process", "--visenc", f"http://127.0.0.1:{free_port()}", "--video"), wrong_alone)
+    with serve_process("--model", str(wrong), "--max-wait-ms", "1") as url:
+        same(vllm_run(wrong, "--in-process", "--visenc", url, "--video"), wrong_alone)
 
 
 def test_connector_gives_the_right_checkpoints_tokens_for_videos(checkpoints, reference):

@@ -129,12 +129,27 @@ class ChunkPlan:
     dtype: str | None = None
 
 
+def _by_tube(piece: ChunkPiece, video: Handle | None) -> list[ChunkPiece]:
+    """A video's piece as pieces of the tubes it covers (a chunk fetches only its tubes' rows)."""
+    if video is None or not video.tubes or not video.num_tokens:
+        return [piece]
+    per = video.num_tokens // len(video.tubes)
+    out, row = [], piece.start
+    while row < piece.end:
+        i = row // per
+        stop = min(piece.end, (i + 1) * per)
+        out.append(ChunkPiece(video.tubes[i], row - i * per, stop - i * per, piece.dest + row - piece.start))
+        row = stop
+    return out
+
+
 def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, dense: bool = False) -> ChunkPlan:
     """The rows chunk ``[start, end)`` needs from ``placements`` (any order; they must not overlap).
 
     Invariants: pieces are in prompt order; each is non-empty; in packed layout
     their ``dest`` ranges tile ``[0, rows)``; in dense layout piece rows land at
-    ``position - start``. Images with no position in ``[start, end)`` get no piece."""
+    ``position - start``. Images with no position in ``[start, end)`` get no piece. A video placed by
+    its handle is fetched tube by tube: its pieces name the tubes the chunk overlaps."""
     if not 0 <= start <= end:
         raise ValueError(f"chunk [{start}, {end}) is not a range of prompt positions")
     ordered = sorted((p for p in placements if p.num_tokens > 0), key=lambda p: p.offset)
@@ -159,13 +174,14 @@ def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, de
                 pieces.append(piece)
                 packed += hi - lo
             row += count
+    videos = {p.hash: p.image for p in ordered if isinstance(p.image, Handle) and p.image.tubes}
     handles = [p.image for p in placements if isinstance(p.image, Handle) and p.image.hidden_size]
     return ChunkPlan(
         start,
         end,
         dense,
         end - start if dense else packed,
-        tuple(pieces),
+        tuple(q for piece in pieces for q in _by_tube(piece, videos.get(piece.hash))),
         handles[0].hidden_size if handles else None,
         handles[0].dtype if handles else None,
     )

@@ -23,7 +23,7 @@ from tests.support.waits import metric
 from visenc.imaging.decode import decode
 from visenc.models.base import VisionTower
 from visenc.models.loading import load_tower
-from visenc_client import AsyncClient, RowRange, Video
+from visenc_client import AsyncClient, ImagePlacement, RowRange, Video, plan_chunk
 from visenc_client.format import video_hash
 
 MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
@@ -165,5 +165,15 @@ async def test_the_client_encodes_videos_hash_first(service, tiny_tower):
         ref = reference(tiny_tower, fs)
         np.testing.assert_array_equal(await vc.fetch(first), ref)
         per_tube = first.num_tokens // len(first.tubes)
-        parts = await vc.fetch_many([RowRange(t) for t in first.tubes[1:]])  # a chunk fetches only its tubes
+        parts = await vc.fetch_many([RowRange(t) for t in first.tubes[1:]])
         np.testing.assert_array_equal(np.concatenate(parts), ref[per_tube:])
+        placement = ImagePlacement.of(first, offset=3)
+        end = 3 + per_tube + 5  # a prefill chunk over the first tube and part of the second
+        plan = plan_chunk([placement], 0, end)
+        assert [(p.hash, p.start, p.end) for p in plan.pieces] == [
+            (first.tubes[0], 0, per_tube),
+            (first.tubes[1], 0, 5),
+        ]
+        np.testing.assert_array_equal(await vc.fetch_chunk([placement], 0, end), ref[: per_tube + 5])
+        later = await vc.fetch_chunk([placement], end, 3 + first.num_tokens)  # the next chunk: the rest
+        np.testing.assert_array_equal(later, ref[per_tube + 5 :])

@@ -11,7 +11,7 @@ from tests.conftest import redis_process, serve_process
 from tests.images import jpeg_bytes, png_bytes
 from tests.support.waits import metric
 
-from visenc_client import AsyncClient, Client, RedisRows
+from visenc_client import AsyncClient, Client, RedisRows, Video, image_hash, video_hash
 
 
 @pytest.fixture(scope="module")
@@ -88,3 +88,28 @@ def test_fetch_on_another_replica_waits_for_the_encode_in_flight(replicas, tiny_
         assert h.status == "ready" and h.num_tokens == handles[-2].num_tokens
     assert encoded(b) == before_b, "replica B encoded an image replica A was encoding"
     assert metric(httpx.get(f"{b}/metrics").text, "visenc_claims_total", outcome="fetch_wait") >= 1
+
+
+def test_a_video_at_two_replicas_encodes_each_tube_once(replicas):
+    """The same new clip, and a clip overlapping it, at both replicas at once: each distinct tube
+    runs one forward across the two; either replica then serves every video by its hash alone
+    (its manifest and tubes from Redis), with equal rows."""
+    _, a, b = replicas
+    stream = [png_bytes(600 + i, 120, 90) for i in range(10)]
+    clips = [stream[:8], stream[2:10]]  # 4 tubes each, 3 shared: 5 distinct
+    before = encoded(a) + encoded(b)
+
+    async def fire() -> list:
+        async with AsyncClient(a) as ca, AsyncClient(b) as cb:
+            return await asyncio.gather(
+                *(c.encode([Video(clip)], hash_first=False) for clip in clips for c in (ca, cb))
+            )
+
+    assert all(h.status == "ready" for hs in asyncio.run(fire()) for h in hs)
+    assert encoded(a) + encoded(b) - before == 5
+    with Client(a) as ca, Client(b) as cb:
+        for clip in clips:
+            (ha,), (hb,) = ca.lookup([video_hash([image_hash(f) for f in clip])]), cb.encode([Video(clip)])
+            assert ha.status == hb.status == "ready" and ha.hash == hb.hash
+            np.testing.assert_array_equal(ca.fetch(ha), cb.fetch(hb))
+    assert encoded(a) + encoded(b) - before == 5

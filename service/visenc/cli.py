@@ -69,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     proxy.add_argument("--max-image-bytes", type=int, default=32 << 20, help="Largest image, bytes.")
     proxy.add_argument("--fetch-timeout-s", type=float, default=10.0, help="Bound of one image URL fetch.")
     proxy.add_argument(
+        "--video-num-frames",
+        type=int,
+        default=32,
+        help="Frames vLLM takes of a data:video/jpeg URL (its video num_frames media option; -1: all).",
+    )
+    proxy.add_argument(
         "--encode-first",
         action="store_true",
         help="Forward a request only once visenc has its images (default: at once; visenc gets them after the answer).",
@@ -150,6 +156,7 @@ def run_proxy(args: dict[str, Any]) -> int:
         max_image_bytes=args["max_image_bytes"],
         fetch_timeout_s=args["fetch_timeout_s"],
         encode_first=args["encode_first"],
+        video_num_frames=args["video_num_frames"],
     )
     signal.signal(signal.SIGTERM, _stopped)
     uvicorn.run(create_proxy_app(Proxy(settings)), host=args["host"], port=args["port"], log_level=args["log_level"])

@@ -13,6 +13,10 @@ to it does not compete with the request that brought it; the next request with t
 image, on any replica, finds its rows. ``--encode-first`` (``encode_first``) hands
 the images to visenc before forwarding instead (with ``wait_for_encoding`` on the
 connector, every image then comes from visenc).
+A ``video_url`` part whose URL is a ``data:video/jpeg;base64,`` list of frames (vLLM's pre-sampled
+video: the frames it takes are the first ``video_num_frames``, as vLLM's ``VideoMediaIO`` takes
+them) gets its visenc video hash as ``uuid`` and is handed to visenc as a video the same way;
+other video parts pass through untouched (vLLM encodes them itself).
 ``POST /v1/completions`` and ``GET /v1/models`` pass through.
 Streaming responses are streamed through as they come.
 
@@ -44,9 +48,12 @@ import orjson
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from visenc.media import MediaError, data_url_bytes, fetch, is_allowed_url
-from visenc_client import AsyncClient, VisencClientError
-from visenc_client.format import image_hash
+from visenc.media import MediaError, base64_bytes, data_url_bytes, fetch, is_allowed_url
+from visenc_client import AsyncClient, Video, VisencClientError
+from visenc_client.format import image_hash, video_hash
+
+#: a video vLLM takes as frames already sampled: JPEG frames, base64, joined by commas
+JPEG_FRAMES = "data:video/jpeg;base64,"
 
 log = logging.getLogger("visenc.proxy")
 
@@ -72,6 +79,8 @@ class ProxySettings:
     #: hand a request's images to visenc before forwarding it (default: after its answer is through;
     #: with ``wait_for_encoding`` on the connector, every image of it then comes from visenc)
     encode_first: bool = False
+    #: frames vLLM takes of a ``data:video/jpeg`` URL (its ``num_frames`` video media option; -1: all)
+    video_num_frames: int = 32
 
 
 class ProxyError(Exception):
@@ -126,7 +135,7 @@ class _Image:
     data: URL already and did not decode it again, the URL (decoded only if it is handed over)."""
 
     hash: str
-    source: bytes | str
+    source: bytes | str | Video
 
 
 class _Memo:
@@ -215,6 +224,20 @@ class Proxy:
             return _Image(image_hash(data), data)
         raise ProxyError("an image_url must be a data: URL or an allowed http(s) URL")
 
+    def _video(self, url: str) -> _Image:
+        """A ``data:video/jpeg`` part: the frames vLLM takes of it (the first ``video_num_frames``)."""
+        n = self.settings.video_num_frames
+        if n == 0:
+            raise ProxyError("video_num_frames must be positive or -1")
+        texts = url[len(JPEG_FRAMES) :].split(",", n)[:n] if n > 0 else url[len(JPEG_FRAMES) :].split(",")
+        try:
+            frames = [
+                base64_bytes(t, self.settings.max_image_bytes, "a video frame is not valid base64") for t in texts
+            ]
+        except MediaError as e:
+            raise ProxyError(str(e)) from e
+        return _Image(video_hash([image_hash(f) for f in frames]), Video(frames))
+
     def _image_parts(self, body: dict[str, Any]) -> list[dict[str, Any]]:
         messages = body.get("messages")
         if not isinstance(messages, list):
@@ -223,21 +246,31 @@ class Proxy:
         for message in messages:
             content = message.get("content") if isinstance(message, dict) else None
             if isinstance(content, list):
-                parts += [p for p in content if isinstance(p, dict) and p.get("type") == "image_url"]
+                parts += [p for p in content if isinstance(p, dict) and p.get("type") in ("image_url", "video_url")]
+        tagged = []
         for part in parts:
-            image_url = part.get("image_url")
-            url = image_url.get("url") if isinstance(image_url, dict) else image_url
+            kind = part["type"]
+            media = part.get(kind)
+            url = media.get("url") if isinstance(media, dict) else media
             if not isinstance(url, str):
-                raise ProxyError("an image_url part has no url")
+                raise ProxyError(f"an {kind} part has no url")
+            if kind == "video_url" and not url.startswith(JPEG_FRAMES):
+                continue  # a video file: vLLM decodes and encodes it itself
             part["_url"] = url
-        return parts
+            tagged.append(part)
+        return tagged
 
     async def tag_images(self, body: dict[str, Any]) -> list[_Image]:
         """Give every image part its visenc hash as ``uuid``; the images, in order."""
         parts = self._image_parts(body)
         if not parts:
             return []
-        images = await asyncio.gather(*(self._image(p.pop("_url")) for p in parts))
+        videos = {id(p): self._video(p["_url"]) for p in parts if p["type"] == "video_url"}
+        images = await asyncio.gather(*(self._image(p["_url"]) for p in parts if id(p) not in videos))
+        found = iter(images)
+        images = [videos[id(p)] if id(p) in videos else next(found) for p in parts]
+        for part in parts:
+            del part["_url"]
         for part, image in zip(parts, images):
             part["uuid"] = image.hash  # the connector finds the rows under it
         return list(images)
@@ -264,7 +297,9 @@ class Proxy:
     async def encode(self, images: Sequence[_Image]) -> None:
         """A hash-first encode of ``images`` (``wait=false``); a failure is logged and counted."""
         try:
-            datas = [i.source if isinstance(i.source, bytes) else self._data_url_bytes(i.source) for i in images]
+            datas = [
+                i.source if isinstance(i.source, bytes | Video) else self._data_url_bytes(i.source) for i in images
+            ]
             await self.visenc.encode([d for d in datas if d is not None], wait=False)
         except VisencClientError as e:  # vLLM encodes the images itself
             self.encode_failures += 1

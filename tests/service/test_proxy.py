@@ -11,10 +11,10 @@ import json
 import httpx
 import pytest
 from tests.conftest import running_app
-from tests.images import png_bytes
+from tests.images import jpeg_bytes, png_bytes
 
 from visenc.proxy import Proxy, ProxySettings, create_proxy_app
-from visenc_client.format import image_hash
+from visenc_client.format import image_hash, video_hash
 
 UPSTREAMS = ["http://vllm-a", "http://vllm-b"]
 
@@ -229,3 +229,43 @@ def test_the_url_memo_is_bounded_in_characters():
     assert memo.chars <= 110
     assert [memo.hash_of(u) for u in urls] == [None, None, "h2", "h3"]
     assert memo.hash_of("data:image/png;base64," + "C" * 29 + "c") is None  # exact strings only
+
+
+def jpeg_frames_url(frames: list[bytes]) -> str:
+    return "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+
+
+async def test_jpeg_frame_videos_get_their_video_hash_and_are_encoded(tiny_tower):
+    """A ``data:video/jpeg`` part (frames already sampled) gets its video hash as uuid, of the
+    frames vLLM takes (the first ``video_num_frames``); visenc then holds the video. A video file
+    part passes through untagged, and images beside videos keep their own hashes."""
+    upstream = Upstream()
+    frames = [jpeg_bytes(950 + i, 96, 64) for i in range(6)]
+    image = png_bytes(960, 64, 64)
+    async with running_app(tiny_tower) as visenc:
+        settings = ProxySettings(
+            upstreams=UPSTREAMS[:1], visenc_url="http://visenc", health_interval_s=3600, video_num_frames=4
+        )
+        proxy = Proxy(
+            settings, transport=httpx.MockTransport(upstream), visenc_transport=httpx.ASGITransport(app=visenc.app)
+        )
+        app = create_proxy_app(proxy)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+                body = chat(image)
+                body["messages"][0]["content"] += [
+                    {"type": "video_url", "video_url": {"url": jpeg_frames_url(frames)}},
+                    {"type": "video_url", "video_url": {"url": "data:video/mp4;base64,AAAA"}},
+                ]
+                r = await client.post("/v1/chat/completions", json=body)
+                assert r.status_code == 200, r.text
+                await proxy.drain()
+        ((_, sent),) = upstream.seen
+        parts = sent["messages"][0]["content"]
+        expected = video_hash([image_hash(f) for f in frames[:4]])
+        assert [p.get("uuid") for p in parts if p["type"] != "text"] == [image_hash(image), expected, None]
+        r = await visenc.post("/v1/encode", json={"items": [{"hash": expected}], "wait": False})
+        (item,) = r.json()["items"]
+        assert item["status"] in ("pending", "ready") and item["grid_thw"][0] == 2
+        r = await visenc.get(f"/v1/embeddings/{expected}")  # waits while pending
+        assert r.status_code == 200 and int(r.headers["x-visenc-total-rows"]) == item["num_tokens"]

@@ -105,7 +105,11 @@ async def test_a_video_is_found_by_its_hash_alone(service, tiny_tower):
     fs = frames(20, 4)
     (missing,) = (await encode(service, [{"hash": vid(fs)}]))["items"]
     assert missing["status"] == "missing"
-    await encode(service, [{"frames": fs}])
+    (started,) = (await encode(service, [{"frames": fs}], wait=False))["items"]
+    (asked,) = (await encode(service, [{"hash": vid(fs)}], wait=False))["items"]  # tubes may be encoding
+    assert asked["status"] in ("pending", "ready") and asked["num_tokens"] == started["num_tokens"]
+    assert asked["grid_thw"] == started["grid_thw"]
+    await fetch(service, vid(fs))  # waits while pending
     (hit,) = (await encode(service, [{"hash": vid(fs)}], include_rows=True))["items"]
     assert hit["status"] == "ready" and tuple(hit["grid_thw"]) == tiny_tower.video.grid(4, H, W)
     rows = np.frombuffer(hit["rows"], dtype="<f4").reshape(hit["num_tokens"], -1)

@@ -154,6 +154,9 @@ class Intake:
         if job is not None and job.layout is not None:
             lay = job.layout
             return Handle(item.hash, "pending", lay.num_tokens, self.hidden_size, self.dtype, lay.grid_thw)
+        if item.pending_grid is not None and (video := self.prep.tower.video) is not None:
+            grid = item.pending_grid
+            return Handle(item.hash, "pending", grid[0] * video.tube_tokens(grid), self.hidden_size, self.dtype, grid)
         return Handle(item.hash, status)  # type: ignore[arg-type]
 
     # --- the request path --------------------------------------------------------------------
@@ -184,9 +187,11 @@ class Intake:
             keys = [manifest_key(namespace, self.fingerprint, it.hash) for it in asked]
             for it, manifest in zip(asked, await self.index.get_many(keys)):
                 if manifest is not None:
-                    try:  # ready when every tube is; else missing (a fetch waits for pending tubes)
+                    try:  # ready when every tube is; pending while one is encoded (a fetch waits)
                         it.entry = await self._video(manifest, it.hash, namespace, 0.0)
-                    except (NotFound, DeadlineExceeded):
+                    except DeadlineExceeded:
+                        it.pending_grid = manifest.grid_thw
+                    except NotFound:  # a tube was evicted: missing (upload the frames again)
                         pass
 
     def _admission(self, items: list[Item]) -> set[str]:

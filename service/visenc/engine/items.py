@@ -38,6 +38,8 @@ class Item:
     video: Video | None = None
     #: a video tube's tower input (the tube is an item of its own, with no bytes)
     tube: Prepared | None = None
+    #: a video asked by hash whose tubes are still being encoded: its grid
+    pending_grid: tuple[int, int, int] | None = None
 
     @property
     def source(self) -> Source | None:

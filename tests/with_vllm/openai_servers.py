@@ -29,7 +29,9 @@ def connector_config(url: str | list[str], **options: Any) -> str:
     )
 
 
-def openai_server(model: Path, port: int, *extra: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+def openai_server(
+    model: Path, port: int, *extra: str, log: Path | None = None, videos: int = 0
+) -> subprocess.Popen[bytes]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "HF_HUB_OFFLINE": "1", "VLLM_LOGGING_LEVEL": "WARNING"}
     out = open(log, "wb") if log else subprocess.DEVNULL  # the child holds it
     return subprocess.Popen(
@@ -49,7 +51,7 @@ def openai_server(model: Path, port: int, *extra: str, log: Path | None = None) 
             "--max-model-len",
             "2048",
             "--limit-mm-per-prompt",
-            '{"image": 2, "video": 0}',
+            json.dumps({"image": 2, "video": videos}),
             "--seed",
             "0",
             *extra,
@@ -72,10 +74,15 @@ def wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> 
     raise TimeoutError(url)
 
 
-def chat_request(url: str, datas: list[bytes], uuids: list[str] | None = None) -> httpx.Response:
+def chat_request(
+    url: str, datas: list[bytes], uuids: list[str] | None = None, videos: list[list[bytes]] = ()
+) -> httpx.Response:
     """A greedy 8-token chat completion over ``datas`` (PNG bytes as data: URLs), each image part
-    given its ``uuid`` when ``uuids`` is set."""
+    given its ``uuid`` when ``uuids`` is set, and ``videos`` (JPEG frames as ``data:video/jpeg``)."""
     parts: list[dict[str, Any]] = []
+    for frames in videos:
+        url_ = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+        parts.append({"type": "video_url", "video_url": {"url": url_}})
     for i, d in enumerate(datas):
         part: dict[str, Any] = {
             "type": "image_url",
@@ -95,9 +102,9 @@ def chat_request(url: str, datas: list[bytes], uuids: list[str] | None = None) -
     return httpx.post(f"{url}/v1/chat/completions", json=body, timeout=300)
 
 
-def chat(url: str, datas: list[bytes], uuids: list[str] | None = None) -> dict:
+def chat(url: str, datas: list[bytes], uuids: list[str] | None = None, videos: list[list[bytes]] = ()) -> dict:
     """Tokens and logprobs of ``chat_request``'s answer (which must be a 200)."""
-    r = chat_request(url, datas, uuids)
+    r = chat_request(url, datas, uuids, videos)
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     return {"tokens": [c["token"] for c in content], "logprobs": [c["logprob"] for c in content]}

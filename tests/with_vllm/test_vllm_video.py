@@ -17,6 +17,9 @@ This runs vLLM's installed code, so it fails when a vLLM upgrade changes how vid
 
 from __future__ import annotations
 
+import base64
+import io
+import subprocess
 import sys
 from pathlib import Path
 
@@ -25,14 +28,16 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
+from PIL import Image
 from tests.conftest import free_port, serve_process
 
-from visenc_client import Client, Video
+from visenc_client import Client, Video, image_hash, video_hash
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import run_vllm  # noqa: E402
 import tiny_vlm  # noqa: E402
+from openai_servers import chat, connector_config, openai_server, wait_up  # noqa: E402
 from test_vllm_connector import same, vllm_run  # noqa: E402
 
 CLIPS = [(4, 120, 200), (5, 61, 97), (3, 20, 30), (6, 90, 300), (2, 448, 448)]
@@ -103,3 +108,76 @@ def test_connector_gives_the_right_checkpoints_tokens_for_videos(checkpoints, re
             handles = vc.encode([Video(frames) for frames in run_vllm.videos()])
             assert all(h.status == "ready" for h in handles)
         same(vllm_run(wrong, "--in-process", "--visenc", url, "--video"), reference)
+
+
+def jpeg_frames(frames: list[bytes]) -> list[bytes]:
+    """The frames as JPEG files (what a ``data:video/jpeg`` URL carries)."""
+    out = []
+    for f in frames:
+        buf = io.BytesIO()
+        Image.open(io.BytesIO(f)).convert("RGB").save(buf, "JPEG", quality=90)
+        out.append(buf.getvalue())
+    return out
+
+
+def test_the_proxy_takes_the_frames_vllm_takes():
+    """``visenc proxy``'s frames of a ``data:video/jpeg`` URL are the ones vLLM's own media
+    connector loads (the first 32 by default; the option's default is read from vLLM's code)."""
+    import inspect
+
+    from vllm.multimodal.media.connector import MediaConnector
+    from vllm.multimodal.media.video import VideoMediaIO
+
+    from visenc.imaging.decode import decode
+    from visenc.proxy import Proxy, ProxySettings
+
+    frames = jpeg_frames([run_vllm.picture(64, 48, 3000 + i) for i in range(40)])
+    url = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
+    (clip, _) = MediaConnector().fetch_video(url).media
+    default = inspect.signature(VideoMediaIO.__init__).parameters["num_frames"].default
+    assert ProxySettings(upstreams=[], visenc_url="").video_num_frames == default == clip.shape[0]
+    video = Proxy(ProxySettings(upstreams=["http://x"], visenc_url="http://y"))._video(url)
+    assert isinstance(video.source, Video) and len(video.source.frames) == clip.shape[0]
+    for got, want in zip(video.source.frames, clip):
+        np.testing.assert_array_equal(np.asarray(decode(got, max_pixels=10**8)), want)
+
+
+def test_openai_server_behind_visenc_proxy_for_videos(checkpoints):
+    """``vllm serve`` on the wrong copy with the connector, behind ``visenc proxy --encode-first``
+    (which tags the video parts with their video hash and hands them to visenc): the same answers as
+    ``vllm serve`` alone on the right checkpoint, for videos visenc never saw before."""
+    from tests.conftest import stop_process
+
+    right, wrong = checkpoints
+    ports = [free_port() for _ in range(3)]
+    with serve_process("--model", str(right), "--max-wait-ms", "1") as visenc:
+        alone = openai_server(right, ports[0], videos=1)
+        config = connector_config(visenc, wait_for_encoding=True)
+        behind = openai_server(wrong, ports[1], "--ec-transfer-config", config, videos=1)
+        upstream = f"http://127.0.0.1:{ports[1]}"
+        command = ["-m", "visenc", "proxy", "--port", str(ports[2]), "--upstream", upstream, "--visenc", visenc]
+        proxy = subprocess.Popen(
+            [sys.executable, *command, "--encode-first"],
+            cwd=HERE.parent.parent,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        try:
+            for url, proc in [
+                (f"http://127.0.0.1:{ports[0]}", alone),
+                (upstream, behind),
+                (f"http://127.0.0.1:{ports[2]}", proxy),
+            ]:
+                wait_up(url, proc)
+            for frames in run_vllm.videos()[:2]:
+                clip = jpeg_frames(frames)
+                want = chat(f"http://127.0.0.1:{ports[0]}", [], videos=[clip])
+                got = chat(f"http://127.0.0.1:{ports[2]}", [], videos=[clip])
+                assert got["tokens"] == want["tokens"]
+                assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= 1e-3
+                with Client(visenc) as vc:  # the rows did come from visenc: it holds the video
+                    (h,) = vc.lookup([video_hash([image_hash(f) for f in clip])])
+                    assert h.status == "ready"
+        finally:
+            for proc in (proxy, behind, alone):
+                stop_process(proc)

@@ -128,7 +128,10 @@ class Settings(BaseSettings):
     )
     max_video_frames: int = Field(768, gt=0, description="Most frames of one video item.")
     max_video_pixels: int = Field(
-        256_000_000, gt=0, description="Most decoded pixels of one video item, all its frames together."
+        128_000_000,
+        gt=0,
+        description="Most pixels of one video item, all its frames together, decoded or resized as the tower's "
+        "input (whichever is more: its input, 12 bytes a pixel, is held until its tubes' forwards).",
     )
 
     # --- reliability and security -------------------------------------------

@@ -4,7 +4,7 @@ vLLM consumes visenc's video rows through ``VisencConnector`` token-identically.
 - For tiny Qwen2-VL, Qwen2.5-VL and Qwen3-VL checkpoints, clips that need a resize, odd frame
   counts and a frame under the patch grid: visenc's tubes, concatenated, equal vLLM's
   ``pixel_values_videos`` bit for bit, its grid equals ``video_grid_thw`` and its row count the
-  placeholder's embeddings (the rows of equal inputs are pinned in ``tests/golden/test_video.py``
+  placeholder's embeddings (the rows of equal inputs are pinned in ``tests/golden/test_video_tubes.py``
   against transformers and here below against vLLM's tokens).
 - vLLM serves a Qwen2-VL copy whose vision tower is wrong; visenc serves the right one. With the
   connector (each video's uuid its visenc video hash), vLLM gives the right checkpoint's tokens,

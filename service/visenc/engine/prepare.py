@@ -63,7 +63,7 @@ class ImagePrep:
         max_image_bytes: int,
         max_image_pixels: int,
         max_video_frames: int = 768,
-        max_video_pixels: int = 256_000_000,
+        max_video_pixels: int = 128_000_000,
     ) -> None:
         self.tower = tower
         self.max_image_bytes = max_image_bytes
@@ -107,14 +107,22 @@ class ImagePrep:
                 raise InvalidVideo("a video needs at least one frame")
             if len(frames) > self.max_video_frames:
                 raise ImageTooLarge(f"{len(frames)} frames exceed max_video_frames={self.max_video_frames}")
-            pixels = 0
+            sizes = set()
             for data in frames:
                 if len(data) > self.max_image_bytes:
                     raise ImageTooLarge(f"a frame of {len(data)} bytes exceeds max_image_bytes={self.max_image_bytes}")
-                width, height = probe(data, max_pixels=self.max_image_pixels, loader=self.tower.image_loader)
-                pixels += width * height
+                sizes.add(probe(data, max_pixels=self.max_image_pixels, loader=self.tower.image_loader))
+            if len(sizes) > 1:
+                raise InvalidVideo(f"a video's frames must share one size, got {sorted(sizes)}")
+            ((width, height),) = sizes
+            # held at once from inspection to the tubes' forwards: the decoded clip, then its tower input
+            grid = video.grid(len(frames), height, width)
+            resized = grid[0] * video.temporal_patch_size * grid[1] * grid[2] * video.patch_size**2
+            pixels = max(len(frames) * width * height, resized)
             if pixels > self.max_video_pixels:
-                raise ImageTooLarge(f"{pixels} decoded pixels exceed max_video_pixels={self.max_video_pixels}")
+                raise ImageTooLarge(
+                    f"{pixels} pixels (decoded, or as the tower's input) exceed max_video_pixels={self.max_video_pixels}"
+                )
             decoded = [
                 np.asarray(decode(f, max_pixels=self.max_image_pixels, loader=self.tower.image_loader)) for f in frames
             ]

@@ -15,7 +15,7 @@ where the tower would see the very same input, and nothing else is ever reused.
 
 The arithmetic follows ``Qwen2VLVideoProcessor`` (Qwen2-VL, Qwen2.5-VL) and
 ``Qwen3VLVideoProcessor`` (Qwen3-VL) of the installed transformers, pinned by
-``tests/golden/test_video.py``: the clip as a contiguous ``[T, C, H, W]`` uint8 tensor, one
+``tests/golden/test_video_tubes.py``: the clip as a contiguous ``[T, C, H, W]`` uint8 tensor, one
 antialiased uint8 resize for every frame (``resize_tensor``, torchvision's own call), the fused
 ``(x - mean/r) / (std/r)`` in float32, then the patch layout ``(C, T, P, P)`` per row with rows
 merge-block-major. Pure torch: torchvision is not needed.

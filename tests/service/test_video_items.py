@@ -1,7 +1,7 @@
 """Videos through the real app (tiny Qwen2-VL tower): encoded tube by tube, cached per tube.
 
 - a video's rows (fetched by its hash, or tube by tube) equal its tubes' forwards, which
-  ``tests/golden/test_video.py`` shows equal transformers' whole-video ``get_video_features``;
+  ``tests/golden/test_video_tubes.py`` shows equal transformers' whole-video ``get_video_features``;
 - a clip that overlaps one already encoded (a sliding window advanced by a tube, the same clip
   grown by two frames) encodes only its new tubes; a clip re-asked encodes nothing;
 - a video is found by its hash alone (``video_hash`` of its frames' hashes), as an engine asks;
@@ -181,3 +181,16 @@ async def test_the_client_encodes_videos_hash_first(service, tiny_tower):
         np.testing.assert_array_equal(await vc.fetch_chunk([placement], 0, end), ref[: per_tube + 5])
         later = await vc.fetch_chunk([placement], end, 3 + first.num_tokens)  # the next chunk: the rest
         np.testing.assert_array_equal(later, ref[per_tube + 5 :])
+
+
+async def test_videos_through_shared_memory(tiny_tower, tmp_path):
+    """Same-host segments: a video by its hash, and a prefill chunk over it (tube by tube)."""
+    async with running_app(tiny_tower, shm_enabled=True, shm_dir=str(tmp_path)) as client:
+        fs = frames(80, 4)
+        transport = httpx.ASGITransport(app=client.app)
+        async with AsyncClient("http://visenc", transport=transport, shared_memory=True) as vc:
+            (h,) = await vc.encode([Video(fs)])
+            ref = reference(tiny_tower, fs)
+            np.testing.assert_array_equal(await vc.fetch(h), ref)
+            chunk = await vc.fetch_chunk([ImagePlacement.of(h, 0)], 0, h.num_tokens)
+            np.testing.assert_array_equal(chunk, ref)

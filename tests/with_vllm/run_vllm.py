@@ -90,7 +90,11 @@ def video_requests(uuids: bool) -> list[dict]:
         clip = np.stack([np.asarray(Image.open(io.BytesIO(f)).convert("RGB")) for f in frames])
         pads = "<|vision_start|><|video_pad|><|vision_end|>"
         prompt = f"<|im_start|>user\n{pads}Describe the video.<|im_end|>\n<|im_start|>assistant\n"
-        request: dict = {"prompt": prompt, "multi_modal_data": {"video": clip}}
+        # frames the caller sampled: the metadata says so (vLLM samples none of its own)
+        t = len(frames)
+        meta = {"fps": 2.0, "duration": t / 2, "total_num_frames": t, "frames_indices": list(range(t))}
+        meta |= {"video_backend": "opencv", "do_sample_frames": False}
+        request: dict = {"prompt": prompt, "multi_modal_data": {"video": (clip, meta)}}
         if uuids:
             request["multi_modal_uuids"] = {"video": [video_hash([image_hash(f) for f in frames])]}
         out.append(request)

@@ -6,9 +6,10 @@ vLLM consumes visenc's video rows through ``VisencConnector`` token-identically.
   ``pixel_values_videos`` bit for bit, its grid equals ``video_grid_thw`` and its row count the
   placeholder's embeddings (the rows of equal inputs are pinned in ``tests/golden/test_video_tubes.py``
   against transformers and here below against vLLM's tokens).
-- vLLM serves a Qwen2-VL copy whose vision tower is wrong; visenc serves the right one. With the
-  connector (each video's uuid its visenc video hash), vLLM gives the right checkpoint's tokens,
-  and logprobs within 1e-3, for video prompts of 4, 5 and 6 frames; alone, the copy differs.
+- vLLM serves a Qwen2-VL, Qwen2.5-VL or Qwen3-VL copy whose vision tower is wrong; visenc serves the
+  right one. With the connector (each video's uuid its visenc video hash), vLLM gives the right
+  checkpoint's tokens, and logprobs within 1e-3, for video prompts of 4, 5 and 6 frames (Qwen3-VL's
+  deepstack rows included); alone, the copy differs.
   Where visenc cannot give a video's rows (unreachable, or never sent the video), vLLM encodes
   it itself and answers as alone.
 
@@ -73,10 +74,15 @@ def test_tubes_equal_vllms_video_inputs(arch, tmp_path):
         np.testing.assert_array_equal(np.concatenate(tubes), want, err_msg=f"{arch} {(t, h, w)}")
 
 
-@pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("tiny-vlm-video")
-    return tiny_vlm.build(folder / "right", seed=0), tiny_vlm.build(folder / "wrong", seed=0, vision_seed=1)
+def pair(folder: Path, arch: str) -> tuple[Path, Path]:
+    """(right, wrong): a tiny checkpoint of ``arch``, and a copy whose vision tower is wrong."""
+    right = tiny_vlm.build(folder / "right", seed=0, arch=arch)
+    return right, tiny_vlm.build(folder / "wrong", seed=0, vision_seed=1, arch=arch)
+
+
+@pytest.fixture(scope="module", params=["qwen2_vl", "qwen2_5_vl", "qwen3_vl"])
+def checkpoints(request, tmp_path_factory) -> tuple[Path, Path]:
+    return pair(tmp_path_factory.mktemp(f"tiny-vlm-video-{request.param}"), request.param)
 
 
 @pytest.fixture(scope="module")
@@ -142,13 +148,13 @@ def test_the_proxy_takes_the_frames_vllm_takes():
         np.testing.assert_array_equal(np.asarray(decode(got, max_pixels=10**8)), want)
 
 
-def test_openai_server_behind_visenc_proxy_for_videos(checkpoints):
+def test_openai_server_behind_visenc_proxy_for_videos(tmp_path):
     """``vllm serve`` on the wrong copy with the connector, behind ``visenc proxy --encode-first``
     (which tags the video parts with their video hash and hands them to visenc): the same answers as
     ``vllm serve`` alone on the right checkpoint, for videos visenc never saw before."""
     from tests.conftest import stop_process
 
-    right, wrong = checkpoints
+    right, wrong = pair(tmp_path, "qwen2_vl")
     ports = [free_port() for _ in range(3)]
     with serve_process("--model", str(right), "--max-wait-ms", "1") as visenc:
         alone = openai_server(right, ports[0], videos=1)

@@ -36,11 +36,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -49,6 +47,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from visenc.media import MediaError, base64_bytes, data_url_bytes, fetch, is_allowed_url
+from visenc.proxy_memory import Memo, Upstreams
 from visenc_client import AsyncClient, Video, VisencClientError
 from visenc_client.format import image_hash, video_hash
 
@@ -95,40 +94,6 @@ class ProxyError(Exception):
         return JSONResponse(body, self.status)
 
 
-@dataclass
-class Upstreams:
-    """Round robin over healthy upstreams, with cache affinity by image hash."""
-
-    urls: list[str]
-    affinity_size: int
-    healthy: dict[str, bool] = field(default_factory=dict)
-    _seen: OrderedDict[str, str] = field(default_factory=OrderedDict)
-    _turn: itertools.count[int] = field(default_factory=itertools.count)
-
-    def __post_init__(self) -> None:
-        self.healthy = dict.fromkeys(self.urls, True)
-
-    def choose(self, hashes: Sequence[str]) -> str:
-        live = [u for u in self.urls if self.healthy[u]]
-        if not live:
-            raise ProxyError("no healthy upstream", 503, "service_unavailable")
-        votes: dict[str, int] = {}
-        for h in hashes:
-            u = self._seen.get(h)
-            if u is not None and self.healthy.get(u):
-                votes[u] = votes.get(u, 0) + 1
-        if votes:
-            return max(live, key=lambda u: votes.get(u, 0))
-        return live[next(self._turn) % len(live)]
-
-    def saw(self, upstream: str, hashes: Sequence[str]) -> None:
-        for h in hashes:
-            self._seen[h] = upstream
-            self._seen.move_to_end(h)
-        while len(self._seen) > self.affinity_size:
-            self._seen.popitem(last=False)
-
-
 @dataclass(slots=True)
 class _Image:
     """One image part of a request: its visenc hash, and its bytes or, where the proxy knew the
@@ -136,43 +101,6 @@ class _Image:
 
     hash: str
     source: bytes | str | Video
-
-
-class _Memo:
-    """data: URL -> its image's hash, least recently used first, bounded in characters; and the
-    hashes visenc accepted from this proxy (not handed over again while remembered)."""
-
-    def __init__(self, max_chars: int, max_handed: int) -> None:
-        self.max_chars = max_chars
-        self.max_handed = max_handed
-        self.chars = 0
-        self._hashes: OrderedDict[str, str] = OrderedDict()
-        self._handed: OrderedDict[str, None] = OrderedDict()
-
-    def hash_of(self, url: str) -> str | None:
-        h = self._hashes.get(url)  # a hit compares the whole string: exact, not a digest of it
-        if h is not None:
-            self._hashes.move_to_end(url)
-        return h
-
-    def remember(self, url: str, h: str) -> None:
-        if len(url) > self.max_chars or url in self._hashes:
-            return
-        self._hashes[url] = h
-        self.chars += len(url)
-        while self.chars > self.max_chars:
-            old, _ = self._hashes.popitem(last=False)
-            self.chars -= len(old)
-
-    def handed(self, h: str) -> bool:
-        return h in self._handed
-
-    def hand(self, hashes: Sequence[str]) -> None:
-        for h in hashes:
-            self._handed[h] = None
-            self._handed.move_to_end(h)
-        while len(self._handed) > self.max_handed:
-            self._handed.popitem(last=False)
 
 
 class Proxy:
@@ -189,7 +117,7 @@ class Proxy:
         self.visenc = AsyncClient(settings.visenc_url, api_key=settings.visenc_api_key, transport=visenc_transport)
         self.encode_failures = 0
         self.encodes_skipped = 0
-        self.memo = _Memo(settings.memo_chars, settings.affinity_size)
+        self.memo = Memo(settings.memo_chars, settings.affinity_size)
         self._encodes: set[asyncio.Task[None]] = set()
         self._health: asyncio.Task[None] | None = None
 
@@ -322,6 +250,8 @@ class Proxy:
         """Send the request to an upstream and stream its answer back; ``encode_after``: images
         handed to visenc once the answer is through (``encode_later``)."""
         upstream = self.upstreams.choose(hashes)
+        if upstream is None:
+            raise ProxyError("no healthy upstream", 503, "service_unavailable")
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
         method = request.method
         try:

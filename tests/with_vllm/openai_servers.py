@@ -108,3 +108,29 @@ def chat(url: str, datas: list[bytes], uuids: list[str] | None = None, videos: l
     assert r.status_code == 200, r.text
     content = r.json()["choices"][0]["logprobs"]["content"]
     return {"tokens": [c["token"] for c in content], "logprobs": [c["logprob"] for c in content]}
+
+
+@contextlib.contextmanager
+def alone_and_behind_proxy(right: Path, wrong: Path, visenc: str, *, videos: int = 0) -> Any:
+    """``(alone, proxied)`` URLs: ``vllm serve`` on ``right`` alone, and ``vllm serve`` on ``wrong``
+    with the connector (``wait_for_encoding``) behind ``visenc proxy --encode-first``; all three
+    stopped on exit."""
+    from tests.conftest import free_port, stop_process
+
+    ports = [free_port() for _ in range(3)]
+    alone = openai_server(right, ports[0], videos=videos)
+    config = connector_config(visenc, wait_for_encoding=True)
+    behind = openai_server(wrong, ports[1], "--ec-transfer-config", config, videos=videos)
+    upstream = f"http://127.0.0.1:{ports[1]}"
+    command = ["-m", "visenc", "proxy", "--port", str(ports[2]), "--upstream", upstream, "--visenc", visenc]
+    proxy = subprocess.Popen(
+        [sys.executable, *command, "--encode-first"], cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    urls = [f"http://127.0.0.1:{p}" for p in ports]
+    try:
+        for url, proc in zip(urls, [alone, behind, proxy]):
+            wait_up(url, proc)
+        yield urls[0], urls[2]
+    finally:
+        for proc in (proxy, behind, alone):
+            stop_process(proc)

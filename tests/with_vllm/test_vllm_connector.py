@@ -32,7 +32,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import run_vllm  # noqa: E402
 import tiny_vlm  # noqa: E402
-from openai_servers import chat, connector_config, openai_server, wait_up  # noqa: E402
+from openai_servers import alone_and_behind_proxy, chat  # noqa: E402
 
 ROOT = HERE.parent.parent
 LOGPROB_ATOL = 1e-3
@@ -121,36 +121,13 @@ def test_openai_server_behind_visenc_proxy(checkpoints, visenc):
     """``vllm serve`` on the wrong copy, with the connector, behind ``visenc proxy`` (which tags the data:
     URL images with their hash and encodes them): the same answers as ``vllm serve`` on the right one.
     (``--encode-first`` and ``wait_for_encoding``: images visenc never saw still come from it.)"""
-    from tests.conftest import free_port, stop_process
-
     right, wrong = checkpoints
-    ports = [free_port() for _ in range(3)]
-    alone = openai_server(right, ports[0])
-    behind = openai_server(wrong, ports[1], "--ec-transfer-config", connector_config(visenc, wait_for_encoding=True))
-    upstream = f"http://127.0.0.1:{ports[1]}"
-    command = ["-m", "visenc", "proxy", "--port", str(ports[2]), "--upstream", upstream, "--visenc", visenc]
-    proxy = subprocess.Popen(
-        [sys.executable, *command, "--encode-first"],
-        cwd=ROOT,
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
-    try:
-        for url, proc in [
-            (f"http://127.0.0.1:{ports[0]}", alone),
-            (upstream, behind),
-            (f"http://127.0.0.1:{ports[2]}", proxy),
-        ]:
-            wait_up(url, proc)
+    with alone_and_behind_proxy(right, wrong, visenc) as (alone, proxied):
         fresh = [run_vllm.picture(333, 250, 7), run_vllm.picture(224, 224, 8)]  # never sent to visenc before
         for datas in [fresh, run_vllm.images()[0]]:
-            want = chat(f"http://127.0.0.1:{ports[0]}", datas)
-            got = chat(f"http://127.0.0.1:{ports[2]}", datas)
+            want, got = chat(alone, datas), chat(proxied, datas)
             assert got["tokens"] == want["tokens"]
             assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= LOGPROB_ATOL
-    finally:
-        for proc in (proxy, behind, alone):
-            stop_process(proc)
 
 
 @pytest.mark.parametrize(

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import base64
 import io
-import subprocess
 import sys
 from pathlib import Path
 
@@ -38,7 +37,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import run_vllm  # noqa: E402
 import tiny_vlm  # noqa: E402
-from openai_servers import chat, connector_config, openai_server, wait_up  # noqa: E402
+from openai_servers import alone_and_behind_proxy, chat  # noqa: E402
 from test_vllm_connector import same, vllm_run  # noqa: E402
 
 CLIPS = [(4, 120, 200), (5, 61, 97), (3, 20, 30), (6, 90, 300), (2, 448, 448)]
@@ -152,38 +151,14 @@ def test_openai_server_behind_visenc_proxy_for_videos(tmp_path):
     """``vllm serve`` on the wrong copy with the connector, behind ``visenc proxy --encode-first``
     (which tags the video parts with their video hash and hands them to visenc): the same answers as
     ``vllm serve`` alone on the right checkpoint, for videos visenc never saw before."""
-    from tests.conftest import stop_process
-
     right, wrong = pair(tmp_path, "qwen2_vl")
-    ports = [free_port() for _ in range(3)]
     with serve_process("--model", str(right), "--max-wait-ms", "1") as visenc:
-        alone = openai_server(right, ports[0], videos=1)
-        config = connector_config(visenc, wait_for_encoding=True)
-        behind = openai_server(wrong, ports[1], "--ec-transfer-config", config, videos=1)
-        upstream = f"http://127.0.0.1:{ports[1]}"
-        command = ["-m", "visenc", "proxy", "--port", str(ports[2]), "--upstream", upstream, "--visenc", visenc]
-        proxy = subprocess.Popen(
-            [sys.executable, *command, "--encode-first"],
-            cwd=HERE.parent.parent,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-        )
-        try:
-            for url, proc in [
-                (f"http://127.0.0.1:{ports[0]}", alone),
-                (upstream, behind),
-                (f"http://127.0.0.1:{ports[2]}", proxy),
-            ]:
-                wait_up(url, proc)
+        with alone_and_behind_proxy(right, wrong, visenc, videos=1) as (alone, proxied):
             for frames in run_vllm.videos()[:2]:
                 clip = jpeg_frames(frames)
-                want = chat(f"http://127.0.0.1:{ports[0]}", [], videos=[clip])
-                got = chat(f"http://127.0.0.1:{ports[2]}", [], videos=[clip])
+                want, got = chat(alone, [], videos=[clip]), chat(proxied, [], videos=[clip])
                 assert got["tokens"] == want["tokens"]
                 assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= 1e-3
                 with Client(visenc) as vc:  # the rows did come from visenc: it holds the video
                     (h,) = vc.lookup([video_hash([image_hash(f) for f in clip])])
                     assert h.status == "ready"
-        finally:
-            for proc in (proxy, behind, alone):
-                stop_process(proc)

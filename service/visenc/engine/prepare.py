@@ -120,9 +120,8 @@ class ImagePrep:
             resized = grid[0] * video.temporal_patch_size * grid[1] * grid[2] * video.patch_size**2
             pixels = max(len(frames) * width * height, resized)
             if pixels > self.max_video_pixels:
-                raise ImageTooLarge(
-                    f"{pixels} pixels (decoded, or as the tower's input) exceed max_video_pixels={self.max_video_pixels}"
-                )
+                limit = f"max_video_pixels={self.max_video_pixels}"
+                raise ImageTooLarge(f"{pixels} pixels (decoded, or as the tower's input) exceed {limit}")
             decoded = [
                 np.asarray(decode(f, max_pixels=self.max_image_pixels, loader=self.tower.image_loader)) for f in frames
             ]

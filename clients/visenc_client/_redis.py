@@ -79,6 +79,8 @@ def parse_header(prefix: bytes, *, fingerprint: str, image_hash: str) -> RowsInf
     info = RowsInfo(rows, hidden, h["dtype"], tuple(h["grid_thw"]), str(h["fingerprint"]), str(h["hash"]))  # type: ignore[arg-type]
     if info.fingerprint != fingerprint or info.hash != image_hash:
         raise ProtocolError(f"stored value for image {image_hash} belongs to another model or image")
+    if h.get("kind", "rows") != "rows":  # a video's manifest: its rows are its tubes' entries
+        raise NotFoundError(404, "not_found", f"{image_hash} is a video: read its tubes (Handle.tubes)")
     return info
 
 

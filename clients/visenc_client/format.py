@@ -99,6 +99,10 @@ def words_tensor(rows: np.ndarray, dtype: str) -> Any:
     return torch.from_numpy(rows)
 
 
+#: what a stored value holds: token rows, or a video's manifest
+KINDS = ("rows", "video")
+
+
 class CorruptEntry(ValueError):
     """A stored value that does not parse, or does not match its header."""
 
@@ -114,6 +118,8 @@ class Entry:
     grid_thw: tuple[int, int, int]
     fingerprint: str
     hash: str
+    #: ``rows``: an image's (or a tube's) rows; ``video``: a video's manifest (``pack_manifest``)
+    kind: str = "rows"
 
     @property
     def row_bytes(self) -> int:
@@ -135,18 +141,28 @@ class Entry:
         return np.frombuffer(self.rows_view(), dtype=DTYPES[self.dtype][1]).reshape(self.rows, self.hidden)
 
 
-def pack_entry(rows: np.ndarray, *, dtype: str, grid_thw: tuple[int, int, int], fingerprint: str, hash: str) -> Entry:
+def pack_entry(
+    rows: np.ndarray, *, dtype: str, grid_thw: tuple[int, int, int], fingerprint: str, hash: str, kind: str = "rows"
+) -> Entry:
     """Build a stored value from a ``[rows, hidden]`` array, copying the rows once.
 
-    ``rows`` holds the tensor's raw values (for bfloat16, its 16-bit words)."""
+    ``rows`` holds the tensor's raw values (for bfloat16, its 16-bit words); ``kind`` is written
+    into the header unless it is ``rows`` (so rows' values are as they always were)."""
+    if kind not in KINDS:
+        raise ValueError(f"unknown entry kind {kind!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}")
     if rows.ndim != 2:
         raise ValueError(f"rows must be 2-D, got shape {rows.shape}")
     n, hidden = (int(x) for x in rows.shape)
-    header = msgpack.packb(
-        {"shape": [n, hidden], "dtype": dtype, "grid_thw": list(grid_thw), "fingerprint": fingerprint, "hash": hash}
-    )
+    fields = {
+        "shape": [n, hidden],
+        "dtype": dtype,
+        "grid_thw": list(grid_thw),
+        "fingerprint": fingerprint,
+        "hash": hash,
+    }
+    header = msgpack.packb(fields if kind == "rows" else {**fields, "kind": kind})
     if _PREFIX.size + len(header) > DATA_OFFSET:
         raise ValueError("entry header does not fit before DATA_OFFSET")
     npdtype = DTYPES[dtype][1]
@@ -154,7 +170,7 @@ def pack_entry(rows: np.ndarray, *, dtype: str, grid_thw: tuple[int, int, int], 
     _PREFIX.pack_into(blob, 0, MAGIC, VERSION, len(header))
     blob[_PREFIX.size : _PREFIX.size + len(header)] = header
     np.frombuffer(blob, dtype=npdtype, offset=DATA_OFFSET).reshape(n, hidden)[...] = rows.view(npdtype)
-    return Entry(blob, n, hidden, dtype, tuple(grid_thw), fingerprint, hash)  # type: ignore[arg-type]
+    return Entry(blob, n, hidden, dtype, tuple(grid_thw), fingerprint, hash, kind)  # type: ignore[arg-type]
 
 
 def parse_header(prefix: bytes | bytearray | memoryview) -> dict:
@@ -173,6 +189,8 @@ def parse_header(prefix: bytes | bytearray | memoryview) -> dict:
         rows, hidden = (int(x) for x in header["shape"])
         if header["dtype"] not in DTYPES or rows < 0 or hidden <= 0 or len(header["grid_thw"]) != 3:
             raise CorruptEntry("bad header fields")
+        if header.get("kind", "rows") not in KINDS:
+            raise CorruptEntry(f"unknown entry kind {header['kind']!r}")
         str(header["fingerprint"]), str(header["hash"])
     except CorruptEntry:
         raise
@@ -193,7 +211,8 @@ def unpack_entry(blob: bytes | bytearray, *, fingerprint: str | None = None, has
         raise CorruptEntry("fingerprint does not match the key")
     if hash is not None and header["hash"] != hash:
         raise CorruptEntry("image hash does not match the key")
-    return Entry(blob, rows, hidden, dtype, tuple(header["grid_thw"]), header["fingerprint"], header["hash"])
+    grid = tuple(header["grid_thw"])
+    return Entry(blob, rows, hidden, dtype, grid, header["fingerprint"], header["hash"], header.get("kind", "rows"))  # type: ignore[arg-type]
 
 
 # --- keys, hashes, namespaces -------------------------------------------------------------
@@ -220,26 +239,23 @@ def video_hash(frame_hashes: Sequence[str]) -> str:
     return h.hexdigest()
 
 
-#: what a video manifest's key holds in place of an image hash: ``video.<video hash>``
-_MANIFEST_TAG = "video."
 _DIGEST_BYTES = 32
 
 
-def manifest_key(namespace: str, fingerprint: str, video: str) -> str:
-    """The index key of a video's manifest: the ordered list of its tubes' hashes."""
-    return entry_key(namespace, fingerprint, _MANIFEST_TAG + video)
-
-
 def pack_manifest(tubes: Sequence[str], *, grid_thw: tuple[int, int, int], fingerprint: str, video: str) -> Entry:
-    """A video manifest as a stored value: an entry whose rows are its tubes' raw 32-byte digests
-    (``grid_thw``: the video's ``(tubes, grid_h, grid_w)``), checked like any entry when read."""
+    """A video's manifest, stored under the video's hash like an image's rows: a value of kind
+    ``video`` whose rows are its tubes' raw 32-byte digests, in order (``grid_thw``: the video's
+    ``(tubes, grid_h, grid_w)``), checked like any value when read. One key answers a look-up by
+    hash, image or video."""
     digests = np.frombuffer(b"".join(bytes.fromhex(t) for t in tubes), dtype="<f4").reshape(len(tubes), -1)
-    return pack_entry(digests, dtype="float32", grid_thw=grid_thw, fingerprint=fingerprint, hash=_MANIFEST_TAG + video)
+    return pack_entry(digests, dtype="float32", grid_thw=grid_thw, fingerprint=fingerprint, hash=video, kind="video")
 
 
 def manifest_tubes(entry: Entry) -> list[str]:
     """The tube hashes of a manifest read from the index (``CorruptEntry`` if it is not one)."""
-    if entry.dtype != "float32" or entry.hidden * 4 != _DIGEST_BYTES or entry.rows != entry.grid_thw[0]:
+    if entry.kind != "video" or entry.dtype != "float32" or entry.hidden * 4 != _DIGEST_BYTES:
+        raise CorruptEntry("not a video manifest")
+    if entry.rows != entry.grid_thw[0]:
         raise CorruptEntry("not a video manifest")
     raw = bytes(entry.rows_view())
     return [raw[i : i + _DIGEST_BYTES].hex() for i in range(0, len(raw), _DIGEST_BYTES)]

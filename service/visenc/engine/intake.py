@@ -58,7 +58,7 @@ from visenc.errors import (
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.tasks import spawn
-from visenc_client.format import CorruptEntry, Entry, entry_key, is_valid_hash, manifest_key, unpack_entry
+from visenc_client.format import CorruptEntry, Entry, entry_key, is_valid_hash, unpack_entry
 
 log = logging.getLogger(__name__)
 
@@ -115,8 +115,10 @@ class Intake:
             job.future.exception()  # retrieved: a failed job nobody waits for is not logged
 
     # --- entries ---------------------------------------------------------------------------
-    def _checked(self, key: str, image_hash: str, entry: Entry | None) -> Entry | None:
+    def _checked(self, key: str, image_hash: str, entry: Entry | None, *, video: bool = False) -> Entry | None:
         """``entry`` if its stored value matches its header and this key, else ``None`` (a miss).
+        A video's manifest (kind ``video``) is returned only where ``video`` says it is asked for:
+        it is no rows.
 
         O(1): parses the ~200-byte header, checks the length; the rows are not read."""
         if entry is None:
@@ -130,6 +132,10 @@ class Intake:
                 entry.grid_thw,
             ):
                 raise CorruptEntry("entry fields differ from its stored header")
+            if stored.kind != entry.kind:
+                raise CorruptEntry("entry kind differs from its stored header")
+            if stored.kind == "video":
+                return entry if video else None
             if stored.hidden != self.hidden_size or stored.dtype != self.dtype:
                 raise CorruptEntry(
                     f"entry is [{stored.rows}, {stored.hidden}] {stored.dtype}, the tower "
@@ -181,18 +187,17 @@ class Intake:
         todo = [it for it in live if self._joinable(it.key) is None]
         if todo:
             for it, entry in zip(todo, await self.index.get_many([it.key for it in todo])):
-                it.entry = self._checked(it.key, it.hash, entry)
-        asked = [it for it in todo if it.entry is None and it.source is None]  # hashes alone: videos too
-        if asked:
-            keys = [manifest_key(namespace, self.fingerprint, it.hash) for it in asked]
-            for it, manifest in zip(asked, await self.index.get_many(keys)):
-                if manifest is not None:
-                    try:  # ready when every tube is; pending while one is encoded (a fetch waits)
-                        it.entry = await self._video(manifest, it.hash, namespace, 0.0)
-                    except DeadlineExceeded:
-                        it.pending_grid = manifest.grid_thw
-                    except NotFound:  # a tube was evicted: missing (upload the frames again)
-                        pass
+                # a hash alone may be a video's: its key then holds the video's manifest
+                found = self._checked(it.key, it.hash, entry, video=it.source is None)
+                if found is None or found.kind != "video":
+                    it.entry = found
+                    continue
+                try:  # ready when every tube is; pending while one is encoded (a fetch waits)
+                    it.entry = await self._video(found, it.hash, namespace, 0.0)
+                except DeadlineExceeded:
+                    it.pending_grid = found.grid_thw
+                except NotFound:  # a tube was evicted: missing (upload the frames again)
+                    pass
 
     def _admission(self, items: list[Item]) -> set[str]:
         """Keys this request would queue; 503 / 429 when it cannot."""
@@ -352,21 +357,18 @@ class Intake:
         if not is_valid_hash(image_hash):
             raise InvalidHash("hash must be 64 lowercase hex digits (SHA-256 of the image bytes)")
         key = entry_key(namespace, self.fingerprint, image_hash)
-        entry = self._peek(key, image_hash)
-        if entry is not None:
-            return entry
-        job = self._joinable(key)
-        if job is None:
+        entry = self._checked(key, image_hash, self.index.peek(key), video=True)
+        job = None if entry is not None else self._joinable(key)
+        if entry is None and job is None:
             (entry,) = await self.index.get_many([key])
-            entry = self._checked(key, image_hash, entry) or self._peek(key, image_hash)
-            if entry is not None:
-                return entry
-            job = self._joinable(key) or await self._follow(key, image_hash)
-            if job is None:
-                (manifest,) = await self.index.get_many([manifest_key(namespace, self.fingerprint, image_hash)])
-                if manifest is not None:
-                    return await self._video(manifest, image_hash, namespace, timeout_s)
-                raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
+            entry = self._checked(key, image_hash, entry, video=True) or self._peek(key, image_hash)
+            if entry is None:
+                job = self._joinable(key) or await self._follow(key, image_hash)
+                if job is None:
+                    raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
+        if entry is not None:  # rows, or a video's manifest: its tubes' rows
+            return entry if entry.kind != "video" else await self._video(entry, image_hash, namespace, timeout_s)
+        assert job is not None
         return await self._wait_one(job, image_hash, timeout_s)
 
     async def _video(self, manifest: Entry, video: str, namespace: str, timeout_s: float | None) -> Entry:

@@ -30,7 +30,7 @@ from visenc_client.format import (
     CorruptEntry,
     Entry,
     Status,
-    manifest_key,
+    entry_key,
     manifest_tubes,
     pack_entry,
     pack_manifest,
@@ -115,7 +115,7 @@ def manifests(spans: list[Span], flat: list[Item], namespace: str, fingerprint: 
             tubes = [it.hash for it in flat[span.lo : span.hi]]
             grid, video = span.video.grid_thw, span.video.hash
             yield (
-                manifest_key(namespace, fingerprint, video),
+                entry_key(namespace, fingerprint, video),
                 pack_manifest(tubes, grid_thw=grid, fingerprint=fingerprint, video=video),
             )
 

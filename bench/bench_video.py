@@ -35,10 +35,10 @@ sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
 import httpx  # noqa: E402
 from _common import spread  # noqa: E402
-
 from tests.conftest import serve_process  # noqa: E402
 from tests.images import jpeg_bytes  # noqa: E402
 from tests.support.waits import metric  # noqa: E402
+
 from visenc_client import Client, Video  # noqa: E402
 
 _namespaces = itertools.count()

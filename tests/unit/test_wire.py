@@ -98,3 +98,25 @@ def test_media_types_and_the_frame_are_spelt_in_one_module():
                 offenders.append(str(path.relative_to(ROOT)))
     # SGLang's frame 0 is SGLang's own pickle format (a u32 inside its opcodes), not visenc's rows frame
     assert set(offenders) <= {"service/visenc/epd/wire.py"}, offenders
+
+
+def test_a_video_manifest_round_trips_and_is_never_rows():
+    from visenc_client.format import (
+        CorruptEntry,
+        manifest_tubes,
+        pack_entry,
+        pack_manifest,
+        unpack_entry,
+        video_hash,
+    )
+
+    tubes = [f"{i:064x}" for i in (1, 2, 3)]
+    video = video_hash(["ab" * 32, "cd" * 32])
+    manifest = pack_manifest(tubes, grid_thw=(3, 4, 6), fingerprint="f" * 32, video=video)
+    read = unpack_entry(bytes(manifest.blob), fingerprint="f" * 32, hash=video)
+    assert read.kind == "video" and manifest_tubes(read) == tubes and read.grid_thw == (3, 4, 6)
+    rows = pack_entry(np.zeros((3, 8), "<f4"), dtype="float32", grid_thw=(3, 4, 6), fingerprint="f" * 32, hash=video)
+    assert unpack_entry(bytes(rows.blob)).kind == "rows" and b"kind" not in bytes(rows.blob)  # rows' values unchanged
+    with pytest.raises(CorruptEntry):
+        manifest_tubes(rows)  # same shape, but rows
+    assert video != video_hash(["cd" * 32, "ab" * 32])  # frame order is part of a video

@@ -11,6 +11,7 @@ crosses tubes differs, so the comparison can fail.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from transformers import AutoVideoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLModel, 
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor
 from transformers.models.qwen3_vl.video_processing_qwen3_vl import Qwen3VLVideoProcessor
 
-from visenc.imaging.video import RULES, VideoPreprocess, tube_hash
+from visenc.imaging.video import RULES, VideoPreprocess
 from visenc.models.base import VisionTower
 from visenc.models.loading import load_tower
 from visenc.models.vlm import vision_only
@@ -73,17 +74,32 @@ def test_tubes_equal_the_video_processor(rule: str, cls: type, kwargs: dict[str,
 
 def test_a_cap_makes_the_target_depend_on_the_frame_count() -> None:
     """With ``cap_pixels_per_frame`` the same frames resize otherwise in a longer clip, so their
-    tubes get other keys: nothing computed for one length is reused for the other."""
+    tubes get other keys: nothing computed for one length is reused for the other. Without it, the
+    first tube of either clip is one key, and one tower input."""
     settings = VideoPreprocess.from_config("qwen2", {"cap_pixels_per_frame": True, "max_video_tokens": 400})
     frames = _clip(8, 300, 400)
-    short, grid_short = settings.tubes(frames[:2])
-    long, grid_long = settings.tubes(frames)
+    (short,), grid_short = settings.cut(frames[:2])
+    long, grid_long = settings.cut(frames)
     assert grid_short[1:] != grid_long[1:]
-    assert tube_hash(short[0], grid_short[1:]) != tube_hash(long[0], grid_long[1:])
+    assert settings.key(short, grid_short[1:]) != settings.key(long[0], grid_long[1:])
     plain = VideoPreprocess.defaults("qwen2")
-    (first,), grid = plain.tubes(frames[:2])
-    again, grid_again = plain.tubes(frames)
-    assert grid[1:] == grid_again[1:] and tube_hash(first, grid[1:]) == tube_hash(again[0], grid_again[1:])
+    (first,), grid = plain.cut(frames[:2])
+    again, grid_again = plain.cut(frames)
+    assert grid[1:] == grid_again[1:] and plain.key(first, grid[1:]) == plain.key(again[0], grid_again[1:])
+    np.testing.assert_array_equal(plain.tube_pixels(first, grid[1:]), plain.tube_pixels(again[0], grid[1:]))
+
+
+def test_keys_cover_the_frames_their_order_and_the_settings() -> None:
+    """Another frame, the two frames swapped, or another normalisation: another key."""
+    plain = VideoPreprocess.defaults("qwen2")
+    (tube,), grid = plain.cut(_clip(2, 90, 120))
+    keys = {
+        plain.key(tube, grid[1:]),
+        plain.key(tube.flip(0), grid[1:]),
+        plain.key(tube.clone().index_fill_(2, torch.tensor([0]), 0), grid[1:]),
+        dataclasses.replace(plain, image_std=(0.5, 0.5, 0.5)).key(tube, grid[1:]),
+    }
+    assert len(keys) == 4
 
 
 def _tube_rows(tower: VisionTower, frames: np.ndarray) -> tuple[torch.Tensor, tuple[int, int, int]]:

@@ -15,9 +15,8 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from visenc.engine.interface import EncodeItem
-from visenc.engine.prepare import ImagePrep, Inspected, Source, Video
+from visenc.engine.prepare import ImagePrep, Inspected, Source, Tube, Video
 from visenc.errors import InvalidHash, InvalidVideo, VisencError
-from visenc.models.base import Prepared
 from visenc_client.format import Entry, is_valid_hash
 
 HASH_RULE = "'hash' must be 64 lowercase hex digits (SHA-256 of the bytes)"
@@ -36,8 +35,8 @@ class Item:
     #: a video item's frames, and the video they make once inspected (``videos.py``)
     frames: list[bytes] | None = None
     video: Video | None = None
-    #: a video tube's tower input (the tube is an item of its own, with no bytes)
-    tube: Prepared | None = None
+    #: a video's tube (an item of its own, with no bytes)
+    tube: Tube | None = None
     #: a video asked by hash whose tubes are still being encoded: its grid
     pending_grid: tuple[int, int, int] | None = None
 

@@ -117,7 +117,7 @@ class Job:
     forward_s: float | None = None
     seq: int = field(default_factory=lambda: next(_arrivals))
     _state: JobState = field(default=JobState.NEW, init=False)
-    #: the image's bytes, or a video tube's tower input (made when the video was inspected)
+    #: the image's bytes, or a video's tube (its frames, resized when the video was inspected)
     _data: Source | None = field(default=None, init=False, repr=False)
     _input: Prepared | None = field(default=None, init=False, repr=False)
 

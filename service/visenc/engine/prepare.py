@@ -12,10 +12,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import torch
 
 from visenc.errors import HashMismatch, ImageTooLarge, InvalidVideo, VisencError
 from visenc.imaging.decode import decode, probe
-from visenc.imaging.video import frames_array, tube_hash
+from visenc.imaging.video import frames_array
 from visenc.models.base import Prepared, TokenLayout, VisionTower
 from visenc_client.format import image_hash, video_hash
 
@@ -36,10 +37,12 @@ class Inspected:
 
 @dataclass(frozen=True, slots=True)
 class Tube:
-    """One tube of a video: its key, what it costs, and its tower input (already made)."""
+    """One tube of a video: its key, what it costs, and its two frames resized to the clip's
+    target (``[2, C, H, W]`` uint8; its tower input is made only if it is encoded)."""
 
     inspected: Inspected
-    input: Prepared
+    frames: torch.Tensor
+    grid_hw: tuple[int, int]
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,8 +54,8 @@ class Video:
     tubes: list[Tube]
 
 
-#: a job's input before preprocessing: an image's bytes, or a tube's tower input
-Source = bytes | Prepared
+#: a job's input before preprocessing: an image's bytes, or a video's tube
+Source = bytes | Tube
 
 
 class ImagePrep:
@@ -125,18 +128,18 @@ class ImagePrep:
             decoded = [
                 np.asarray(decode(f, max_pixels=self.max_image_pixels, loader=self.tower.image_loader)) for f in frames
             ]
-            inputs, grid = video.tubes(frames_array(decoded))
+            cut, grid = video.cut(frames_array(decoded))
         except VisencError as e:
             return digest, e
-        tubes = []
-        for pixels_in in inputs:
-            prepared = self.tower.tube_input(pixels_in, grid[1:])
-            key = tube_hash(pixels_in, grid[1:])
-            tubes.append(Tube(Inspected(key, prepared.layout, self.tower.input_tokens(prepared.layout), 0), prepared))
+        layout = self.tower.tube_layout(grid[1:])
+        cost = self.tower.input_tokens(layout)
+        tubes = [Tube(Inspected(video.key(t, grid[1:]), layout, cost, 0), t, grid[1:]) for t in cut]
         return digest, Video(digest, grid, tubes)
 
     def preprocess(self, source: Source) -> Prepared:
-        """A job's tower input: an image decoded and preprocessed, or a tube's (made at inspection)."""
-        if isinstance(source, Prepared):
-            return source
+        """A job's tower input: an image decoded and preprocessed, or a tube's frames normalised
+        and patchified (resized at inspection)."""
+        if isinstance(source, Tube):
+            assert self.tower.video is not None
+            return self.tower.tube_input(self.tower.video.tube_pixels(source.frames, source.grid_hw), source.grid_hw)
         return self.tower.preprocess(decode(source, max_pixels=self.max_image_pixels, loader=self.tower.image_loader))

@@ -74,7 +74,7 @@ def expand(items: list[Item]) -> tuple[list[Item], list[Span]]:
         if it.video is None:
             flat.append(it)
         else:
-            flat.extend(Item(t.inspected.hash, inspected=t.inspected, tube=t.input) for t in it.video.tubes)
+            flat.extend(Item(t.inspected.hash, inspected=t.inspected, tube=t) for t in it.video.tubes)
         spans.append(Span(it, lo, len(flat), it.video))
     return flat, spans
 

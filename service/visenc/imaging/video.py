@@ -7,11 +7,13 @@ so a video's rows are its tubes' rows, each tube encoded on its own as an input 
 ``(1, h, w)``, concatenated in order.
 
 What the rows depend on is therefore exactly one tube's tower input: its two frames,
-resized to the clip's target size, rescaled, normalised and patchified. That target can
-depend on the whole clip (Qwen3-VL sizes frames from a pixel budget over every frame;
-``cap_pixels_per_frame`` divides a budget by the frame count), so a tube is keyed by the
-SHA-256 of its preprocessed input and grid (``tube_hash``): two clips share a tube only
-where the tower would see the very same input, and nothing else is ever reused.
+resized to the clip's target size, then rescaled, normalised and patchified by these settings.
+That target can depend on the whole clip (Qwen3-VL sizes frames from a pixel budget over every
+frame; ``cap_pixels_per_frame`` divides a budget by the frame count), so a tube is keyed by the
+SHA-256 of its two *resized* frames, its grid and the settings (``VideoPreprocess.key``): two
+clips share a tube only where the tower would see the very same input, and nothing else is ever
+reused. The key needs only the resize (``cut``); the float input is made later, for the tubes
+that are encoded (``tube_pixels``), in the preprocessing pool like an image's.
 
 The arithmetic follows ``Qwen2VLVideoProcessor`` (Qwen2-VL, Qwen2.5-VL) and
 ``Qwen3VLVideoProcessor`` (Qwen3-VL) of the installed transformers, pinned by
@@ -147,32 +149,45 @@ class VideoPreprocess:
         """Rows one tube of ``grid`` becomes."""
         return grid[1] * grid[2] // (self.merge_size * self.merge_size)
 
-    def tubes(self, frames: np.ndarray) -> tuple[list[np.ndarray], tuple[int, int, int]]:
-        """``[T, H, W, 3]`` uint8 frames → each tube's ``[grid_h * grid_w, C * 2 * P * P]`` float32
-        input (the rows of the video processor's ``pixel_values_videos`` for that tube) and the
-        clip's grid ``(tubes, grid_h, grid_w)``."""
+    def cut(self, frames: np.ndarray) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
+        """``[T, H, W, 3]`` uint8 frames → each tube's two frames, resized to the clip's target
+        (``[2, C, H, W]`` uint8, a copy of its own), and the clip's grid ``(tubes, grid_h, grid_w)``."""
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
             raise ValueError(f"frames must be [T, H, W, 3] uint8, got {frames.shape} {frames.dtype}")
         num_frames, height, width = frames.shape[:3]
         grid = self.grid(num_frames, height, width)
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        p, t = self.patch_size, self.temporal_patch_size
         clip = torch.from_numpy(np.ascontiguousarray(frames)).permute(0, 3, 1, 2).contiguous()
         clip = resize_tensor(clip, grid[1] * p, grid[2] * p, self.resample)
         if pad := -num_frames % t:  # an odd last frame is paired with itself
             clip = torch.cat([clip, clip[-1:].expand(pad, -1, -1, -1)])
+        return [clip[i * t : (i + 1) * t].contiguous().clone() for i in range(grid[0])], grid
+
+    def tube_pixels(self, tube: torch.Tensor, grid_hw: tuple[int, int]) -> np.ndarray:
+        """One tube's resized frames (``cut``) → its ``[grid_h * grid_w, C * 2 * P * P]`` float32 tower
+        input: its rows of the video processor's ``pixel_values_videos``."""
+        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
+        (gh, gw), c = grid_hw, tube.shape[1]
         scale = 1.0 / self.rescale_factor
         mean = (torch.tensor(self.image_mean) * scale).view(1, -1, 1, 1, 1)
         std = (torch.tensor(self.image_std) * scale).view(1, -1, 1, 1, 1)
-        c, gh, gw = clip.shape[1], grid[1], grid[2]
-        out = []
-        for i in range(grid[0]):
-            tube = clip[i * t : (i + 1) * t]  # [t, C, H, W]
-            blocks = tube.reshape(t, c, gh // m, m, p, gw // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
-            x = torch.empty(gh * gw, c, t, p, p)
-            x.view(gh // m, gw // m, m, m, c, t, p, p).copy_(blocks)  # patches, cast to float32
-            x.sub_(mean).div_(std)
-            out.append(x.reshape(gh * gw, c * t * p * p).numpy())
-        return out, grid
+        blocks = tube.reshape(t, c, gh // m, m, p, gw // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
+        x = torch.empty(gh * gw, c, t, p, p)
+        x.view(gh // m, gw // m, m, m, c, t, p, p).copy_(blocks)  # patches, cast to float32
+        x.sub_(mean).div_(std)
+        return x.reshape(gh * gw, c * t * p * p).numpy()
+
+    def tubes(self, frames: np.ndarray) -> tuple[list[np.ndarray], tuple[int, int, int]]:
+        """Every tube's tower input (``tube_pixels`` of ``cut``) and the clip's grid."""
+        cut, grid = self.cut(frames)
+        return [self.tube_pixels(tube, grid[1:]) for tube in cut], grid
+
+    def key(self, tube: torch.Tensor, grid_hw: tuple[int, int]) -> str:
+        """A tube's key: SHA-256 of its resized frames (``cut``), its grid and these settings: what
+        its tower input, and so its rows, are a function of (with the model, in the index key)."""
+        h = hashlib.sha256(b"visenc-tube\0%d,%d\0" % grid_hw + repr(self).encode() + b"\0")
+        h.update(tube.contiguous().numpy().data)
+        return h.hexdigest()
 
 
 def clip_resize(
@@ -201,14 +216,6 @@ def clip_resize(
         h_bar = math.ceil(height * beta / factor) * factor
         w_bar = math.ceil(width * beta / factor) * factor
     return h_bar, w_bar
-
-
-def tube_hash(pixels: np.ndarray, grid_hw: tuple[int, int]) -> str:
-    """A tube's key: SHA-256 of its grid and its tower input (which both frames, the resize target
-    and every processor setting went into)."""
-    h = hashlib.sha256(b"visenc-tube\0%d,%d\0" % grid_hw)
-    h.update(np.ascontiguousarray(pixels, dtype="<f4").data)
-    return h.hexdigest()
 
 
 def video_config(files: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any]:

@@ -126,12 +126,16 @@ class VisionTower(ABC):
         """``patch_size``, ``merge_size``, ``temporal_patch_size`` of a video tower's model."""
         raise NotImplementedError
 
-    def tube_input(self, pixels: np.ndarray, grid_hw: tuple[int, int]) -> Prepared:
-        """One tube's tower input (``VideoPreprocess.tubes``) as ``forward`` takes it: an input of
-        grid ``(1, h, w)`` whose two frames differ. Default: the array itself."""
+    def tube_layout(self, grid_hw: tuple[int, int]) -> TokenLayout:
+        """What one tube of a video becomes: an input of grid ``(1, h, w)``, its own bucket."""
         assert self.video is not None
         grid = (1, *grid_hw)
-        return Prepared(pixels, TokenLayout(self.video.tube_tokens(grid), grid, grid))
+        return TokenLayout(self.video.tube_tokens(grid), grid, grid)
+
+    def tube_input(self, pixels: np.ndarray, grid_hw: tuple[int, int]) -> Prepared:
+        """One tube's tower input (``VideoPreprocess.tube_pixels``) as ``forward`` takes it: an input
+        of grid ``(1, h, w)`` whose two frames differ. Default: the array itself."""
+        return Prepared(pixels, self.tube_layout(grid_hw))
 
     def row_layout(self) -> list[dict[str, Any]]:
         """What the columns of a row are, along the hidden axis: ``[{"name", "width"}]``."""

@@ -102,6 +102,8 @@ async def test_overlapping_clips_encode_only_their_new_tubes(service, tiny_tower
 
 
 async def test_a_video_is_found_by_its_hash_alone(service, tiny_tower):
+    """Missing before, then pending (at once, without waiting) or ready: a look-up that waits gets
+    it ready, as the connector's waiting look-up must (it then loads the rows)."""
     fs = frames(20, 4)
     (missing,) = (await encode(service, [{"hash": vid(fs)}]))["items"]
     assert missing["status"] == "missing"
@@ -109,7 +111,8 @@ async def test_a_video_is_found_by_its_hash_alone(service, tiny_tower):
     (asked,) = (await encode(service, [{"hash": vid(fs)}], wait=False))["items"]  # tubes may be encoding
     assert asked["status"] in ("pending", "ready") and asked["num_tokens"] == started["num_tokens"]
     assert asked["grid_thw"] == started["grid_thw"]
-    await fetch(service, vid(fs))  # waits while pending
+    waited = (await encode(service, [{"hash": vid(fs)}], wait=True))["items"][0]  # waits for the tubes
+    assert waited["status"] == "ready" and waited["num_tokens"] == started["num_tokens"]
     (hit,) = (await encode(service, [{"hash": vid(fs)}], include_rows=True))["items"]
     assert hit["status"] == "ready" and tuple(hit["grid_thw"]) == tiny_tower.video.grid(4, H, W)
     rows = np.frombuffer(hit["rows"], dtype="<f4").reshape(hit["num_tokens"], -1)

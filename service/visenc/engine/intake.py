@@ -30,6 +30,7 @@ job's future is resolved (by ``outputs.py``); a finished job in the map is never
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import time
@@ -160,8 +161,8 @@ class Intake:
         if job is not None and job.layout is not None:
             lay = job.layout
             return Handle(item.hash, "pending", lay.num_tokens, self.hidden_size, self.dtype, lay.grid_thw)
-        if item.pending_grid is not None and (video := self.prep.tower.video) is not None:
-            grid = item.pending_grid
+        if item.manifest is not None and (video := self.prep.tower.video) is not None:
+            grid = item.manifest.grid_thw
             return Handle(item.hash, "pending", grid[0] * video.tube_tokens(grid), self.hidden_size, self.dtype, grid)
         return Handle(item.hash, status)  # type: ignore[arg-type]
 
@@ -195,7 +196,7 @@ class Intake:
                 try:  # ready when every tube is; pending while one is encoded (a fetch waits)
                     it.entry = await self._video(found, it.hash, namespace, 0.0)
                 except DeadlineExceeded:
-                    it.pending_grid = found.grid_thw
+                    it.manifest = found
                 except NotFound:  # a tube was evicted: missing (upload the frames again)
                     pass
 
@@ -294,6 +295,12 @@ class Intake:
             spawn(self.index.write_through(key, manifest), "manifest-write", self.metrics)
         if wait and joined:
             await self._wait(joined, handles, work, admitted, timing, timeout_s)
+        if wait:  # videos asked by hash whose tubes are being encoded (here or at another replica)
+            for i, it in enumerate(work):
+                if it.manifest is not None:
+                    with contextlib.suppress(NotFound):  # a tube evicted meanwhile: missing
+                        it.entry = await self._video(it.manifest, it.hash, namespace, timeout_s)
+                        handles[i] = self._handle(it, "ready")
         return fold(handles, spans)
 
     async def _wait(

@@ -37,8 +37,8 @@ class Item:
     video: Video | None = None
     #: a video's tube (an item of its own, with no bytes)
     tube: Tube | None = None
-    #: a video asked by hash whose tubes are still being encoded: its grid
-    pending_grid: tuple[int, int, int] | None = None
+    #: a video asked by hash whose tubes are still being encoded: its manifest
+    manifest: Entry | None = None
 
     @property
     def source(self) -> Source | None:

@@ -142,9 +142,16 @@ class Entry:
 
 
 def pack_entry(
-    rows: np.ndarray, *, dtype: str, grid_thw: tuple[int, int, int], fingerprint: str, hash: str, kind: str = "rows"
+    rows: np.ndarray | Sequence[np.ndarray],
+    *,
+    dtype: str,
+    grid_thw: tuple[int, int, int],
+    fingerprint: str,
+    hash: str,
+    kind: str = "rows",
 ) -> Entry:
-    """Build a stored value from a ``[rows, hidden]`` array, copying the rows once.
+    """Build a stored value from a ``[rows, hidden]`` array, or from such arrays one after another
+    (a video's tubes), copying the rows once.
 
     ``rows`` holds the tensor's raw values (for bfloat16, its 16-bit words); ``kind`` is written
     into the header unless it is ``rows`` (so rows' values are as they always were)."""
@@ -152,9 +159,10 @@ def pack_entry(
         raise ValueError(f"unknown entry kind {kind!r}")
     if dtype not in DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}")
-    if rows.ndim != 2:
-        raise ValueError(f"rows must be 2-D, got shape {rows.shape}")
-    n, hidden = (int(x) for x in rows.shape)
+    parts = [rows] if isinstance(rows, np.ndarray) else list(rows)
+    if not parts or any(p.ndim != 2 or p.shape[1] != parts[0].shape[1] for p in parts):
+        raise ValueError(f"rows must be 2-D of one width, got shapes {[p.shape for p in parts]}")
+    n, hidden = sum(int(p.shape[0]) for p in parts), int(parts[0].shape[1])
     fields = {
         "shape": [n, hidden],
         "dtype": dtype,
@@ -169,7 +177,10 @@ def pack_entry(
     blob = bytearray(DATA_OFFSET + n * hidden * npdtype.itemsize)
     _PREFIX.pack_into(blob, 0, MAGIC, VERSION, len(header))
     blob[_PREFIX.size : _PREFIX.size + len(header)] = header
-    np.frombuffer(blob, dtype=npdtype, offset=DATA_OFFSET).reshape(n, hidden)[...] = rows.view(npdtype)
+    out, at = np.frombuffer(blob, dtype=npdtype, offset=DATA_OFFSET).reshape(n, hidden), 0
+    for part in parts:
+        out[at : at + part.shape[0]] = part.view(npdtype)
+        at += part.shape[0]
     return Entry(blob, n, hidden, dtype, tuple(grid_thw), fingerprint, hash, kind)  # type: ignore[arg-type]
 
 
@@ -256,7 +267,7 @@ def manifest_tubes(entry: Entry) -> list[str]:
     if entry.kind != "video" or entry.dtype != "float32" or entry.hidden * 4 != _DIGEST_BYTES:
         raise CorruptEntry("not a video manifest")
     if entry.rows != entry.grid_thw[0]:
-        raise CorruptEntry("not a video manifest")
+        raise CorruptEntry("a video manifest whose tube count is not its grid's")
     raw = bytes(entry.rows_view())
     return [raw[i : i + _DIGEST_BYTES].hex() for i in range(0, len(raw), _DIGEST_BYTES)]
 

@@ -81,6 +81,10 @@ class ProxySettings:
     #: frames vLLM takes of a ``data:video/jpeg`` URL (its ``num_frames`` video media option; -1: all)
     video_num_frames: int = 32
 
+    def __post_init__(self) -> None:
+        if self.video_num_frames == 0 or self.video_num_frames < -1:
+            raise ValueError("video_num_frames must be positive, or -1 (all frames)")
+
 
 class ProxyError(Exception):
     """An OpenAI-style error answer."""
@@ -152,11 +156,12 @@ class Proxy:
             return _Image(image_hash(data), data)
         raise ProxyError("an image_url must be a data: URL or an allowed http(s) URL")
 
+    async def _media(self, kind: str, url: str) -> _Image:
+        return self._video(url) if kind == "video_url" else await self._image(url)
+
     def _video(self, url: str) -> _Image:
         """A ``data:video/jpeg`` part: the frames vLLM takes of it (the first ``video_num_frames``)."""
         n = self.settings.video_num_frames
-        if n == 0:
-            raise ProxyError("video_num_frames must be positive or -1")
         texts = url[len(JPEG_FRAMES) :].split(",", n)[:n] if n > 0 else url[len(JPEG_FRAMES) :].split(",")
         try:
             frames = [
@@ -193,12 +198,7 @@ class Proxy:
         parts = self._image_parts(body)
         if not parts:
             return []
-        videos = {id(p): self._video(p["_url"]) for p in parts if p["type"] == "video_url"}
-        images = await asyncio.gather(*(self._image(p["_url"]) for p in parts if id(p) not in videos))
-        found = iter(images)
-        images = [videos[id(p)] if id(p) in videos else next(found) for p in parts]
-        for part in parts:
-            del part["_url"]
+        images = await asyncio.gather(*(self._media(p["type"], p.pop("_url")) for p in parts))
         for part, image in zip(parts, images):
             part["uuid"] = image.hash  # the connector finds the rows under it
         return list(images)

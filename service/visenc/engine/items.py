@@ -42,7 +42,7 @@ class Item:
 
     @property
     def source(self) -> Source | None:
-        """What a job for this item is given: its bytes, or a tube's tower input."""
+        """What a job for this item is given: its bytes, or a video's tube (its resized frames)."""
         return self.data if self.data is not None else self.tube
 
 

@@ -141,5 +141,5 @@ class ImagePrep:
         and patchified (resized at inspection)."""
         if isinstance(source, Tube):
             assert self.tower.video is not None
-            return self.tower.tube_input(self.tower.video.tube_pixels(source.frames, source.grid_hw), source.grid_hw)
+            return self.tower.tube_input(self.tower.video.tube_pixels(source.frames), source.grid_hw)
         return self.tower.preprocess(decode(source, max_pixels=self.max_image_pixels, loader=self.tower.image_loader))

@@ -1,16 +1,17 @@
 """Videos in a request: inspected whole, then taken as their tubes, then folded back into one handle.
 
-A video item (frames) is inspected in the CPU pool (``ImagePrep.inspect_video``: decoded,
-preprocessed as the tower's video processor does, cut into tubes keyed by their tower input).
-Each tube then goes through intake exactly as an image that came with bytes: looked up,
-single-flight joined, placed (here or at the replica already encoding it), queued, batched.
-Only the bytes differ: a tube's job carries its tower input, made at inspection.
+A video item (frames) is inspected in the CPU pool (``ImagePrep.inspect_video``: decoded and
+resized as the tower's video processor does, cut into tubes keyed by their resized frames, grid
+and settings). Each tube then goes through intake exactly as an image that came with bytes:
+looked up, single-flight joined, placed (here or at the replica already encoding it), queued,
+batched. Only the bytes differ: a tube's job carries its resized frames, which its preprocess
+step normalises and patchifies.
 
 ``expand`` turns a request's items into that flat list of images and tubes (``Span`` says which
 stretch is whose); ``fold`` turns the flat handles back into one handle per item, a video's from
 its tubes' (ready when all are; the first failed tube's error otherwise). A video's manifest (its
-tubes' hashes in order, ``visenc_client.format.pack_manifest``) is stored under the video's hash,
-so a later look-up by that hash alone finds its tubes.
+tubes' hashes in order, ``visenc_client.format.pack_manifest``) is stored under the video's own
+key, so a later look-up by that hash alone finds its tubes (``video_rows``).
 """
 
 from __future__ import annotations
@@ -19,8 +20,6 @@ import asyncio
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import Executor
 from dataclasses import dataclass
-
-import numpy as np
 
 from visenc.engine.interface import Handle
 from visenc.engine.items import Item
@@ -129,5 +128,5 @@ async def video_rows(manifest: Entry, video: str, lookup: Callable[[str], Awaita
         raise NotFound(f"no embedding for video {video} (its manifest is unreadable: {e})") from e
     entries = await asyncio.gather(*(lookup(t) for t in tubes))
     first = entries[0]
-    rows = np.concatenate([e.array() for e in entries])
+    rows = [e.array() for e in entries]  # views of the stored values: joined in one copy
     return pack_entry(rows, dtype=first.dtype, grid_thw=manifest.grid_thw, fingerprint=first.fingerprint, hash=video)

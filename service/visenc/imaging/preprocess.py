@@ -155,16 +155,35 @@ def qwen_pixels_torchvision(
     where the processor's per-channel ops on its channels-last image are slow), and copied T
     times last. Elementwise float ops round the same whatever the layout, so the bits agree."""
     t = resize_tensor(uint8_tensor(np.asarray(image)), height, width, resample)
-    c, p, m = t.shape[1], patch_size, merge_size
+    x = qwen_patches(t, patch_size=patch_size, merge_size=merge_size, rescale_factor=rescale_factor, mean=mean, std=std)
+    n, c, _, p, _ = x.shape
+    return x.expand(-1, -1, temporal_patch_size, -1, -1).reshape(n, c * temporal_patch_size * p * p).numpy()
+
+
+def qwen_patches(
+    frames: torch.Tensor,
+    *,
+    patch_size: int,
+    merge_size: int,
+    rescale_factor: float,
+    mean: Sequence[float],
+    std: Sequence[float],
+) -> torch.Tensor:
+    """``[T, C, H, W]`` uint8 frames of one temporal patch (a still image: T = 1; a video tube: its
+    frames), any memory layout → ``[grid_h * grid_w, C, T, P, P]`` float32, ``(float(x) - mean/r) /
+    (std/r)`` as the fast processors compute it. Rows are merge-block-major. The uint8 frames are cut
+    into patches and cast in one copy and normalised in the patch layout (contiguous): elementwise
+    float ops round the same whatever the layout, so the bits agree."""
+    t, c, height, width = frames.shape
+    p, m = patch_size, merge_size
     grid_h, grid_w = height // p, width // p
-    hwc = t[0].permute(1, 2, 0)  # a view: the resize keeps channels-last memory
-    x = torch.empty(grid_h * grid_w, c, p, p)
-    blocks = hwc.reshape(grid_h // m, m, p, grid_w // m, m, p, c).permute(0, 3, 1, 4, 6, 2, 5)
-    x.view(grid_h // m, grid_w // m, m, m, c, p, p).copy_(blocks)  # patches, cast to float32
+    thwc = frames.permute(0, 2, 3, 1)  # a view (contiguous for a channels-last resize)
+    blocks = thwc.reshape(t, grid_h // m, m, p, grid_w // m, m, p, c).permute(1, 4, 2, 5, 7, 0, 3, 6)
+    x = torch.empty(grid_h * grid_w, c, t, p, p)
+    x.view(grid_h // m, grid_w // m, m, m, c, t, p, p).copy_(blocks)  # patches, cast to float32
     scale = 1.0 / rescale_factor
-    x.sub_((torch.tensor(mean) * scale).view(1, -1, 1, 1)).div_((torch.tensor(std) * scale).view(1, -1, 1, 1))
-    flat = x.unsqueeze(2).expand(-1, -1, temporal_patch_size, -1, -1)
-    return flat.reshape(grid_h * grid_w, c * temporal_patch_size * p * p).numpy()
+    x.sub_((torch.tensor(mean) * scale).view(1, -1, 1, 1, 1)).div_((torch.tensor(std) * scale).view(1, -1, 1, 1, 1))
+    return x
 
 
 def _native_uint8_bilinear() -> bool:

@@ -43,6 +43,7 @@ from visenc.imaging.preprocess import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     as_tuple,
+    qwen_patches,
     resize_tensor,
     smart_resize,
 )
@@ -161,26 +162,25 @@ class VideoPreprocess:
         clip = resize_tensor(clip, grid[1] * p, grid[2] * p, self.resample)
         if pad := -num_frames % t:  # an odd last frame is paired with itself
             clip = torch.cat([clip, clip[-1:].expand(pad, -1, -1, -1)])
-        return [clip[i * t : (i + 1) * t].contiguous().clone() for i in range(grid[0])], grid
+        return [clip[i * t : (i + 1) * t].clone() for i in range(grid[0])], grid
 
-    def tube_pixels(self, tube: torch.Tensor, grid_hw: tuple[int, int]) -> np.ndarray:
+    def tube_pixels(self, tube: torch.Tensor) -> np.ndarray:
         """One tube's resized frames (``cut``) → its ``[grid_h * grid_w, C * 2 * P * P]`` float32 tower
         input: its rows of the video processor's ``pixel_values_videos``."""
-        p, m, t = self.patch_size, self.merge_size, self.temporal_patch_size
-        (gh, gw), c = grid_hw, tube.shape[1]
-        scale = 1.0 / self.rescale_factor
-        mean = (torch.tensor(self.image_mean) * scale).view(1, -1, 1, 1, 1)
-        std = (torch.tensor(self.image_std) * scale).view(1, -1, 1, 1, 1)
-        blocks = tube.reshape(t, c, gh // m, m, p, gw // m, m, p).permute(2, 5, 3, 6, 1, 0, 4, 7)
-        x = torch.empty(gh * gw, c, t, p, p)
-        x.view(gh // m, gw // m, m, m, c, t, p, p).copy_(blocks)  # patches, cast to float32
-        x.sub_(mean).div_(std)
-        return x.reshape(gh * gw, c * t * p * p).numpy()
+        x = qwen_patches(
+            tube,
+            patch_size=self.patch_size,
+            merge_size=self.merge_size,
+            rescale_factor=self.rescale_factor,
+            mean=self.image_mean,
+            std=self.image_std,
+        )
+        return x.reshape(x.shape[0], -1).numpy()
 
     def tubes(self, frames: np.ndarray) -> tuple[list[np.ndarray], tuple[int, int, int]]:
         """Every tube's tower input (``tube_pixels`` of ``cut``) and the clip's grid."""
         cut, grid = self.cut(frames)
-        return [self.tube_pixels(tube, grid[1:]) for tube in cut], grid
+        return [self.tube_pixels(tube) for tube in cut], grid
 
     def key(self, tube: torch.Tensor, grid_hw: tuple[int, int]) -> str:
         """A tube's key: SHA-256 of its resized frames (``cut``), its grid and these settings: what

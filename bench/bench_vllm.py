@@ -9,8 +9,8 @@ processor to at most 256 rows).
 
 * **Agent, same replica**: turn ``k`` sends screenshots ``1..k`` (one new screenshot a turn, the
   earlier ones resent) over the OpenAI chat API and asks for one token. TTFT per turn for vLLM
-  alone (straight to it), visenc **cold** (the proxy hands the new screenshot to visenc as the
-  request passes: visenc encodes it while vLLM processes the request) and visenc **warm** (the new
+  alone (straight to it), visenc **cold** (the new screenshot is new to visenc too: the proxy
+  tells the connector so, and hands it to visenc after the answer) and visenc **warm** (the new
   screenshot is already in visenc's index: another replica saw it). Each round uses new
   screenshots (vLLM's prefix cache would cover repeats); the three conversations of a round run
   turn by turn, their order rotating every turn. Ratios are per turn: medians over rounds, with

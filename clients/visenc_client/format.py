@@ -231,6 +231,9 @@ def unpack_entry(blob: bytes | bytearray, *, fingerprint: str | None = None, has
 NAMESPACE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 NAMESPACE_RULE = "1-64 characters of [A-Za-z0-9_.-]"
 _NAMESPACE_RE = re.compile(NAMESPACE_PATTERN)
+#: the key of a vLLM request's ``ec_transfer_params`` that lists the images visenc lacks
+#: (``visenc proxy`` writes it, ``VisencConnector`` reads it)
+ABSENT_KEY = "visenc_absent"
 #: an image hash: SHA-256 of the raw image bytes, 64 lowercase hex digits
 HASH_PATTERN = r"^[0-9a-f]{64}$"
 _HASH_RE = re.compile(HASH_PATTERN)

@@ -33,6 +33,12 @@ digits): pass it as the image's ``multi_modal_uuids`` entry offline, or as the
 ``uuid`` of the image content part over the OpenAI API (``visenc proxy`` does that).
 Any other identifier is simply "not cached" and vLLM encodes the image itself.
 
+A request may say which of its images visenc lacks (``ec_transfer_params``, whose
+``visenc_absent`` lists their identifiers; ``visenc proxy`` asks visenc while it forwards the
+request and fills it in): those the connector does not look up again, and vLLM encodes
+them at once. The word costs at most a cache hit (an image stored since is encoded
+again), never a row: an image vLLM cannot encode itself is looked up whatever it says.
+
 **Never worse than vLLM alone.** In vLLM an exception in the worker step, or an item
 counted present that is missing from the encoder cache when the model gathers it,
 ends the engine. So nothing that can fail happens after an image is counted present:
@@ -80,7 +86,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 from visenc_client._client import Client
 from visenc_client._exceptions import VisencClientError
 from visenc_client._types import Handle
-from visenc_client.format import is_valid_hash, words_tensor
+from visenc_client.format import ABSENT_KEY, is_valid_hash, words_tensor
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -115,6 +121,7 @@ class ConnectorStats:
     fetches: int = 0  # background look-ups started (one per request's images not held, rows permitting)
     hits: int = 0  # images answered present (vLLM runs no encoder for them)
     misses: int = 0  # images answered absent (vLLM encodes them itself)
+    told_absent: int = 0  # images not looked up: the request said visenc lacks them (``visenc_absent``)
     failures: int = 0  # fetches that failed (visenc, Redis or network): the image is encoded by vLLM
     rejected: int = 0  # rows refused: another shape or grid than vLLM reads
     deferred: int = 0  # scheduler steps a request waited for rows in flight
@@ -170,6 +177,14 @@ def _item_grid(data: Any) -> tuple[int, ...] | None:
         if key in data:
             return tuple(int(x) for x in data[key].data.reshape(-1).tolist())
     return None
+
+
+def told_absent(request: Any) -> frozenset[str]:
+    """The identifiers the request says visenc lacks (``ec_transfer_params["visenc_absent"]``);
+    anything malformed there says nothing."""
+    params = getattr(request, "ec_transfer_params", None)
+    listed = params.get(ABSENT_KEY) if isinstance(params, dict) else None
+    return frozenset(i for i in listed if isinstance(i, str)) if isinstance(listed, list) else frozenset()
 
 
 def _encodable(data: Any) -> bool:
@@ -404,6 +419,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         in_flight = False
         lacking: list[str] = []  # needed, not held, and not encodable by vLLM
         batches: dict[bool, dict[str, _Want]] = {}  # this request's new fetches, by whether they wait
+        absent, told = told_absent(request), 0
         for feature in request.mm_features:
             identifier = feature.identifier
             if feature.mm_position.offset + feature.mm_position.length <= num_computed_tokens:
@@ -412,6 +428,8 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
                 continue
             if identifier in self._inflight:
                 in_flight = True
+            elif identifier in absent and _encodable(feature.data):
+                told += 1  # vLLM encodes it now rather than after a look-up's answer
             elif is_valid_hash(identifier) and not self._is_absent(identifier, now):
                 want = _Want(int(feature.mm_position.get_num_embeds()), _item_grid(feature.data))
                 wait = self.wait_for_encoding or not _encodable(feature.data)
@@ -437,6 +455,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             self._waiting_since.pop(rid, None)
             return False
         self._waiting_since.pop(rid, None)
+        self.stats.told_absent += told
         return True
 
     def _fetch(self, wants: dict[str, _Want], wait: bool) -> None:

@@ -75,6 +75,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="Frames vLLM takes of a data:video/jpeg URL (its video num_frames media option; -1: all).",
     )
     proxy.add_argument(
+        "--absent-timeout-s",
+        type=float,
+        default=0.05,
+        help="Longest wait, once a body is out, for visenc to say which new images it lacks (0: not asked).",
+    )
+    proxy.add_argument(
         "--encode-first",
         action="store_true",
         help="Forward a request only once visenc has its images (default: at once; visenc gets them after the answer).",
@@ -157,6 +163,7 @@ def run_proxy(args: dict[str, Any]) -> int:
         fetch_timeout_s=args["fetch_timeout_s"],
         encode_first=args["encode_first"],
         video_num_frames=args["video_num_frames"],
+        absent_timeout_s=args["absent_timeout_s"],
     )
     signal.signal(signal.SIGTERM, _stopped)
     uvicorn.run(create_proxy_app(Proxy(settings)), host=args["host"], port=args["port"], log_level=args["log_level"])

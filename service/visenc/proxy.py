@@ -41,6 +41,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import aiohttp
 import httpx
 import orjson
 from fastapi import FastAPI, Request
@@ -48,54 +49,16 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from visenc.media import MediaError, base64_bytes, data_url_bytes, fetch, is_allowed_url
 from visenc.proxy_memory import Memo, Upstreams
+from visenc.proxy_settings import ProxyError, ProxySettings
 from visenc_client import AsyncClient, Video, VisencClientError
-from visenc_client.format import image_hash, video_hash
+from visenc_client.format import ABSENT_KEY, image_hash, video_hash
 
 #: a video vLLM takes as frames already sampled: JPEG frames, base64, joined by commas
 JPEG_FRAMES = "data:video/jpeg;base64,"
+#: after visenc failed to say in time which images it lacks, new images count as lacking this long
+QUIET_S = 1.0
 
 log = logging.getLogger("visenc.proxy")
-
-
-@dataclass
-class ProxySettings:
-    upstreams: Sequence[str]
-    visenc_url: str
-    visenc_api_key: str | None = None
-    #: http(s) image URLs are fetched only under one of these prefixes (none: only data: URLs)
-    allow_url_prefixes: Sequence[str] = ()
-    max_image_bytes: int = 32 << 20
-    fetch_timeout_s: float = 10.0
-    upstream_timeout_s: float = 600.0
-    health_interval_s: float = 2.0
-    #: images remembered for cache affinity (hash -> the upstream that saw it last)
-    affinity_size: int = 100_000
-    #: background encodes (one per request) in flight at once; more are skipped, never queued
-    max_background_encodes: int = 64
-    #: data: URLs remembered with their image's hash, in characters (an image resent turn after turn
-    #: is neither decoded nor hashed again; its hand-over to visenc, once accepted, is not repeated)
-    memo_chars: int = 128 << 20
-    #: hand a request's images to visenc before forwarding it (default: after its answer is through;
-    #: with ``wait_for_encoding`` on the connector, every image of it then comes from visenc)
-    encode_first: bool = False
-    #: frames vLLM takes of a ``data:video/jpeg`` URL (its ``num_frames`` video media option; -1: all)
-    video_num_frames: int = 32
-
-    def __post_init__(self) -> None:
-        if self.video_num_frames == 0 or self.video_num_frames < -1:
-            raise ValueError("video_num_frames must be positive, or -1 (all frames)")
-
-
-class ProxyError(Exception):
-    """An OpenAI-style error answer."""
-
-    def __init__(self, message: str, status: int = 400, kind: str = "invalid_request_error") -> None:
-        super().__init__(message)
-        self.message, self.status, self.kind = message, status, kind
-
-    def response(self) -> JSONResponse:
-        body = {"error": {"message": self.message, "type": self.kind, "param": None, "code": self.status}}
-        return JSONResponse(body, self.status)
 
 
 @dataclass(slots=True)
@@ -112,7 +75,7 @@ class Proxy:
         self,
         settings: ProxySettings,
         *,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,  # image URL fetches
         visenc_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.settings = settings
@@ -124,6 +87,8 @@ class Proxy:
         self.memo = Memo(settings.memo_chars, settings.affinity_size)
         self._encodes: set[asyncio.Task[None]] = set()
         self._health: asyncio.Task[None] | None = None
+        self._quiet_until = 0.0  # visenc is not asked which images it lacks before then
+        self._upstream_http: aiohttp.ClientSession | None = None
 
     # --- images ----------------------------------------------------------------------
     def _data_url_bytes(self, url: str) -> bytes | None:
@@ -238,6 +203,29 @@ class Proxy:
         else:
             self.memo.hand([i.hash for i in images])
 
+    def ask_absent(self, hashes: Sequence[str]) -> asyncio.Future[list[str]] | None:
+        """Start asking visenc which of ``hashes`` it lacks, of those it did not accept from this
+        proxy (``None``: nothing to ask). The answer is a list, never an error."""
+        new = [h for h in dict.fromkeys(hashes) if not self.memo.handed(h)]
+        if not new or self.settings.absent_timeout_s <= 0:
+            return None
+        loop = asyncio.get_running_loop()
+        if loop.time() < self._quiet_until:
+            told: asyncio.Future[list[str]] = loop.create_future()
+            told.set_result(new)
+            return told
+        return asyncio.ensure_future(self._absent(new))
+
+    async def _absent(self, hashes: list[str]) -> list[str]:
+        try:
+            async with asyncio.timeout(self.settings.absent_timeout_s):
+                handles = await self.visenc.lookup(hashes)
+        except Exception as e:  # too slow or failed: the images count as lacking (a lost hit at most)
+            self._quiet_until = asyncio.get_running_loop().time() + QUIET_S
+            log.warning("visenc did not say which images it lacks (%s): they count as lacking", type(e).__name__)
+            return hashes
+        return [h.hash for h in handles if h.status == "missing"]
+
     # --- forwarding --------------------------------------------------------------------
     async def forward(
         self,
@@ -246,43 +234,64 @@ class Proxy:
         body: dict[str, Any] | None,
         hashes: Sequence[str],
         encode_after: Sequence[_Image] = (),
+        absent: asyncio.Future[list[str]] | None = None,
     ) -> Response:
         """Send the request to an upstream and stream its answer back; ``encode_after``: images
-        handed to visenc once the answer is through (``encode_later``)."""
+        handed to visenc once the answer is through (``encode_later``); ``absent``: the images
+        visenc lacks, awaited once the rest of the body is out and written at its end."""
         upstream = self.upstreams.choose(hashes)
         if upstream is None:
             raise ProxyError("no healthy upstream", 503, "service_unavailable")
         headers = {k: v for k, v in request.headers.items() if k.lower() in ("authorization", "accept")}
         method = request.method
+        data: bytes | AsyncIterator[bytes] | None = None
+        if body is not None:
+            data = orjson.dumps(body) if absent is None else _ending_with_absent(body, absent)
+            headers["content-type"] = "application/json"
         try:
-            content = None if body is None else orjson.dumps(body)
-            if content is not None:
-                headers["content-type"] = "application/json"
-            outgoing = self.http.build_request(method, upstream + path, content=content, headers=headers)
-            upstream_response = await self.http.send(outgoing, stream=True)
-        except httpx.TransportError as e:
+            answer = await self.upstream_http().request(method, upstream + path, data=data, headers=headers)
+        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
             self.upstreams.healthy[upstream] = False
             raise ProxyError(f"upstream {upstream} failed: {type(e).__name__}", 502, "upstream_error") from e
         self.upstreams.saw(upstream, hashes)
-        out_headers = {k: v for k, v in upstream_response.headers.items() if k.lower() in ("content-type",)}
+        kind = answer.headers.get("content-type")
+        out_headers = {} if kind is None else {"content-type": kind}
+        if "text/event-stream" not in (kind or ""):  # one answer: relayed whole
+            try:
+                content = await answer.read()  # decoded: content-encoding is not relayed
+            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+                raise ProxyError(f"upstream {upstream} failed: {type(e).__name__}", 502, "upstream_error") from e
+            finally:
+                answer.release()
+                self.encode_later(encode_after)
+            return Response(content, answer.status, out_headers)
 
         async def relay() -> AsyncIterator[bytes]:
             try:
-                async for chunk in upstream_response.aiter_bytes():  # decoded: content-encoding is not relayed
+                async for chunk in answer.content.iter_any():
                     yield chunk
             finally:
-                await upstream_response.aclose()
+                answer.release()
                 self.encode_later(encode_after)
 
-        return StreamingResponse(relay(), upstream_response.status_code, out_headers)
+        return StreamingResponse(relay(), answer.status, out_headers)
+
+    def upstream_http(self) -> aiohttp.ClientSession:
+        """The session that forwards to the upstreams: aiohttp, whose client costs a third of
+        httpx's time a request with a body of several MB (the hop, ``bench/bench_vllm.py``)."""
+        if self._upstream_http is None:
+            timeout = aiohttp.ClientTimeout(total=self.settings.upstream_timeout_s)
+            self._upstream_http = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
+        return self._upstream_http
 
     async def _watch_health(self) -> None:
+        timeout = aiohttp.ClientTimeout(total=self.settings.health_interval_s)
         while True:
             for url in self.upstreams.urls:
                 try:
-                    r = await self.http.get(url + "/health", timeout=self.settings.health_interval_s)
-                    self.upstreams.healthy[url] = r.status_code == 200
-                except httpx.HTTPError:
+                    async with self.upstream_http().get(url + "/health", timeout=timeout) as r:
+                        self.upstreams.healthy[url] = r.status == 200
+                except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
                     self.upstreams.healthy[url] = False
             await asyncio.sleep(self.settings.health_interval_s)
 
@@ -295,8 +304,20 @@ class Proxy:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._health
         await self.drain()
+        if self._upstream_http is not None:
+            await self._upstream_http.close()
         await self.http.aclose()
         await self.visenc.aclose()
+
+
+async def _ending_with_absent(body: dict[str, Any], absent: asyncio.Future[list[str]]) -> AsyncIterator[bytes]:
+    """``body`` as JSON, its ``ec_transfer_params`` last: the rest goes out while visenc is asked
+    which images it lacks, then those are added to the client's own ``ec_transfer_params``."""
+    params = body.pop("ec_transfer_params", None)
+    head = orjson.dumps(body)
+    yield head[:-1]  # the object, still open
+    told = {**(params if isinstance(params, dict) else {}), ABSENT_KEY: await absent}
+    yield (b"," if len(head) > 2 else b"") + b'"ec_transfer_params":' + orjson.dumps(told) + b"}"
 
 
 async def _json_body(request: Request) -> dict[str, Any]:
@@ -333,7 +354,9 @@ def create_proxy_app(proxy: Proxy) -> FastAPI:
         if proxy.settings.encode_first:
             await proxy.encode(images)
             images = []
-        return await proxy.forward(request, "/v1/chat/completions", body, hashes, encode_after=images)
+        params = body.get("ec_transfer_params")  # the client's own, kept; not an object: vLLM refuses it
+        absent = proxy.ask_absent(hashes) if params is None or isinstance(params, dict) else None
+        return await proxy.forward(request, "/v1/chat/completions", body, hashes, encode_after=images, absent=absent)
 
     @app.post("/v1/completions")
     async def completions(request: Request) -> Response:

@@ -5,43 +5,73 @@ Upstreams are httpx mock transports that record what reaches them; visenc is the
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import json
+import time
 
 import httpx
+import msgpack
 import pytest
+from aiohttp import web
+from aiohttp.test_utils import TestServer
 from tests.conftest import running_app
 from tests.images import jpeg_bytes, png_bytes
 
 from visenc.proxy import Proxy, ProxySettings, create_proxy_app
 from visenc_client.format import image_hash, video_hash
 
-UPSTREAMS = ["http://vllm-a", "http://vllm-b"]
-
 
 class Upstream:
-    """Records each request per upstream; answers JSON, or SSE chunks when asked to stream."""
+    """vLLM stand-ins on loopback ports (``urls``): each records the requests it gets and answers
+    JSON, or SSE chunks when asked to stream; ``take_down`` stops one."""
 
-    def __init__(self) -> None:
+    def __init__(self, n: int = 2) -> None:
         self.seen: list[tuple[str, dict]] = []
-        self.down: set[str] = set()
+        self.servers: dict[str, TestServer] = {}
+        self.n = n
 
-    def __call__(self, request: httpx.Request) -> httpx.Response:
-        base = f"{request.url.scheme}://{request.url.host}"
-        if base in self.down:
-            raise httpx.ConnectError("down", request=request)
-        if request.url.path == "/health":
-            return httpx.Response(200)
-        body = json.loads(request.content) if request.content else {}
+    @property
+    def urls(self) -> list[str]:
+        return list(self.servers)
+
+    async def __aenter__(self) -> Upstream:
+        for _ in range(self.n):
+            app = web.Application(client_max_size=1 << 30)
+            app.router.add_route("*", "/{path:.*}", self.handle)
+            server = TestServer(app, host="127.0.0.1")
+            await server.start_server()
+            self.servers[str(server.make_url("")).rstrip("/")] = server
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        for server in self.servers.values():
+            await server.close()
+
+    async def take_down(self, url: str) -> None:
+        await self.servers[url].close()
+
+    async def handle(self, request: web.Request) -> web.StreamResponse:
+        base = f"http://{request.host}"
+        if request.path == "/health":
+            return web.Response(text="ok")
+        raw = await request.read()
+        body = json.loads(raw) if raw else {}
         self.seen.append((base, body))
-        if body.get("stream"):
+        if not body.get("stream"):
+            return web.json_response({"upstream": base, "ok": True})
+        answer = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await answer.prepare(request)
+        for chunk in [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]:
+            await answer.write(chunk)
+        await answer.write_eof()
+        return answer
 
-            async def chunks():  # an upstream that streams its answer
-                for chunk in [b'data: {"n": 1}\n\n', b'data: {"n": 2}\n\n', b"data: [DONE]\n\n"]:
-                    yield chunk
 
-            return httpx.Response(200, headers={"content-type": "text/event-stream"}, content=chunks())
-        return httpx.Response(200, json={"upstream": base, "ok": True})
+@pytest.fixture
+async def upstream():
+    async with Upstream() as up:
+        yield up
 
 
 def data_url(data: bytes) -> str:
@@ -58,13 +88,10 @@ def chat(*images: bytes, stream: bool = False) -> dict:
 
 
 @pytest.fixture
-async def proxied(tiny_tower):
-    upstream = Upstream()
+async def proxied(tiny_tower, upstream):
     async with running_app(tiny_tower) as visenc:
-        settings = ProxySettings(upstreams=UPSTREAMS, visenc_url="http://visenc", health_interval_s=3600)
-        proxy = Proxy(
-            settings, transport=httpx.MockTransport(upstream), visenc_transport=httpx.ASGITransport(app=visenc.app)
-        )  # type: ignore[attr-defined]
+        settings = ProxySettings(upstreams=upstream.urls, visenc_url="http://visenc", health_interval_s=3600)
+        proxy = Proxy(settings, visenc_transport=httpx.ASGITransport(app=visenc.app))  # type: ignore[attr-defined]
         app = create_proxy_app(proxy)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
@@ -72,7 +99,7 @@ async def proxied(tiny_tower):
                 yield client, upstream, visenc
 
 
-async def test_image_parts_get_their_hash_as_uuid_and_are_encoded(proxied):
+async def test_image_parts_get_their_hash_as_uuid_and_are_encoded(proxied, upstream):
     client, upstream, visenc = proxied
     a, b = png_bytes(900, 64, 64), png_bytes(901, 96, 64)
     r = await client.post("/v1/chat/completions", json=chat(a, b))
@@ -94,7 +121,7 @@ async def test_streams_pass_through(proxied):
     assert body.count(b"data: ") == 3 and body.endswith(b"[DONE]\n\n")
 
 
-async def test_requests_go_to_the_upstream_that_saw_their_images(proxied):
+async def test_requests_go_to_the_upstream_that_saw_their_images(proxied, upstream):
     client, upstream, _ = proxied
     a, b = png_bytes(903, 64, 64), png_bytes(904, 64, 64)
     first = (await client.post("/v1/chat/completions", json=chat(a))).json()["upstream"]
@@ -104,7 +131,7 @@ async def test_requests_go_to_the_upstream_that_saw_their_images(proxied):
         assert (await client.post("/v1/chat/completions", json=chat(a, png_bytes(905, 64, 64)))).json()[
             "upstream"
         ] == first
-    upstream.down.add(first)  # that replica fails: marked down, the next request goes elsewhere
+    await upstream.take_down(first)  # that replica fails: marked down, the next request goes elsewhere
     r = await client.post("/v1/chat/completions", json=chat(a))
     assert r.status_code == 502 and r.json()["error"]["type"] == "upstream_error"
     assert (await client.post("/v1/chat/completions", json=chat(a))).json()["upstream"] == other
@@ -118,7 +145,7 @@ async def test_requests_go_to_the_upstream_that_saw_their_images(proxied):
         ("file:///etc/passwd", "must be a data: URL"),
     ],
 )
-async def test_bad_image_parts_get_openai_style_errors(proxied, url, words):
+async def test_bad_image_parts_get_openai_style_errors(proxied, url, words, upstream):
     client, upstream, _ = proxied
     body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": url}}]}]}
     r = await client.post("/v1/chat/completions", json=body)
@@ -137,16 +164,15 @@ async def test_malformed_bodies_get_openai_style_errors(proxied):
     assert r.status_code == 400 and "'messages' must be a list" in r.json()["error"]["message"]
 
 
-async def test_visenc_down_still_forwards_at_once(tiny_tower):
+async def test_visenc_down_still_forwards_at_once(tiny_tower, upstream):
     """The request never waits for visenc: with visenc down it is forwarded with its uuids (the
     connector then finds no rows and vLLM encodes the images itself); the failure is counted."""
-    upstream = Upstream()
 
     def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("visenc is down", request=request)
 
-    settings = ProxySettings(upstreams=UPSTREAMS[:1], visenc_url="http://visenc", health_interval_s=3600)
-    proxy = Proxy(settings, transport=httpx.MockTransport(upstream), visenc_transport=httpx.MockTransport(down))
+    settings = ProxySettings(upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600)
+    proxy = Proxy(settings, visenc_transport=httpx.MockTransport(down))
     app = create_proxy_app(proxy)
     data = png_bytes(906, 64, 64)
     async with app.router.lifespan_context(app):
@@ -158,10 +184,9 @@ async def test_visenc_down_still_forwards_at_once(tiny_tower):
     assert proxy.encode_failures == 1  # the lifespan's end waited for the background encode
 
 
-async def test_background_encodes_are_bounded_never_queued(tiny_tower):
+async def test_background_encodes_are_bounded_never_queued(tiny_tower, upstream):
     """Past ``max_background_encodes`` a request's images are not handed to visenc (counted), and the
     request is answered as any other."""
-    upstream = Upstream()
     calls: list[httpx.Request] = []
 
     def visenc(request: httpx.Request) -> httpx.Response:
@@ -169,9 +194,13 @@ async def test_background_encodes_are_bounded_never_queued(tiny_tower):
         return httpx.Response(503, json={"error": {"type": "not_ready", "message": "busy"}})
 
     settings = ProxySettings(
-        upstreams=UPSTREAMS[:1], visenc_url="http://visenc", health_interval_s=3600, max_background_encodes=0
+        upstreams=upstream.urls[:1],
+        visenc_url="http://visenc",
+        health_interval_s=3600,
+        max_background_encodes=0,
+        absent_timeout_s=0,  # nor asked which images it lacks
     )
-    proxy = Proxy(settings, transport=httpx.MockTransport(upstream), visenc_transport=httpx.MockTransport(visenc))
+    proxy = Proxy(settings, visenc_transport=httpx.MockTransport(visenc))
     app = create_proxy_app(proxy)
     async with app.router.lifespan_context(app):
         async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
@@ -179,10 +208,9 @@ async def test_background_encodes_are_bounded_never_queued(tiny_tower):
     assert r.status_code == 200 and proxy.encodes_skipped == 1 and not calls
 
 
-async def test_a_resent_image_is_handed_over_once_and_again_after_a_failure(tiny_tower):
+async def test_a_resent_image_is_handed_over_once_and_again_after_a_failure(tiny_tower, upstream):
     """An agent resends its screenshots every turn: the proxy tags them by the hash it remembers for
     their data: URL, and hands an image to visenc again only while visenc has not accepted it."""
-    upstream = Upstream()
     asked: list[tuple[int, set[str]]] = []  # (turn, hashes) of each hand-over request that reached visenc
     failing, turn_now = [True], [0]
 
@@ -201,8 +229,8 @@ async def test_a_resent_image_is_handed_over_once_and_again_after_a_failure(tiny
 
     a, b = png_bytes(908, 64, 64), png_bytes(909, 64, 64)
     async with running_app(tiny_tower) as visenc:
-        settings = ProxySettings(upstreams=UPSTREAMS[:1], visenc_url="http://visenc", health_interval_s=3600)
-        proxy = Proxy(settings, transport=httpx.MockTransport(upstream), visenc_transport=Visenc(visenc.app))
+        settings = ProxySettings(upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600)
+        proxy = Proxy(settings, visenc_transport=Visenc(visenc.app))
         app = create_proxy_app(proxy)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
@@ -221,8 +249,71 @@ async def test_a_resent_image_is_handed_over_once_and_again_after_a_failure(tiny
     assert {t for t, _ in asked} == {1} and set().union(*(h for _, h in asked)) == {image_hash(a), image_hash(b)}
 
 
+async def test_the_body_ends_with_the_images_visenc_lacks(tiny_tower, upstream):
+    """The connector is told which images visenc lacks (it then does not look them up): visenc is
+    asked, while the body goes out, about the images it did not accept from this proxy; the
+    client's own ``ec_transfer_params`` are kept."""
+    asked: list[list[str]] = []
+
+    class Visenc(httpx.AsyncBaseTransport):  # the real app, recording the hash-only requests
+        def __init__(self, app) -> None:
+            self.inner = httpx.ASGITransport(app=app)
+
+        async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+            body = msgpack.unpackb(await request.aread())
+            if all("data" not in it for it in body["items"]) and not body.get("wait", True):
+                asked.append([it["hash"] for it in body["items"]])
+            return await self.inner.handle_async_request(request)
+
+    held, new, newer = png_bytes(910, 64, 64), png_bytes(911, 64, 64), png_bytes(912, 64, 64)
+    async with running_app(tiny_tower) as visenc:
+        await visenc.post("/v1/encode", json={"items": [{"data": base64.b64encode(held).decode()}]})
+        settings = ProxySettings(upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600)
+        proxy = Proxy(settings, visenc_transport=Visenc(visenc.app))
+        app = create_proxy_app(proxy)
+        async with app.router.lifespan_context(app):
+            async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+                first = {**chat(held, new, new), "ec_transfer_params": {"mine": 1, "visenc_absent": ["x"]}}
+                assert (await client.post("/v1/chat/completions", json=first)).status_code == 200
+                await proxy.drain()  # both handed over: visenc holds them
+                assert (await client.post("/v1/chat/completions", json=chat(held, new, newer))).status_code == 200
+                await proxy.drain()
+    told = [body["ec_transfer_params"] for _, body in upstream.seen]
+    assert told == [{"mine": 1, "visenc_absent": [image_hash(new)]}, {"visenc_absent": [image_hash(newer)]}]
+    both = {image_hash(held), image_hash(new)}
+    # each request: the look-up, then the hand-over's hash-first step; the second asks of its new image only
+    assert [set(a) for a in asked] == [both, both, {image_hash(newer)}, {image_hash(newer)}]
+
+
+async def test_a_slow_visenc_is_not_waited_for_which_images_it_lacks(tiny_tower, upstream):
+    """visenc that does not answer within ``absent_timeout_s``: the new images count as lacking
+    (vLLM encodes them at once), and visenc is not asked again for a while."""
+    asked = []
+
+    async def hang(request: httpx.Request) -> httpx.Response:
+        asked.append(request)
+        await asyncio.sleep(30)
+        return httpx.Response(503)
+
+    settings = ProxySettings(
+        upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600, max_background_encodes=0
+    )
+    proxy = Proxy(settings, visenc_transport=httpx.MockTransport(hang))
+    app = create_proxy_app(proxy)
+    a, b = png_bytes(913, 64, 64), png_bytes(914, 64, 64)
+    async with app.router.lifespan_context(app):
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:
+            t0 = time.monotonic()
+            for images in [(a,), (a, b)]:
+                assert (await client.post("/v1/chat/completions", json=chat(*images))).status_code == 200
+            elapsed = time.monotonic() - t0
+    told = [body["ec_transfer_params"]["visenc_absent"] for _, body in upstream.seen]
+    assert told == [[image_hash(a)], [image_hash(a), image_hash(b)]]
+    assert len(asked) == 1 and elapsed < 5  # the second request was not held up asking again
+
+
 def test_the_url_memo_is_bounded_in_characters():
-    memo = Proxy(ProxySettings(upstreams=UPSTREAMS[:1], visenc_url="http://visenc", memo_chars=110)).memo
+    memo = Proxy(ProxySettings(upstreams=["http://vllm"], visenc_url="http://visenc", memo_chars=110)).memo
     urls = ["data:image/png;base64," + c * 30 for c in "ABCD"]  # 52 characters each
     for i, url in enumerate(urls):
         memo.remember(url, f"h{i}")
@@ -235,20 +326,17 @@ def jpeg_frames_url(frames: list[bytes]) -> str:
     return "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
 
 
-async def test_jpeg_frame_videos_get_their_video_hash_and_are_encoded(tiny_tower):
+async def test_jpeg_frame_videos_get_their_video_hash_and_are_encoded(tiny_tower, upstream):
     """A ``data:video/jpeg`` part (frames already sampled) gets its video hash as uuid, of the
     frames vLLM takes (the first ``video_num_frames``); visenc then holds the video. A video file
     part passes through untagged, and images beside videos keep their own hashes."""
-    upstream = Upstream()
     frames = [jpeg_bytes(950 + i, 96, 64) for i in range(6)]
     image = png_bytes(960, 64, 64)
     async with running_app(tiny_tower) as visenc:
         settings = ProxySettings(
-            upstreams=UPSTREAMS[:1], visenc_url="http://visenc", health_interval_s=3600, video_num_frames=4
+            upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600, video_num_frames=4
         )
-        proxy = Proxy(
-            settings, transport=httpx.MockTransport(upstream), visenc_transport=httpx.ASGITransport(app=visenc.app)
-        )
+        proxy = Proxy(settings, visenc_transport=httpx.ASGITransport(app=visenc.app))
         app = create_proxy_app(proxy)
         async with app.router.lifespan_context(app):
             async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://proxy") as client:

@@ -347,3 +347,54 @@ def test_a_requests_images_are_fetched_in_one_look_up(monkeypatch):
     assert not connector.ensure_cache_available(request, 0)
     _until(lambda: connector.ensure_cache_available(request, 0))
     assert calls == [[A, B]] and connector.has_cache_item(A) and connector.has_cache_item(B)
+
+
+@pytest.mark.parametrize("params", [{"visenc_absent": [A]}, {"visenc_absent": A}, {"visenc_absent": [1]}, [A]])
+def test_images_the_request_says_visenc_lacks_are_not_looked_up(monkeypatch, params):
+    """``ec_transfer_params["visenc_absent"]`` (``visenc proxy`` writes it): those images are
+    encoded by vLLM at once, without a look-up; an image vLLM cannot encode is looked up whatever
+    the request says, and a malformed word says nothing."""
+    from types import SimpleNamespace
+
+    import torch
+
+    calls = []
+
+    def obtain(wants, wait):
+        calls.append(sorted(wants))
+        return {i: torch.zeros(3, 4) for i in wants}
+
+    connector = _scheduler_side(monkeypatch, obtain, defer_timeout_s=30)
+    told = params == {"visenc_absent": [A]}
+    request = _request("r1", (A, 0, 3, {"pixel_values": 0}), (B, 10, 3, {"pixel_values": 0}))
+    request.ec_transfer_params = params
+    assert not connector.ensure_cache_available(request, 0)
+    _until(lambda: connector.ensure_cache_available(request, 0))
+    assert calls == [[B] if told else [A, B]] and connector.has_cache_item(A) is not told
+    assert connector.stats.told_absent == (1 if told else 0)
+    grid_only = _request("r2", (A, 0, 3, {"image_grid_thw": SimpleNamespace(data=torch.tensor([1, 2, 6]))}))
+    grid_only.ec_transfer_params = {"visenc_absent": [A]}
+    _until(lambda: connector.ensure_cache_available(grid_only, 0))
+    assert connector.has_cache_item(A) and connector.take_unavailable_requests() == set()
+
+
+def test_vllm_hands_the_proxys_word_to_the_connector():
+    """The body as ``visenc proxy`` ends it reaches the connector's ``Request`` through vLLM's own
+    OpenAI request model and sampling parameters (a client's ``ec_transfer_params`` kept)."""
+    import asyncio
+
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.v1.request import Request
+
+    from visenc.proxy import _ending_with_absent
+    from visenc_client.vllm import told_absent
+
+    async def body() -> bytes:
+        said = asyncio.get_running_loop().create_future()
+        said.set_result([A])
+        request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ec_transfer_params": {"x": 1}}
+        return b"".join([chunk async for chunk in _ending_with_absent(request, said)])
+
+    chat = ChatCompletionRequest.model_validate_json(asyncio.run(body()))
+    request = Request("r1", [1, 2, 3], chat.to_sampling_params(8, {}), None)
+    assert told_absent(request) == {A} and request.ec_transfer_params["x"] == 1

@@ -11,7 +11,11 @@ processor to at most 256 rows).
   earlier ones resent) over the OpenAI chat API and asks for one token. TTFT per turn for vLLM
   alone (straight to it), visenc **cold** (the new screenshot is new to visenc too: the proxy
   tells the connector so, and hands it to visenc after the answer) and visenc **warm** (the new
-  screenshot is already in visenc's index: another replica saw it). Each round uses new
+  screenshot is already in visenc's index: another replica saw it), and **twin**: a second
+  ``vllm serve`` alone, identical to the first, run the same way (an A/A control: twin ÷ alone
+  is how far two identical systems differ on this host, the floor under any ratio), and **inert**:
+  the connector's own vLLM sent the request straight, untagged (it encodes every image itself, the
+  connector ignores them): cold ÷ inert compares within one process. Each round uses new
   screenshots (vLLM's prefix cache would cover repeats); the three conversations of a round run
   turn by turn, their order rotating every turn. Ratios are per turn: medians over rounds, with
   min and max.
@@ -51,7 +55,12 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "with_vllm"), str(HERE)]
 
 import _common as c  # noqa: E402
 
-MODES = ("alone", "cold", "warm")
+#: ``twin``: a second, identical vLLM alone (an A/A control: twin ÷ alone is this host's floor);
+#: ``inert``: the connector's vLLM itself, sent the request straight and untagged (vLLM encodes every
+#: image, the connector ignores it): cold ÷ inert compares within one vLLM process
+MODES = ("alone", "twin", "inert", "cold", "warm")
+SYSTEMS = {"alone": ["alone"], "twin": ["twin"], "cold": ["visenc", "behind", "proxy"]}
+URLS = {"alone": "alone", "twin": "twin", "inert": "behind", "cold": "proxy", "warm": "proxy"}
 
 
 def screenshot(seed: int, size: tuple[int, int]) -> bytes:
@@ -101,7 +110,7 @@ def deployment(model: Path, logs: Path) -> Iterator[tuple[dict[str, str], dict]]
     processes of the system not being measured are paused (``only``), as they share the cores."""
     from openai_servers import connector_config
 
-    ports = {k: c.free_port() for k in ("visenc", "alone", "behind", "proxy")}
+    ports = {k: c.free_port() for k in ("visenc", "alone", "twin", "behind", "proxy")}
     urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
     procs = {}
     with contextlib.ExitStack() as stack:
@@ -114,7 +123,7 @@ def deployment(model: Path, logs: Path) -> Iterator[tuple[dict[str, str], dict]]
             )
         )
         config = connector_config(urls["visenc"])
-        for name, extra in (("alone", ()), ("behind", ("--ec-transfer-config", config))):
+        for name, extra in (("alone", ()), ("twin", ()), ("behind", ("--ec-transfer-config", config))):
             cmd = vllm_cmd(model, ports[name], *extra)
             procs[name] = stack.enter_context(c.server(cmd, urls[name] + "/health", VLLM_ENV, logs / f"{name}.log"))
         proxy = [sys.executable, "-m", "visenc", "proxy", "--port", str(ports["proxy"])]
@@ -127,8 +136,9 @@ def deployment(model: Path, logs: Path) -> Iterator[tuple[dict[str, str], dict]]
 
 @contextlib.contextmanager
 def only(procs: dict, mode: str) -> Iterator[None]:
-    """Pause the processes of the other system while ``mode`` (``alone`` or a visenc mode) runs."""
-    others = ["visenc", "behind", "proxy"] if mode == "alone" else ["alone"]
+    """Pause the processes of the other systems while ``mode``'s runs."""
+    mine = SYSTEMS.get(mode, SYSTEMS["cold"])
+    others = [name for system in SYSTEMS.values() for name in system if name not in mine]
     for name in others:
         c.pause(procs[name])
     try:
@@ -148,19 +158,21 @@ def agent(
     out: dict[str, list[list[float]]] = {m: [] for m in MODES}
     with httpx.Client(timeout=600) as client, Client(urls["visenc"]) as vc:
         model = client.get(urls["alone"] + "/v1/models").json()["data"][0]["id"]
-        for w, url in enumerate([urls["alone"], urls["proxy"]] * 2):  # a fresh server's first requests: untimed
-            with only(procs, "alone" if url == urls["alone"] else "cold"):
+        for w, (mode, url) in enumerate(
+            [("alone", urls["alone"]), ("twin", urls["twin"]), ("cold", urls["proxy"])] * 2
+        ):
+            with only(procs, mode):  # a fresh server's first requests: untimed
                 ttft(client, url, body([screenshot(5_000_000 + w, size)], model))  # seeds no round uses
         for r in range(rounds):
             shots = {m: [screenshot(10_000 * r + 100 * i + t, size) for t in range(turns)] for i, m in enumerate(MODES)}
             times: dict[str, list[float]] = {m: [] for m in MODES}
             for k in range(1, turns + 1):
-                order = MODES[k % 3 :] + MODES[: k % 3]
+                order = MODES[k % len(MODES) :] + MODES[: k % len(MODES)]
                 for mode in order:
                     datas = shots[mode][:k]
                     if mode == "warm":
                         vc.encode(datas[-1:])  # another replica saw it: in the index before the request
-                    url = urls["alone"] if mode == "alone" else urls["proxy"]
+                    url = urls[URLS[mode]]
                     time.sleep(think_s)
                     with only(procs, mode):
                         times[mode].append(ttft(client, url, body(datas, model)))
@@ -335,22 +347,24 @@ def main() -> int:
             times = agent(urls, procs, args.turns, args.rounds, size, args.think_ms / 1e3)
             with only(procs, "cold"):
                 cost = path_cost(urls, args.turns, size)
-            for name in ("alone", "behind", "proxy"):  # the fresh replicas share the cores with visenc only
+            for name in ("alone", "twin", "behind", "proxy"):  # the fresh replicas share the cores with visenc only
                 c.pause(procs[name])
             try:
                 replica = second_replica(model, urls, logs, args.turns, size)
             finally:
-                for name in ("alone", "behind", "proxy"):
+                for name in ("alone", "twin", "behind", "proxy"):
                     c.resume(procs[name])
-        print(f"\n[{tower} tower] TTFT per turn, ms (median over rounds), and with visenc / alone (median, min, max)")
+        print(f"\n[{tower} tower] TTFT per turn, ms (median over rounds), and ÷ alone (median, min, max)")
         for k in range(args.turns):
             alone = [r[k] for r in times["alone"]]
             line = f"  turn {k + 1}: alone {statistics.median(alone) * 1e3:6.1f}"
-            for mode in ("cold", "warm"):
+            for mode in ("twin", "inert", "cold", "warm"):
                 mine = [r[k] for r in times[mode]]
                 ratios = [a / b for a, b in zip(mine, alone)]
                 line += f" | {mode} {statistics.median(mine) * 1e3:6.1f} ({c.spread(ratios)})"
-            print(line)
+            inert = [r[k] for r in times["inert"]]
+            same = [a / b for a, b in zip([r[k] for r in times["cold"]], inert)]
+            print(line + f" | cold ÷ inert {c.spread(same)}")
         turn = statistics.median(r[-1] for r in times["warm"]) * 1e3
         print(f"  visenc path, one request of {args.turns} warm screenshots (TTFT {turn:.1f} ms):")
         for key, label in (

@@ -181,6 +181,7 @@ async def test_visenc_down_still_forwards_at_once(tiny_tower, upstream):
     assert r.status_code == 200
     ((_, body),) = upstream.seen
     assert body["messages"][0]["content"][0]["uuid"] == image_hash(data)
+    assert body["ec_transfer_params"] == {"visenc_absent": [image_hash(data)]}  # vLLM encodes it at once
     assert proxy.encode_failures == 1  # the lifespan's end waited for the background encode
 
 

@@ -57,6 +57,8 @@ from visenc_client.format import ABSENT_KEY, image_hash, video_hash
 JPEG_FRAMES = "data:video/jpeg;base64,"
 #: after visenc failed to say in time which images it lacks, new images count as lacking this long
 QUIET_S = 1.0
+#: what a failed upstream connection, request or answer raises (aiohttp, the socket, its timeout)
+UPSTREAM_ERRORS = (aiohttp.ClientError, OSError, asyncio.TimeoutError)
 
 log = logging.getLogger("visenc.proxy")
 
@@ -209,14 +211,11 @@ class Proxy:
         new = [h for h in dict.fromkeys(hashes) if not self.memo.handed(h)]
         if not new or self.settings.absent_timeout_s <= 0:
             return None
-        loop = asyncio.get_running_loop()
-        if loop.time() < self._quiet_until:
-            told: asyncio.Future[list[str]] = loop.create_future()
-            told.set_result(new)
-            return told
         return asyncio.ensure_future(self._absent(new))
 
     async def _absent(self, hashes: list[str]) -> list[str]:
+        if asyncio.get_running_loop().time() < self._quiet_until:
+            return hashes  # visenc failed to answer a moment ago: not asked again yet
         try:
             async with asyncio.timeout(self.settings.absent_timeout_s):
                 handles = await self.visenc.lookup(hashes)
@@ -250,17 +249,17 @@ class Proxy:
             headers["content-type"] = "application/json"
         try:
             answer = await self.upstream_http().request(method, upstream + path, data=data, headers=headers)
-        except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
+        except UPSTREAM_ERRORS as e:
             self.upstreams.healthy[upstream] = False
-            raise ProxyError(f"upstream {upstream} failed: {type(e).__name__}", 502, "upstream_error") from e
+            raise _upstream_failed(upstream, e) from e
         self.upstreams.saw(upstream, hashes)
         kind = answer.headers.get("content-type")
         out_headers = {} if kind is None else {"content-type": kind}
         if "text/event-stream" not in (kind or ""):  # one answer: relayed whole
             try:
                 content = await answer.read()  # decoded: content-encoding is not relayed
-            except (aiohttp.ClientError, OSError, asyncio.TimeoutError) as e:
-                raise ProxyError(f"upstream {upstream} failed: {type(e).__name__}", 502, "upstream_error") from e
+            except UPSTREAM_ERRORS as e:
+                raise _upstream_failed(upstream, e) from e
             finally:
                 answer.release()
                 self.encode_later(encode_after)
@@ -277,8 +276,8 @@ class Proxy:
         return StreamingResponse(relay(), answer.status, out_headers)
 
     def upstream_http(self) -> aiohttp.ClientSession:
-        """The session that forwards to the upstreams: aiohttp, whose client costs a third of
-        httpx's time a request with a body of several MB (the hop, ``bench/bench_vllm.py``)."""
+        """The session that forwards to the upstreams and checks their health: aiohttp, whose client
+        halves the hop of a request with a body of several MB against httpx's (``bench/bench_proxy.py``)."""
         if self._upstream_http is None:
             timeout = aiohttp.ClientTimeout(total=self.settings.upstream_timeout_s)
             self._upstream_http = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
@@ -291,7 +290,7 @@ class Proxy:
                 try:
                     async with self.upstream_http().get(url + "/health", timeout=timeout) as r:
                         self.upstreams.healthy[url] = r.status == 200
-                except (aiohttp.ClientError, OSError, asyncio.TimeoutError):
+                except UPSTREAM_ERRORS:
                     self.upstreams.healthy[url] = False
             await asyncio.sleep(self.settings.health_interval_s)
 
@@ -310,14 +309,17 @@ class Proxy:
         await self.visenc.aclose()
 
 
+def _upstream_failed(upstream: str, e: BaseException) -> ProxyError:
+    return ProxyError(f"upstream {upstream} failed: {type(e).__name__}", 502, "upstream_error")
+
+
 async def _ending_with_absent(body: dict[str, Any], absent: asyncio.Future[list[str]]) -> AsyncIterator[bytes]:
-    """``body`` as JSON, its ``ec_transfer_params`` last: the rest goes out while visenc is asked
-    which images it lacks, then those are added to the client's own ``ec_transfer_params``."""
-    params = body.pop("ec_transfer_params", None)
-    head = orjson.dumps(body)
-    yield head[:-1]  # the object, still open
-    told = {**(params if isinstance(params, dict) else {}), ABSENT_KEY: await absent}
-    yield (b"," if len(head) > 2 else b"") + b'"ec_transfer_params":' + orjson.dumps(told) + b"}"
+    """A chat body (it has ``messages``) as JSON, its ``ec_transfer_params`` last: the rest goes out
+    while visenc is asked which images it lacks, then those join the client's own params (an object
+    or none: the caller asks only then)."""
+    params = body.pop("ec_transfer_params", None) or {}
+    yield orjson.dumps(body)[:-1]  # the object, still open
+    yield b',"ec_transfer_params":' + orjson.dumps({**params, ABSENT_KEY: await absent}) + b"}"
 
 
 async def _json_body(request: Request) -> dict[str, Any]:

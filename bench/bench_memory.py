@@ -14,9 +14,15 @@ preprocessing pool and the bump staging must all stay inside the budget.
 
 Pass: ``peak growth <= budget + output embeddings``.
 
+``--decode``: one image at a time, of each kind the header tells apart (JPEG, PNG, GIF, BMP, TIFF
+and WebP; opaque and with transparency), the peak growth of decoding it and making its tower input,
+less the input itself, per source pixel, against what the scheduler charges for it (its header's
+``DECODE_BYTES_PER_PIXEL`` and the input once more). Pass: every measurement within its charge.
+
     python bench/bench_memory.py                                # 64 x 1920x1080, tiny Qwen2-VL, 512 MiB
     python bench/bench_memory.py --max-pixels 100352 --json     # quick variant (the test uses it)
     python bench/bench_memory.py --queued --images 1000 --width 640 --height 480 --bumps 200
+    python bench/bench_memory.py --decode --model tiny-clip
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import gc
+import io
 import json
 import sys
 import time
@@ -72,6 +79,75 @@ async def queued_with_bumps(encoder: object, images: list[bytes], bumps: int) ->
     await asyncio.gather(*(encoder.lookup(h, "bench") for h in picked))
     await asyncio.gather(*(encoder.lookup(h.hash, "bench") for h in handles))
     return await encoder.encode([EncodeItem(hash=h.hash) for h in handles], "bench", wait=True)
+
+
+#: image kinds for ``--decode``: (Pillow mode of the file, format, save options)
+DECODE_KINDS = {
+    "jpeg RGB": ("RGB", "JPEG", {}),
+    "jpeg L": ("L", "JPEG", {}),
+    "png RGB": ("RGB", "PNG", {}),
+    "png RGBA": ("RGBA", "PNG", {}),
+    "png LA": ("LA", "PNG", {}),
+    "png P tRNS": ("P", "PNG", {"transparency": 0}),
+    "gif P": ("P", "GIF", {}),
+    "bmp RGB": ("RGB", "BMP", {}),
+    "tiff RGBA": ("RGBA", "TIFF", {}),
+    "webp RGB": ("RGB", "WEBP", {}),
+    "webp RGBA": ("RGBA", "WEBP", {}),
+}
+
+
+def encoded(kind: str, width: int, height: int) -> bytes:
+    """A noise picture of ``kind`` (``DECODE_KINDS``), ``width x height``."""
+    import numpy as np
+    from PIL import Image
+
+    mode, fmt, options = DECODE_KINDS[kind]
+    noise = np.random.default_rng(width * height).integers(0, 256, (height, width, 4), dtype=np.uint8)
+    image = Image.fromarray(noise, "RGBA")
+    image = image.convert("RGB").quantize(64) if mode == "P" else image.convert(mode)
+    out = io.BytesIO()
+    image.save(out, fmt, **options)
+    return out.getvalue()
+
+
+def decode_peaks(args: argparse.Namespace) -> dict[str, object]:
+    """``--decode``: per kind and size, the peak bytes per source pixel of decoding and preprocessing
+    one image (beyond its tower input) and the charge the header gives it."""
+    import torch
+
+    from visenc import heap
+    from visenc.engine.prepare import ImagePrep
+    from visenc.imaging.decode import read_header
+    from visenc.models.loading import load_tower
+
+    torch.set_num_threads(args.threads)
+    heap.hold_freed(1 << 30)  # as `visenc serve` sets it; given back before each measurement
+    tower = load_tower(args.model, max_pixels=args.max_pixels)
+    prep = ImagePrep(tower, max_image_bytes=1 << 30, max_image_pixels=1 << 30)
+    prep.preprocess(jpeg(10_000, 320, 240))  # first-use allocations (thread pools, tables) before any baseline
+    rows = []
+    for kind in DECODE_KINDS:
+        for width, height in ((args.width, args.height), (args.width * 2 // 3, args.height * 2 // 3)):
+            data = encoded(kind, width, height)
+            gc.collect()
+            heap.give_back()
+            base = rss_bytes()
+            reset_peak()
+            prepared = prep.preprocess(data)
+            pixels = width * height
+            measured = (peak_bytes() - base - prepared.pixels.nbytes) / pixels
+            # the scheduler's decode charge: the header's bytes per pixel and the input once more
+            header = read_header(data, max_pixels=1 << 30, loader=tower.image_loader)
+            charged = header.decode_bytes_per_pixel + prepared.pixels.nbytes / pixels
+            rows.append({"kind": kind, "size": f"{width}x{height}", "measured": round(measured, 2), "charged": charged})
+            del prepared
+    return {
+        "model": args.model,
+        "peak_reset": reset_peak(),
+        "kinds": rows,
+        "within_budget": all(r["measured"] <= r["charged"] for r in rows),
+    }
 
 
 async def measure(args: argparse.Namespace) -> dict[str, object]:
@@ -156,8 +232,15 @@ def main() -> int:
     p.add_argument("--workers", type=int, default=2, help="preprocessing threads")
     p.add_argument("--queued", action="store_true", help="queue with wait=false, fetch --bumps, then await all")
     p.add_argument("--bumps", type=int, default=100, help="images fetched while queued (with --queued)")
+    p.add_argument("--decode", action="store_true", help="peak bytes per pixel of decoding each kind of image")
     p.add_argument("--json", action="store_true", help="print one JSON object only")
     args = p.parse_args()
+    if args.decode:
+        r = decode_peaks(args)
+        for row in [] if args.json else r["kinds"]:
+            print(f"{row['kind']:12s} {row['size']:>10s}: {row['measured']:6.2f} B/px, charged {row['charged']:6.2f}")
+        print(json.dumps(r) if args.json else f"-> {'WITHIN' if r['within_budget'] else 'OVER'} the charges")
+        return 0 if r["within_budget"] else 1
     r = asyncio.run(measure(args))
     if args.json:
         print(json.dumps(r))

@@ -41,6 +41,25 @@ def test_64_full_hd_images_stay_within_budget_plus_outputs():
 
 @pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to read peak RSS")
+@pytest.mark.parametrize("model", ["tiny-qwen2-vl", "tiny-clip"])
+def test_decoding_stays_within_what_the_header_charges(model: str) -> None:
+    """The scheduler charges an image's decode by its header (``DECODE_BYTES_PER_PIXEL``): every
+    kind of file, decoded and made into a tower input, peaks within its charge."""
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_memory.py"), "--json", "--decode", "--model", model],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.stdout, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["peak_reset"], "VmHWM could not be reset"
+    over = [row for row in r["kinds"] if row["measured"] > row["charged"]]
+    assert not over and len(r["kinds"]) == 22, over
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc to read peak RSS")
 def test_1000_queued_images_with_bumps_stay_bounded():
     """1000 images queued with ``wait=false``, 200 of them fetched from the back of the queue while the
     rest wait: the queue, the preprocessing pool and the bump staging stay inside the budget. Peak

@@ -8,12 +8,12 @@ import zlib
 
 import numpy as np
 import pytest
-from PIL import Image
+from PIL import Image, ImageOps
 from tests.images import encode, image_bytes, make_image
 from transformers.image_transforms import convert_to_rgb
 
 from visenc.errors import InvalidImage, PayloadTooLarge
-from visenc.imaging.decode import decode, probe
+from visenc.imaging.decode import decode, exif_upright, probe
 
 LIMIT = 4096 * 4096
 
@@ -48,6 +48,19 @@ def test_exif_orientation_per_loader() -> None:
     for loader in ("sglang", "transformers"):
         assert decode(data, max_pixels=LIMIT, loader=loader).size == probe(data, max_pixels=LIMIT, loader=loader)
         assert probe(data, max_pixels=LIMIT, loader=loader) == (40, 20)
+
+
+@pytest.mark.parametrize("orientation", [0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 65535])
+def test_exif_upright_gives_the_pixels_of_pillows_exif_transpose(orientation: int) -> None:
+    """Every orientation, those it does not turn for included (returned as they are, no copy)."""
+    exif = Image.Exif()
+    exif[0x0112] = orientation
+    data = encode(make_image(40, 20, mode="RGB", seed=3), "JPEG", exif=exif.tobytes())
+    source, reference = Image.open(io.BytesIO(data)), Image.open(io.BytesIO(data))
+    source.load()
+    upright = exif_upright(source)
+    assert (upright is source) == (orientation not in range(2, 9))
+    np.testing.assert_array_equal(np.asarray(upright), np.asarray(ImageOps.exif_transpose(reference)))
 
 
 def test_pixel_limit_is_checked_from_the_header() -> None:

@@ -15,14 +15,10 @@ import numpy as np
 import torch
 
 from visenc.errors import HashMismatch, ImageTooLarge, InvalidVideo, VisencError
-from visenc.imaging.decode import decode, probe
+from visenc.imaging.decode import decode, probe, read_header
 from visenc.imaging.video import frames_array
 from visenc.models.base import Prepared, TokenLayout, VisionTower
 from visenc_client.format import image_hash, video_hash
-
-#: host bytes per source pixel while an image is decoded and resized: PIL holds
-#: RGB as 4 bytes per pixel, plus the converted copy and resize buffers
-DECODE_BYTES_PER_PIXEL = 8
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,7 +27,8 @@ class Inspected:
     layout: TokenLayout
     #: tower-input tokens the forward processes (the batch budget's unit)
     cost: int
-    #: extra staging charge while the image is decoded, in the same units
+    #: extra staging charge while the image is decoded and preprocessed, in the same units
+    #: (``DECODE_BYTES_PER_PIXEL`` of its source, and its input once more)
     decode_cost: int
 
 
@@ -86,12 +83,14 @@ class ImagePrep:
         if len(data) > self.max_image_bytes:
             return digest, ImageTooLarge(f"{len(data)} bytes exceed max_image_bytes={self.max_image_bytes}")
         try:
-            width, height = probe(data, max_pixels=self.max_image_pixels, loader=self.tower.image_loader)
-            layout = self.tower.layout(width, height)  # InvalidImage where the processor refuses the size
+            header = read_header(data, max_pixels=self.max_image_pixels, loader=self.tower.image_loader)
+            layout = self.tower.layout(header.width, header.height)  # InvalidImage where the processor refuses it
         except VisencError as e:
             return digest, e
-        decode_cost = -(-DECODE_BYTES_PER_PIXEL * width * height // self._input_bytes)
-        return digest, Inspected(digest, layout, self.tower.input_tokens(layout), decode_cost)
+        cost = self.tower.input_tokens(layout)
+        # while it is made, the tower's intermediate arrays may hold its input once more
+        decode_cost = -(-header.decode_bytes_per_pixel * header.width * header.height // self._input_bytes) + cost
+        return digest, Inspected(digest, layout, cost, decode_cost)
 
     def inspect_video(self, frames: Sequence[bytes], given_hash: str | None) -> tuple[str, Video | VisencError]:
         """Hash (and check) a video's frames, decode them and cut the clip into tubes.

@@ -58,19 +58,49 @@ def _open(data: bytes, max_pixels: int, formats: tuple[str, ...] | None = None) 
     return image
 
 
-def probe(data: bytes, *, max_pixels: int, loader: str = "vllm") -> tuple[int, int]:
-    """``(width, height)`` of the picture ``loader`` will decode, from the header only (no pixel
-    data is decoded): the stored size, turned for EXIF orientations 5-8 where the loader applies
-    them. Formats the loader does not open are refused here already."""
+#: host bytes per source pixel held at the peak of decoding an image and making its tower input
+#: from it, beyond the input itself (Pillow's decoded image at 4 bytes a pixel, the loader's
+#: conversion to RGB, the array copies of the tower's preprocessing, the decoder's own buffer),
+#: by what the header tells: ``bench/bench_memory.py --decode`` measures each kind and
+#: ``tests/e2e/test_memory_budget.py`` pins these above the measurements
+DECODE_BYTES_PER_PIXEL = {"opaque": 16, "transparent": 21, "webp": 28}
+
+
+@dataclass(frozen=True, slots=True)
+class Header:
+    """What the header of an image file tells before any pixel is decoded."""
+
+    #: the size of the picture the loader decodes (turned for EXIF orientations 5-8 where it applies them)
+    width: int
+    height: int
+    #: host bytes a source pixel holds while it is decoded and preprocessed (``DECODE_BYTES_PER_PIXEL``)
+    decode_bytes_per_pixel: int
+
+
+def read_header(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Header:
+    """The picture ``loader`` will decode, from the header only (no pixel data is decoded). Formats
+    the loader does not open are refused here already."""
     how = LOADERS[loader]
     image = _open(data, max_pixels, how.formats)
     try:
         width, height = image.size
         if how.upright and _orientation(image) in (5, 6, 7, 8):  # a quarter turn: the sides swap
-            return height, width
-        return width, height
+            width, height = height, width
+        kind = "webp" if image.format == "WEBP" else "transparent" if _transparent(image) else "opaque"
+        return Header(width, height, DECODE_BYTES_PER_PIXEL[kind])
     finally:
         image.close()
+
+
+def probe(data: bytes, *, max_pixels: int, loader: str = "vllm") -> tuple[int, int]:
+    """``(width, height)`` of the picture ``loader`` will decode, from the header only (``read_header``)."""
+    header = read_header(data, max_pixels=max_pixels, loader=loader)
+    return header.width, header.height
+
+
+def _transparent(image: Image.Image) -> bool:
+    """Whether an opened image carries transparency: an alpha band or a ``transparency`` entry."""
+    return "A" in image.getbands() or image.mode in ("PA", "La", "RGBa") or "transparency" in image.info
 
 
 def _orientation(image: Image.Image) -> int:
@@ -89,9 +119,17 @@ VLLM_FORMATS = (
 )
 
 
+#: the EXIF orientations ``ImageOps.exif_transpose`` turns the picture for (its own table's keys)
+_TURNED = frozenset(range(2, 9))
+
+
 def exif_upright(image: Image.Image) -> Image.Image:
-    """``ImageOps.exif_transpose``, any failure of it ignored (vLLM's ``normalize_image``)."""
+    """``ImageOps.exif_transpose``, any failure of it ignored (vLLM's ``normalize_image``). An
+    image it would not turn is returned as it is, where ``exif_transpose`` returns a copy: the
+    same pixels without a second decoded image held at once (4 bytes a pixel)."""
     try:
+        if image.getexif().get(ExifTags.Base.Orientation, 1) not in _TURNED:
+            return image
         return ImageOps.exif_transpose(image)
     except Exception:
         return image
@@ -183,9 +221,7 @@ def loads_alike(data: bytes, loaders: tuple[str, str], *, max_pixels: int) -> bo
             return False
         if first.upright != second.upright and _orientation(image) != 1:
             return False
-        return (
-            "A" not in image.getbands() and image.mode not in ("PA", "La", "RGBa") and "transparency" not in image.info
-        )
+        return not _transparent(image)
     finally:
         image.close()
 

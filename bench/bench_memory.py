@@ -16,8 +16,9 @@ Pass: ``peak growth <= budget + output embeddings``.
 
 ``--decode``: one image at a time, of each kind the header tells apart (JPEG, PNG, GIF, BMP, TIFF
 and WebP; opaque and with transparency), the peak growth of decoding it and making its tower input,
-less the input itself, per source pixel, against what the scheduler charges for it (its header's
-``DECODE_BYTES_PER_PIXEL`` and the input once more). Pass: every measurement within its charge.
+less the input itself, per source pixel, against what the scheduler charges for it
+(``ImagePrep.inspect``'s ``decode_cost``: its header's ``DECODE_BYTES_PER_PIXEL`` and the input
+once more). Pass: every measurement within its charge.
 
     python bench/bench_memory.py                                # 64 x 1920x1080, tiny Qwen2-VL, 512 MiB
     python bench/bench_memory.py --max-pixels 100352 --json     # quick variant (the test uses it)
@@ -118,7 +119,6 @@ def decode_peaks(args: argparse.Namespace) -> dict[str, object]:
 
     from visenc import heap
     from visenc.engine.prepare import ImagePrep
-    from visenc.imaging.decode import read_header
     from visenc.models.loading import load_tower
 
     torch.set_num_threads(args.threads)
@@ -137,10 +137,15 @@ def decode_peaks(args: argparse.Namespace) -> dict[str, object]:
             prepared = prep.preprocess(data)
             pixels = width * height
             measured = (peak_bytes() - base - prepared.pixels.nbytes) / pixels
-            # the scheduler's decode charge: the header's bytes per pixel and the input once more
-            header = read_header(data, max_pixels=1 << 30, loader=tower.image_loader)
-            charged = header.decode_bytes_per_pixel + prepared.pixels.nbytes / pixels
-            rows.append({"kind": kind, "size": f"{width}x{height}", "measured": round(measured, 2), "charged": charged})
+            _, inspected = prep.inspect(data, None)  # the scheduler's own charge for it, in input tokens
+            charged = inspected.decode_cost * tower.input_bytes_per_token() / pixels
+            row = {
+                "kind": kind,
+                "size": f"{width}x{height}",
+                "measured": round(measured, 2),
+                "charged": round(charged, 2),
+            }
+            rows.append(row)
             del prepared
     return {
         "model": args.model,

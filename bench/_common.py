@@ -253,3 +253,35 @@ def bare_rate(
         torch.set_num_threads(before)
     best = max(rates, key=lambda k: rates[k])
     return best, rates[best], rates
+
+
+def write_qwen25_checkpoint(path: Path, vision: dict[str, Any], seed: int = 0, max_pixels: int = 12845056) -> Path:
+    """A Qwen2.5-VL checkpoint folder visenc serves (``--model PATH``): ``config.json`` with ``vision``
+    as its vision config, the vision tower's seeded random weights (no language model), and the
+    processor's settings. Written once per folder (kept when it exists)."""
+    import torch
+    from safetensors.torch import save_file
+    from transformers import Qwen2_5_VLConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    if (path / "model.safetensors").is_file():
+        return path
+    path.mkdir(parents=True, exist_ok=True)
+    text = {"hidden_size": vision["out_hidden_size"], "num_hidden_layers": 1}  # never built: only its width
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text)
+    config.save_pretrained(path)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VisionTransformerPretrainedModel(config.vision_config)
+    state = {f"model.visual.{k}": v.to(torch.bfloat16).contiguous() for k, v in model.state_dict().items()}
+    save_file(state, str(path / "model.safetensors"))
+    processor = {
+        "image_processor_type": "Qwen2VLImageProcessor",
+        "min_pixels": 56 * 56,
+        "max_pixels": max_pixels,
+        "patch_size": vision["patch_size"],
+        "merge_size": vision["spatial_merge_size"],
+        "temporal_patch_size": vision["temporal_patch_size"],
+    }
+    (path / "preprocessor_config.json").write_text(__import__("json").dumps(processor))
+    return path

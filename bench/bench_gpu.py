@@ -1,26 +1,35 @@
-"""A Qwen2.5-VL-7B-sized vision tower on a GPU: batched vs per image, and the share of the device's
-bf16 FLOP limit it reaches.
+"""A Qwen2.5-VL-7B-sized vision tower on a GPU: transformers' own path, visenc eager and visenc
+compiled, side by side, with the share of the device's bf16 FLOP limit each reaches.
 
 The tower is Qwen2.5-VL-7B's vision config (32 blocks, width 1280, window attention, merger to
-3584) with seeded random weights in bf16: speed does not depend on the weights. Images are 720p
-and 1080p (resized by the processor's rules, ``max_pixels`` 12.8 Mpx), 8 per batch. Rounds
-alternate a packed forward of the 8 with 8 single-image forwards; each figure is the median over
-rounds, with min and max. FLOPs per image are counted from the config
-(``bench/flops.py``, checked against torch's FLOP counter in the tests), and
-``images/s x FLOPs per image / peak`` is the model FLOP utilisation.
+3584) with seeded random weights in bf16: speed does not depend on the weights. Scenarios: 720p x8,
+1080p x1, 1080p x4 and a mixed batch of six screenshot sizes (resized by the processor's rules,
+``max_pixels`` 12.8 Mpx). Paths, each on the same prepared inputs:
 
-Prints "no CUDA device" and exits 0 where there is none.
+- ``transformers``: the model's own forward of the batch (attention split image by image);
+- ``visenc eager``: one packed forward on the varlen kernel (``models/varlen.py``);
+- ``visenc compiled``: the same, blocks compiled (``models/compiled.py``), warmed up first;
+- ``compiled per-image``: the compiled tower, one forward per image.
 
-    python bench/bench_gpu.py [--rounds 5] [--peak-tflops 989]
+Rounds alternate the order of the paths; each figure is the median over rounds, ratios with min
+and max. Peak memory is the allocator's peak above the weights during one pass. FLOPs per image
+are counted from the config (``bench/flops.py``); MFU = images/s x FLOPs per image / peak.
+
+Prints "no CUDA device" and exits 0 where there is none, unless ``--device cpu`` (with ``--tower
+tiny``: a smoke run of this script's own code on a CPU, no figures worth reading).
+
+    python bench/bench_gpu.py [--rounds 5] [--peak-tflops 989] [--profile] [--json]
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
@@ -41,9 +50,18 @@ QWEN2_5_VL_7B_VISION = {
     "in_channels": 3,
     "hidden_act": "silu",
 }
+#: a few blocks of the same shape: what ``--tower tiny`` runs (a smoke test of the bench itself)
+TINY_VISION = {**QWEN2_5_VL_7B_VISION, "depth": 2, "hidden_size": 64, "intermediate_size": 128, "num_heads": 2}
+TINY_VISION["fullatt_block_indexes"] = [1]
 #: dense bf16 tensor-core peaks (TFLOP/s), by device name
 PEAK_BF16_TFLOPS = {"B200": 2250.0, "H200": 989.0, "H100": 989.0, "A100": 312.0, "L40S": 362.0, "L4": 121.0}
-SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
+SCENARIOS: dict[str, list[tuple[int, int]]] = {
+    "720p x8": [(1280, 720)] * 8,
+    "1080p x1": [(1920, 1080)],
+    "1080p x4": [(1920, 1080)] * 4,
+    "mixed x6": [(1280, 720), (1920, 1080), (2560, 1440), (1366, 768), (800, 600), (1440, 900)],
+}
+PATHS = ("transformers", "visenc eager", "visenc compiled", "compiled per-image")
 
 
 def peak_tflops(device_name: str) -> float | None:
@@ -54,69 +72,148 @@ def peak_tflops(device_name: str) -> float | None:
     return None
 
 
+def build_towers(vision: dict[str, Any], device: Any, dtype: Any) -> dict[str, Any]:
+    """The three towers of the paths, with the same seeded weights."""
+    from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
+
+    from visenc.models.building import build_seeded, set_attention
+    from visenc.models.qwen2vl import QwenPreprocess, QwenVisionTower
+
+    def tower() -> Any:
+        config = Qwen2_5_VLVisionConfig(**vision)
+        set_attention(config)
+        model = build_seeded(lambda: Qwen2_5_VisionTransformerPretrainedModel(config), 0)
+        settings = QwenPreprocess(max_pixels=12845056)
+        return QwenVisionTower(
+            name="qwen2.5-vl-7b-vision", model=model, preprocess=settings, source={}, dtype=dtype, device=device
+        )
+
+    own, eager, fast = tower(), tower(), tower()
+    own.use_varlen(False)
+    fast.compile()
+    t0 = time.perf_counter()
+    fast.warm_up()
+    print(f"compiled tower warmed up in {time.perf_counter() - t0:.1f} s")
+    return {"transformers": own, "visenc eager": eager, "visenc compiled": fast, "compiled per-image": fast}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
-    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--peak-tflops", type=float, default=None, help="override the device's bf16 peak")
+    p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tower tiny: a smoke run)")
+    p.add_argument("--tower", choices=["7b", "tiny"], default="7b")
+    p.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
+    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of compiled 1080p x1")
+    p.add_argument("--json", action="store_true", help="also print one JSON line of every figure")
     args = p.parse_args()
     import torch
 
-    if not torch.cuda.is_available():
+    if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device")
         return 0
     from flops import qwen_vision_flops
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
     from visenc.imaging.decode import decode
     from visenc.models import varlen
-    from visenc.models.building import build_seeded, set_attention
-    from visenc.models.qwen2vl import QwenPreprocess, QwenVisionTower
 
-    device = torch.device("cuda")
-    name = torch.cuda.get_device_name(device)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    vision = QWEN2_5_VL_7B_VISION if args.tower == "7b" else TINY_VISION
+    config = Qwen2_5_VLVisionConfig(**vision)
+    name = torch.cuda.get_device_name(device) if cuda else "CPU"
     peak = args.peak_tflops or peak_tflops(name)
-    config = Qwen2_5_VLVisionConfig(**QWEN2_5_VL_7B_VISION)
-    set_attention(config)  # the tower switches CUDA forwards to its packed path (models/varlen.py)
-    model = build_seeded(lambda: Qwen2_5_VisionTransformerPretrainedModel(config), 0)
-    tower = QwenVisionTower(
-        name="qwen2.5-vl-7b-vision",
-        model=model,
-        preprocess=QwenPreprocess(max_pixels=12845056),
-        source={"bench": "random"},
-        dtype=torch.bfloat16,
-        device=device,
-    )
-    kernel = "flash-attn varlen" if varlen.HAS_FLASH_ATTN else "SDPA, block-diagonal mask"
-    print(f"{name}, one attention call per layer ({kernel}), bf16 peak {peak} TFLOP/s, {args.rounds} rounds")
+    towers = build_towers(vision, device, dtype)
+    head_dim = config.hidden_size // config.num_heads
+    kernel = varlen.kernel_for(varlen.device_key(device), dtype, head_dim)
+    print(f"{name}, {dtype}, packed attention: {kernel}, bf16 peak {peak} TFLOP/s, {args.rounds} rounds")
 
-    def timed(batches: list[list]) -> float:
-        torch.cuda.synchronize()
+    def sync() -> None:
+        if cuda:
+            torch.cuda.synchronize(device)
+
+    def run(path: str, batch: list[Any]) -> None:
+        tower = towers[path]
+        for part in [[x] for x in batch] if path == "compiled per-image" else [batch]:
+            tower.forward(part)
+        sync()
+
+    def timed(path: str, batch: list[Any]) -> float:
+        sync()
         t0 = time.perf_counter()
-        for batch in batches:
-            tower.forward(batch)
-        torch.cuda.synchronize()
-        return time.perf_counter() - t0
+        run(path, batch)
+        return len(batch) / (time.perf_counter() - t0)
 
-    for label, (w, h) in SIZES.items():
-        prepared = [tower.preprocess(decode(c.jpeg(i, w, h), max_pixels=1 << 30)) for i in range(args.batch)]
-        flops = qwen_vision_flops(config, prepared[0].layout.grid_thw)
-        packed, single = [prepared], [[x] for x in prepared]
-        timed(packed), timed(single)  # warm-up: kernels, allocator
-        rates: dict[str, list[float]] = {"batched": [], "per-image": []}
+    def peak_bytes(path: str, batch: list[Any]) -> float | None:
+        if not cuda:
+            return None
+        sync()
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+        run(path, batch)
+        return float(torch.cuda.max_memory_allocated(device) - base)
+
+    report: dict[str, Any] = {"device": name, "kernel": kernel, "rounds": args.rounds, "scenarios": {}}
+    for label in args.scenarios:
+        sizes = SCENARIOS[label]
+        prepared = [
+            towers["visenc eager"].preprocess(decode(c.jpeg(i, w, h), max_pixels=1 << 30))
+            for i, (w, h) in enumerate(sizes)
+        ]
+        flops = sum(qwen_vision_flops(config, x.layout.grid_thw) for x in prepared) / len(prepared)
+        for path in PATHS:
+            run(path, prepared)  # warm-up: kernels, allocator, the compiled graphs' shapes
+        memory = {path: peak_bytes(path, prepared) for path in PATHS}
+        rates: dict[str, list[float]] = {path: [] for path in PATHS}
         for r in range(args.rounds):
-            for way, batches in (("batched", packed), ("per-image", single))[:: 1 if r % 2 == 0 else -1]:
-                rates[way].append(args.batch / timed(batches))
-        ratios = [b / s for b, s in zip(rates["batched"], rates["per-image"])]
-        line = f"  {label} grid {prepared[0].layout.grid_thw}, {flops / 1e12:.2f} TFLOP/image: "
-        line += ", ".join(f"{k} {statistics.median(v):.2f} img/s" for k, v in rates.items())
-        line += f"; batched / per-image {c.spread(ratios)}"
-        if peak:
-            mfu = [x * flops / (peak * 1e12) for x in rates["batched"]]
-            line += f"; batched MFU {c.spread(mfu, unit='')}"
-        print(line)
+            for path in PATHS if r % 2 == 0 else reversed(PATHS):
+                rates[path].append(timed(path, prepared))
+        print(f"  {label}: grids {sorted({x.layout.grid_thw for x in prepared})}, {flops / 1e12:.3f} TFLOP/image")
+        figures: dict[str, Any] = {}
+        for path in PATHS:
+            rate = statistics.median(rates[path])
+            mfu = rate * flops / (peak * 1e12) if peak else None
+            gib = None if memory[path] is None else memory[path] / 2**30
+            figures[path] = {"img_s": rate, "mfu": mfu, "peak_gib": gib}
+            line = f"    {path:<20} {rate:8.2f} img/s"
+            line += f"  MFU {mfu:.3f}" if mfu is not None else ""
+            line += f"  peak {gib:.2f} GiB" if gib is not None else ""
+            print(line)
+        ratios = {
+            "compiled / transformers": [a / b for a, b in zip(rates["visenc compiled"], rates["transformers"])],
+            "eager / transformers": [a / b for a, b in zip(rates["visenc eager"], rates["transformers"])],
+            "compiled / eager": [a / b for a, b in zip(rates["visenc compiled"], rates["visenc eager"])],
+            "batched / per-image (compiled)": [
+                a / b for a, b in zip(rates["visenc compiled"], rates["compiled per-image"])
+            ],
+        }
+        for what, values in ratios.items():
+            print(f"    {what}: {c.spread(values)}")
+        report["scenarios"][label] = {"paths": figures, "ratios": {k: statistics.median(v) for k, v in ratios.items()}}
+    if args.profile and cuda:
+        profile(
+            towers["visenc compiled"],
+            [towers["visenc eager"].preprocess(decode(c.jpeg(0, 1920, 1080), max_pixels=1 << 30))],
+        )
+    if args.json:
+        print(json.dumps(report))
     return 0
+
+
+def profile(tower: Any, batch: list[Any]) -> None:
+    """The CUDA kernels of one forward, by total time (what to cut next)."""
+    import torch
+    from torch.profiler import ProfilerActivity
+
+    tower.forward(batch)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+        tower.forward(batch)
+        torch.cuda.synchronize()
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

@@ -48,6 +48,7 @@ def load_tower(settings: Settings) -> VisionTower:
     import torch
 
     from visenc.engine.threads import default_torch_threads
+    from visenc.models import compiled
     from visenc.models.loading import load_tower as load
 
     device = settings.device
@@ -58,7 +59,7 @@ def load_tower(settings: Settings) -> VisionTower:
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
     torch.set_num_threads(settings.torch_threads or default_torch_threads(torch.device(device)))
     heap.hold_freed(settings.heap_keep_bytes)
-    return load(
+    tower = load(
         settings.model,
         dtype=dtype,
         device=device,
@@ -66,6 +67,9 @@ def load_tower(settings: Settings) -> VisionTower:
         image_loader=settings.image_loader,
         image_backend=settings.image_backend,
     )
+    if compiled.wanted(settings.compile, tower.device):
+        tower.compile()  # the graphs themselves are compiled by the device worker's warm-up
+    return tower
 
 
 def create_app(

@@ -50,6 +50,11 @@ class Settings(BaseSettings):
         "becomes RGB): vllm (vLLM 0.32: EXIF orientation applied, any transparency onto white), sglang (0.5.23: "
         "alpha dropped), transformers (transparency onto white). Part of the model fingerprint, with the version.",
     )
+    compile: Literal["auto", "on", "off"] = Field(
+        "auto",
+        description="Compile the tower's blocks with torch.compile (dynamic shapes) at start-up; readiness waits "
+        "for it, so no request pays for it. auto: on for CUDA, off on a CPU.",
+    )
     torch_threads: int | None = Field(
         None,
         gt=0,

@@ -212,6 +212,11 @@ class Metrics:
             "1 while the device worker is healthy, 0 when failed, restarting or stalled.",
             registry=r,
         )
+        self.compiled_graphs = Gauge(
+            "visenc_compiled_graphs",
+            "Graphs torch.compile built for the tower (0 when it is not compiled); bounded, see models/compiled.py.",
+            registry=r,
+        )
         self.model_info = Gauge(
             "visenc_model_info",
             "The served tower (value 1).",

@@ -41,7 +41,10 @@ def test_qwen_estimate_is_linear_in_patches_plus_one_image_of_attention(qwen, mo
     small, big = qwen.layout(448, 448), qwen.layout(896, 896)
     per_token = qwen.activation_bytes_per_token()
     assert per_token > qwen.input_bytes_per_token() == 4 * 3 * 2 * 14 * 14
-    # sdpa: no seq² term
+    # the varlen kernels (the default): no seq² term
+    assert qwen.forward_bytes([small, big]) == per_token * (qwen.input_tokens(small) + qwen.input_tokens(big))
+    # the model's own path, eager: one image's scores at a time
+    monkeypatch.setattr(qwen, "varlen", False)
     assert qwen.forward_bytes([small, big]) == per_token * (qwen.input_tokens(small) + qwen.input_tokens(big))
     monkeypatch.setattr(qwen.model.config, "_attn_implementation", "eager")
     heads, seq_big = qwen.model.config.num_heads, qwen.input_tokens(big)

@@ -3,6 +3,7 @@ equal to torch's own FLOP counter on the real modules, window attention's partia
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -61,3 +62,18 @@ def test_bench_gpu_says_so_without_a_device() -> None:
         pytest.skip("a CUDA device is present: the bench would run for real")
     out = subprocess.run([sys.executable, str(ROOT / "bench" / "bench_gpu.py")], capture_output=True, text=True)
     assert out.returncode == 0 and out.stdout.strip() == "no CUDA device"
+
+
+@pytest.mark.slow
+def test_bench_gpu_runs_its_paths_on_a_cpu_with_a_tiny_tower() -> None:
+    """The bench's own code, end to end (three towers, warm-up, every path, the JSON line), so a GPU
+    run does not find it broken; the figures of a CPU run mean nothing."""
+    args = ["--device", "cpu", "--tower", "tiny", "--rounds", "1", "--scenarios", "1080p x1", "--json"]
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "bench_gpu.py"), *args], capture_output=True, text=True, timeout=600
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    paths = report["scenarios"]["1080p x1"]["paths"]
+    assert set(paths) == {"transformers", "visenc eager", "visenc compiled", "compiled per-image"}
+    assert all(p["img_s"] > 0 for p in paths.values())

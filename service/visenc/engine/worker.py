@@ -11,6 +11,9 @@ preprocesses batch N+1 and the outputs stage copies out batch N-1. On CUDA the
 worker owns one stream: host→device copies and kernels are ordered on it, and
 an event recorded behind each forward tells the outputs stage when to copy.
 
+A compiled tower (``models/compiled.py``) is warmed up first: its graphs are built by forwards of
+its own images on the device thread, while readiness is false (misses get 503, hits are answered).
+
 Failure semantics (every waiter is answered; nothing hangs):
 
 * **A forward raises** (or the loop itself hits a bug): every job of that batch
@@ -46,6 +49,7 @@ from visenc.engine.scheduler import Scheduler
 from visenc.engine.threads import DaemonThread
 from visenc.errors import NotReady, OutOfMemory
 from visenc.metrics import Metrics
+from visenc.models import compiled
 from visenc.models.base import Prepared, VisionTower
 from visenc.tasks import spawn
 
@@ -57,6 +61,8 @@ PROBE_SIZE = (56, 56)
 
 
 class WorkerState(enum.Enum):
+    #: a compiled tower's first forwards (its graphs are built): misses wait, hits are answered
+    WARMING = "warming"
     HEALTHY = "healthy"
     RESTARTING = "restarting"
     DEAD = "dead"
@@ -102,8 +108,11 @@ class DeviceWorker:
 
     # --- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
+        if self.tower.compiled_blocks:
+            self.state, self.reason = WorkerState.WARMING, "warming up: compiling the tower"
+        else:
+            self.metrics.worker_alive.set(1)
         self._task = spawn(self._run(), "device-worker", self.metrics)
-        self.metrics.worker_alive.set(1)
 
     @property
     def healthy(self) -> bool:
@@ -127,7 +136,40 @@ class DeviceWorker:
         self.metrics.worker_alive.set(0)
 
     # --- the loop ----------------------------------------------------------------------
+    async def _warm_up(self) -> None:
+        """Build a compiled tower's graphs before the first batch (``VisionTower.warm_up``)."""
+        started = time.monotonic()
+        try:
+            await self._device_call(self._warm_forwards)
+        except Exception as error:
+            log.error("warm-up of the compiled tower failed", exc_info=error)
+            await self._failed([], f"the warm-up forward failed: {type(error).__name__}")
+            return
+        graphs = compiled.graphs()
+        self.metrics.compiled_graphs.set(graphs)
+        log.info("compiled tower warmed up in %.1f s (%d graphs)", time.monotonic() - started, graphs)
+        self.state, self.reason = WorkerState.HEALTHY, None
+        self.metrics.worker_alive.set(1)
+
+    def _warm_forwards(self) -> None:
+        with self._on_stream():
+            self.tower.warm_up()
+
+    async def _device_call(self, fn: Callable[[], Any]) -> Any:
+        """``fn`` on the device thread, bounded by ``stall_timeout_s`` (``_Stalled`` past it: the thread is
+        abandoned and a fresh one takes its place)."""
+        call = asyncio.get_running_loop().run_in_executor(self._thread, fn)
+        done, _ = await asyncio.wait({call}, timeout=self.stall_timeout_s)
+        if not done:
+            call.add_done_callback(_drop_result)  # the late result of a stalled call is not used
+            self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the call
+            self._thread = DaemonThread("visenc-device")
+            raise _Stalled
+        return call.result()
+
     async def _run(self) -> None:
+        if self.state is WorkerState.WARMING:
+            await self._warm_up()
         while not self._stopping and self.state is not WorkerState.DEAD:
             batch: list[Job] = []
             try:
@@ -218,16 +260,8 @@ class DeviceWorker:
         self._release(jobs)
 
     async def _call(self, prepared: list[Prepared]) -> tuple[list[torch.Tensor], Any]:
-        """The forward on the device thread, bounded by ``stall_timeout_s`` (``_Stalled`` past it:
-        the thread is abandoned and a fresh one takes its place)."""
-        forward = asyncio.get_running_loop().run_in_executor(self._thread, self._forward, prepared)
-        done, _ = await asyncio.wait({forward}, timeout=self.stall_timeout_s)
-        if not done:
-            forward.add_done_callback(_drop_result)  # the late result of a stalled forward is not used
-            self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the forward
-            self._thread = DaemonThread("visenc-device")
-            raise _Stalled
-        return forward.result()
+        """The forward on the device thread (``_device_call``)."""
+        return await self._device_call(lambda: self._forward(prepared))  # type: ignore[no-any-return]
 
     def _on_stream(self) -> AbstractContextManager[Any]:
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
@@ -267,17 +301,14 @@ class DeviceWorker:
 
     async def _probe(self) -> str | None:
         """One small forward on the (fresh) device thread: ``None`` if the device works, else why not."""
-        loop = asyncio.get_running_loop()
         image = Image.new("RGB", PROBE_SIZE, (127, 127, 127))
-        forward = loop.run_in_executor(self._thread, self._probe_forward, image)
-        done, _ = await asyncio.wait({forward}, timeout=self.stall_timeout_s)
-        if not done:
-            forward.add_done_callback(_drop_result)
-            self._thread.shutdown(wait=False)
-            self._thread = DaemonThread("visenc-device")
+        try:
+            await self._device_call(lambda: self._probe_forward(image))
+        except _Stalled:
             return f"the probe forward ran longer than stall_timeout_s={self.stall_timeout_s}"
-        error = forward.exception()
-        return None if error is None else f"{type(error).__name__}: {error}"
+        except Exception as error:
+            return f"{type(error).__name__}: {error}"
+        return None
 
     def _probe_forward(self, image: Image.Image) -> None:
         prepared = self.tower.preprocess(image)

@@ -38,6 +38,7 @@ from PIL import Image
 
 from visenc.imaging.decode import LOADERS
 from visenc.imaging.video import Rule, VideoPreprocess
+from visenc.models import compiled
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,9 +85,15 @@ def compact(span: Sequence[Segment]) -> list[dict[str, Any]]:
     return out
 
 
+#: the images ``VisionTower.warm_up`` runs: one alone, then two of different sizes together
+WARM_UP_SIZES = ((224, 224), (448, 336))
+
+
 class VisionTower(ABC):
     #: registry name or checkpoint path the tower was built from
     name: str
+    #: the modules the forward runs (``compile`` compiles their repeated blocks)
+    model: torch.nn.Module
     #: width of one output token row
     hidden_size: int
     dtype: torch.dtype
@@ -110,6 +117,29 @@ class VisionTower(ABC):
 
     @abstractmethod
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]: ...
+
+    #: blocks compiled by ``compile`` (0: the tower runs eagerly)
+    compiled_blocks: int = 0
+
+    @property
+    def attention_kernel(self) -> str:
+        """What the tower's attention runs on (``models/varlen.py`` for packed towers)."""
+        return "sdpa"
+
+    def compile(self) -> int:
+        """Compile the tower's repeated blocks (``models/compiled.py``); returns how many. The graphs
+        are built by the first forwards: ``warm_up``, which the device worker runs before it is ready."""
+        self.compiled_blocks = compiled.compile_blocks(self.model)
+        return self.compiled_blocks
+
+    def warm_up(self) -> None:
+        """Forwards of one image, then of two (of two sizes where the tower packs them, else of one):
+        they compile a compiled tower's graphs before any request waits for them."""
+        small, large = (self.preprocess(Image.new("RGB", size, (120, 130, 140))) for size in WARM_UP_SIZES)
+        for batch in ([small], [small, large if self.packable else small]):
+            self.forward(batch)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
 
     def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
         """The device calls ``forward`` would cut ``batch`` into anyway, as index lists in order
@@ -202,6 +232,8 @@ class VisionTower(ABC):
             "dtype": str(self.dtype).removeprefix("torch."),
             "device": str(self.device),
             "packable": self.packable,
+            "attention": self.attention_kernel,
+            "compiled_blocks": self.compiled_blocks,
             "image_loader": LOADERS[self.image_loader].label,
             "image_backend": self.image_backend,
             "row_layout": self.row_layout(),

@@ -14,6 +14,7 @@ the sequence per image, with flash-attn it uses varlen kernels).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -41,6 +42,8 @@ from visenc.imaging.preprocess import (
 from visenc.models import memory, varlen
 from visenc.models.base import Prepared, Rows, Segment, TokenLayout, VisionTower
 from visenc.models.building import cast_module, config_fields
+
+log = logging.getLogger(__name__)
 
 #: default resize ceiling for the service: 1280 merged tokens (≈1.0 Mpx), as Qwen2-VL's processor
 DEFAULT_MAX_PIXELS = 1280 * 28 * 28
@@ -158,16 +161,25 @@ class QwenVisionTower(VisionTower):
             fused=preprocess.backend == "torchvision",
         )
         self._attention = str(config._attn_implementation)
-        self.use_varlen(device.type == "cuda")
+        self.use_varlen(True)
+        log.info("%s: attention on %s", name, self.attention_kernel)  # chosen (and probed) now, not mid-forward
 
     def use_varlen(self, enabled: bool) -> None:
-        """Packed forwards with batch metadata precomputed on the CPU and one attention call per
-        layer (``models/varlen.py``): the default on CUDA; on a CPU, where attention runs image by
-        image anyway, the model's own path (tests switch it on there to check the math)."""
+        """Packed forwards with the batch's metadata computed on the CPU beforehand and one varlen
+        attention call per layer (``models/varlen.py``), on every device; off: the model's own path
+        (tests compare the two)."""
         if enabled:
             varlen.register()
         self.varlen = enabled
         self.model.config._attn_implementation = varlen.VARLEN if enabled else self._attention
+
+    @property
+    def attention_kernel(self) -> str:
+        if not self.varlen:
+            return self._attention
+        return varlen.kernel_for(
+            varlen.device_key(self.device), self.dtype, self._embed_dim // self.model.config.num_heads
+        )
 
     def _resized(self, width: int, height: int) -> tuple[int, int]:
         s = self.settings
@@ -257,11 +269,8 @@ class QwenVisionTower(VisionTower):
             grid_thw = torch.tensor(grid, dtype=torch.long)
         else:
             extra, grid_thw = {}, torch.tensor(grid, dtype=torch.long, device=self.device)
-        try:
-            with torch.inference_mode():
-                out = self.model(self.to_device(pixels), grid_thw=grid_thw, **extra).pooler_output
-        finally:
-            varlen.release_masks()
+        with torch.inference_mode():
+            out = self.model(self.to_device(pixels), grid_thw=grid_thw, **extra).pooler_output
         return list(torch.split(out, [p.layout.num_tokens for p in batch]))
 
     def fingerprint_fields(self) -> dict[str, Any]:
@@ -296,15 +305,15 @@ class QwenVisionTower(VisionTower):
         return int(memory.SAFETY * per_patch)
 
     def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
-        """Linear part for all patches, plus one image's attention scores at a time:
-        without flash-attn the packed sequence is split and attended image by image."""
+        """Linear in the patches: the varlen kernels hold no scores (flash kernels work in tiles; the
+        per-segment SDPA of a CPU too). The model's own path adds one image's scores where its attention
+        materialises them (eager)."""
         if not layouts:
             return 0
         seqs = [self.input_tokens(lay) for lay in layouts]
         linear = self.activation_bytes_per_token() * sum(seqs)
-        if self.varlen:  # one call over the packed batch: block masks instead of per-image scores
-            masks = 2 if hasattr(self.model.config, "window_size") else 1
-            return linear + int(memory.SAFETY * varlen.mask_bytes(sum(seqs), masks))
+        if self.varlen:
+            return linear
         scores = memory.attention_score_bytes(
             self.model.config.num_heads,
             max(seqs),

@@ -1,32 +1,221 @@
-"""One attention launch per layer for a packed Qwen batch, with no host sync in the forward.
+"""Packed attention: every segment of a packed sequence (an image, or one window of it) attends to
+itself alone, through a varlen kernel over ``cu_seqlens``. No path builds an N x N mask.
 
-transformers' Qwen vision towers derive ``cu_seqlens``, rotary position ids and (Qwen2.5-VL)
-window indices from ``grid_thw`` inside the forward; with ``grid_thw`` on the GPU that is a
-chain of device-to-host syncs (``.tolist()``, ``.item()``), and without flash-attn the sdpa
-path splits the packed sequence and attends image by image (one launch per image per layer).
+Three kernels sit behind one custom op (``visenc::varlen_attention``), which ``torch.compile``
+treats as opaque, so a compiled block is one graph whatever the kernel:
 
-Here the batch's metadata is computed on the CPU from the images' grids (plain integers known
-since preprocessing) with transformers' own helpers, copied to the device without blocking,
-and handed to the forward as the precomputed kwargs transformers accepts (``position_ids``,
-``cu_seqlens``, ``max_seqlen``, ``window_index``, ``cu_window_seqlens``, ``max_window_seqlen``).
-Attention runs through ``VARLEN``, registered with transformers' attention functions: flash-attn's
-varlen kernel when it is installed, else one SDPA call over the whole packed sequence with a
-block-diagonal mask (built on the device from ``cu_seqlens``, once per distinct ``cu_seqlens``
-of the forward). The name contains "flash" so that transformers hands it ``cu_seqlens`` and
-the precomputed maximum lengths instead of splitting.
+- ``torch-varlen``: ``torch.nn.attention.varlen.varlen_attn``, torch's own flash kernel (CUDA,
+  fp16/bf16, GPUs it supports);
+- ``flash-attn``: flash-attn's ``flash_attn_varlen_func``, where the package is installed and
+  measured faster than torch's on this device;
+- ``per-segment``: SDPA segment by segment (equal-length neighbours, such as Qwen2.5-VL's windows,
+  in one call), as transformers' own path does: CPUs, fp32, GPUs without a varlen kernel.
+
+``kernel_for`` picks one per device, dtype and head size, once: each CUDA candidate is run on a
+small packed sample and checked against the per-segment result before it is trusted.
+
+Towers register ``VARLEN`` as the vision config's attention implementation. Its name contains
+"flash", so transformers hands the attention function ``cu_seqlens`` and the maximum lengths instead
+of splitting the sequence itself. ``packed_kwargs`` computes everything transformers' Qwen forwards
+would derive from ``grid_thw`` (positions, ``cu_seqlens``, window indices) on the CPU beforehand:
+with the CUDA kernels a forward reads nothing back from the device.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import inspect
+import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-#: the attention implementation name the packed path sets on the vision config
+log = logging.getLogger(__name__)
+
+#: the attention implementation name packed towers set on their vision config
 VARLEN = "visenc_flash_varlen"
-#: whether flash-attn's varlen kernel can serve CUDA batches (looked up once, not per layer)
+#: the kernels, in the order they are preferred when their speed is not measured
+KERNELS = ("torch-varlen", "flash-attn", "per-segment")
 HAS_FLASH_ATTN = importlib.util.find_spec("flash_attn") is not None
+
+Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, float], torch.Tensor]
+
+
+def segment_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as Python ints (a host read: the per-segment kernel only)."""
+    return [int(x) for x in cu_seqlens.tolist()]
+
+
+def _per_segment(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, _max: int, scale: float):
+    """``[total, heads, dim]`` in, same out; a run of equal-length segments is one batched SDPA call."""
+    out = q.new_empty(q.shape)
+    bounds = segment_bounds(cu)
+    i = 0
+    while i < len(bounds) - 1:
+        length = bounds[i + 1] - bounds[i]
+        j = i + 1
+        while j < len(bounds) - 1 and bounds[j + 1] - bounds[j] == length:
+            j += 1
+        s, e = bounds[i], bounds[j]
+        if length:
+            qs, ks, vs = (t[s:e].unflatten(0, (j - i, length)).transpose(1, 2) for t in (q, k, v))
+            att = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, scale=scale)
+            out[s:e] = att.transpose(1, 2).flatten(0, 1)
+        i = j
+    return out
+
+
+def _torch_varlen(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float):
+    from torch.nn.attention.varlen import varlen_attn
+
+    cu = cu.to(torch.int32)
+    if _takes_scale(varlen_attn):
+        return varlen_attn(q, k, v, cu, cu, max_len, max_len, scale=scale)
+    default = q.shape[-1] ** -0.5  # older torch: always this scale
+    if scale != default:
+        q = q * (scale / default)
+    return varlen_attn(q, k, v, cu, cu, max_len, max_len)
+
+
+@functools.cache
+def _takes_scale(fn: Callable[..., Any]) -> bool:
+    return "scale" in inspect.signature(fn).parameters
+
+
+def _flash_attn(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu: torch.Tensor, max_len: int, scale: float):
+    from flash_attn import flash_attn_varlen_func
+
+    cu = cu.to(torch.int32)
+    return flash_attn_varlen_func(q, k, v, cu, cu, max_len, max_len, softmax_scale=scale)
+
+
+IMPLEMENTATIONS: dict[str, Kernel] = {
+    "torch-varlen": _torch_varlen,
+    "flash-attn": _flash_attn,
+    "per-segment": _per_segment,
+}
+
+
+def _sample(device: torch.device, dtype: torch.dtype, head_dim: int, lengths: list[int], heads: int = 4):
+    gen = torch.Generator().manual_seed(0)
+    total = sum(lengths)
+    q, k, v = (torch.randn(total, heads, head_dim, generator=gen).to(device, dtype) for _ in range(3))
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.int32, device=device)
+    return q, k, v, cu, max(lengths), head_dim**-0.5
+
+
+def works(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> bool:
+    """Whether ``kernel`` runs here and agrees with the per-segment result on a small packed sample."""
+    if kernel == "flash-attn" and not HAS_FLASH_ATTN:
+        return False
+    args = _sample(device, dtype, head_dim, [5, 64, 17, 64])
+    try:
+        got = IMPLEMENTATIONS[kernel](*args).float()
+    except Exception as e:  # unsupported device, dtype or head size
+        log.info("varlen kernel %s is not usable on %s %s: %s", kernel, device, dtype, e)
+        return False
+    want = _per_segment(*args).float()
+    return bool(torch.allclose(got, want, atol=2e-2, rtol=2e-2))
+
+
+def _seconds(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> float:
+    """Median time of ``kernel`` on a Qwen-shaped packed sequence: a 1080p image's windows and itself."""
+    args = _sample(device, dtype, head_dim, [64] * 160 + [10304], heads=16)
+    times = []
+    for _ in range(7):
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        IMPLEMENTATIONS[kernel](*args)
+        torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return sorted(times)[len(times) // 2]
+
+
+@functools.cache
+def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
+    """The kernel packed attention runs on ``device`` in ``dtype`` (decided once, logged)."""
+    if device.type != "cuda":
+        return "per-segment"
+    usable = [k for k in KERNELS[:-1] if works(k, device, dtype, head_dim)]
+    if len(usable) > 1:
+        timed = {k: _seconds(k, device, dtype, head_dim) for k in usable}
+        usable.sort(key=timed.__getitem__)
+        log.info("varlen kernels timed on %s: %s", device, {k: f"{s * 1e3:.2f} ms" for k, s in timed.items()})
+    chosen = usable[0] if usable else "per-segment"
+    log.info("packed attention on %s %s, head size %d: %s", device, dtype, head_dim, chosen)
+    return chosen
+
+
+def device_key(device: torch.device) -> torch.device:
+    """``cuda`` and ``cuda:0`` as one cache key."""
+    if device.type == "cuda" and device.index is None:
+        return torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+@torch.library.custom_op("visenc::varlen_attention", mutates_args=())
+def varlen_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
+) -> torch.Tensor:
+    """Packed attention: ``q``, ``k``, ``v`` ``[total, heads, dim]``, segment ``i`` being rows
+    ``cu_seqlens[i]:cu_seqlens[i+1]``; returns ``[total, heads, dim]``."""
+    kernel = kernel_for(device_key(q.device), q.dtype, q.shape[-1])
+    return IMPLEMENTATIONS[kernel](q, k, v, cu_seqlens, max_seqlen, scale)
+
+
+@varlen_attention.register_fake
+def _(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float):
+    return q.new_empty(q.shape)
+
+
+def attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    *,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    cu_seq_lens_q: torch.Tensor | None = None,
+    max_length_q: int | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
+    """transformers' attention-function signature: ``[1, heads, total, dim]`` in, ``[1, total, heads,
+    dim]`` out. A caller that passes no ``cu_seqlens`` (one image, or a padded batch) gets SDPA."""
+    if cu_seq_lens_q is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, dim]
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    max_len = max_length_q if max_length_q is not None else q.shape[0]
+    return varlen_attention(q, k, v, cu_seq_lens_q, max_len, scale).unsqueeze(0), None
+
+
+def register() -> None:
+    """Make ``VARLEN`` an attention implementation transformers can dispatch to."""
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(VARLEN, attention)
+
+
+def use_varlen(model: torch.nn.Module) -> None:
+    """Switch every config of ``model``'s submodules to ``VARLEN`` (modules read it at each forward)."""
+    from transformers import PreTrainedConfig
+
+    register()
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if isinstance(config, PreTrainedConfig):
+            config._attn_implementation = VARLEN
+            for name in getattr(config, "sub_configs", {}):
+                sub = getattr(config, name, None)
+                if isinstance(sub, PreTrainedConfig):
+                    sub._attn_implementation = VARLEN
 
 
 def packed_kwargs(config: Any, grid: list[tuple[int, int, int]], device: torch.device) -> dict[str, Any]:
@@ -59,71 +248,3 @@ def _to(value: Any, device: torch.device) -> Any:
     if not isinstance(value, torch.Tensor) or device.type == "cpu":
         return value
     return value.pin_memory().to(device, non_blocking=True)
-
-
-def block_mask(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    """``[total, total]`` bool mask, true where two positions belong to the same segment;
-    computed on ``cu_seqlens``' device (no host sync)."""
-    positions = torch.arange(total, device=cu_seqlens.device)
-    segment = torch.searchsorted(cu_seqlens[1:].to(torch.long), positions, right=True)
-    return segment[:, None] == segment[None, :]
-
-
-def varlen_attention(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask: torch.Tensor | None,
-    *,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    cu_seq_lens_q: torch.Tensor,
-    max_length_q: int,
-    **kwargs: Any,
-) -> tuple[torch.Tensor, None]:
-    """Attention over a packed ``[1, heads, total, dim]`` sequence, each segment of
-    ``cu_seq_lens_q`` attending only to itself, in one kernel call. Returns
-    ``[1, total, heads, dim]`` as transformers' attention functions do."""
-    if query.is_cuda and HAS_FLASH_ATTN:
-        from flash_attn import flash_attn_varlen_func
-
-        q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, dim]
-        cu = cu_seq_lens_q.to(torch.int32)
-        out = flash_attn_varlen_func(q, k, v, cu, cu, max_length_q, max_length_q, softmax_scale=scaling)
-        return out.unsqueeze(0), None
-    mask = _mask_for(cu_seq_lens_q, query.shape[2])
-    out = torch.nn.functional.scaled_dot_product_attention(query, key, value, attn_mask=mask, scale=scaling)
-    return out.transpose(1, 2).contiguous(), None
-
-
-#: the masks of the forward in progress, by the very ``cu_seqlens`` tensor they were built from
-#: (held, so its storage cannot be reused meanwhile): the full and the windowed one of Qwen2.5-VL
-_MASKS: list[tuple[torch.Tensor, torch.Tensor]] = []
-
-
-def _mask_for(cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
-    for source, mask in _MASKS:
-        if source is cu_seqlens:
-            return mask
-    mask = block_mask(cu_seqlens, total)
-    _MASKS.append((cu_seqlens, mask))
-    del _MASKS[:-2]
-    return mask
-
-
-def release_masks() -> None:
-    """Drop the cached masks (after each packed forward)."""
-    _MASKS.clear()
-
-
-def register() -> None:
-    """Make ``VARLEN`` an attention implementation transformers can dispatch to."""
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(VARLEN, varlen_attention)
-
-
-def mask_bytes(total_tokens: int, distinct_masks: int) -> int:
-    """Device bytes of the block masks one packed forward keeps (bool, ``total²`` each)."""
-    return distinct_masks * total_tokens * total_tokens

@@ -30,7 +30,7 @@ from PIL import Image
 
 from visenc.errors import InvalidImage
 from visenc.imaging.decode import rgb_like_transformers
-from visenc.models import memory
+from visenc.models import memory, varlen
 from visenc.models.base import Prepared, TokenLayout, VisionTower
 from visenc.models.building import cast_module, config_fields
 
@@ -68,6 +68,9 @@ class FamilyTower(VisionTower):
     #: the transformers base model (a ``transformers`` attribute) whose ``get_image_features``
     #: defines the rows
     base_model: ClassVar[str]
+    #: the vision attention takes ``cu_seqlens`` (images packed or padded into one sequence): it runs on
+    #: the varlen kernels (``models/varlen.py``), never under a mask over the whole batch
+    varlen: ClassVar[bool] = False
 
     def __init__(
         self,
@@ -92,6 +95,16 @@ class FamilyTower(VisionTower):
         self.call_kwargs = self.processor_defaults()
         self.hidden_size = self.row_width()
         self.vision_config = config.vision_config
+        if self.varlen:
+            varlen.use_varlen(self.model)
+
+    @property
+    def attention_kernel(self) -> str:
+        if not self.varlen:
+            return "sdpa"
+        vc = self.vision_config
+        heads = int(getattr(vc, "num_heads", 0) or vc.num_attention_heads)
+        return varlen.kernel_for(varlen.device_key(self.device), self.dtype, int(vc.hidden_size) // heads)
 
     # --- what a family defines -------------------------------------------------
     @classmethod

@@ -20,6 +20,7 @@ class Glm4vTower(FamilyTower):
     base_model = "Glm4vModel"
     input_names = ("pixel_values", "image_grid_thw")
     packable = True
+    varlen = True
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:

@@ -3,9 +3,9 @@ multiples of the merged patch (``patch_size * spatial_merge_size``, as ``Pixtral
 its image processor), encoded at that size with 2-D rotary positions, features from
 ``vision_feature_layer``, merged ``spatial_merge_size²`` → one row each. Batches group equal
 sizes (the bucket is the resized size). On an accelerator images of different sizes share a
-forward too (padded to the largest; the ViT crops each to its own size and attends within it
-under a block mask); on a CPU that mask over the packed sequence measured 0.74x the per-image
-loop (``bench/bench_families.py``), so there only equal sizes batch.
+forward too (padded to the largest; the ViT crops each to its own size). Attention runs on the
+varlen kernels (``models/varlen.py``), each image within itself, never under Pixtral's block mask
+over the whole batch; on a CPU, where that kernel is a per-image loop, only equal sizes batch.
 
 Span: each row of merged patches is followed by ``[IMG_BREAK]``; the last by ``[IMG_END]``
 instead. Rows are the image-token positions only."""
@@ -30,6 +30,7 @@ class Mistral3Tower(FamilyTower):
     processor_class = "PixtralProcessor"
     base_model = "Mistral3Model"
     input_names = ("pixel_values", "image_sizes")
+    varlen = True
 
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)

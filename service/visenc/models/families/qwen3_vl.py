@@ -29,6 +29,7 @@ class Qwen3VLTower(FamilyTower):
     input_names = ("pixel_values", "image_grid_thw")
     packable = True
     video_rule = "qwen3"
+    varlen = True
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, torch.nn.Module]:

@@ -76,7 +76,7 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     from visenc.config import Settings
     from visenc.engine.core import Engine
     from visenc.imaging.decode import decode
-    from visenc.index.memory import MemoryLRU
+    from visenc.index.memory import MemoryCache
     from visenc.index.tiered import Index
     from visenc.metrics import Metrics
     from visenc.models.loading import load_tower
@@ -85,7 +85,7 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     tower = load_tower(args.model)
     settings = Settings()
     metrics = Metrics()
-    engine = Engine(tower, Index(MemoryLRU(settings.cache_bytes, metrics)), settings, metrics)
+    engine = Engine(tower, Index(MemoryCache(settings.cache_bytes or 1 << 30, metrics)), settings, metrics)
     await engine.start()
     out: dict[str, list[float]] = {s: [] for s in (*STAGES, "wall", "batch")}
     try:

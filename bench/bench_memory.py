@@ -162,7 +162,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
     from visenc.config import Settings
     from visenc.engine.core import Engine
     from visenc.engine.interface import EncodeItem
-    from visenc.index.memory import MemoryLRU
+    from visenc.index.memory import MemoryCache
     from visenc.index.tiered import Index
     from visenc.metrics import Metrics
     from visenc.models.loading import load_tower
@@ -178,7 +178,7 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
     heap.hold_freed(settings.heap_keep_bytes)  # as `visenc serve` sets it
     tower = load_tower(args.model, max_pixels=args.max_pixels)
     metrics = Metrics()
-    encoder = Engine(tower, Index(MemoryLRU(settings.cache_bytes, metrics)), settings, metrics)
+    encoder = Engine(tower, Index(MemoryCache(settings.cache_bytes or 1 << 30, metrics)), settings, metrics)
     await encoder.start()
     try:
         warm = [EncodeItem(data=jpeg(10_000, 320, 240))]

@@ -27,6 +27,11 @@ about the same load).
     python bench/bench_service.py                                  # tiny-clip, 2 rounds
     python bench/bench_service.py --model tiny-qwen2-vl --images 48
     python bench/bench_service.py --infinity /work/peer-infinity   # CLIP folder built by the peer's setup.sh
+    python bench/bench_service.py --before /tmp/visenc-before      # this tree vs another (git worktree)
+
+``--before PATH`` adds ``visenc_before``: the same ``visenc serve`` run from the source tree at PATH
+(``git worktree add /tmp/visenc-before <commit>``), measured in the same rounds: a change's
+before and after, side by side (``visenc / visenc_before``).
 """
 
 from __future__ import annotations
@@ -79,6 +84,7 @@ def main() -> int:
     p.add_argument("--infinity-heap", action="store_true", help="also run Infinity with visenc's C-heap setting")
     p.add_argument("--serve-args", default="", help="extra `visenc serve` flags, e.g. '--max-wait-ms 5'")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
+    p.add_argument("--before", type=Path, default=None, help="another source tree: its visenc, side by side")
     args = p.parse_args()
 
     import torch
@@ -129,6 +135,18 @@ def main() -> int:
             )
         )
         senders["visenc"] = lambda r: c.visenc_sender(f"http://127.0.0.1:{vport}", f"bench{r}")
+        if args.before is not None:
+            bport = c.free_port()
+            before_env = {"PYTHONPATH": os.pathsep.join(str(args.before / d) for d in ("service", "clients"))}
+            procs["visenc_before"] = stack.enter_context(
+                c.server(
+                    c.visenc_cmd(model, bport, *args.serve_args.split()),
+                    f"http://127.0.0.1:{bport}/readyz",
+                    before_env,
+                    logs / "visenc_before.log",
+                )
+            )
+            senders["visenc_before"] = lambda r: c.visenc_sender(f"http://127.0.0.1:{bport}", f"bench{r}")
         if not args.no_naive:
             procs["naive"] = stack.enter_context(
                 c.server(
@@ -169,7 +187,7 @@ def main() -> int:
                 c.resume(procs[key])
                 send = make(r)
                 rows.setdefault(key, []).append(asyncio.run(c.clients_rate(images, send, args.concurrency)))
-                if key in ("visenc", "infinity"):  # the same images again
+                if key in ("visenc", "visenc_before", "infinity"):  # the same images again
                     rows.setdefault(f"{key}_repeat", []).append(
                         asyncio.run(c.clients_rate(images, send, args.concurrency))
                     )
@@ -189,6 +207,9 @@ def main() -> int:
     }
     if "naive" in rows:
         ratios["visenc / naive"] = ratio("visenc", "naive")
+    if "visenc_before" in rows:
+        ratios["visenc / visenc_before, cold"] = ratio("visenc", "visenc_before")
+        ratios["visenc / visenc_before, repeated"] = ratio("visenc_repeat", "visenc_before_repeat")
     if "infinity" in rows:
         ratios["visenc / infinity cold (goal >= 1.2)"] = ratio("visenc", "infinity")
         ratios["infinity / bare"] = ratio("infinity", "bare")

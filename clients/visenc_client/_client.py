@@ -8,31 +8,39 @@ Example::
         handles = vc.encode([open("a.png", "rb").read()])   # hash-first
         rows = vc.fetch(handles[0], start=0, end=64)         # numpy [64, hidden]
 
-Both are pooled (one httpx client, keep-alive) and safe to share across
-threads (``Client``) or tasks (``AsyncClient``).
+Both are pooled (keep-alive) and safe to share across threads (``Client``) or
+tasks (``AsyncClient``). Rows are read from the socket straight into the arrays
+handed back (``visenc_client._http``); every other request goes through httpx.
 
 ``fetch_chunk(placements, start, end)`` fetches exactly the rows prefill chunk
 ``[start, end)`` needs (see ``visenc_client.chunks``) in one round trip, into
-one buffer. With ``shared_memory=True`` (client and service on one host, the
-service started with ``--shm-enabled true``) rows come from shared-memory
-segments instead of HTTP bodies: ``fetch`` / ``fetch_many`` return read-only
-views of them.
+one buffer. With ``shared_memory=True`` (client and service on one host) rows
+come from shared-memory segments instead of HTTP bodies: ``fetch`` /
+``fetch_many`` return read-only views of them; ranges the service's budget cannot
+hold are read over HTTP (``shm_http_fallbacks``). ``shared_memory="auto"`` asks
+the service at the first fetch whether it is on this host.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any, TypeVar, overload
+import asyncio
+import logging
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Literal, TypeVar, overload
 
 import httpx
 import numpy as np
 
 from visenc_client import _protocol as p
 from visenc_client._exceptions import TransportError
+from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Connections, Head
 from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
-from visenc_client._shm import SegmentHandles
+from visenc_client._shm import SegmentHandles, same_host
 from visenc_client._types import Handle, RowRange, Video
 from visenc_client.chunks import ImagePlacement, plan_chunk
+
+log = logging.getLogger("visenc_client")
 
 T = TypeVar("T")
 #: a caller's preallocated buffer (numpy array or CPU torch tensor), handed back filled
@@ -40,16 +48,48 @@ Out = TypeVar("Out")
 DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=60.0, pool=60.0)
 
 
+#: ``shared_memory``: ``True``, ``False``, or ``"auto"`` (shared memory when the service is on this host)
+SharedMemory = bool | Literal["auto"]
+
+
 class _Base:
-    def __init__(self, namespace: str | None, api_key: str | None, shared_memory: bool) -> None:
-        self.shared_memory = shared_memory
+    def __init__(
+        self,
+        base_url: str,
+        namespace: str | None,
+        api_key: str | None,
+        shared_memory: SharedMemory,
+        timeout: httpx.Timeout | float,
+        custom_transport: bool,
+    ) -> None:
+        self.shared_memory = shared_memory is True
+        #: ``"auto"`` until the first rows are fetched: then asked of the service (``_choose``)
+        self._auto = shared_memory == "auto"
         #: where images' rows sit in the service's segments (reads them again with no request)
-        self._segments = SegmentHandles() if shared_memory else None
+        self._segments = SegmentHandles() if self.shared_memory else None
         self.headers: dict[str, str] = {}
         if namespace is not None:
             self.headers["x-visenc-namespace"] = namespace
         if api_key is not None:
             self.headers["authorization"] = f"Bearer {api_key}"
+        #: rows stream through the standard library's connections, straight into their buffers; httpx
+        #: streams them where a custom transport stands in for the network (``visenc_client._http``)
+        self.base_url = base_url
+        read_s = timeout.read if isinstance(timeout, httpx.Timeout) else float(timeout)
+        self._conns = None if custom_transport else Connections(base_url, read_s)
+
+    def _choose(self, model_info: dict[str, Any]) -> None:
+        """Settle ``shared_memory="auto"`` from the service's ``/v1/model``: shared memory when its
+        probe segment is readable here (the same host), HTTP otherwise; said once in the log."""
+        self._auto = False
+        self.shared_memory = same_host(model_info)
+        self._segments = SegmentHandles() if self.shared_memory else None
+        log.info("visenc at %s: rows over %s", self.base_url, "shared memory" if self.shared_memory else "HTTP")
+
+    @property
+    def shm_http_fallbacks(self) -> int:
+        """Ranges read over HTTP because the service's shared-memory budget was full."""
+        return self._segments.http_fallbacks if self._segments is not None else 0
 
 
 class Client(_Base):
@@ -68,25 +108,31 @@ class Client(_Base):
         api_key: str | None = None,
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         transport: httpx.BaseTransport | None = None,
-        shared_memory: bool = False,
+        shared_memory: SharedMemory = False,
     ) -> None:
-        super().__init__(namespace, api_key, shared_memory)
+        super().__init__(base_url, namespace, api_key, shared_memory, timeout, transport is not None)
         self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
 
+    def _open(self, request: httpx.Request) -> tuple[Head, Body | ChunkBody]:
+        if self._conns is not None:
+            return self._conns.open(request)
+        resp = self._http.send(request, stream=True)
+        return Head(resp.status_code, resp.reason_phrase, resp.headers), ChunkBody(resp.iter_bytes(), resp.close)
+
     def _drive(self, flow: p.AnyFlow[T]) -> T:
-        streamed: httpx.Response | None = None
-        chunks: Any = None
+        body: Body | ChunkBody | None = None
         try:
             step = next(flow)
             while True:
                 try:
-                    if step is p.READ:
-                        reply: Any = next(chunks, b"")
+                    if isinstance(step, p.ReadInto):
+                        reply: Any = body.readinto(step.view)  # type: ignore[union-attr]
+                    elif step is p.READ:
+                        reply = body.read()  # type: ignore[union-attr]
                     elif isinstance(step, p.Stream):
-                        if streamed is not None:
-                            streamed.close()
-                        reply = streamed = self._http.send(step.request, stream=True)
-                        chunks = streamed.iter_bytes()
+                        if body is not None:
+                            body.close()
+                        reply, body = self._open(step.request)
                     else:
                         reply = self._http.send(step)
                 except httpx.TransportError as e:
@@ -96,8 +142,8 @@ class Client(_Base):
             return stop.value  # type: ignore[no-any-return]
         finally:
             flow.close()
-            if streamed is not None:
-                streamed.close()
+            if body is not None:
+                body.close()
 
     def encode(
         self,
@@ -119,11 +165,15 @@ class Client(_Base):
         return self._drive(p.lookup_flow(self._http, hashes, self.headers, wait=wait, include_rows=include_rows))
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
+        if self._auto:
+            self._choose(self.model())
         if self.shared_memory:
             return self.fetch_many([RowRange(image.hash if isinstance(image, Handle) else image, start, end)])[0]
         return self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
+        if self._auto:
+            self._choose(self.model())
         if self._segments is not None:
             flow = shm_fetch_flow(self._http, ranges, wait=wait, headers=self.headers, known=self._segments)
             return self._drive(flow)
@@ -168,6 +218,8 @@ class Client(_Base):
         (``rows`` from ``plan_chunk``), filled and returned; ``None`` allocates one.
         Images wholly outside the chunk are not fetched; pending ones are waited
         for (and moved to the front of the service's queue)."""
+        if self._auto:
+            self._choose(self.model())
         plan = plan_chunk(placements, start, end, dense=dense)
         return self._drive(fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self._segments, headers=self.headers))
 
@@ -176,6 +228,8 @@ class Client(_Base):
 
     def close(self) -> None:
         self._http.close()
+        if self._conns is not None:
+            self._conns.close()
 
     def __enter__(self) -> Client:
         return self
@@ -195,28 +249,44 @@ class AsyncClient(_Base):
         api_key: str | None = None,
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         transport: httpx.AsyncBaseTransport | None = None,
-        shared_memory: bool = False,
+        shared_memory: SharedMemory = False,
     ) -> None:
-        super().__init__(namespace, api_key, shared_memory)
+        super().__init__(base_url, namespace, api_key, shared_memory, timeout, transport is not None)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
+        #: threads that read streamed rows (the socket reads release the GIL); made on first use
+        self._io: ThreadPoolExecutor | None = None
+
+    async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(32, thread_name_prefix="visenc-client-io")
+        return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
+
+    async def _open(self, request: httpx.Request) -> tuple[Head, Body | AsyncChunkBody]:
+        if self._conns is not None:
+            return await self._blocking(self._conns.open, request)
+        resp = await self._http.send(request, stream=True)
+        head = Head(resp.status_code, resp.reason_phrase, resp.headers)
+        return head, AsyncChunkBody(resp.aiter_bytes(), resp.aclose)
+
+    async def _read(self, body: Body | AsyncChunkBody, step: p.ReadInto | p.Read) -> bytes | None:
+        if isinstance(body, AsyncChunkBody):
+            return await (body.readinto(step.view) if isinstance(step, p.ReadInto) else body.read())
+        if isinstance(step, p.ReadInto):
+            return await self._blocking(body.readinto, step.view)
+        return await self._blocking(body.read)
 
     async def _drive(self, flow: p.AnyFlow[T]) -> T:
-        streamed: httpx.Response | None = None
-        chunks: Any = None
+        body: Body | AsyncChunkBody | None = None
         try:
             step = next(flow)
             while True:
                 try:
-                    if step is p.READ:
-                        try:
-                            reply: Any = await chunks.__anext__()
-                        except StopAsyncIteration:
-                            reply = b""
+                    if isinstance(step, p.ReadInto | p.Read):
+                        assert body is not None, "a flow read a body before it streamed a request"
+                        reply: Any = await self._read(body, step)
                     elif isinstance(step, p.Stream):
-                        if streamed is not None:
-                            await streamed.aclose()
-                        reply = streamed = await self._http.send(step.request, stream=True)
-                        chunks = streamed.aiter_bytes()
+                        await _close(body)
+                        reply, body = await self._open(step.request)
                     else:
                         reply = await self._http.send(step)
                 except httpx.TransportError as e:
@@ -226,8 +296,7 @@ class AsyncClient(_Base):
             return stop.value  # type: ignore[no-any-return]
         finally:
             flow.close()
-            if streamed is not None:
-                await streamed.aclose()
+            await _close(body)
 
     async def encode(
         self,
@@ -249,12 +318,16 @@ class AsyncClient(_Base):
         return await self._drive(p.lookup_flow(self._http, hashes, self.headers, wait=wait, include_rows=include_rows))
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
+        if self._auto:
+            self._choose(await self.model())
         if self.shared_memory:
             h = image.hash if isinstance(image, Handle) else image
             return (await self.fetch_many([RowRange(h, start, end)]))[0]
         return await self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     async def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
+        if self._auto:
+            self._choose(await self.model())
         if self._segments is not None:
             flow = shm_fetch_flow(self._http, ranges, wait=wait, headers=self.headers, known=self._segments)
             return await self._drive(flow)
@@ -294,6 +367,8 @@ class AsyncClient(_Base):
         wait: bool = True,
     ) -> Any:
         """The awaitable twin of ``Client.fetch_chunk``."""
+        if self._auto:
+            self._choose(await self.model())
         plan = plan_chunk(placements, start, end, dense=dense)
         return await self._drive(
             fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self._segments, headers=self.headers)
@@ -304,9 +379,20 @@ class AsyncClient(_Base):
 
     async def aclose(self) -> None:
         await self._http.aclose()
+        if self._conns is not None:
+            self._conns.close()
+        if self._io is not None:
+            self._io.shutdown(wait=False)
 
     async def __aenter__(self) -> AsyncClient:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+async def _close(body: Body | AsyncChunkBody | None) -> None:
+    if isinstance(body, Body):
+        body.close()
+    elif body is not None:
+        await body.aclose()

@@ -5,17 +5,20 @@ results; ``Client`` drives it with blocking calls, ``AsyncClient`` with awaits.
 One implementation of the protocol, two drivers. Steps:
 
 * an ``httpx.Request``: send it, read the whole body, send back the response;
-* ``Stream(request)``: send it and send back the response *unread*; the flow
-  then reads the body itself with
-* ``READ``: send back the next chunk of the streamed body (``b""`` at the end),
-  so a flow can copy rows from the network chunks straight into their
-  destination (one copy, no body-sized intermediate).
+* ``Stream(request)``: send it and send back its ``Head`` (status and headers), the
+  body unread; the flow then reads the body itself with
+* ``ReadInto(view)``: fill ``view`` with the body's next ``len(view)`` bytes, so rows
+  go from the socket straight to their destination (``visenc_client._http``), and
+* ``READ``: send back the next chunk of the body (``b""`` at the end).
+
+Every answer that carries rows is streamed: a single range, a rows frame (several
+ranges, or an encode's ``include_rows``), a prefill chunk.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Generator, Sequence
+from collections.abc import Callable, Generator, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
@@ -24,8 +27,17 @@ import msgpack
 import numpy as np
 
 from visenc_client._exceptions import ProtocolError, error_for
+from visenc_client._http import Head
 from visenc_client._types import Handle, ImageInput, RowRange, Video, image_hash, video_hash
-from visenc_client.format import MSGPACK, NUMPY_DTYPES, ROWS_MEDIA_TYPE, CorruptFrame, split_frame
+from visenc_client.format import (
+    FRAME_PREFIX_BYTES,
+    MSGPACK,
+    NUMPY_DTYPES,
+    ROWS_MEDIA_TYPE,
+    CorruptFrame,
+    frame_header_length,
+    frame_items,
+)
 
 __all__ = ["MSGPACK", "ROWS_MEDIA_TYPE"]
 
@@ -35,9 +47,16 @@ Flow = Generator[httpx.Request, httpx.Response, T]
 
 @dataclass(frozen=True, slots=True)
 class Stream:
-    """Step: send ``request``; the response comes back with its body unread (read it with ``READ``)."""
+    """Step: send ``request``; its ``Head`` comes back, the body unread (``ReadInto``, ``READ``)."""
 
     request: httpx.Request
+
+
+@dataclass(frozen=True, slots=True)
+class ReadInto:
+    """Step: fill ``view`` with the streamed body's next ``len(view)`` bytes (``ProtocolError`` if it ends first)."""
+
+    view: memoryview
 
 
 class Read:
@@ -45,18 +64,25 @@ class Read:
 
 
 READ = Read()
-#: a flow that may also stream: yields ``httpx.Request | Stream | Read``
+#: a flow that may also stream: yields ``httpx.Request | Stream | ReadInto | Read``
 AnyFlow = Generator[Any, Any, T]
 
 
-def send_streamed(request: httpx.Request) -> Generator[Stream, Any, httpx.Response]:
-    response = yield Stream(request)
-    return cast(httpx.Response, response)
+def send_streamed(request: httpx.Request) -> Generator[Stream, Any, Head]:
+    head = yield Stream(request)
+    return cast(Head, head)
 
 
 def read_chunk() -> Generator[Read, Any, bytes]:
     chunk = yield READ
     return cast(bytes, chunk)
+
+
+def read_exactly(n: int) -> Generator[ReadInto, Any, bytes]:
+    """The body's next ``n`` bytes (small headers only)."""
+    buf = bytearray(n)
+    yield ReadInto(memoryview(buf))
+    return bytes(buf)
 
 
 def read_all() -> Generator[Read, Any, bytes]:
@@ -65,6 +91,51 @@ def read_all() -> Generator[Read, Any, bytes]:
     while chunk := (yield from read_chunk()):
         parts.append(chunk)
     return b"".join(parts)
+
+
+def expect_end() -> Generator[Read, Any, None]:
+    if (yield from read_chunk()):
+        raise ProtocolError("the response body is longer than its header says")
+
+
+def read_frame(head: Head, place: Callable[[dict[str, Any]], memoryview]) -> Generator[Any, Any, list[dict[str, Any]]]:
+    """A streamed rows frame: its items; the rows of each item that has some are read straight into
+    the buffer ``place(item)`` gives (called in order, after the item's size is checked)."""
+    if head.status_code >= 400:
+        raise_for_status(head, (yield from read_all()))
+    try:
+        hlen = frame_header_length((yield from read_exactly(FRAME_PREFIX_BYTES)))
+        items = frame_items((yield from read_exactly(hlen)))
+    except CorruptFrame as e:
+        raise ProtocolError(f"unreadable rows response: {e}") from e
+    at = 0
+    for item in items:
+        if "offset" not in item:
+            continue
+        try:
+            offset, nbytes, dtype = int(item["offset"]), int(item["nbytes"]), str(item["dtype"])
+            rows, hidden = (int(x) for x in item["shape"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ProtocolError(f"a rows item without a readable offset, size or shape: {e}") from e
+        if dtype not in NUMPY_DTYPES or nbytes != rows * hidden * NUMPY_DTYPES[dtype].itemsize:
+            raise ProtocolError(f"{item.get('hash')}: {nbytes} bytes are not [{rows}, {hidden}] {dtype}")
+        if offset != at:
+            raise ProtocolError(f"{item.get('hash')}: rows at offset {offset}, expected {at}")
+        yield ReadInto(place(item))
+        at += nbytes
+    yield from expect_end()
+    return items
+
+
+def byte_view(array: np.ndarray) -> memoryview:
+    """A C-contiguous array's bytes, writable through (empty arrays included)."""
+    return array.reshape(-1).view(np.uint8).data
+
+
+def owned_array(item: dict[str, Any]) -> np.ndarray:
+    """A new ``[rows, hidden]`` array for a rows item (checked by ``read_frame``)."""
+    rows, hidden = (int(x) for x in item["shape"])
+    return np.empty((rows, hidden), NUMPY_DTYPES[str(item["dtype"])])
 
 
 def _item(image: ImageInput | Video) -> dict[str, Any]:
@@ -83,13 +154,13 @@ def read_image(image: ImageInput) -> bytes:
         return f.read()
 
 
-def raise_for_status(resp: httpx.Response, content: bytes | None = None) -> None:
+def raise_for_status(resp: httpx.Response | Head, content: bytes | None = None) -> None:
     """Raise the client exception of an error answer (``content``: its body, if it was streamed)."""
     if resp.status_code < 400:
         return
     kind, message = "http_error", resp.reason_phrase
     try:
-        err = json.loads(resp.content if content is None else content)["error"]
+        err = json.loads(resp.content if content is None else content)["error"]  # type: ignore[union-attr]
         kind, message = err["kind"], err["message"]
     except Exception:
         pass
@@ -97,20 +168,30 @@ def raise_for_status(resp: httpx.Response, content: bytes | None = None) -> None
 
 
 def msgpack_request(
-    client: httpx.Client | httpx.AsyncClient, path: str, payload: dict[str, Any], headers: dict[str, str] | None = None
+    client: httpx.Client | httpx.AsyncClient,
+    path: str,
+    payload: dict[str, Any],
+    headers: dict[str, str] | None = None,
+    *,
+    accept: str = MSGPACK,
 ) -> httpx.Request:
     return client.build_request(
         "POST",
         path,
         content=msgpack.packb(payload),
-        headers={"content-type": MSGPACK, "accept": MSGPACK, **(headers or {})},
+        headers={"content-type": MSGPACK, "accept": accept, **(headers or {})},
     )
 
 
 def _handles(resp: httpx.Response) -> list[Handle]:
     raise_for_status(resp)
+    return _parse_handles(resp.content)
+
+
+def _parse_handles(content: bytes) -> list[Handle]:
+    """Handles of a msgpack encode answer (rows inline, from a service that answers no rows frames)."""
     try:
-        body = msgpack.unpackb(resp.content)
+        body = msgpack.unpackb(content)
         return [
             Handle.from_wire(
                 d, None if d.get("rows") is None else as_array(d["rows"], d["dtype"], d["num_tokens"], d["hidden_size"])
@@ -118,6 +199,31 @@ def _handles(resp: httpx.Response) -> list[Handle]:
             for d in body["items"]
         ]
     except Exception as e:
+        raise ProtocolError(f"unreadable encode response: {e}") from e
+
+
+def _ask(
+    client: httpx.Client | httpx.AsyncClient, payload: dict[str, Any], headers: dict[str, str] | None
+) -> AnyFlow[list[Handle]]:
+    """One ``/v1/encode``. With ``include_rows`` the answer is a rows frame whose items are the handles,
+    each ready one's rows read into an array of its own."""
+    if not payload.get("include_rows"):
+        return _handles((yield msgpack_request(client, "/v1/encode", payload, headers)))
+    request = msgpack_request(client, "/v1/encode", payload, headers, accept=f"{ROWS_MEDIA_TYPE}, {MSGPACK}")
+    head = yield from send_streamed(request)
+    if head.status_code < 400 and not head.headers.get("content-type", "").startswith(ROWS_MEDIA_TYPE):
+        return _parse_handles((yield from read_all()))  # a service that answers rows inline in msgpack
+    rows: list[np.ndarray] = []
+
+    def place(item: dict[str, Any]) -> memoryview:
+        rows.append(owned_array(item))
+        return byte_view(rows[-1])
+
+    items = yield from read_frame(head, place)
+    filled = iter(rows)
+    try:
+        return [Handle.from_wire(d, next(filled) if "offset" in d else None) for d in items]
+    except (KeyError, TypeError, ValueError) as e:
         raise ProtocolError(f"unreadable encode response: {e}") from e
 
 
@@ -129,7 +235,7 @@ def encode_flow(
     hash_first: bool,
     headers: dict[str, str] | None,
     include_rows: bool = False,
-) -> Flow[list[Handle]]:
+) -> AnyFlow[list[Handle]]:
     """Hash-first: send hashes; upload bytes (a video's frames) only for items the index answers
     ``missing``. A video uploaded again sends every frame, but only its missing tubes are encoded.
 
@@ -137,13 +243,13 @@ def encode_flow(
     uploads = [_item(im) for im in images]
     options = {"wait": wait, **({"include_rows": True} if include_rows else {})}
     if not hash_first:
-        return _handles((yield msgpack_request(client, "/v1/encode", {"items": uploads, **options}, headers)))
+        return (yield from _ask(client, {"items": uploads, **options}, headers))
     payload = {"items": [{"hash": u["hash"]} for u in uploads], **options}
-    handles = _handles((yield msgpack_request(client, "/v1/encode", payload, headers)))
+    handles = yield from _ask(client, payload, headers)
     missing = [i for i, h in enumerate(handles) if h.status == "missing"]
     if missing:
         items = [uploads[i] for i in missing]
-        uploaded = _handles((yield msgpack_request(client, "/v1/encode", {"items": items, **options}, headers)))
+        uploaded = yield from _ask(client, {"items": items, **options}, headers)
         for i, h in zip(missing, uploaded):
             handles[i] = h
     return handles
@@ -156,7 +262,7 @@ def lookup_flow(
     *,
     wait: bool = False,
     include_rows: bool = False,
-) -> Flow[list[Handle]]:
+) -> AnyFlow[list[Handle]]:
     """Hash-only, never uploading: ``ready``, ``pending`` (being encoded, here or on another replica;
     a fetch waits for it) or ``missing`` per hash, in one round trip. ``wait``: a pending image is
     waited for (a missing one still answers at once); ``include_rows`` (needs ``wait``): ready
@@ -166,7 +272,7 @@ def lookup_flow(
         "wait": wait,
         **({"include_rows": True} if include_rows else {}),
     }
-    return _handles((yield msgpack_request(client, "/v1/encode", payload, headers)))
+    return (yield from _ask(client, payload, headers))
 
 
 def as_array(buf: bytes | memoryview, dtype: str, rows: int, hidden: int) -> np.ndarray:
@@ -182,42 +288,61 @@ def fetch_flow(
     start: int | None,
     end: int | None,
     headers: dict[str, str] | None,
-) -> Flow[np.ndarray]:
-    """Rows ``[start, end)`` of one image: a read-only view of the response body (no copy)."""
+) -> AnyFlow[np.ndarray]:
+    """Rows ``[start, end)`` of one image, read into a new array."""
     h = image.hash if isinstance(image, Handle) else image
     params = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
-    resp = yield client.build_request("GET", f"/v1/embeddings/{h}", params=params, headers=headers)
-    raise_for_status(resp)
+    head = yield from send_streamed(client.build_request("GET", f"/v1/embeddings/{h}", params=params, headers=headers))
+    if head.status_code >= 400:
+        raise_for_status(head, (yield from read_all()))
     try:
-        rows, hidden = (int(x) for x in resp.headers["x-visenc-shape"].split(","))
-        return as_array(resp.content, resp.headers["x-visenc-dtype"], rows, hidden)
+        rows, hidden = (int(x) for x in head.headers["x-visenc-shape"].split(","))
+        array = owned_array({"shape": (rows, hidden), "dtype": head.headers["x-visenc-dtype"]})
     except (KeyError, ValueError) as e:
         raise ProtocolError(f"unreadable embedding response: {e}") from e
+    if int(head.headers.get("content-length", array.nbytes)) != array.nbytes:
+        raise ProtocolError(f"a body of {head.headers['content-length']} bytes does not hold {array.shape} rows")
+    yield ReadInto(byte_view(array))
+    yield from expect_end()
+    return array
 
 
-def parse_rows(body: bytes) -> list[tuple[dict[str, Any], memoryview | None]]:
-    """Split an ``application/x-visenc-rows`` body into (item header, rows view) pairs
-    (``ProtocolError`` for anything malformed: a short body, a bad header, rows out of range)."""
-    try:
-        return split_frame(body)
-    except CorruptFrame as e:
-        raise ProtocolError(f"unreadable rows response: {e}") from e
+def ranges_request(
+    client: httpx.Client | httpx.AsyncClient,
+    path: str,
+    ranges: Sequence[RowRange],
+    *,
+    wait: bool,
+    headers: dict[str, str] | None,
+) -> httpx.Request:
+    """A request for several ranges (``/v1/embeddings/fetch`` or ``/v1/embeddings/shm``)."""
+    payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
+    return msgpack_request(client, path, payload, headers)
 
 
 def fetch_many_flow(
     client: httpx.Client | httpx.AsyncClient, ranges: Sequence[RowRange], *, wait: bool, headers: dict[str, str] | None
-) -> Flow[list[np.ndarray]]:
-    """Several ranges in one round trip; each result is a read-only view of the one response body."""
-    payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
-    resp = yield msgpack_request(client, "/v1/embeddings/fetch", payload, headers)
-    raise_for_status(resp)
-    arrays = []
-    for item, rows in parse_rows(resp.content):
-        if rows is None:
-            raise error_for(int(item.get("status", 500)), "fetch_failed", f"{item.get('hash')}: {item.get('error')}")
-        n, hidden = item["shape"]
-        arrays.append(as_array(rows, item["dtype"], n, hidden))
+) -> AnyFlow[list[np.ndarray]]:
+    """Several ranges in one round trip, each read into a new array."""
+    head = yield from send_streamed(ranges_request(client, "/v1/embeddings/fetch", ranges, wait=wait, headers=headers))
+    arrays: list[np.ndarray] = []
+
+    def place(item: dict[str, Any]) -> memoryview:
+        arrays.append(owned_array(item))
+        return byte_view(arrays[-1])
+
+    items = yield from read_frame(head, place)
+    for item in items:
+        if "offset" not in item:
+            raise failed_range(item)
+    if len(items) != len(ranges):
+        raise ProtocolError(f"asked for {len(ranges)} ranges, got {len(items)}")
     return arrays
+
+
+def failed_range(item: dict[str, Any]) -> Exception:
+    """The exception of a range the service answered with an error in its place."""
+    return error_for(int(item.get("status", 500)), "fetch_failed", f"{item.get('hash')}: {item.get('error')}")
 
 
 def simple_flow(

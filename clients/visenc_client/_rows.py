@@ -1,72 +1,41 @@
 """Flows that move embedding rows: chunk fetches into one buffer, shared-memory fetches.
 
-Copies, counted: over HTTP each row byte is copied once in this process, from
-the network chunk it arrived in to its place in the destination buffer (the
-body is streamed, never joined). Over shared memory ``fetch_many`` hands out
-read-only views of the mapped segments (no copy) and ``fetch_chunk`` copies
-each row once, from the mapping into the buffer.
+Copies, counted: over HTTP each row byte is copied once in this process, from the
+socket straight into its place in the destination buffer (``ReadInto``). Over shared
+memory ``fetch_many`` hands out read-only views of the mapped segments (no copy) and
+``fetch_chunk`` copies each row once, from the mapping into the buffer. Ranges the
+service cannot put into shared memory (its budget is full) are read over HTTP.
 """
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+import logging
+from collections.abc import Sequence
 from typing import Any
 
-import httpx
 import msgpack
 import numpy as np
 
-from visenc_client._exceptions import ProtocolError, error_for
+from visenc_client._exceptions import ProtocolError
 from visenc_client._protocol import (
     NUMPY_DTYPES,
     AnyFlow,
-    Flow,
-    msgpack_request,
+    byte_view,
+    failed_range,
+    fetch_many_flow,
     raise_for_status,
-    read_all,
-    read_chunk,
+    ranges_request,
+    read_frame,
     send_streamed,
 )
 from visenc_client._shm import SegmentHandles, SegmentMaps
 from visenc_client._types import RowRange
 from visenc_client.chunks import ChunkPlan
-from visenc_client.format import FRAME_PREFIX_BYTES, CorruptFrame, frame_header_length, frame_items, tensor_words
+from visenc_client.format import tensor_words
 
-Client = httpx.Client | httpx.AsyncClient
+log = logging.getLogger("visenc_client")
 
-
-class BodyReader:
-    """Reads a streamed body in order, copying each byte once to where the caller wants it."""
-
-    def __init__(self) -> None:
-        self._pending = memoryview(b"")
-
-    def read_into(self, dst: memoryview) -> Generator[Any, Any, None]:
-        filled = 0
-        while filled < len(dst):
-            if not self._pending:
-                chunk = yield from read_chunk()
-                if not chunk:
-                    raise ProtocolError("the response body ended early")
-                self._pending = memoryview(chunk)
-            n = min(len(self._pending), len(dst) - filled)
-            dst[filled : filled + n] = self._pending[:n]
-            self._pending = self._pending[n:]
-            filled += n
-
-    def read(self, n: int) -> Generator[Any, Any, bytes]:
-        """``n`` bytes as a new object (small headers only)."""
-        buf = bytearray(n)
-        yield from self.read_into(memoryview(buf))
-        return bytes(buf)
-
-    def expect_end(self) -> Generator[Any, Any, None]:
-        if self._pending or (yield from read_chunk()):
-            raise ProtocolError("the response body is longer than its header says")
-
-
-def _failed(item: dict[str, Any]) -> Exception:
-    return error_for(int(item.get("status", 500)), "fetch_failed", f"{item.get('hash')}: {item.get('error')}")
+Client = Any  # httpx.Client | httpx.AsyncClient: only ``build_request`` is used
 
 
 def destination(out: Any, rows: int, hidden: int, dtype: str, dense: bool) -> tuple[np.ndarray, Any]:
@@ -96,14 +65,6 @@ def destination(out: Any, rows: int, hidden: int, dtype: str, dense: bool) -> tu
     return target.view(wire), out
 
 
-def _check_item(item: dict[str, Any], piece_rows: int, hidden: int, dtype: str) -> int:
-    if "offset" not in item:
-        raise _failed(item)
-    if item["dtype"] != dtype or list(item["shape"]) != [piece_rows, hidden]:
-        raise ProtocolError(f"{item['hash']}: got {item['shape']} {item['dtype']}, asked for {piece_rows} rows")
-    return int(item["nbytes"])
-
-
 def fetch_chunk_flow(
     client: Client,
     plan: ChunkPlan,
@@ -128,31 +89,27 @@ def fetch_chunk_flow(
         for piece, view in zip(plan.pieces, views):
             array[piece.dest : piece.dest + piece.rows] = view
         return result
-    payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
-    resp = yield from send_streamed(msgpack_request(client, "/v1/embeddings/fetch", payload, headers))
-    if resp.status_code >= 400:
-        raise_for_status(resp, (yield from read_all()))
-    reader = BodyReader()
-    try:
-        hlen = frame_header_length((yield from reader.read(FRAME_PREFIX_BYTES)))
-        items = frame_items((yield from reader.read(hlen)))
-    except CorruptFrame as e:
-        raise ProtocolError(f"unreadable rows response: {e}") from e
-    if len(items) != len(plan.pieces):
-        raise ProtocolError(f"asked for {len(plan.pieces)} ranges, got {len(items)}")
+    head = yield from send_streamed(ranges_request(client, "/v1/embeddings/fetch", ranges, wait=wait, headers=headers))
+    pieces = iter(plan.pieces)
+    target: list[Any] = []  # (array, result), made once the first item tells the width and dtype
+
+    def place(item: dict[str, Any]) -> memoryview:
+        piece = next(pieces)
+        rows, hidden = (int(x) for x in item["shape"])
+        if not target:
+            target.extend(destination(out, plan.rows, hidden, str(item["dtype"]), plan.dense))
+        array = target[0]
+        if rows != piece.rows or (hidden, NUMPY_DTYPES[str(item["dtype"])]) != (array.shape[1], array.dtype):
+            raise ProtocolError(f"{item['hash']}: got {item['shape']} {item['dtype']}, asked for {piece.rows} rows")
+        return byte_view(array[piece.dest : piece.dest + rows])
+
+    items = yield from read_frame(head, place)
     for item in items:
         if "offset" not in item:
-            raise _failed(item)
-    hidden, dtype = int(items[0]["shape"][1]), str(items[0]["dtype"])
-    array, result = destination(out, plan.rows, hidden, dtype, plan.dense)
-    dst = array.data.cast("B")  # array is C-contiguous (checked by destination)
-    row_bytes = hidden * array.itemsize
-    for piece, item in zip(plan.pieces, items):
-        nbytes = _check_item(item, piece.rows, hidden, dtype)
-        at = piece.dest * row_bytes
-        yield from reader.read_into(dst[at : at + nbytes])
-    yield from reader.expect_end()
-    return result
+            raise failed_range(item)
+    if len(items) != len(plan.pieces):
+        raise ProtocolError(f"asked for {len(plan.pieces)} ranges, got {len(items)}")
+    return target[1]
 
 
 def shm_fetch_flow(
@@ -161,29 +118,45 @@ def shm_fetch_flow(
     *,
     wait: bool,
     headers: dict[str, str] | None,
-    known: SegmentHandles | None = None,
-) -> Flow[list[np.ndarray]]:
+    known: SegmentHandles,
+) -> AnyFlow[list[np.ndarray]]:
     """Several ranges as read-only views of the service's shared-memory segments (no copy); no
-    request when ``known`` already knows every image's segment."""
-    if known is not None and (views := known.views(ranges)) is not None:
+    request when ``known`` already knows every image's segment. Ranges the service could not put
+    into shared memory (429: its budget is full) are read over HTTP instead, counted in
+    ``known.http_fallbacks`` and said once in the log."""
+    if (views := known.views(ranges)) is not None:
         return views
-    payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
-    resp = yield msgpack_request(client, "/v1/embeddings/shm", payload, headers)
+    resp = yield ranges_request(client, "/v1/embeddings/shm", ranges, wait=wait, headers=headers)
     raise_for_status(resp)
     try:
         body = msgpack.unpackb(resp.content)
         maps, items, lease_s = SegmentMaps(str(body["dir"])), body["items"], float(body["lease_s"])
     except Exception as e:
         raise ProtocolError(f"unreadable shared-memory response: {e}") from e
-    arrays = []
-    for item in items:
+    arrays: list[np.ndarray | None] = []
+    full: list[int] = []
+    for i, item in enumerate(items):
         if "segment" not in item:
-            raise _failed(item)
+            if item.get("status") != 429:
+                raise failed_range(item)
+            full.append(i)
+            arrays.append(None)
+            continue
         dtype = NUMPY_DTYPES.get(item["dtype"])
         if dtype is None:
             raise ProtocolError(f"unknown dtype {item['dtype']!r}")
         rows, hidden = (int(x) for x in item["shape"])
         arrays.append(maps.view(item["segment"], int(item["offset"]), int(item["nbytes"]), dtype, rows, hidden))
-        if known is not None:
-            known.learn(maps.directory, lease_s, item, dtype)
-    return arrays
+        known.learn(maps.directory, lease_s, item, dtype)
+    if full:
+        if not known.http_fallbacks:
+            log.warning(
+                "visenc's shared-memory budget is full (%s): rows it cannot place there are read over HTTP "
+                "(counted in the client's shm_http_fallbacks; raise --shm-max-bytes to avoid it)",
+                items[full[0]].get("error"),
+            )
+        known.http_fallbacks += len(full)
+        over_http = yield from fetch_many_flow(client, [ranges[i] for i in full], wait=wait, headers=headers)
+        for i, array in zip(full, over_http):
+            arrays[i] = array
+    return arrays  # type: ignore[return-value]

@@ -146,6 +146,8 @@ class SegmentHandles:
         self.max_images = max_images
         self._known: OrderedDict[str, _Known] = OrderedDict()
         self._lock = threading.Lock()
+        #: ranges read over HTTP because the service's shared-memory budget was full
+        self.http_fallbacks = 0
 
     def learn(self, directory: str, lease_s: float, item: dict, dtype: np.dtype) -> None:
         """Remember the segment an answer's ``item`` named, for half its ``lease_s``."""
@@ -176,3 +178,19 @@ class SegmentHandles:
             offset = k.base + start * row_bytes
             out.append(maps.view(k.segment, offset, (end - start) * row_bytes, k.dtype, end - start, k.hidden))
         return out
+
+
+def same_host(model_info: dict[str, object]) -> bool:
+    """Whether the service that answered ``/v1/model`` with ``model_info`` shares this host's shared
+    memory with this process: its probe segment is readable here and holds the token it names."""
+    shm = model_info.get("shm")
+    if not isinstance(shm, dict):
+        return False
+    try:
+        name, token = str(shm["probe"]), str(shm["token"])
+        if not _NAME.fullmatch(name):
+            return False
+        with open(os.path.join(str(shm["dir"]), name), "rb") as f:
+            return f.read(len(token) + 1) == token.encode()
+    except (KeyError, OSError):
+        return False

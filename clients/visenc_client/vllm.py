@@ -15,7 +15,8 @@ vision tower. Configure it with::
 ``url``                  the visenc service; a list of URLs (replicas) is tried in order
 ``api_key``              bearer key (its tenant is the namespace)
 ``namespace``            key namespace when the service runs without API keys
-``transport``            ``http`` (default) or ``shm`` (same host, service run with ``--shm-enabled true``)
+``transport``            ``auto`` (default: shared memory when visenc is on this host, else HTTP; logged),
+                         ``http`` or ``shm``
 ``timeout_s``            bound of one fetch of an image's rows from one URL (default 10)
 ``defer_timeout_s``      longest a request waits for its rows before vLLM encodes the images itself (default 2)
 ``wait_for_encoding``    wait for an image visenc is still encoding (default false: vLLM encodes it itself,
@@ -149,8 +150,10 @@ class _Mismatch(_Absent):
 
 
 def _torch_rows(rows: np.ndarray, dtype: str | None) -> torch.Tensor:
-    """The rows as a CPU tensor that owns its memory (the response body is not kept)."""
-    return words_tensor(np.array(rows, copy=True), dtype or "float32")
+    """The rows as a CPU tensor that owns its memory: an array read for this call is taken as it is, a
+    view of memory that is not ours (a shared-memory segment) is copied once."""
+    owned = rows if rows.flags.owndata and rows.flags.writeable else np.array(rows, copy=True)
+    return words_tensor(owned, dtype or "float32")
 
 
 def encoder_output_width(model_config: Any) -> int:
@@ -248,13 +251,12 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self.timeout_s = float(option("timeout_s", 10.0))
         self.defer_timeout_s = float(option("defer_timeout_s", 2.0))
         self.wait_for_encoding = bool(option("wait_for_encoding", False))
-        transport = option("transport", "http")
-        if transport not in ("http", "shm"):
-            raise ValueError(f"VisencConnector: transport must be 'http' or 'shm', not {transport!r}")
+        transport = option("transport", "auto")
+        if transport not in ("auto", "http", "shm"):
+            raise ValueError(f"VisencConnector: transport must be 'auto', 'http' or 'shm', not {transport!r}")
         auth = {"namespace": option("namespace", None), "api_key": option("api_key", None)}
-        self._clients = [
-            Client(url, timeout=self.timeout_s, shared_memory=transport == "shm", **auth) for url in self.urls
-        ]
+        shared: Any = {"auto": "auto", "http": False, "shm": True}[transport]
+        self._clients = [Client(url, timeout=self.timeout_s, shared_memory=shared, **auth) for url in self.urls]
         self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))
         self._inflight: dict[str, Future[dict[str, torch.Tensor | _Absent]]] = {}
         self._absent: dict[str, float] = {}  # identifier -> when it was found absent
@@ -299,14 +301,18 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
                     f"VisencConnector: visenc at {url} serves fingerprint {served.get('fingerprint')}, "
                     f"expected {expected_fingerprint}"
                 )
+            if client._auto:
+                client._choose(served)
             log.info(
-                "VisencConnector: visenc at %s serves %s (fingerprint %s, %s, rows of %d, image loader %s)",
+                "VisencConnector: visenc at %s serves %s (fingerprint %s, %s, rows of %d, image loader %s); "
+                "rows over %s",
                 url,
                 served.get("name"),
                 served.get("fingerprint"),
                 served.get("dtype"),
                 hidden,
                 served.get("image_loader"),
+                "shared memory" if client.shared_memory else "HTTP",
             )
             return expected_fingerprint or served.get("fingerprint")
         log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")

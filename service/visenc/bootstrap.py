@@ -19,7 +19,7 @@ from visenc import heap
 from visenc.api.app import create_api
 from visenc.config import Settings
 from visenc.engine.core import Engine
-from visenc.index.memory import MemoryLRU
+from visenc.index.memory import MemoryCache
 from visenc.index.redis_claims import RedisClaims
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
@@ -28,10 +28,23 @@ from visenc.models.base import VisionTower
 log = logging.getLogger("visenc")
 
 
+#: the in-process index's share of the host's memory (or of the container's limit) when cache_bytes is unset
+CACHE_SHARE = 0.2
+
+
+def with_defaults(settings: Settings) -> Settings:
+    """``settings`` with the budgets that default to the host's memory filled in (``cache_bytes``)."""
+    if settings.cache_bytes is not None:
+        return settings
+    from visenc.engine.limits import usable_memory_bytes
+
+    return settings.model_copy(update={"cache_bytes": int(CACHE_SHARE * usable_memory_bytes())})
+
+
 def build_index(settings: Settings, metrics: Metrics) -> tuple[Index, RedisClaims | None]:
-    """The in-process LRU; with ``redis_url``, in front of the shared Redis store, whose
+    """The in-process cache; with ``redis_url``, in front of the shared Redis store, whose
     connection also carries the cross-replica claims."""
-    local = MemoryLRU(settings.cache_bytes, metrics)
+    local = MemoryCache(settings.cache_bytes or 0, metrics, pin_lease_s=settings.ready_lease_s)
     if settings.redis_url is None:
         return Index(local), None
     from visenc.index.redis_conn import RedisConnection
@@ -72,6 +85,17 @@ def load_tower(settings: Settings) -> VisionTower:
     return tower
 
 
+def capacity(tower: VisionTower, cache_bytes: int, size: tuple[int, int] = (1920, 1080)) -> str:
+    """What the L1 budget holds, in screenshots of ``size`` for this tower."""
+    rows = tower.layout(*size).num_tokens
+    each = rows * tower.hidden_size * tower.dtype.itemsize
+    return (
+        f"in-process index (L1): {cache_bytes / 2**30:.1f} GiB, about {cache_bytes // max(1, each)} "
+        f"{size[0]}x{size[1]} screenshots of this model ({rows} rows of {tower.hidden_size} "
+        f"{str(tower.dtype).removeprefix('torch.')}: {each / 2**20:.1f} MiB each)"
+    )
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -83,7 +107,7 @@ def create_app(
 
     If the device worker cannot be restarted, ``app.state.fatal`` holds the reason and
     ``app.state.stop_server()`` (set by the CLI) is called so that the process exits non-zero."""
-    settings = settings or Settings()
+    settings = with_defaults(settings or Settings())
     metrics = Metrics()
 
     @asynccontextmanager
@@ -102,6 +126,7 @@ def create_app(
 
         await core.start(on_fatal=fatal)
         log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"], settings.redacted())
+        log.info("%s", capacity(loaded, settings.cache_bytes or 0))
         try:
             yield core
         finally:

@@ -63,7 +63,18 @@ class Settings(BaseSettings):
 
     # --- index --------------------------------------------------------------
     namespace: str = Field("default", pattern=NAMESPACE_PATTERN, description="Default key namespace (tenant).")
-    cache_bytes: int = Field(1024 * MiB, ge=0, description="Byte budget of the in-process LRU (L1).")
+    cache_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Byte budget of the in-process index (L1); default: a fifth of the host's memory (or of the "
+        "container's limit). Start-up logs how many screenshots of the served model it holds.",
+    )
+    ready_lease_s: float = Field(
+        30.0,
+        gt=0,
+        description="How long an image answered ready stays in L1 for its caller to read, whatever the budget "
+        "(released earlier once read to its last row).",
+    )
     redis_url: SecretStr | None = Field(
         None, description="redis:// or rediss:// URL of the shared index (L2); unset = in-process only."
     )
@@ -184,16 +195,19 @@ class Settings(BaseSettings):
     )
     # --- shared memory (same-host transport) ---------------------------------
     shm_enabled: bool = Field(
-        False,
-        description="Serve POST /v1/embeddings/shm: rows handed out as shared-memory segments "
-        "to clients on the same host, running as the same user.",
+        True,
+        description="Serve POST /v1/embeddings/shm: rows handed out as shared-memory segments to clients on the "
+        "same host, running as the same user (off by itself where shm_dir is not a writable directory).",
     )
     shm_dir: str = Field("/dev/shm", description="Directory of the shared-memory segments (a tmpfs).")
     shm_lease_s: float = Field(
         30.0, gt=0, description="A segment stays openable at least this long after the last handle naming it."
     )
-    shm_max_bytes: int = Field(
-        1024 * MiB, gt=0, description="Most bytes held in segments; past it (no lease expired) shm fetches get 429."
+    shm_max_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="Most bytes held in segments (default: cache_bytes, within shm_dir's free space); a range that "
+        "does not fit (no lease expired) is answered 429 in its place and the client reads it over HTTP.",
     )
 
     # --- throughput -----------------------------------------------------------

@@ -166,6 +166,16 @@ class Metrics:
         )
         self.cache_bytes = Gauge("visenc_cache_bytes", "Bytes held by a tier.", ["tier"], registry=r)
         self.cache_entries = Gauge("visenc_cache_entries", "Entries held by a tier.", ["tier"], registry=r)
+        self.cache_pinned_bytes = Gauge(
+            "visenc_cache_pinned_bytes",
+            "Bytes of L1 entries answered ready and not yet read by every caller (kept past the budget).",
+            registry=r,
+        )
+        self.cache_pins_cut = Counter(
+            "visenc_cache_pins_cut",
+            "Pins on L1 entries ended before their lease because pinned entries held twice the budget.",
+            registry=r,
+        )
         self.bytes_index = Counter(
             "visenc_index_bytes", "Bytes read from / written to a tier.", ["tier", "op"], registry=r
         )

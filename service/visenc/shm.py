@@ -30,6 +30,7 @@ exactly the bytes the HTTP fetch of the same entry serves.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import os
 import re
@@ -45,7 +46,7 @@ from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"visenc-(\d+)-[0-9a-f]{8}-\d+")
+_NAME = re.compile(r"visenc-(\d+)-(?:[0-9a-f]{8}-\d+|probe-[0-9a-f]{8})")
 
 
 @dataclass(slots=True)
@@ -121,6 +122,9 @@ class SegmentPool:
         self.lease_s = lease_s
         self.max_bytes = max_bytes
         self.prefix = f"visenc-{os.getpid()}-{secrets.token_hex(4)}-"
+        #: a file of the pool's own holding ``token``: how a client tells it is on this host
+        self.token = secrets.token_hex(16)
+        self.probe = f"visenc-{os.getpid()}-probe-{self.token[:8]}"
         self.bytes = 0
         self._metrics = metrics
         self._clock = clock
@@ -133,7 +137,13 @@ class SegmentPool:
         stale = await asyncio.to_thread(sweep_stale, self.directory)
         if stale:
             log.warning("removed %s shared-memory segments left by dead visenc processes", len(stale))
+        await asyncio.to_thread(_write, self._path(self.probe), self.token.encode())
         self._reaper = spawn(self._reap_forever(), "shm-reaper", self._metrics)
+
+    def describe(self) -> dict[str, str]:
+        """Where a client finds the probe segment, and the token it holds: a client that reads the same
+        token there shares this host's shared memory with the service."""
+        return {"dir": self.directory, "probe": self.probe, "token": self.token}
 
     async def close(self) -> None:
         if self._reaper is not None:
@@ -142,7 +152,7 @@ class SegmentPool:
                 await self._reaper
             except asyncio.CancelledError:
                 pass
-        paths = [self._path(s.name) for s in self._segments.values()]
+        paths = [self._path(s.name) for s in self._segments.values()] + [self._path(self.probe)]
         self._segments.clear()
         self.bytes = 0
         _unlink_all(paths)  # shutdown: nothing else is waiting on the loop
@@ -191,9 +201,11 @@ class SegmentPool:
         self.bytes += entry.nbytes  # reserved before the write, so concurrent exports see it
         try:
             await asyncio.to_thread(_write, self._path(name), entry.blob)
-        except BaseException:
+        except BaseException as e:
             self.bytes -= entry.nbytes
             await asyncio.to_thread(_unlink_all, [self._path(name)])
+            if isinstance(e, OSError) and e.errno == errno.ENOSPC:
+                raise Overloaded(f"no room left in {self.directory} for shared-memory segments") from e
             raise
         segment = Segment(name, entry, self._clock() + self.lease_s)
         old = self._segments.get(key)

@@ -9,7 +9,7 @@ from tests.conftest import free_port
 from tests.support.waits import metric
 
 from visenc.config import Settings
-from visenc.index.memory import MemoryLRU
+from visenc.index.memory import MemoryCache
 from visenc.index.redis_claims import ClaimState, RedisClaims, claim_key, queued_key
 from visenc.index.redis_conn import RedisConnection, redacted_location
 from visenc.index.redis_store import RedisStore
@@ -90,7 +90,7 @@ async def test_corrupt_truncated_or_mismatched_values_are_misses(raw, redis_url)
 
 async def test_tiered_lookup_is_one_round_trip_and_promotes(raw, redis_url):
     m = Metrics()
-    tiered = Index(MemoryLRU(1 << 20, m), index_for(redis_url, m))
+    tiered = Index(MemoryCache(1 << 20, m), index_for(redis_url, m))
     entries = {entry_key("ns", FP, f"{i:064x}"): make(f"{i:064x}", seed=i) for i in range(5)}
     for k, e in entries.items():
         await raw.set(k, bytes(e.blob))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from visenc.index.memory import MemoryLRU
+from visenc.index.memory import MemoryCache
 from visenc.metrics import Metrics
 from visenc_client.format import DATA_OFFSET, CorruptEntry, entry_key, pack_entry, unpack_entry
 
@@ -62,7 +62,7 @@ async def test_lru_byte_budget_and_recency():
     _, e = entry()
     size = e.nbytes
     metrics = Metrics()
-    idx = MemoryLRU(3 * size, metrics)
+    idx = MemoryCache(3 * size, metrics)
     for k in "abc":
         idx.store(k, e)
     assert idx.bytes == 3 * size
@@ -74,7 +74,104 @@ async def test_lru_byte_budget_and_recency():
     assert metrics.cache_evictions.labels("memory")._value.get() == 1
     # an entry larger than the whole budget is not stored (and evicts nothing)
     _, big = entry(rows=64)
-    small = MemoryLRU(size, metrics)
+    small = MemoryCache(size, metrics)
     small.store("x", e)
     small.store("big", big)
     assert "big" not in small and "x" in small
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def sized(n: int):
+    """An entry of ``n`` rows of 8 float32 (32n bytes of rows past the header)."""
+    return entry(rows=n)[1]
+
+
+def test_a_cyclic_pass_over_more_than_the_cache_keeps_most_of_it_resident():
+    """LRU evicts every entry of a loop over 1.5x the cache before its reuse; the shadow directories
+    see bimodal insertion do better and the cache switches to it."""
+    e = sized(4)
+    cache = MemoryCache(20 * e.nbytes)
+    keys = [f"k{i}" for i in range(30)]
+    hits = 0
+    for rnd in range(10):
+        for k in keys:
+            hit = cache.lookup([k])[0] is not None
+            hits += hit and rnd > 0
+            if not hit:
+                cache.store(k, e)
+    assert cache.bimodal
+    assert hits / (9 * len(keys)) > 0.5
+
+
+def test_recent_entries_coming_back_keep_lru():
+    """An agent's screenshots: each turn resends the last four and adds one. LRU holds them all."""
+    e = sized(4)
+    cache = MemoryCache(10 * e.nbytes)
+    hits = looks = 0
+    for turn in range(200):
+        for k in [f"s{i}" for i in range(max(0, turn - 4), turn + 1)]:
+            looks += 1
+            if cache.lookup([k])[0] is not None:
+                hits += 1
+            else:
+                cache.store(k, e)
+    assert not cache.bimodal
+    assert hits / looks > 0.75
+
+
+def test_a_pinned_entry_stays_past_the_budget_until_read():
+    e = sized(4)
+    metrics = Metrics()
+    cache = MemoryCache(3 * e.nbytes, metrics, pin_lease_s=30, clock=Clock())
+    for k in "abcd":
+        cache.store(k, e, pins=1)
+    assert all(k in cache for k in "abcd") and cache.bytes == 4 * e.nbytes  # over the budget, pinned
+    assert metrics.cache_pinned_bytes._value.get() == 4 * e.nbytes
+    cache.release("b")  # read: evictable again
+    cache.release("c")
+    cache.store("e", e)
+    assert "b" not in cache and "c" not in cache and all(k in cache for k in "ade")
+    assert cache.bytes == 3 * e.nbytes
+
+
+def test_a_pin_counts_its_callers_and_ends_with_its_lease():
+    clock = Clock()
+    e = sized(4)
+    cache = MemoryCache(e.nbytes, pin_lease_s=10, clock=clock)
+    cache.store("a", e, pins=2)
+    cache.release("a")
+    cache.store("b", e)
+    assert "a" in cache  # one caller has not read it yet
+    clock.now = 11
+    cache.store("c", e)
+    assert "a" not in cache  # the lease ended
+
+
+def test_pins_past_twice_the_budget_are_cut_oldest_first_and_counted():
+    e = sized(4)
+    metrics = Metrics()
+    cache = MemoryCache(2 * e.nbytes, metrics, clock=Clock())
+    for k in "abcde":
+        cache.store(k, e, pins=1)
+    assert "a" not in cache and all(k in cache for k in "bcde")
+    assert cache.pinned_bytes <= 2 * cache.max_bytes
+    assert metrics.cache_pins_cut._value.get() == 1
+
+
+def test_pinning_an_entry_already_held():
+    e = sized(4)
+    cache = MemoryCache(2 * e.nbytes, clock=Clock())
+    cache.store("a", e)
+    cache.pin("a")
+    cache.store("b", e)
+    cache.store("c", e)
+    assert "a" in cache and "b" not in cache
+    cache.pin("zz")  # nothing held under it: nothing to keep
+    assert "zz" not in cache

@@ -19,7 +19,7 @@ from visenc.engine.outputs import Outputs
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import InvalidHash
-from visenc.index.memory import MemoryLRU
+from visenc.index.memory import MemoryCache
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout, VisionTower
@@ -99,7 +99,7 @@ def pipeline(
     pool = ThreadPoolExecutor(2, thread_name_prefix="visenc-pre")
     local = LocalCoordination()
     outputs = Outputs(
-        index=Index(MemoryLRU(1 << 20)),
+        index=Index(MemoryCache(1 << 20)),
         metrics=Metrics(),
         fingerprint="f" * 32,
         hidden_size=4,

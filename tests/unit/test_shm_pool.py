@@ -88,6 +88,6 @@ async def test_start_sweeps_segments_of_dead_services_only(tmp_path, dead_pid):
     p = pool(tmp_path, Clock())
     await p.start()
     try:
-        assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name])
+        assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, p.probe])  # and its own probe
     finally:
         await p.close()

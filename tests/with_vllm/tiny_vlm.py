@@ -118,8 +118,12 @@ def build(
     vision_seed: int | None = None,
     arch: str = "qwen2_vl",
     vision: dict | None = None,
+    row_width: int | None = None,
+    max_image_tokens: int = 256,
 ) -> Path:
-    """``vision``: overrides of the vision config (``TOWERS`` for Qwen2-VL towers of real sizes)."""
+    """``vision``: overrides of the vision config (``TOWERS`` for Qwen2-VL towers of real sizes);
+    ``row_width``: the language model's width, and so the rows' (a 7B model's: 3584; default 128);
+    ``max_image_tokens``: the processor's resize ceiling, in image tokens."""
     import torch
 
     config_class, model_class = _classes(arch)
@@ -131,16 +135,23 @@ def build(
     rope = {"rope_type": "default", "mrope_section": [8, 12, 12], "rope_theta": 1000000.0}
     if arch == "qwen3_vl":
         rope = {**rope, "mrope_section": [8, 12, 12], "mrope_interleaved": True}
+    width = (
+        {}
+        if row_width is None
+        else {"out_hidden_size" if "out_hidden_size" in VISION[arch] else "hidden_size": row_width}
+    )
     config = config_class(
         vision_config={
             **VISION[arch],
             **(vision or {}),
+            **width,
             "spatial_merge_size": 2,
             "temporal_patch_size": 2,
             "in_channels": 3,
         },
         text_config={
             **_text_config(len(tok), bos=ids["<|endoftext|>"], eos=ids["<|im_end|>"], pad=ids["<|endoftext|>"]),
+            **({} if row_width is None else {"hidden_size": row_width}),
             "rms_norm_eps": 1e-6,
             "rope_parameters": rope,
             "rope_scaling": rope,
@@ -161,7 +172,7 @@ def build(
     tok.save_pretrained(out)
     (out / "chat_template.jinja").write_text(CHAT_TEMPLATE)
     factor = (patch * 2) ** 2
-    min_pixels, max_pixels = 4 * factor, 256 * factor  # at most 256 image tokens per image
+    min_pixels, max_pixels = 4 * factor, max_image_tokens * factor  # at most this many image tokens per image
     (out / "preprocessor_config.json").write_text(
         json.dumps(
             {

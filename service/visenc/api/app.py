@@ -67,18 +67,18 @@ def create_api(settings: Settings, metrics: Metrics, engine: EngineContext) -> F
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        async with engine(app) as started:
-            app.state.shm = await shm_api.start_pool(settings, metrics)  # None unless shm_enabled
-            app.state.epd = sglang.start(
-                settings, metrics, auth=bool(api_keys)
-            )  # None: refused (API keys, no namespace)
-            app.state.engine = started
-            try:
-                yield
-            finally:
-                app.state.engine = None
-                await sglang.stop(app.state.epd)
-                await shm_api.stop_pool(app.state.shm)
+        app.state.shm = await shm_api.start_pool(settings, metrics)  # None: shared memory off
+        try:
+            async with engine(app) as started:
+                app.state.epd = sglang.start(settings, metrics, auth=bool(api_keys))  # None: refused
+                app.state.engine = started
+                try:
+                    yield
+                finally:
+                    app.state.engine = None
+                    await sglang.stop(app.state.epd)
+        finally:
+            await shm_api.stop_pool(app.state.shm)
 
     app = FastAPI(
         title="visenc",

@@ -164,8 +164,10 @@ class ChunksResponse(Response):
             await send({"type": "http.response.body", "body": chunk, "more_body": i < len(self.chunks) - 1})
 
 
-def rows_response(meta: list[dict[str, Any]], views: Sequence[memoryview]) -> ChunksResponse:
-    return ChunksResponse([frame_head(meta), *views], ROWS_MEDIA_TYPE)
+def rows_response(
+    meta: list[dict[str, Any]], views: Sequence[memoryview], headers: dict[str, str] | None = None
+) -> ChunksResponse:
+    return ChunksResponse([frame_head(meta), *views], ROWS_MEDIA_TYPE, headers)
 
 
 def error_response(exc: VisencError) -> JSONResponse:

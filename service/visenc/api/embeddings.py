@@ -48,6 +48,8 @@ async def get_embedding(
     s, e = check_range(entry, start, end)
     view = entry.rows_view(s, e)
     request.app.state.metrics.bytes_served.labels("http").inc(len(view))
+    if e == entry.rows:
+        engine_of(request).served(image_hash, namespace_of(request))
     headers = {
         "X-Visenc-Shape": f"{e - s},{entry.hidden}",
         "X-Visenc-Dtype": entry.dtype,
@@ -97,7 +99,10 @@ async def resolve_ranges(request: Request) -> list[Resolved | dict[str, Any]]:
         try:
             if isinstance(f, BaseException):
                 raise f
-            out.append(Resolved(r.hash, f, *check_range(f, r.start, r.end)))
+            resolved = Resolved(r.hash, f, *check_range(f, r.start, r.end))
+            out.append(resolved)
+            if resolved.end == f.rows:  # the caller reads up to the last row: its ready answer's pin goes
+                engine.served(r.hash, ns)
         except VisencError as err:
             if not err.public:
                 raise

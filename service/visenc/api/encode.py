@@ -9,7 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
-from visenc.api.codec import parse, render, wants_msgpack
+from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response, wants_msgpack
 from visenc.api.deps import ERRORS, body_schema, engine_of, namespace_of
 from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import EncodeRequest, EncodeResponse
@@ -19,7 +19,19 @@ from visenc.errors import PayloadTooLarge
 router = APIRouter()
 
 
-@router.post("/v1/encode", response_model=EncodeResponse, responses=ERRORS, openapi_extra=body_schema(EncodeRequest))
+@router.post(
+    "/v1/encode",
+    response_model=EncodeResponse,
+    responses={
+        200: {
+            "content": {ROWS_MEDIA_TYPE: {}},
+            "description": "With include_rows and Accept: application/x-visenc-rows: a rows frame whose items are "
+            "the handles, each ready one with its rows' offset, nbytes and shape.",
+        },
+        **ERRORS,
+    },
+    openapi_extra=body_schema(EncodeRequest),
+)
 async def encode(request: Request) -> Response:
     """Look images up by hash and encode the misses that came with bytes.
 
@@ -53,14 +65,26 @@ async def encode(request: Request) -> Response:
         f"the request was not answered within {limit}",
     )
     items = [h.to_wire() for h in handles]
-    if body.include_rows:
-        await _inline_rows(request, items, settings.max_body_bytes)
     headers = {"X-Visenc-Queue-Time": f"{timing.queue_s:.6f}", "X-Visenc-Encode-Time": f"{timing.encode_s:.6f}"}
+    if not body.include_rows:
+        return render(request, {"model": engine.fingerprint, "items": items}, headers=headers)
+    rows = await _ready_rows(request, items, settings.max_body_bytes)
+    if ROWS_MEDIA_TYPE in request.headers.get("accept", ""):  # a rows frame: the handles, then raw rows
+        offset = 0
+        for it, view in rows:
+            it.update(offset=offset, nbytes=len(view), shape=[it["num_tokens"], it["hidden_size"]])
+            offset += len(view)
+        return rows_response(items, [view for _, view in rows], headers)
+    binary = wants_msgpack(request)
+    for it, view in rows:
+        it["rows"] = view if binary else base64.b64encode(view).decode()
     return render(request, {"model": engine.fingerprint, "items": items}, headers=headers)
 
 
-async def _inline_rows(request: Request, items: list[dict[str, Any]], limit: int) -> None:
-    """Put each ready item's rows into its answer: views for msgpack, base64 text for JSON."""
+async def _ready_rows(
+    request: Request, items: list[dict[str, Any]], limit: int
+) -> list[tuple[dict[str, Any], memoryview]]:
+    """Each ready item with a view of its rows (read by this answer: its pin is released)."""
     engine = engine_of(request)
     ns = namespace_of(request)
     ready = [it for it in items if it["status"] == "ready"]
@@ -68,8 +92,7 @@ async def _inline_rows(request: Request, items: list[dict[str, Any]], limit: int
     total = sum(len(e.rows_view()) for e in entries)
     if total > limit:
         raise PayloadTooLarge(f"{total} bytes of rows exceed max_body_bytes={limit} inline; fetch them instead")
-    binary = wants_msgpack(request)
-    for it, entry in zip(ready, entries):
-        view = entry.rows_view()
-        it["rows"] = view if binary else base64.b64encode(view).decode()
+    for it in ready:
+        engine.served(it["hash"], ns)
     request.app.state.metrics.bytes_served.labels("inline").inc(total)
+    return [(it, entry.rows_view()) for it, entry in zip(ready, entries)]

@@ -15,8 +15,13 @@ router = APIRouter()
 
 @router.get("/v1/model")
 async def model_info(request: Request) -> Response:
-    """The served tower: name, fingerprint, hidden size, dtype, device."""
-    return render(request, engine_of(request).describe())
+    """The served tower: name, fingerprint, hidden size, dtype, device; ``shm``: where a client on this
+    host finds the shared-memory probe (absent when shared memory is off)."""
+    info = engine_of(request).describe()
+    pool = getattr(request.app.state, "shm", None)
+    if pool is not None:
+        info["shm"] = pool.describe()
+    return render(request, info)
 
 
 @router.get("/v1/model/layout")

@@ -1,11 +1,16 @@
 """``POST /v1/embeddings/shm``: rows handed out as shared-memory segments (same host).
 
-Off unless ``shm_enabled``; the segment pool (``visenc.shm``) is built in the
-app's lifespan and closed (every segment unlinked) at shutdown.
+On unless ``shm_enabled`` is false; the segment pool (``visenc.shm``) is built in the
+app's lifespan and closed (every segment unlinked) at shutdown. ``/v1/model`` names its probe
+segment (``SegmentPool.describe``): a client that reads the same token from it is on this host.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
+import os
+import shutil
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -16,21 +21,39 @@ from visenc.api.deps import ERRORS, body_schema, engine_of, namespace_of
 from visenc.api.embeddings import resolve_ranges
 from visenc.api.schemas import FetchRequest
 from visenc.config import Settings
-from visenc.errors import TransportDisabled
+from visenc.errors import Overloaded, TransportDisabled
 from visenc.metrics import Metrics
 from visenc.shm import SegmentPool
 from visenc_client.format import DATA_OFFSET, entry_key
 
+log = logging.getLogger(__name__)
 router = APIRouter()
 
 
+def _room(directory: str) -> int | None:
+    """Free bytes in ``directory``; ``None`` when it is not a directory this process may write to."""
+    if not os.path.isdir(directory) or not os.access(directory, os.W_OK):
+        return None
+    return shutil.disk_usage(directory).free
+
+
 async def start_pool(settings: Settings, metrics: Metrics) -> SegmentPool | None:
+    """The segment pool, or ``None`` when shared memory is off or ``shm_dir`` cannot hold segments
+    (said in the log: rows are then served over HTTP only). Its budget is ``shm_max_bytes``, by
+    default the L1 budget, within the free space of ``shm_dir`` (a container's ``/dev/shm`` may be small)."""
     if not settings.shm_enabled:
         return None
-    pool = SegmentPool(
-        settings.shm_dir, lease_s=settings.shm_lease_s, max_bytes=settings.shm_max_bytes, metrics=metrics
-    )
+    room = await asyncio.to_thread(_room, settings.shm_dir)
+    if room is None:
+        log.warning("shared memory is off: %s is not a writable directory", settings.shm_dir)
+        return None
+    max_bytes = settings.shm_max_bytes or min(settings.cache_bytes or 0, room)
+    if max_bytes <= 0:
+        log.warning("shared memory is off: no room in %s", settings.shm_dir)
+        return None
+    pool = SegmentPool(settings.shm_dir, lease_s=settings.shm_lease_s, max_bytes=max_bytes, metrics=metrics)
     await pool.start()
+    log.info("shared-memory rows: up to %.1f GiB of segments in %s", max_bytes / 2**30, settings.shm_dir)
     return pool
 
 
@@ -58,7 +81,11 @@ async def fetch_shm(request: Request) -> Response:
         if isinstance(r, dict):
             items.append(r)
             continue
-        segment = await pool.export(entry_key(ns, engine.fingerprint, r.hash), r.entry)
+        try:
+            segment = await pool.export(entry_key(ns, engine.fingerprint, r.hash), r.entry)
+        except Overloaded as e:  # the budget is full: this range alone is refused (the client reads it over HTTP)
+            items.append({"hash": r.hash, "status": e.status_code, "error": e.message})
+            continue
         nbytes = (r.end - r.start) * r.entry.row_bytes
         items.append(
             {

@@ -173,6 +173,9 @@ class Engine:
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
         return await self.intake.lookup(image_hash, namespace, timeout_s=timeout_s)
 
+    def served(self, image_hash: str, namespace: str) -> None:
+        self.intake.served(image_hash, namespace)
+
     def not_ready_reason(self) -> str | None:
         return self.intake.not_ready_reason()
 

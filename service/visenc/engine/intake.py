@@ -21,10 +21,11 @@
   encoding it (the scheduler watches it: it is waited for, not encoded again);
 * every entry read from any tier is checked against its header and its key
   before it is used: a corrupt or truncated one is a miss, never served;
-* a waiter that goes away releases its interest; a job nobody wants is dropped before its forward.
+* a waiter that goes away releases its interest; a job nobody wants is dropped before its forward;
+* an entry answered ``ready`` is pinned in L1 until the caller reads it (``served``).
 
-Intake owns the in-flight map: it adds a job when it admits it and removes it when the
-job's future is resolved (by ``outputs.py``); a finished job in the map is never joined.
+Intake owns the in-flight map: it adds a job when it admits it and removes it when the job's future
+is resolved (by ``outputs.py``); a finished job in the map is never joined.
 """
 
 from __future__ import annotations
@@ -117,11 +118,8 @@ class Intake:
 
     # --- entries ---------------------------------------------------------------------------
     def _checked(self, key: str, image_hash: str, entry: Entry | None, *, video: bool = False) -> Entry | None:
-        """``entry`` if its stored value matches its header and this key, else ``None`` (a miss).
-        A video's manifest (kind ``video``) is returned only where ``video`` says it is asked for:
-        it is no rows.
-
-        O(1): parses the ~200-byte header, checks the length; the rows are not read."""
+        """``entry`` if its stored value matches its header and this key, else ``None`` (a miss); a video's
+        manifest only where ``video`` asks for one. O(1): the header is parsed, the rows are not read."""
         if entry is None:
             return None
         try:
@@ -235,8 +233,7 @@ class Intake:
         return job
 
     async def _take(self, part: list[Item], lo: int, namespace: str, order: int) -> list[tuple[Handle, Job | None]]:
-        """Inspect, look up, admit and start (or join) ``part`` (items ``lo``... of the request):
-        each item's handle and the job it waits on."""
+        """Inspect, look up, admit and start (or join) ``part`` (items ``lo``...): handles and jobs."""
         await inspect(part, self.prep, self.pool)
         await self._lookup(part, namespace)
         placed = await self._place(part, self._admission(part))
@@ -244,6 +241,8 @@ class Intake:
         for i, it in enumerate(part, lo):
             if it.error is None and it.entry is None:
                 it.entry = self._peek(it.key, it.hash)  # finished while we looked elsewhere
+            if it.entry is not None and self.index.peek(it.key) is it.entry:
+                self.index.pin(it.key)  # answered ready: kept until the caller reads it
             job = None if it.error is not None or it.entry is not None else self._joinable(it.key)
             if job is None and it.error is None and it.entry is None and it.inspected is not None:
                 job = self._start(it, (order, i), placed)
@@ -264,8 +263,7 @@ class Intake:
         timing: Timing | None = None,
         timeout_s: float | None = None,
     ) -> list[Handle]:
-        """Handles for ``items`` in order; with ``wait``, every admitted image is finished first,
-        waiting up to ``timeout_s`` (default ``request_timeout_s``)."""
+        """Handles for ``items`` in order; with ``wait``, once every admitted image is (``timeout_s`` at most)."""
         if self.closing:
             raise NotReady("the service is shutting down")
         if len(items) > self.settings.max_items:
@@ -346,10 +344,13 @@ class Intake:
         if job.interest <= 0 and not job.finished:
             self.scheduler.release(job)
 
+    def served(self, image_hash: str, namespace: str) -> None:
+        self.index.release(entry_key(namespace, self.fingerprint, image_hash))
+
     # --- fetch ---------------------------------------------------------------------------------
     async def _follow(self, key: str, image_hash: str) -> Job | None:
-        """A job following another replica's encode of ``key`` (pending there), or ``None``. It has no
-        bytes or layout yet; local requests join it, and a local encode that brings the bytes adopts it."""
+        """A job following another replica's encode of ``key`` (pending there), or ``None``; a local
+        encode that brings the bytes adopts it."""
         if not await self.coordination.elsewhere(key):
             return None
         job = self._joinable(key)  # a local encode may have started while we asked

@@ -61,6 +61,10 @@ class EngineAPI(Protocol):
         """The entry of an image, waiting (and raising its priority) while it is being encoded."""
         ...
 
+    def served(self, image_hash: str, namespace: str) -> None:
+        """A caller has read an image's rows to the last: the pin its ``ready`` answer took is released."""
+        ...
+
     def not_ready_reason(self) -> str | None:
         """Why the engine cannot take new work now (``None`` when it can)."""
         ...

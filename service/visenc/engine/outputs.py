@@ -218,7 +218,7 @@ class Outputs:
     def _complete(self, job: Job, entry: Entry, *, remote: bool) -> None:
         if job.finished:  # failed meanwhile: its failure is answered
             return
-        self.index.store_local(job.key, entry)
+        self.index.store_local(job.key, entry, pins=max(1, job.interest))  # kept until its callers read it
         job.finish()
         job.future.set_result(entry)
         if remote:

@@ -208,7 +208,11 @@ class EPD:
             shape=[rows, width],
         )
         views = [e.rows_view() for e in entries]
-        return [header, views[0] if len(views) == 1 else b"".join(views)]
+        frames = [header, views[0] if len(views) == 1 else b"".join(views)]
+        for h in handles:  # read: the pins of the ready answers (hash-first and this one) are released
+            for _ in range(1 + (h.hash in present)):
+                engine.served(h.hash, ns)
+        return frames
 
     async def _item(self, index: int, url: str, content_hash: str | None, present: set[str]) -> EncodeItem:
         """The engine's item for one image: its hash alone where visenc holds it (and it loads as

@@ -5,7 +5,8 @@ the shared Redis store (L2). One class, one interface, whatever is configured.
 * ``get_many``: L1 first, then *one* Redis round trip for all of the L1 misses
   together; an L2 hit is promoted into L1, so the next lookup of the image on
   this replica costs no I/O.
-* ``store_local``: L1 only (synchronous; ``peek`` sees it at once).
+* ``store_local``: L1 only (synchronous; ``peek`` sees it at once), pinned for the callers that
+  will read it; ``pin`` / ``release``: an entry answered ready is kept until read (``memory.py``).
 * ``write_through``: one atomic Redis ``SET ... EX`` when there is a shared
   store; a failure is counted, never raised (the entry still lives in L1).
 * ``health``: ``ok`` is false while Redis is skipped after a failure: the
@@ -19,13 +20,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from visenc.index.memory import MemoryLRU
+from visenc.index.memory import MemoryCache
 from visenc.index.redis_store import RedisStore
 from visenc_client.format import Entry
 
 
 class Index:
-    def __init__(self, local: MemoryLRU, remote: RedisStore | None = None) -> None:
+    def __init__(self, local: MemoryCache, remote: RedisStore | None = None) -> None:
         self.local = local
         self.remote = remote
 
@@ -45,8 +46,16 @@ class Index:
                     found[i] = current or entry
         return found
 
-    def store_local(self, key: str, entry: Entry) -> None:
-        self.local.store(key, entry)
+    def store_local(self, key: str, entry: Entry, *, pins: int = 0) -> None:
+        self.local.store(key, entry, pins=pins)
+
+    def pin(self, key: str) -> None:
+        """A caller was told ``key`` is ready: keep it in L1 until it reads it (or the lease ends)."""
+        self.local.pin(key)
+
+    def release(self, key: str) -> None:
+        """A caller has read ``key``'s rows."""
+        self.local.release(key)
 
     def discard(self, key: str) -> None:
         """Drop a key from L1 (an entry that failed its integrity check)."""

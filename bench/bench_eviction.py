@@ -1,0 +1,209 @@
+"""Hit rates of the L1 eviction policy (``visenc.index.memory.MemoryCache``: LRU with a dynamic
+insertion policy) against LRU and S3-FIFO on the workloads visenc serves, at real row sizes.
+
+Entries are the rows of a 7B model's screenshots (3584 bf16 values a row): 720p 8.6 MB, 1080p
+19.3 MB, 1440p 33.9 MB, drawn at random. Every look-up that misses stores the entry (an encode).
+
+- **agent**: ``sessions`` conversations at once, turns interleaved at random; each turn sends the
+  conversation's last ``history`` screenshots again and one new one; a conversation ends after up to
+  ``turns`` turns and a new one starts. The cache is sized at 0.5x, 1x and 2x the working set
+  (sessions x (history + 1) screenshots).
+- **agent + scan**: the same, with a pass over never-repeated images as large as the cache every 40
+  rounds (a batch job beside the agents).
+- **cyclic**: the same screenshots in the same order, pass after pass, 1.5x and 3x the cache (1 GiB);
+  the first pass is not counted.
+
+Hit rates count look-ups after the first quarter of the trace (cyclic: after the first pass). The
+policies are simulated on keys and sizes only; visenc's own class runs the trace.
+
+    python bench/bench_eviction.py [--rounds 300] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import sys
+from collections import OrderedDict
+from collections.abc import Callable
+from pathlib import Path
+from types import SimpleNamespace
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+
+from visenc.index.memory import MemoryCache
+
+MB = 1 << 20
+SIZES = [int(8.6 * MB), int(19.3 * MB), int(33.9 * MB)]
+Trace = list[tuple[str, int]]
+
+
+class LRU:
+    def __init__(self, max_bytes: int) -> None:
+        self.max_bytes, self.bytes, self.sizes = max_bytes, 0, OrderedDict[str, int]()
+
+    def get(self, key: str) -> bool:
+        if key in self.sizes:
+            self.sizes.move_to_end(key)
+            return True
+        return False
+
+    def put(self, key: str, nbytes: int) -> None:
+        self.sizes[key] = nbytes
+        self.bytes += nbytes
+        while self.bytes > self.max_bytes:
+            self.bytes -= self.sizes.popitem(last=False)[1]
+
+
+class S3FIFO:
+    """S3-FIFO (Yang et al., SOSP 2023), byte-weighted: a small FIFO (10%), a main FIFO with
+    re-insertion of entries read since they went in, and a ghost FIFO of keys evicted from the small one."""
+
+    def __init__(self, max_bytes: int, small: float = 0.1) -> None:
+        self.max_bytes, self.small_max = max_bytes, small * max_bytes
+        self.small, self.main, self.ghost = OrderedDict[str, int](), OrderedDict[str, int](), OrderedDict[str, int]()
+        self.small_bytes = self.main_bytes = self.ghost_bytes = 0
+        self.freq: dict[str, int] = {}
+
+    def get(self, key: str) -> bool:
+        if key in self.small or key in self.main:
+            self.freq[key] = min(3, self.freq.get(key, 0) + 1)
+            return True
+        return False
+
+    def put(self, key: str, nbytes: int) -> None:
+        if key in self.ghost:
+            self.ghost_bytes -= self.ghost.pop(key)
+            self.main[key] = nbytes
+            self.main_bytes += nbytes
+        else:
+            self.small[key] = nbytes
+            self.small_bytes += nbytes
+        self.freq[key] = 0
+        while self.small_bytes + self.main_bytes > self.max_bytes:
+            if self.small_bytes > self.small_max or not self.main:
+                self._evict_small()
+            else:
+                self._evict_main()
+
+    def _evict_small(self) -> None:
+        key, nbytes = self.small.popitem(last=False)
+        self.small_bytes -= nbytes
+        if self.freq.get(key, 0) > 0:
+            self.main[key] = nbytes
+            self.main_bytes += nbytes
+            self.freq[key] = 0
+            return
+        self.freq.pop(key, None)
+        self.ghost[key] = nbytes
+        self.ghost_bytes += nbytes
+        while self.ghost_bytes > self.max_bytes - self.small_max:
+            self.ghost_bytes -= self.ghost.popitem(last=False)[1]
+
+    def _evict_main(self) -> None:
+        while True:
+            key, nbytes = self.main.popitem(last=False)
+            if self.freq.get(key, 0) > 0:
+                self.freq[key] -= 1
+                self.main[key] = nbytes
+                continue
+            self.main_bytes -= nbytes
+            self.freq.pop(key, None)
+            return
+
+
+class Visenc:
+    """visenc's L1 on the trace: a look-up, then a store on a miss (entries stand in by their size)."""
+
+    def __init__(self, max_bytes: int) -> None:
+        self.cache = MemoryCache(max_bytes)
+
+    def get(self, key: str) -> bool:
+        return self.cache.lookup([key])[0] is not None
+
+    def put(self, key: str, nbytes: int) -> None:
+        self.cache.store(key, SimpleNamespace(nbytes=nbytes))  # type: ignore[arg-type]
+
+
+POLICIES: dict[str, Callable[[int], Any]] = {"LRU": LRU, "S3-FIFO": S3FIFO, "visenc (LRU + DIP)": Visenc}
+
+
+def hit_rate(policy: Any, trace: Trace, skip: int) -> float:
+    hits = 0
+    for i, (key, nbytes) in enumerate(trace):
+        hit = policy.get(key)
+        if not hit:
+            policy.put(key, nbytes)
+        hits += hit and i >= skip
+    return hits / max(1, len(trace) - skip)
+
+
+def agent(sessions: int, history: int, turns: int, rounds: int, *, scan_every: int = 0, scan_bytes: int = 0) -> Trace:
+    rng = random.Random(0)
+    recent: list[list[str]] = [[] for _ in range(sessions)]
+    left = [rng.randint(1, turns) for _ in range(sessions)]
+    sizes: dict[str, int] = {}
+    trace: Trace = []
+    for r in range(rounds):
+        for s in rng.sample(range(sessions), sessions):
+            if left[s] == 0:
+                recent[s], left[s] = [], turns
+            key = f"shot{len(sizes)}"
+            sizes[key] = rng.choice(SIZES)
+            recent[s] = [*recent[s], key][-(history + 1) :]
+            left[s] -= 1
+            trace += [(k, sizes[k]) for k in recent[s]]
+        scanned = 0
+        while scan_every and r % scan_every == scan_every - 1 and scanned < scan_bytes:
+            nbytes = rng.choice(SIZES)
+            trace.append((f"scan{r}-{scanned}", nbytes))
+            scanned += nbytes
+    return trace
+
+
+def cyclic(max_bytes: int, factor: float, passes: int) -> tuple[Trace, int]:
+    rng = random.Random(0)
+    items: Trace = []
+    while sum(n for _, n in items) < factor * max_bytes:
+        items.append((f"loop{len(items)}", rng.choice(SIZES)))
+    return items * passes, len(items)
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=300)
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    rows: dict[str, dict[str, float]] = {}
+
+    def run(label: str, trace: Trace, max_bytes: int, skip: int) -> None:
+        rows[label] = {name: hit_rate(make(int(max_bytes)), trace, skip) for name, make in POLICIES.items()}
+
+    for sessions, history in ((16, 8), (64, 4)):
+        working_set = sessions * (history + 1) * sum(SIZES) / len(SIZES)
+        trace = agent(sessions, history, 20, args.rounds)
+        for scale in (0.5, 1.0, 2.0):
+            run(
+                f"agent {sessions}x{history + 1}, cache {scale}x working set",
+                trace,
+                scale * working_set,
+                len(trace) // 4,
+            )
+        scanned = agent(sessions, history, 20, args.rounds, scan_every=40, scan_bytes=int(working_set))
+        run(f"agent {sessions}x{history + 1} + scans, cache 1x", scanned, working_set, len(scanned) // 4)
+    for factor in (1.5, 3.0):
+        trace, first = cyclic(1 << 30, factor, 10)
+        run(f"cyclic pass over {factor}x the cache", trace, 1 << 30, first)
+    width = max(map(len, rows))
+    print(f"{'hit rate':<{width}}  " + "  ".join(f"{name:>18}" for name in POLICIES))
+    for label, rates in rows.items():
+        print(f"{label:<{width}}  " + "  ".join(f"{rates[name]:>18.3f}" for name in POLICIES))
+    if args.json:
+        print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,387 @@
+"""Rows at a 7B model's size through every path that moves them, each against its floor, in one run.
+
+The tower has a real output width and next to no compute: Qwen2.5-VL's architecture, two blocks of
+width 64, merger to 3584, bf16 rows (a 1080p screenshot: 2,691 rows, 19.3 MB), so that only the
+transport shows. One ``visenc serve`` with a shared Redis index and shared memory, a second one that
+loads images as SGLang does (for its encoder protocol), and a real ``redis-server``. Screenshots at
+720p, 1080p and 1440p are encoded once; then, at 1 and 16 concurrent callers, each path moves them
+again, side by side with its floor, rounds alternating the order:
+
+=============================  ====================================================================
+path                           floor
+=============================  ====================================================================
+HTTP ``Client.fetch``          a raw socket: a sender thread ``sendall``s the same bytes, the
+HTTP ``AsyncClient.fetch``     receiver ``recv_into``s a buffer (one connection per caller)
+``include_rows`` look-up       the same raw socket
+shm ``fetch_chunk``            ``memcpy`` (``np.copyto``) of the same bytes
+Redis ``RedisRows.fetch``      a raw redis-py ``GET`` of the same value
+SGLang ``/encode`` + ZMQ push  a raw ZMQ ``PUSH`` of the same frames to a ``PULL`` socket
+``VisencConnector``            per image: its look-up of the rows and their load into the encoder
+                               cache (run in ``.venv-vllm``; skipped where vLLM is not installed)
+=============================  ====================================================================
+
+Each ratio is path throughput ÷ floor throughput in the same round: median (min, max) over rounds.
+
+    python bench/bench_rows.py [--rounds 3] [--sizes 720p 1080p 1440p] [--json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+import statistics
+import struct
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
+
+import _common as c  # noqa: E402
+import bench_gpu  # noqa: E402
+from tests.conftest import redis_process  # noqa: E402
+
+from visenc_client import AsyncClient, Client, Handle, ImagePlacement, RedisRows, image_hash  # noqa: E402
+from visenc_client.format import entry_key  # noqa: E402
+
+SIZES = {"720p": (1280, 720), "1080p": (1920, 1080), "1440p": (2560, 1440)}
+#: a tower with a 7B model's row width and next to no compute
+WIDE = bench_gpu.TINY_VISION
+TARGETS = {"http": 0.7, "shm": 0.8, "redis": 0.7, "zmq": 0.7}
+
+
+# --- floors -----------------------------------------------------------------------------------
+class RawSender:
+    """A loopback server that answers each 8-byte request (a byte count) with that many bytes."""
+
+    def __init__(self, payload: bytes) -> None:
+        self.payload = memoryview(payload)
+        self.sock = socket.create_server(("127.0.0.1", 0))
+        self.port = self.sock.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        with conn:
+            while ask := conn.recv(8):
+                conn.sendall(self.payload[: struct.unpack("<Q", ask)[0]])
+
+
+class RawReceiver:
+    """One caller's connection to a ``RawSender``: asks for n bytes and reads them into a buffer."""
+
+    def __init__(self, port: int, nbytes: int) -> None:
+        self.sock = socket.create_connection(("127.0.0.1", port))
+        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.buffer = memoryview(bytearray(nbytes))
+
+    def get(self, n: int) -> None:
+        self.sock.sendall(struct.pack("<Q", n))
+        got = 0
+        while got < n:
+            got += self.sock.recv_into(self.buffer[got:n])
+
+
+# --- the run -----------------------------------------------------------------------------------
+#: the callers' threads, kept across passes as a caller's threads are (a fresh thread starts on a fresh
+#: heap arena, and its first arrays fault their pages in)
+_POOLS: dict[int, ThreadPoolExecutor] = {}
+
+
+def threaded(concurrency: int, jobs: list[Callable[[], Any]]) -> float:
+    """Seconds to run ``jobs`` on ``concurrency`` threads (each takes the next job)."""
+    pool = _POOLS.get(concurrency) or _POOLS.setdefault(concurrency, ThreadPoolExecutor(concurrency))
+    t0 = time.perf_counter()
+    list(pool.map(lambda job: job(), jobs))
+    return time.perf_counter() - t0
+
+
+class Paths:
+    """Every path and floor for one set of handles, callable as (seconds for ``n`` transfers)."""
+
+    def __init__(self, env: Env, handles: list[Handle], concurrency: int) -> None:
+        self.env, self.handles, self.c = env, handles, concurrency
+        self.nbytes = handles[0].num_tokens * handles[0].hidden_size * 2
+        self.receivers = [RawReceiver(env.raw.port, self.nbytes) for _ in range(concurrency)]
+        self.local = threading.local()
+
+    def _each(self, n: int) -> list[Handle]:
+        return [self.handles[i % len(self.handles)] for i in range(n)]
+
+    def _buffer(self) -> np.ndarray:
+        if not hasattr(self.local, "out"):
+            h = self.handles[0]
+            self.local.out = np.empty((h.num_tokens, h.hidden_size), np.uint16)
+        return self.local.out
+
+    def raw_socket(self, n: int) -> float:
+        free = list(self.receivers)
+        lock = threading.Lock()
+
+        def one() -> None:
+            with lock:
+                receiver = free.pop()
+            receiver.get(self.nbytes)
+            with lock:
+                free.append(receiver)
+
+        return threaded(self.c, [one] * n)
+
+    def http_sync(self, n: int) -> float:
+        return threaded(self.c, [lambda h=h: self.env.http.fetch(h) for h in self._each(n)])
+
+    def http_async(self, n: int) -> float:
+        return self.env.on_loop(lambda vc: gathered_on(self.c, [lambda h=h: vc.fetch(h) for h in self._each(n)]))
+
+    def include_rows(self, n: int) -> float:
+        return threaded(
+            self.c, [lambda h=h: self.env.http.lookup([h.hash], wait=True, include_rows=True) for h in self._each(n)]
+        )
+
+    def memcpy(self, n: int) -> float:
+        source = self.env.arrays[self.handles[0].hash]
+        return threaded(self.c, [lambda: np.copyto(self._buffer(), source)] * n)
+
+    def shm(self, n: int) -> float:
+        def one(h: Handle) -> None:
+            self.env.shm.fetch_chunk([ImagePlacement.of(h, 0)], 0, h.num_tokens, out=self._buffer())
+
+        return threaded(self.c, [lambda h=h: one(h) for h in self._each(n)])
+
+    def redis_raw(self, n: int) -> float:
+        return threaded(self.c, [lambda h=h: self.env.redis.redis.get(self.env.key(h)) for h in self._each(n)])
+
+    def redis_rows(self, n: int) -> float:
+        return threaded(self.c, [lambda h=h: self.env.redis.fetch(h) for h in self._each(n)])
+
+    def zmq_raw(self, n: int) -> float:
+        return self.env.zmq.raw(self.c, n, self.nbytes)
+
+    def zmq_visenc(self, n: int) -> float:
+        return self.env.zmq.visenc(self.c, [self.env.images[h.hash] for h in self._each(n)])
+
+    def connector(self, n: int) -> float:
+        return threaded(self.c, [lambda h=h: self.env.connector(h) for h in self._each(n)])
+
+
+async def gathered_on(concurrency: int, jobs: list[Callable[[], Awaitable[Any]]]) -> float:
+    queue = list(reversed(jobs))
+
+    async def one() -> None:
+        while queue:
+            await queue.pop()()
+
+    t0 = time.perf_counter()
+    await asyncio.gather(*(one() for _ in range(concurrency)))
+    return time.perf_counter() - t0
+
+
+#: (label, path, floor, target kind)
+PAIRS = [
+    ("HTTP Client.fetch", "http_sync", "raw_socket", "http"),
+    ("HTTP AsyncClient.fetch", "http_async", "raw_socket", "http"),
+    ("include_rows look-up", "include_rows", "raw_socket", "http"),
+    ("shm fetch_chunk", "shm", "memcpy", "shm"),
+    ("Redis RedisRows.fetch", "redis_rows", "redis_raw", "redis"),
+    ("SGLang /encode + ZMQ push", "zmq_visenc", "zmq_raw", "zmq"),
+    ("VisencConnector (per image)", "connector", "raw_socket", ""),
+]
+
+
+class Zmq:
+    """The SGLang rank's receive socket (the visenc path's destination) and a raw PUSH beside it."""
+
+    def __init__(self, sglang_url: str) -> None:
+        import zmq
+
+        self.url = sglang_url
+        self.context = zmq.Context()
+        self.pull = self.context.socket(zmq.PULL)
+        self.port = self.pull.bind_to_random_port("tcp://127.0.0.1")
+        self.push = self.context.socket(zmq.PUSH)
+        self.push.connect(f"tcp://127.0.0.1:{self.port}")
+        self.header = b"x" * 320  # frame 0 of a one-image part is about this size
+        self.count = 0
+        self.lock = threading.Lock()
+        import httpx
+
+        self.http = httpx.Client(base_url=sglang_url, timeout=60)
+
+    def _receive(self, n: int) -> None:
+        for _ in range(n):
+            self.pull.recv_multipart(copy=False)
+
+    def raw(self, concurrency: int, n: int, nbytes: int) -> float:
+        rows = np.zeros(nbytes, np.uint8)
+        t0 = time.perf_counter()
+        for start in range(0, n, concurrency):
+            k = min(concurrency, n - start)
+            for _ in range(k):
+                self.push.send_multipart([self.header, rows], copy=False)
+            self._receive(k)
+        return time.perf_counter() - t0
+
+    def visenc(self, concurrency: int, images: list[bytes]) -> float:
+        def part(data: bytes) -> None:
+            with self.lock:
+                self.count += 1
+                rid = f"rows-{self.count}"
+            register = {"req_id": rid, "receive_count": 1, "receive_url": f"127.0.0.1:{self.port}", "modality": "IMAGE"}
+            item = {"url": "http://images.invalid/x.png", "content_hash": "sha256:" + image_hash(data)}
+            encode = {"req_id": rid, "num_parts": 1, "part_idx": 0, "mm_items": [item], "modality": "IMAGE"}
+            self.http.post("/scheduler_receive_url", json=register).raise_for_status()
+            self.http.post("/encode", json=encode).raise_for_status()
+
+        t0 = time.perf_counter()
+        for start in range(0, len(images), concurrency):
+            batch = images[start : start + concurrency]
+            threaded(len(batch), [lambda d=d: part(d) for d in batch])
+            self._receive(len(batch))
+        return time.perf_counter() - t0
+
+
+class Env:
+    """The servers, clients and images of one run."""
+
+    def __init__(self, stack: contextlib.ExitStack, sizes: list[str], images_per_size: int) -> None:
+        folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="visenc-rows-")))
+        checkpoint = c.write_qwen25_checkpoint(folder / "wide", WIDE)
+        redis_url, _ = stack.enter_context(redis_process())
+        env = c.service_env()
+        self.url = self._serve(stack, checkpoint, env, "--redis-url", redis_url)
+        self.sglang_url = self._serve(stack, checkpoint, env, "--image-loader", "sglang")
+        self.http = stack.enter_context(Client(self.url))
+        self.shm = stack.enter_context(Client(self.url, shared_memory=True))
+        self.fingerprint = self.http.model()["fingerprint"]
+        self.redis = RedisRows.from_url(redis_url, fingerprint=self.fingerprint)
+        stack.callback(self.redis.close)
+        self.images: dict[str, bytes] = {}
+        self.handles: dict[str, list[Handle]] = {}
+        self.arrays: dict[str, np.ndarray] = {}
+        for label in sizes:
+            pngs = [c.jpeg(1000 * list(SIZES).index(label) + i, *SIZES[label]) for i in range(images_per_size)]
+            handles = self.http.encode(pngs)
+            with Client(self.sglang_url) as sg:
+                sg.encode(pngs)
+            self.handles[label] = handles
+            for data, h in zip(pngs, handles):
+                self.images[h.hash] = data
+                self.arrays[h.hash] = self.http.fetch(h)
+                self.shm.fetch(h)  # the segment, known from now on
+        largest = max(a.nbytes for a in self.arrays.values())
+        self.raw = RawSender(bytes(largest))
+        self.zmq = Zmq(self.sglang_url)
+        self.loop = asyncio.new_event_loop()
+        self.async_client = AsyncClient(self.url)
+        stack.callback(self.loop.close)
+        stack.callback(lambda: self.loop.run_until_complete(self.async_client.aclose()))
+        self.connector = make_connector(self.url, self.http.model())
+
+    @staticmethod
+    def _serve(stack: contextlib.ExitStack, checkpoint: Path, env: dict[str, str], *flags: str) -> str:
+        port = c.free_port()
+        cmd = c.visenc_cmd(str(checkpoint), port, "--dtype", "bfloat16", "--ready-lease-s", "1", *flags)
+        stack.enter_context(c.server(cmd, f"http://127.0.0.1:{port}/readyz", env))
+        return f"http://127.0.0.1:{port}"
+
+    def key(self, h: Handle) -> str:
+        return entry_key("default", self.fingerprint, h.hash)
+
+    def on_loop(self, make: Callable[[AsyncClient], Awaitable[float]]) -> float:
+        return self.loop.run_until_complete(make(self.async_client))
+
+
+def make_connector(url: str, model: dict[str, Any]) -> Callable[[Handle], Any] | None:
+    """One image through ``VisencConnector``: its scheduler side's look-up (rows checked against what
+    vLLM reads) and its worker side's load into an encoder cache (``None`` where vLLM is not installed)."""
+    try:
+        import torch
+
+        from visenc_client.vllm import ConnectorStats, VisencConnector, VisencConnectorMetadata, _Want
+    except ImportError:
+        return None
+    from types import SimpleNamespace
+
+    connector: Any = object.__new__(VisencConnector)  # its scheduler and worker halves, without a vLLM engine
+    connector.stats = ConnectorStats()
+    connector._hidden, connector._dtype, connector._device = int(model["hidden_size"]), torch.bfloat16, "cpu"
+    options = {"url": url, "transport": "http"}
+    connector._start_scheduler_side(SimpleNamespace(get_from_extra_config=lambda k, d: options.get(k, d)))
+
+    def load(h: Handle) -> Any:
+        rows = connector._obtain({h.hash: _Want(h.num_tokens, None)}, True)[h.hash]
+        connector._get_connector_metadata = lambda: VisencConnectorMetadata(items=[(h.hash, rows)])
+        cache: dict[str, Any] = {}
+        connector.start_load_caches(cache)
+        return cache[h.hash]
+
+    return load
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--sizes", nargs="*", default=list(SIZES), choices=list(SIZES))
+    p.add_argument("--concurrency", nargs="*", type=int, default=[1, 16])
+    p.add_argument("--images", type=int, default=4, help="distinct screenshots per size")
+    p.add_argument("--transfers", type=int, default=32, help="transfers per path per round")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    report: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        env = Env(stack, args.sizes, args.images)
+        pairs = [pr for pr in PAIRS if pr[1] != "connector" or env.connector is not None]
+        if env.connector is None:
+            print("VisencConnector: vLLM is not installed here (run in .venv-vllm for its row)")
+        for label in args.sizes:
+            handles = env.handles[label]
+            mb = handles[0].num_tokens * handles[0].hidden_size * 2 / 1e6
+            for conc in args.concurrency:
+                paths = Paths(env, handles, conc)
+                n = max(args.transfers, conc)
+                names = sorted({x for pr in pairs for x in pr[1:3]})
+                for name in names:  # warm-up
+                    getattr(paths, name)(conc)
+                seconds: dict[str, list[float]] = {name: [] for name in names}
+                for r in range(args.rounds):
+                    for name in names if r % 2 == 0 else names[::-1]:
+                        seconds[name].append(getattr(paths, name)(n))
+                print(f"{label} ({mb:.1f} MB of rows an image), {conc} caller(s), {n} transfers a round:")
+                for title, path, floor, kind in pairs:
+                    ratios = [f / s for s, f in zip(seconds[path], seconds[floor])]
+                    gbs = n * mb / 1e3 / statistics.median(seconds[path])
+                    floor_gbs = n * mb / 1e3 / statistics.median(seconds[floor])
+                    per_image = statistics.median(seconds[path]) / n * conc * 1e3
+                    goal = f"  goal >= {TARGETS[kind]}" if kind else f"  {per_image:.1f} ms an image"
+                    print(
+                        f"  {title:30s} {gbs:6.2f} GB/s  ÷ {floor:10s} {floor_gbs:6.2f} GB/s: {c.spread(ratios)}{goal}"
+                    )
+                    report.append(
+                        {"size": label, "callers": conc, "path": title, "gb_s": gbs, "floor": floor,
+                         "floor_gb_s": floor_gbs, "ratio": statistics.median(ratios), "ms_per_image": per_image}
+                    )  # fmt: skip
+    if args.json:
+        print(json.dumps(report))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

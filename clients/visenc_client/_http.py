@@ -1,0 +1,187 @@
+"""Bodies of rows read straight into the caller's buffers: HTTP/1.1 on the standard library's
+``http.client``, keep-alive connections in a small pool.
+
+A rows body is megabytes (a 1080p screenshot's rows are 19 MB at a 7B model's width). httpx hands
+a body over in 64 KiB chunks that are copied three times on the way (0.17-0.28 of a raw socket
+on loopback, ``bench/bench_rows.py``); ``http.client``'s ``readinto`` fills the destination from
+the socket directly (one copy, the kernel's). So the flows that move rows stream their answers
+through ``Connections`` whenever the client talks to a real server; httpx keeps every other
+request, and every request of a client given a custom httpx transport (an in-process app, a mock).
+
+Thread-safe: a call takes an idle connection (or opens one) and gives it back once its body is
+read to the end; a connection whose body was not read to the end is closed.
+"""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from dataclasses import dataclass
+
+import httpx
+
+from visenc_client._exceptions import ProtocolError, TransportError
+
+#: what a failed connection, request or answer raises here
+ERRORS = (OSError, http.client.HTTPException)
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """The status line and headers of a response whose body is read separately."""
+
+    status_code: int
+    reason_phrase: str
+    headers: httpx.Headers
+
+
+class Body:
+    """One response's body from ``Connections``, read in order; ``close`` gives the connection back
+    (kept alive when the body was read to the end)."""
+
+    def __init__(self, pool: Connections, conn: http.client.HTTPConnection, response: http.client.HTTPResponse):
+        self._pool, self._conn, self._response = pool, conn, response
+
+    def close(self) -> None:
+        self._pool._give_back(self._conn, self._response)
+
+    def readinto(self, view: memoryview) -> None:
+        """Fill ``view`` exactly (``ProtocolError`` if the body ends first)."""
+        filled = 0
+        try:
+            while filled < len(view):
+                n = self._response.readinto(view[filled:])
+                if not n:
+                    raise ProtocolError("the response body ended early")
+                filled += n
+        except ERRORS as e:
+            raise TransportError(str(e) or type(e).__name__) from e
+
+    def read(self, n: int = 1 << 16) -> bytes:
+        """Up to ``n`` bytes; ``b""`` at the end."""
+        try:
+            return self._response.read(n)
+        except ERRORS as e:
+            raise TransportError(str(e) or type(e).__name__) from e
+
+
+class Connections:
+    """Keep-alive ``http.client`` connections to one server (``base_url``)."""
+
+    def __init__(self, base_url: str, timeout_s: float | None, *, max_idle: int = 32) -> None:
+        url = httpx.URL(base_url)
+        if url.scheme not in ("http", "https"):
+            raise ValueError(f"not an http(s) URL: {base_url}")
+        self._https = url.scheme == "https"
+        self._host, self._port = url.host, url.port or (443 if self._https else 80)
+        self._timeout_s = timeout_s
+        self._idle: list[http.client.HTTPConnection] = []
+        self._max_idle = max_idle
+        self._lock = threading.Lock()
+
+    def _connection(self) -> http.client.HTTPConnection:
+        with self._lock:
+            if self._idle:
+                return self._idle.pop()
+        kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
+        conn = kind(self._host, self._port, timeout=self._timeout_s)
+        conn.connect()
+        assert conn.sock is not None
+        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        return conn
+
+    def _give_back(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+        if response.will_close or not response.isclosed():
+            conn.close()
+            return
+        with self._lock:
+            if len(self._idle) < self._max_idle:
+                self._idle.append(conn)
+                return
+        conn.close()
+
+    def open(self, request: httpx.Request) -> tuple[Head, Body]:
+        """Send ``request``: its answer's head and its unread body (``close`` it once done, read or not)."""
+        headers = {k: v for k, v in request.headers.items() if k.lower() != "accept-encoding"}
+        target = request.url.raw_path.decode("ascii")
+        for attempt in (0, 1):  # a kept-alive connection the server has closed meanwhile: once more, new
+            conn = self._connection()
+            try:
+                conn.request(request.method, target, body=request.content or None, headers=headers)
+                response = conn.getresponse()
+                break
+            except ERRORS as e:
+                conn.close()
+                stale = isinstance(e, http.client.RemoteDisconnected | ConnectionResetError | BrokenPipeError)
+                if attempt or not stale:
+                    raise TransportError(str(e) or type(e).__name__) from e
+        head = Head(response.status, response.reason, httpx.Headers(response.getheaders()))
+        return head, Body(self, conn, response)
+
+    def close(self) -> None:
+        with self._lock:
+            idle, self._idle = self._idle, []
+        for conn in idle:
+            conn.close()
+
+
+class ChunkBody:
+    """A body that comes as chunks (an httpx stream: a custom transport), read like ``Body``."""
+
+    def __init__(self, chunks: Iterator[bytes], close: Callable[[], None]) -> None:
+        self._chunks = chunks
+        self._pending = memoryview(b"")
+        self.close = close
+
+    def read(self, n: int = 1 << 16) -> bytes:
+        if not self._pending:
+            return next(self._chunks, b"")
+        out, self._pending = bytes(self._pending), memoryview(b"")
+        return out
+
+    def readinto(self, view: memoryview) -> None:
+        filled = 0
+        while filled < len(view):
+            if not self._pending:
+                self._pending = memoryview(next(self._chunks, b""))
+                if not self._pending:
+                    raise ProtocolError("the response body ended early")
+            n = min(len(self._pending), len(view) - filled)
+            view[filled : filled + n] = self._pending[:n]
+            self._pending = self._pending[n:]
+            filled += n
+
+
+class AsyncChunkBody:
+    """The awaitable twin of ``ChunkBody`` (an httpx async stream)."""
+
+    def __init__(self, chunks: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]) -> None:
+        self._chunks = chunks
+        self._pending = memoryview(b"")
+        self.aclose = close
+
+    async def _next(self) -> bytes:
+        try:
+            return await self._chunks.__anext__()
+        except StopAsyncIteration:
+            return b""
+
+    async def read(self, n: int = 1 << 16) -> bytes:
+        if not self._pending:
+            return await self._next()
+        out, self._pending = bytes(self._pending), memoryview(b"")
+        return out
+
+    async def readinto(self, view: memoryview) -> None:
+        filled = 0
+        while filled < len(view):
+            if not self._pending:
+                self._pending = memoryview(await self._next())
+                if not self._pending:
+                    raise ProtocolError("the response body ended early")
+            n = min(len(self._pending), len(view) - filled)
+            view[filled : filled + n] = self._pending[:n]
+            self._pending = self._pending[n:]
+            filled += n

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import httpx
 import pybase64
 
-from visenc.api.codec import read_capped
+from visenc.streams import read_capped
 
 _DATA_URL = re.compile(r"data:(?P<mime>[\w/+.-]*)(?P<params>(;[\w=.-]+)*?);base64,(?P<data>.*)", re.S)
 

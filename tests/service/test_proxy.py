@@ -90,7 +90,7 @@ def chat(*images: bytes, stream: bool = False) -> dict:
 @pytest.fixture
 async def proxied(tiny_tower, upstream):
     async with running_app(tiny_tower) as visenc:
-        settings = ProxySettings(upstreams=upstream.urls, visenc_url="http://visenc", health_interval_s=3600)
+        settings = ProxySettings(upstream=upstream.urls, visenc="http://visenc", health_interval_s=3600)
         proxy = Proxy(settings, visenc_transport=httpx.ASGITransport(app=visenc.app))  # type: ignore[attr-defined]
         app = create_proxy_app(proxy)
         async with app.router.lifespan_context(app):
@@ -171,7 +171,7 @@ async def test_visenc_down_still_forwards_at_once(tiny_tower, upstream):
     def down(request: httpx.Request) -> httpx.Response:
         raise httpx.ConnectError("visenc is down", request=request)
 
-    settings = ProxySettings(upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600)
+    settings = ProxySettings(upstream=upstream.urls[:1], visenc="http://visenc", health_interval_s=3600)
     proxy = Proxy(settings, visenc_transport=httpx.MockTransport(down))
     app = create_proxy_app(proxy)
     data = png_bytes(906, 64, 64)
@@ -195,8 +195,8 @@ async def test_background_encodes_are_bounded_never_queued(tiny_tower, upstream)
         return httpx.Response(503, json={"error": {"type": "not_ready", "message": "busy"}})
 
     settings = ProxySettings(
-        upstreams=upstream.urls[:1],
-        visenc_url="http://visenc",
+        upstream=upstream.urls[:1],
+        visenc="http://visenc",
         health_interval_s=3600,
         max_background_encodes=0,
         absent_timeout_s=0,  # nor asked which images it lacks
@@ -230,7 +230,7 @@ async def test_a_resent_image_is_handed_over_once_and_again_after_a_failure(tiny
 
     a, b = png_bytes(908, 64, 64), png_bytes(909, 64, 64)
     async with running_app(tiny_tower) as visenc:
-        settings = ProxySettings(upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600)
+        settings = ProxySettings(upstream=upstream.urls[:1], visenc="http://visenc", health_interval_s=3600)
         proxy = Proxy(settings, visenc_transport=Visenc(visenc.app))
         app = create_proxy_app(proxy)
         async with app.router.lifespan_context(app):
@@ -269,7 +269,7 @@ async def test_the_body_ends_with_the_images_visenc_lacks(tiny_tower, upstream):
     held, new, newer = png_bytes(910, 64, 64), png_bytes(911, 64, 64), png_bytes(912, 64, 64)
     async with running_app(tiny_tower) as visenc:
         await visenc.post("/v1/encode", json={"items": [{"data": base64.b64encode(held).decode()}]})
-        settings = ProxySettings(upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600)
+        settings = ProxySettings(upstream=upstream.urls[:1], visenc="http://visenc", health_interval_s=3600)
         proxy = Proxy(settings, visenc_transport=Visenc(visenc.app))
         app = create_proxy_app(proxy)
         async with app.router.lifespan_context(app):
@@ -297,7 +297,7 @@ async def test_a_slow_visenc_is_not_waited_for_which_images_it_lacks(tiny_tower,
         return httpx.Response(503)
 
     settings = ProxySettings(
-        upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600, max_background_encodes=0
+        upstream=upstream.urls[:1], visenc="http://visenc", health_interval_s=3600, max_background_encodes=0
     )
     proxy = Proxy(settings, visenc_transport=httpx.MockTransport(hang))
     app = create_proxy_app(proxy)
@@ -314,7 +314,7 @@ async def test_a_slow_visenc_is_not_waited_for_which_images_it_lacks(tiny_tower,
 
 
 def test_the_url_memo_is_bounded_in_characters():
-    memo = Proxy(ProxySettings(upstreams=["http://vllm"], visenc_url="http://visenc", memo_chars=110)).memo
+    memo = Proxy(ProxySettings(upstream=["http://vllm"], visenc="http://visenc", memo_chars=110)).memo
     urls = ["data:image/png;base64," + c * 30 for c in "ABCD"]  # 52 characters each
     for i, url in enumerate(urls):
         memo.remember(url, f"h{i}")
@@ -335,7 +335,7 @@ async def test_jpeg_frame_videos_get_their_video_hash_and_are_encoded(tiny_tower
     image = png_bytes(960, 64, 64)
     async with running_app(tiny_tower) as visenc:
         settings = ProxySettings(
-            upstreams=upstream.urls[:1], visenc_url="http://visenc", health_interval_s=3600, video_num_frames=4
+            upstream=upstream.urls[:1], visenc="http://visenc", health_interval_s=3600, video_num_frames=4
         )
         proxy = Proxy(settings, visenc_transport=httpx.ASGITransport(app=visenc.app))
         app = create_proxy_app(proxy)

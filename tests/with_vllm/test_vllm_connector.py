@@ -386,14 +386,14 @@ def test_vllm_hands_the_proxys_word_to_the_connector():
     from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
     from vllm.v1.request import Request
 
-    from visenc.proxy import _ending_with_absent
+    from visenc.proxy.upstream import ending_with_absent
     from visenc_client.vllm import told_absent
 
     async def body() -> bytes:
         said = asyncio.get_running_loop().create_future()
         said.set_result([A])
         request = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "ec_transfer_params": {"x": 1}}
-        return b"".join([chunk async for chunk in _ending_with_absent(request, said)])
+        return b"".join([chunk async for chunk in ending_with_absent(request, said)])
 
     chat = ChatCompletionRequest.model_validate_json(asyncio.run(body()))
     request = Request("r1", [1, 2, 3], chat.to_sampling_params(8, {}), None)

@@ -140,8 +140,8 @@ def test_the_proxy_takes_the_frames_vllm_takes():
     url = "data:video/jpeg;base64," + ",".join(base64.b64encode(f).decode() for f in frames)
     (clip, _) = MediaConnector().fetch_video(url).media
     default = inspect.signature(VideoMediaIO.__init__).parameters["num_frames"].default
-    assert ProxySettings(upstreams=[], visenc_url="").video_num_frames == default == clip.shape[0]
-    video = Proxy(ProxySettings(upstreams=["http://x"], visenc_url="http://y"))._video(url)
+    assert ProxySettings.model_fields["video_num_frames"].default == default == clip.shape[0]
+    video = Proxy(ProxySettings(upstream=["http://x"], visenc="http://y")).images._video(url)
     assert isinstance(video.source, Video) and len(video.source.frames) == clip.shape[0]
     for got, want in zip(video.source.frames, clip):
         np.testing.assert_array_equal(np.asarray(decode(got, max_pixels=10**8)), want)

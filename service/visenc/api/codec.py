@@ -8,7 +8,7 @@ msgpack in full: its layout, and the media types, are defined once in
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgpack
@@ -18,6 +18,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.types import Receive, Scope, Send
 
 from visenc.errors import BadRequest, InvalidBody, PayloadTooLarge, UnsupportedMediaType, VisencError
+from visenc.streams import read_capped
 from visenc_client.format import JSON, MSGPACK, MSGPACK_TYPES, ROWS_MEDIA_TYPE, frame_head
 
 __all__ = ["MSGPACK", "MSGPACK_TYPES", "ROWS_MEDIA_TYPE"]
@@ -44,17 +45,6 @@ async def read_body(request: Request, limit: int) -> bytes:
         except ValueError as e:
             raise BadRequest("bad Content-Length header") from e
     return await read_capped(request.stream(), limit, lambda: PayloadTooLarge(f"body exceeds max_body_bytes={limit}"))
-
-
-async def read_capped(chunks: AsyncIterator[bytes], limit: int, too_big: Callable[[], Exception]) -> bytes:
-    """The stream's bytes joined, raising ``too_big()`` as soon as they pass ``limit``."""
-    parts, size = [], 0
-    async for chunk in chunks:
-        size += len(chunk)
-        if size > limit:
-            raise too_big()
-        parts.append(chunk)
-    return parts[0] if len(parts) == 1 else b"".join(parts)
 
 
 def _validation_message(e: ValidationError) -> str:

@@ -1,0 +1,79 @@
+"""What visenc is told: a request's images, handed over hash-first in the background once its answer
+is through (never waited for), and which images new to this proxy it lacks (asked while the body goes out)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Sequence
+
+from visenc.proxy.images import Image, Images
+from visenc.proxy.memory import Memo
+from visenc.proxy.settings import ProxySettings
+from visenc_client import AsyncClient, VisencClientError
+
+log = logging.getLogger("visenc.proxy")
+
+#: after visenc failed to say in time which images it lacks, new images count as lacking this long
+QUIET_S = 1.0
+
+
+class Handover:
+    def __init__(self, settings: ProxySettings, memo: Memo, visenc: AsyncClient, images: Images) -> None:
+        self.settings, self.memo, self.visenc, self.images = settings, memo, visenc, images
+        self.encode_failures = 0
+        self.encodes_skipped = 0
+        self._encodes: set[asyncio.Task[None]] = set()
+        self._quiet_until = 0.0  # visenc is not asked which images it lacks before then
+
+    def later(self, images: Sequence[Image]) -> None:
+        """Hand ``images`` to visenc in the background, but those it accepted from this proxy before (at
+        most ``max_background_encodes`` hand-overs at once; past that they are skipped, never queued)."""
+        images = [i for i in images if not self.memo.handed(i.hash)]
+        if not images:
+            return
+        if len(self._encodes) >= self.settings.max_background_encodes:
+            self.encodes_skipped += 1
+            return
+        task = asyncio.create_task(self.encode(images))
+        self._encodes.add(task)
+        task.add_done_callback(self._encodes.discard)
+
+    async def drain(self) -> None:
+        """Wait for the background encodes started so far (each is bounded by the visenc client's timeout)."""
+        if self._encodes:
+            await asyncio.wait(set(self._encodes))
+
+    async def encode(self, images: Sequence[Image]) -> None:
+        """A hash-first encode of ``images`` (``wait=false``); a failure is logged and counted."""
+        try:
+            datas = [self.images.payload(i) for i in images]
+            await self.visenc.encode([d for d in datas if d is not None], wait=False)
+        except VisencClientError as e:  # vLLM encodes the images itself
+            self.encode_failures += 1
+            log.warning("visenc encode of %d images failed (%s): vLLM encodes them", len(images), e)
+        except Exception:
+            self.encode_failures += 1
+            log.exception("visenc encode of %d images failed", len(images))
+        else:
+            self.memo.hand([i.hash for i in images])
+
+    def ask_absent(self, hashes: Sequence[str]) -> asyncio.Future[list[str]] | None:
+        """Start asking visenc which of ``hashes`` it lacks, of those it did not accept from this proxy
+        (``None``: nothing to ask). The answer is a list, never an error."""
+        new = [h for h in dict.fromkeys(hashes) if not self.memo.handed(h)]
+        if not new or self.settings.absent_timeout_s <= 0:
+            return None
+        return asyncio.ensure_future(self._absent(new))
+
+    async def _absent(self, hashes: list[str]) -> list[str]:
+        if asyncio.get_running_loop().time() < self._quiet_until:
+            return hashes  # visenc failed to answer a moment ago: not asked again yet
+        try:
+            async with asyncio.timeout(self.settings.absent_timeout_s):
+                handles = await self.visenc.lookup(hashes)
+        except Exception as e:  # too slow or failed: the images count as lacking (a lost hit at most)
+            self._quiet_until = asyncio.get_running_loop().time() + QUIET_S
+            log.warning("visenc did not say which images it lacks (%s): they count as lacking", type(e).__name__)
+            return hashes
+        return [h.hash for h in handles if h.status == "missing"]

@@ -43,8 +43,8 @@ from visenc_client.format import (
 __all__ = ["MSGPACK", "ROWS_MEDIA_TYPE"]
 #: bytes per element of each wire dtype
 ITEMSIZE = {name: size for name, (size, _) in DTYPES.items()}
-#: numpy reading of a wire dtype, for the finiteness check (bfloat16 has none: skipped)
-NUMPY_DTYPES = {name: raw for name, (_, raw) in DTYPES.items() if raw.kind == "f"}
+#: the wire dtypes whose raw values numpy reads as floats, for the finiteness check (bfloat16 has none: skipped)
+FLOAT_DTYPES = {name: raw for name, (_, raw) in DTYPES.items() if raw.kind == "f"}
 
 
 class PayloadError(Exception):
@@ -226,7 +226,7 @@ def _check_rows(
     want = rows * hidden * ITEMSIZE[dtype]
     if len(data) != want:
         raise PayloadError(f"{label}: {len(data)} bytes for {rows} rows x {hidden} x {dtype} (want {want})")
-    np_dtype = NUMPY_DTYPES.get(dtype)
+    np_dtype = FLOAT_DTYPES.get(dtype)
     if np_dtype is not None and not np.isfinite(np.frombuffer(data, np_dtype)).all():
         raise PayloadError(f"{label}: rows hold NaN or inf")
 

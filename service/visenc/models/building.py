@@ -8,12 +8,12 @@ from typing import Any, TypeVar
 import torch
 from transformers.initialization import no_init_weights
 
-from visenc_client.format import DTYPES as WIRE_DTYPES
+from visenc_client.format import DTYPES
 
 M = TypeVar("M", bound=torch.nn.Module)
 
 #: the wire's dtypes (``visenc_client.format.DTYPES``) as torch's
-DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in WIRE_DTYPES}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 
 #: config keys that never change a vision tower's output (bookkeeping, output flags)
 _NOISE_KEYS = {
@@ -35,9 +35,9 @@ _NOISE_KEYS = {
 def resolve_dtype(name: str) -> torch.dtype:
     """``"float32" | "bfloat16" | "float16"`` → ``torch.dtype``; ``ValueError`` otherwise."""
     try:
-        return DTYPES[name.removeprefix("torch.")]
+        return TORCH_DTYPES[name.removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(DTYPES)}") from None
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(TORCH_DTYPES)}") from None
 
 
 def config_fields(config: Any) -> dict[str, Any]:

@@ -1,0 +1,42 @@
+"""The wire's dtypes, defined once: their sizes, the numpy types that carry their raw values (bfloat16 as
+16-bit words: numpy has none), and the conversions to and from torch without a copy."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+#: dtype name -> (itemsize, numpy dtype used to move the raw bytes): the one table of the wire's dtypes
+DTYPES: dict[str, tuple[int, np.dtype]] = {
+    "float32": (4, np.dtype("<f4")),
+    "float16": (2, np.dtype("<f2")),
+    "bfloat16": (2, np.dtype("<u2")),  # numpy has no bfloat16: carried as raw 16-bit words
+}
+#: wire dtype -> the numpy dtype of its raw values (bfloat16: its 16-bit words)
+NUMPY_DTYPES: dict[str, np.dtype] = {name: raw for name, (_, raw) in DTYPES.items()}
+#: wire dtype -> the name torch gives it (``str(tensor.dtype)``)
+TORCH_NAMES: dict[str, str] = {name: f"torch.{name}" for name in DTYPES}
+
+
+def bfloat16_as_float32(words: np.ndarray) -> np.ndarray:
+    """bfloat16 values carried as their 16-bit words, as float32 (exact: the words are the high halves)."""
+    return (words.astype(np.uint32) << 16).view(np.float32)
+
+
+def tensor_words(t: Any) -> np.ndarray:
+    """A CPU torch tensor's values as numpy without a copy, as the wire carries them (bfloat16 as its
+    16-bit words)."""
+    import torch
+
+    t = t.detach()
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def words_tensor(rows: np.ndarray, dtype: str) -> Any:
+    """Raw wire values (numpy, bfloat16 as 16-bit words) as a torch tensor of ``dtype``, sharing memory."""
+    import torch
+
+    if dtype == "bfloat16":
+        return torch.from_numpy(rows.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(rows)

@@ -34,6 +34,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
 
 from visenc.index.memory import MemoryCache
+from visenc.metrics import Metrics
 
 MB = 1 << 20
 SIZES = [int(8.6 * MB), int(19.3 * MB), int(33.9 * MB)]
@@ -118,7 +119,7 @@ class Visenc:
     """visenc's L1 on the trace: a look-up, then a store on a miss (entries stand in by their size)."""
 
     def __init__(self, max_bytes: int) -> None:
-        self.cache = MemoryCache(max_bytes)
+        self.cache = MemoryCache(max_bytes, Metrics())
 
     def get(self, key: str) -> bool:
         return self.cache.lookup([key])[0] is not None

@@ -21,14 +21,14 @@ log = logging.getLogger("visenc.tasks")
 T = TypeVar("T")
 
 
-def spawn(coro: Coroutine[Any, Any, T], name: str, metrics: Metrics | None) -> asyncio.Task[T]:
+def spawn(coro: Coroutine[Any, Any, T], name: str, metrics: Metrics) -> asyncio.Task[T]:
     """``coro`` as a task named ``visenc-<name>`` whose failure is logged and counted as ``name``."""
     task = asyncio.get_running_loop().create_task(coro, name=f"visenc-{name}")
     task.add_done_callback(partial(report, name, metrics))
     return task
 
 
-def report(name: str, metrics: Metrics | None, task: asyncio.Future[Any]) -> None:
+def report(name: str, metrics: Metrics, task: asyncio.Future[Any]) -> None:
     """Log and count ``task``'s exception, if it ended with one (a done callback)."""
     if task.cancelled():
         return
@@ -36,8 +36,7 @@ def report(name: str, metrics: Metrics | None, task: asyncio.Future[Any]) -> Non
     if error is None:
         return
     log.error("background task %s failed", name, exc_info=error)
-    if metrics is not None:
-        metrics.background_failures.labels(name).inc()
+    metrics.background_failures.labels(name).inc()
 
 
 async def stop_task(task: asyncio.Task[Any] | None) -> None:

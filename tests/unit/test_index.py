@@ -97,7 +97,7 @@ def test_a_cyclic_pass_over_more_than_the_cache_keeps_most_of_it_resident():
     """LRU evicts every entry of a loop over 1.5x the cache before its reuse; the shadow directories
     see bimodal insertion do better and the cache switches to it."""
     e = sized(4)
-    cache = MemoryCache(20 * e.nbytes)
+    cache = MemoryCache(20 * e.nbytes, Metrics())
     keys = [f"k{i}" for i in range(30)]
     hits = 0
     for rnd in range(10):
@@ -113,7 +113,7 @@ def test_a_cyclic_pass_over_more_than_the_cache_keeps_most_of_it_resident():
 def test_recent_entries_coming_back_keep_lru():
     """An agent's screenshots: each turn resends the last four and adds one. LRU holds them all."""
     e = sized(4)
-    cache = MemoryCache(10 * e.nbytes)
+    cache = MemoryCache(10 * e.nbytes, Metrics())
     hits = looks = 0
     for turn in range(200):
         for k in [f"s{i}" for i in range(max(0, turn - 4), turn + 1)]:
@@ -144,7 +144,7 @@ def test_a_pinned_entry_stays_past_the_budget_until_read():
 def test_a_pin_counts_its_callers_and_ends_with_its_lease():
     clock = Clock()
     e = sized(4)
-    cache = MemoryCache(e.nbytes, pin_lease_s=10, clock=clock)
+    cache = MemoryCache(e.nbytes, Metrics(), pin_lease_s=10, clock=clock)
     cache.store("a", e, pins=2)
     cache.release("a")
     cache.store("b", e)
@@ -167,7 +167,7 @@ def test_pins_past_twice_the_budget_are_cut_oldest_first_and_counted():
 
 def test_pinning_an_entry_already_held():
     e = sized(4)
-    cache = MemoryCache(2 * e.nbytes, clock=Clock())
+    cache = MemoryCache(2 * e.nbytes, Metrics(), clock=Clock())
     cache.store("a", e)
     cache.pin("a")
     cache.store("b", e)

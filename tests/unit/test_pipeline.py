@@ -99,7 +99,7 @@ def pipeline(
     pool = ThreadPoolExecutor(2, thread_name_prefix="visenc-pre")
     local = LocalCoordination()
     outputs = Outputs(
-        index=Index(MemoryCache(1 << 20)),
+        index=Index(MemoryCache(1 << 20, Metrics())),
         metrics=Metrics(),
         fingerprint="f" * 32,
         hidden_size=4,
@@ -116,6 +116,7 @@ def pipeline(
         max_batch_images=batch,
         packable=False,
         prefetch_tokens=prefetch,
+        metrics=Metrics(),
     )
     return pool, outputs, s, DeviceWorker(tower, s, outputs, metrics=Metrics(), max_wait_s=0.0, stall_timeout_s=30)
 

@@ -12,6 +12,7 @@ from visenc.engine.coordination import LocalCoordination
 from visenc.engine.job import Job
 from visenc.engine.prepare import Inspected
 from visenc.engine.scheduler import Scheduler
+from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout
 
 
@@ -29,6 +30,7 @@ def make_scheduler(packable=False, max_tokens=100, max_images=8, prefetch=None, 
         max_batch_images=max_images,
         packable=packable,
         prefetch_tokens=prefetch,
+        metrics=Metrics(),
     )
 
 

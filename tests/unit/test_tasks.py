@@ -45,7 +45,7 @@ async def test_stopping_a_task_that_already_failed_raises_its_error():
     async def broken() -> None:
         raise RuntimeError("failed before the stop")
 
-    task = spawn(broken(), "outputs", None)
+    task = spawn(broken(), "outputs", Metrics())
     await asyncio.wait({task})
     with pytest.raises(RuntimeError, match="before the stop"):
         await stop_task(task)

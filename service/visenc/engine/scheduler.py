@@ -78,7 +78,7 @@ class Scheduler:
         on_prepared: Callable[[Job, float], None] | None = None,
         max_batch_bytes: int | None = None,
         batch_bytes: Callable[[Sequence[TokenLayout]], int] | None = None,
-        metrics: Metrics | None = None,
+        metrics: Metrics,
     ) -> None:
         self._metrics = metrics
         self._preprocess = preprocess

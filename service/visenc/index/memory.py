@@ -80,7 +80,7 @@ class MemoryCache:
     def __init__(
         self,
         max_bytes: int,
-        metrics: Metrics | None = None,
+        metrics: Metrics,
         *,
         pin_lease_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
@@ -123,10 +123,9 @@ class MemoryCache:
         found = [self.get(k) for k in keys]
         for key in keys:
             self._duel(key)
-        if self._metrics is not None:
-            hits = sum(e is not None for e in found)
-            self._metrics.cache_lookups.labels(self.tier, "hit").inc(hits)
-            self._metrics.cache_lookups.labels(self.tier, "miss").inc(len(found) - hits)
+        hits = sum(e is not None for e in found)
+        self._metrics.cache_lookups.labels(self.tier, "hit").inc(hits)
+        self._metrics.cache_lookups.labels(self.tier, "miss").inc(len(found) - hits)
         return found
 
     def _duel(self, key: str) -> None:
@@ -208,11 +207,10 @@ class MemoryCache:
         while self.bytes > self.max_bytes and self._entries:
             self.bytes -= self._entries.popitem(last=False)[1].nbytes
             evicted += 1
-        if self._metrics is not None:
-            if evicted:
-                self._metrics.cache_evictions.labels(self.tier).inc(evicted)
-            if cut:
-                self._metrics.cache_pins_cut.inc(cut)
+        if evicted:
+            self._metrics.cache_evictions.labels(self.tier).inc(evicted)
+        if cut:
+            self._metrics.cache_pins_cut.inc(cut)
         self._report()
 
     def discard(self, key: str) -> None:
@@ -220,10 +218,9 @@ class MemoryCache:
         self._report()
 
     def _report(self) -> None:
-        if self._metrics is not None:
-            self._metrics.cache_bytes.labels(self.tier).set(self.bytes)
-            self._metrics.cache_entries.labels(self.tier).set(len(self))
-            self._metrics.cache_pinned_bytes.set(self.pinned_bytes)
+        self._metrics.cache_bytes.labels(self.tier).set(self.bytes)
+        self._metrics.cache_entries.labels(self.tier).set(len(self))
+        self._metrics.cache_pinned_bytes.set(self.pinned_bytes)
 
     def health(self) -> dict[str, object]:
         return {

@@ -73,7 +73,7 @@ class RedisConnection:
         client: Redis | RedisCluster,
         *,
         retry_after_s: float,
-        metrics: Metrics | None = None,
+        metrics: Metrics,
         mode: str = "standalone",
         location: str = "",
     ) -> None:
@@ -87,7 +87,7 @@ class RedisConnection:
         self.errors = 0
 
     @classmethod
-    def from_settings(cls, settings: Settings, metrics: Metrics | None = None) -> RedisConnection:
+    def from_settings(cls, settings: Settings, metrics: Metrics) -> RedisConnection:
         assert settings.redis_url is not None
         url = settings.redis_url.get_secret_value()
         if not HIREDIS_AVAILABLE:  # ~10x slower on multi-MiB values; still correct
@@ -129,13 +129,11 @@ class RedisConnection:
             result = await call()
         except (RedisError, *_OUTAGE) as e:
             if is_bug(e):
-                if self.metrics is not None:
-                    self.metrics.redis_script_errors.labels(op).inc()
+                self.metrics.redis_script_errors.labels(op).inc()
                 log.error("redis %s answered %s with an error (a bug, not an outage)", self.location, op, exc_info=e)
                 raise VisencError(f"the shared index failed on {op}") from e
             self.errors += 1
-            if self.metrics is not None:
-                self.metrics.redis_errors.labels(op).inc()
+            self.metrics.redis_errors.labels(op).inc()
             if isinstance(e, _OUTAGE):
                 self._down_until = time.monotonic() + self.retry_after_s
                 if self._up:

@@ -38,20 +38,17 @@ class RedisStore:
         """A value read under ``key`` as an entry; ``None`` (counted) when absent or not trustworthy."""
         m = self._metrics
         if value is None:
-            if m is not None:
-                m.cache_lookups.labels(self.tier, "miss").inc()
+            m.cache_lookups.labels(self.tier, "miss").inc()
             return None
         _, fingerprint, image_hash = split_key(key)
         try:
             entry = unpack_entry(value, fingerprint=fingerprint, hash=image_hash)
         except CorruptEntry as e:
             log.warning("ignoring a corrupt redis value under %s: %s", key, e)
-            if m is not None:
-                m.cache_lookups.labels(self.tier, "corrupt").inc()
+            m.cache_lookups.labels(self.tier, "corrupt").inc()
             return None
-        if m is not None:
-            m.cache_lookups.labels(self.tier, "hit").inc()
-            m.bytes_index.labels(self.tier, "read").inc(len(value))
+        m.cache_lookups.labels(self.tier, "hit").inc()
+        m.bytes_index.labels(self.tier, "read").inc(len(value))
         return entry
 
     def decode(self, key: str, value: bytes) -> Entry | None:
@@ -68,8 +65,7 @@ class RedisStore:
         else:
             values = await self.conn.run("get", lambda: client.mget(list(keys)))
         if values is None:
-            if self._metrics is not None:
-                self._metrics.cache_lookups.labels(self.tier, "error").inc(len(keys))
+            self._metrics.cache_lookups.labels(self.tier, "error").inc(len(keys))
             return [None] * len(keys)
         return [self._decode(k, v) for k, v in zip(keys, values)]
 
@@ -77,6 +73,6 @@ class RedisStore:
         """One ``SET key value EX ttl``: atomic, so a reader sees all of the value or none of it.
         False (counted, never raised) when Redis is unavailable."""
         done = await self.conn.run("set", lambda: self.conn.client.set(key, memoryview(entry.blob), ex=self.ttl_s))
-        if done and self._metrics is not None:
+        if done:
             self._metrics.bytes_index.labels(self.tier, "write").inc(entry.nbytes)
         return bool(done)

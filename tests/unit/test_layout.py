@@ -18,10 +18,11 @@ ENGINE_RANKS = {
     "job": 1,
     "limits": 0,
     "prepare": 0,
-    "items": 1,
-    "videos": 2,
+    "items": 2,
+    "videos": 3,
     "threads": 1,
     "budget": 1,
+    "staging": 2,
     # coordination across replicas: beside the stages, below every one of them (it calls none)
     "claims": 2,
     "remote": 3,

@@ -38,7 +38,7 @@ def job(cost: int, order: tuple[int, int], bucket=None) -> Job:
     loop = asyncio.get_running_loop()
     j = Job(key=f"k{order}", image_hash="h", order=order, future=loop.create_future(), admitted_at=0.0)
     j.give_bytes(b"x" * cost, Inspected("h", TokenLayout(cost, (1, 1, cost), bucket or cost), cost, 0))
-    j.interest = 1
+    j.join()
     return j
 
 
@@ -129,8 +129,8 @@ async def test_unwanted_jobs_are_dropped_before_preprocess_and_forward():
     for j in (a, b, c):
         s.submit(j)
     await drain_ready(s, 1)
-    a.interest = 0  # ready, about to be batched
-    b.interest = 0  # still waiting for preprocessing
+    a.leave()  # ready, about to be batched
+    b.leave()  # still waiting for preprocessing
     assert s.take_batch() == []
     await drain_ready(s, 1)
     assert s.take_batch() == [c]

@@ -1,37 +1,17 @@
-"""Intake: the front of the engine. Admission, single-flight, lookups, waiting.
+"""Intake: the front of the engine. Admission, single-flight, look-ups, waiting.
 
-``Intake.encode`` turns a request's items into handles:
-
-* every item is checked on its own: a bad hash, over-limit bytes, bytes that do
-  not hash to the given hash or are not an image get that item a per-item
-  ``error`` with a reason code; the other items proceed;
-* uploaded bytes are hashed (and checked against a given hash) off the event
-  loop, so no request can write an entry under a hash its bytes do not have; a
-  hash-only item can only *hit*, never create;
-* a request is taken in waves (``items.waves``: spans ending after 1, 2, 4, ... uploads), each
-  inspected, looked up, admitted and started before the next is inspected, so a big request's
-  first images are encoding while its later ones are still hashed; a request refused part-way
-  (429/503) or abandoned releases what its earlier waves started;
-* lookups go in-flight map → the index tiers, one round trip per wave (a request of hashes only
-  is one wave);
-* a miss with bytes becomes one ``Job`` per distinct key (**single-flight**:
-  concurrent requests for the same new image join the job in flight); the
-  coordination (``coordination.py``) says where each new image is encoded: here
-  (the scheduler queues it) or, with a shared index, at another replica already
-  encoding it (the scheduler watches it: it is waited for, not encoded again);
-* every entry read from any tier is checked against its header and its key
-  before it is used: a corrupt or truncated one is a miss, never served;
-* a waiter that goes away releases its interest; a job nobody wants is dropped before its forward;
-* an entry answered ``ready`` is pinned in L1 until the caller reads it (``served``).
-
-Intake owns the in-flight map: it adds a job when it admits it and removes it when the job's future
-is resolved (by ``outputs.py``); a finished job in the map is never joined.
+A request is taken in waves (``items.waves``), each inspected, looked up (in-flight map, then one index
+round trip), admitted and started before the next is hashed; every item ends with one outcome
+(``items.py``), its own error never failing the others. A new image becomes one ``Job`` per key
+(single-flight: later requests join it), encoded here or, with a shared index, waited for at the
+replica already encoding it (``coordination.py``). Every entry read from a tier is checked against its
+header and key first: a corrupt one is a miss. Intake owns the in-flight map: a job is in it from its
+admission until its future is resolved (``outputs.py``); a finished job is never joined.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import time
@@ -41,7 +21,19 @@ from concurrent.futures import Executor
 from visenc.config import Settings
 from visenc.engine.coordination import Coordination
 from visenc.engine.interface import EncodeItem, Handle, Timing
-from visenc.engine.items import Item, inspect, itemise, waves
+from visenc.engine.items import (
+    MISSING,
+    Failed,
+    Found,
+    Item,
+    Outcome,
+    Pending,
+    VideoPending,
+    handle,
+    inspect,
+    itemise,
+    waves,
+)
 from visenc.engine.job import Job, JobState, Place
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
@@ -150,19 +142,8 @@ class Intake:
     def _peek(self, key: str, image_hash: str) -> Entry | None:
         return self._checked(key, image_hash, self.index.peek(key))
 
-    def _handle(self, item: Item, status: str, job: Job | None = None) -> Handle:
-        if item.error is not None:
-            return Handle(item.hash, "error", error=item.error.message, reason=item.error.item_reason)
-        if item.entry is not None:
-            e = item.entry
-            return Handle(item.hash, "ready", e.rows, e.hidden, e.dtype, e.grid_thw)
-        if job is not None and job.layout is not None:
-            lay = job.layout
-            return Handle(item.hash, "pending", lay.num_tokens, self.hidden_size, self.dtype, lay.grid_thw)
-        if item.manifest is not None and (video := self.prep.tower.video) is not None:
-            grid = item.manifest.grid_thw
-            return Handle(item.hash, "pending", grid[0] * video.tube_tokens(grid), self.hidden_size, self.dtype, grid)
-        return Handle(item.hash, status)  # type: ignore[arg-type]
+    def _handle(self, item: Item) -> Handle:
+        return handle(item, self.hidden_size, self.dtype, self.prep.tower.video)
 
     # --- the request path --------------------------------------------------------------------
     def not_ready_reason(self) -> str | None:
@@ -180,7 +161,7 @@ class Intake:
 
     async def _lookup(self, items: list[Item], namespace: str) -> None:
         """Every tier, one round trip for the whole request (images in flight are not looked up)."""
-        live = [it for it in items if it.error is None]
+        live = [it for it in items if it.open]
         for it in live:
             it.key = entry_key(namespace, self.fingerprint, it.hash)
         todo = [it for it in live if self._joinable(it.key) is None]
@@ -188,19 +169,21 @@ class Intake:
             for it, entry in zip(todo, await self.index.get_many([it.key for it in todo])):
                 # a hash alone may be a video's: its key then holds the video's manifest
                 found = self._checked(it.key, it.hash, entry, video=it.source is None)
-                if found is None or found.kind != "video":
-                    it.entry = found
+                if found is None:
+                    continue
+                if found.kind != "video":
+                    it.outcome = Found(found)
                     continue
                 try:  # ready when every tube is; pending while one is encoded (a fetch waits)
-                    it.entry = await self._video(found, it.hash, namespace, 0.0)
+                    it.outcome = Found(await self._video(found, it.hash, namespace, 0.0))
                 except DeadlineExceeded:
-                    it.manifest = found
+                    it.outcome = VideoPending(found)
                 except NotFound:  # a tube was evicted: missing (upload the frames again)
                     pass
 
     def _admission(self, items: list[Item]) -> set[str]:
         """Keys this request would queue; 503 / 429 when it cannot."""
-        live = [it for it in items if it.error is None and it.entry is None]
+        live = [it for it in items if it.open]
         new = {it.key for it in live if it.inspected is not None and self._joinable(it.key) is None}
         if new or any(self._joinable(it.key) for it in live):
             self.check_accepting()
@@ -215,16 +198,16 @@ class Intake:
         placed = await self.coordination.admit(sorted(new)) if new else {}
         for it in items:
             got = placed.get(it.key)
-            if it.inspected is not None and isinstance(got, Entry):
-                it.entry = self._checked(it.key, it.hash, got)
-                if it.entry is not None:
-                    self.index.store_local(it.key, it.entry)
+            if it.open and it.inspected is not None and isinstance(got, Entry):
+                if (entry := self._checked(it.key, it.hash, got)) is not None:
+                    it.outcome = Found(entry)
+                    self.index.store_local(it.key, entry)
         return placed
 
     def _start(self, it: Item, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Job:
         assert it.inspected is not None and it.source is not None
         job = self._admit(it.key, it.hash, order)
-        job.interest = 1
+        job.join()
         job.give_bytes(it.source, it.inspected)
         if placed.get(it.key) is Place.ELSEWHERE:
             self.scheduler.watch(job)  # another replica encodes it
@@ -239,20 +222,25 @@ class Intake:
         placed = await self._place(part, self._admission(part))
         out: list[tuple[Handle, Job | None]] = []
         for i, it in enumerate(part, lo):
-            if it.error is None and it.entry is None:
-                it.entry = self._peek(it.key, it.hash)  # finished while we looked elsewhere
-            if it.entry is not None and self.index.peek(it.key) is it.entry:
+            if it.open and (entry := self._peek(it.key, it.hash)) is not None:
+                it.outcome = Found(entry)  # finished while we looked elsewhere
+            if it.open:
+                it.outcome = self._join_or_start(it, (order, i), placed)
+            elif isinstance(it.outcome, Found) and self.index.peek(it.key) is it.outcome.entry:
                 self.index.pin(it.key)  # answered ready: kept until the caller reads it
-            job = None if it.error is not None or it.entry is not None else self._joinable(it.key)
-            if job is None and it.error is None and it.entry is None and it.inspected is not None:
-                job = self._start(it, (order, i), placed)
-            elif job is not None:
-                self.metrics.singleflight_joins.inc()
-                job.interest += 1
-                if job.state is JobState.FOLLOWING and it.source is not None and it.inspected is not None:
-                    job.give_bytes(it.source, it.inspected)  # a fetch's wait for another replica adopts the bytes
-            out.append((self._handle(it, "pending" if job is not None else "missing", job), job))
+            out.append((self._handle(it), it.outcome.job if isinstance(it.outcome, Pending) else None))
         return out
+
+    def _join_or_start(self, it: Item, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Outcome:
+        """The job in flight for an open item, joined, or a new one with its bytes; missing without them."""
+        job = self._joinable(it.key)
+        if job is None:
+            return Pending(self._start(it, order, placed)) if it.inspected is not None else MISSING
+        self.metrics.singleflight_joins.inc()
+        job.join()
+        if job.state is JobState.FOLLOWING and it.source is not None and it.inspected is not None:
+            job.give_bytes(it.source, it.inspected)  # a fetch's wait for another replica adopts the bytes
+        return Pending(job)
 
     async def encode(
         self,
@@ -295,10 +283,12 @@ class Intake:
             await self._wait(joined, handles, work, admitted, timing, timeout_s)
         if wait:  # videos asked by hash whose tubes are being encoded (here or at another replica)
             for i, it in enumerate(work):
-                if it.manifest is not None:
-                    with contextlib.suppress(NotFound):  # a tube evicted meanwhile: missing
-                        it.entry = await self._video(it.manifest, it.hash, namespace, timeout_s)
-                        handles[i] = self._handle(it, "ready")
+                if isinstance(it.outcome, VideoPending):
+                    try:
+                        it.outcome = Found(await self._video(it.outcome.manifest, it.hash, namespace, timeout_s))
+                    except NotFound:  # a tube evicted meanwhile: missing
+                        it.outcome = MISSING
+                    handles[i] = self._handle(it)
         return fold(handles, spans)
 
     async def _wait(
@@ -329,19 +319,17 @@ class Intake:
             error = job.future.exception()
             if isinstance(error, NotReady):
                 raise error  # device failed, stalled or shutting down: retry (503), not a per-image failure
-            it = work[i]
             if isinstance(error, VisencError) and error.item_reason is None:
                 error = EncodeFailed(error.message)
             if error is not None:
-                it.error = error if isinstance(error, VisencError) else EncodeFailed("encoding failed")
+                work[i].outcome = Failed(error if isinstance(error, VisencError) else EncodeFailed("encoding failed"))
             else:
-                it.entry = job.future.result()
-            handles[i] = self._handle(it, "ready")
+                work[i].outcome = Found(job.future.result())
+            handles[i] = self._handle(work[i])
 
     def _release(self, job: Job) -> None:
         """One waiter is done with ``job``; drop it if it is queued and nobody else wants it."""
-        job.interest -= 1
-        if job.interest <= 0 and not job.finished:
+        if job.leave():
             self.scheduler.release(job)
 
     def served(self, image_hash: str, namespace: str) -> None:
@@ -386,7 +374,7 @@ class Intake:
     async def _wait_one(self, job: Job, image_hash: str, timeout_s: float | None) -> Entry:
         timeout_s = self.settings.fetch_timeout_s if timeout_s is None else timeout_s
         self.scheduler.bump(job)
-        job.interest += 1
+        job.join()
         self.metrics.singleflight_waits.inc()
         try:
             done, _ = await asyncio.wait({job.future}, timeout=max(0.0, timeout_s))

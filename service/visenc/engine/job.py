@@ -22,12 +22,12 @@ otherwise. Each edge has one mover::
 
 ``order`` is (request arrival, position in the request): jobs run in arrival
 order and, within a request, in prompt order, so the first chunk's images are
-ready first. ``urgent`` (set by a fetch that waits on it) moves a job ahead of
+ready first. ``urgent`` (``bump``: a fetch waits on it) moves a job ahead of
 every non-urgent one.
 
-``interest`` counts who still wants the result: each waiting request or fetch,
-plus one for a ``wait=false`` encode (the caller will fetch later). A job whose
-interest drops to zero before its forward is dropped.
+``interest`` counts who still wants the result (``join`` / ``leave``): each waiting
+request or fetch, plus one for a ``wait=false`` encode (the caller will fetch later).
+A job nobody wants any more (``leave`` says so) is dropped before its forward.
 """
 
 from __future__ import annotations
@@ -109,14 +109,14 @@ class Job:
     layout: TokenLayout | None = None
     cost: int = 0
     decode_cost: int = 0
-    urgent: bool = False
-    interest: int = 0
     #: monotonic start of the forward that ran it, and that forward's duration (s): the jobs of one
     #: forward share both
     started_at: float | None = None
     forward_s: float | None = None
     seq: int = field(default_factory=lambda: next(_arrivals))
     _state: JobState = field(default=JobState.NEW, init=False)
+    _interest: int = field(default=0, init=False)
+    _urgent: bool = field(default=False, init=False)
     #: the image's bytes, or a video's tube (its frames, resized when the video was inspected)
     _data: Source | None = field(default=None, init=False, repr=False)
     _input: Prepared | None = field(default=None, init=False, repr=False)
@@ -130,8 +130,32 @@ class Job:
         return self._state.finished
 
     @property
+    def interest(self) -> int:
+        """Who still wants the result."""
+        return self._interest
+
+    @property
+    def urgent(self) -> bool:
+        """A fetch waits on it."""
+        return self._urgent
+
+    def join(self) -> None:
+        """One more waiter (a request, a fetch, or a ``wait=false`` caller) wants the result."""
+        self._interest += 1
+
+    def leave(self) -> bool:
+        """One waiter is done with it; whether nobody wants it any more (drop it, unless finished)."""
+        self._interest -= 1
+        return self._interest <= 0 and not self.finished
+
+    def bump(self) -> bool:
+        """A fetch waits on it: ahead of every non-urgent job. Whether it was not urgent before."""
+        was, self._urgent = self._urgent, True
+        return not was
+
+    @property
     def priority(self) -> tuple[bool, tuple[int, int], int]:
-        return (not self.urgent, self.order, self.seq)
+        return (not self._urgent, self.order, self.seq)
 
     @property
     def shape(self) -> TokenLayout:

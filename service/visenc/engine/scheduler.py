@@ -51,6 +51,7 @@ from visenc.engine.coordination import Coordination, WaitOutcome
 from visenc.engine.job import Job, JobState, Place
 from visenc.engine.outputs import Outputs
 from visenc.engine.prepare import Source
+from visenc.engine.staging import Staging
 from visenc.errors import Cancelled, NotFound
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout
@@ -95,11 +96,15 @@ class Scheduler:
         self._waiting: list[Job] = []
         self._ready: list[Job] = []
         self._preparing: set[asyncio.Task[None]] = set()
-        #: tower-input tokens preprocessed or being preprocessed, not yet forwarded
-        self.staged_tokens = 0
+        #: tower-input tokens preprocessed or being preprocessed, not yet forwarded (``staging.py``)
+        self.staging = Staging()
         self._changed = asyncio.Event()
 
     # --- state ---------------------------------------------------------------
+    @property
+    def staged_tokens(self) -> int:
+        return self.staging.tokens
+
     @property
     def depth(self) -> int:
         """Jobs admitted and not yet handed to the device (a preparation that has just finished
@@ -155,9 +160,8 @@ class Scheduler:
         overshoot is bounded: bumped jobs may stage at most one more batch
         (``max_batch_tokens``) beyond ``prefetch_tokens``; past that a bumped job
         waits, first in line, for the device to free staged work."""
-        if job.urgent:
+        if not job.bump():
             return
-        job.urgent = True
         if job in self._waiting and self._fits(job, self.prefetch_tokens + self.max_batch_tokens):
             self._waiting.remove(job)
             self._start(job)
@@ -167,7 +171,7 @@ class Scheduler:
         """Whether staging ``job`` keeps the staged tokens within ``bound``. A job also fits when
         nothing is staged ahead of the device (none preprocessing, none ready): the device's next
         input is then always prepared while it runs, whatever the bound (one image over it at most)."""
-        if self.staged_tokens + job.cost + job.decode_cost <= bound:
+        if self.staging.tokens + job.cost + job.decode_cost <= bound:
             return True
         return not self._ready and not self._in_preparation
 
@@ -181,7 +185,7 @@ class Scheduler:
             self._drop_if_unwanted(job)
         elif job in self._ready:
             self._ready.remove(job)
-            self.staged_tokens -= job.cost
+            self.staging.free(job)
             self._drop_if_unwanted(job)
             self._dispatch()
 
@@ -204,7 +208,7 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         if self._drop_if_unwanted(job):
             return
-        self.staged_tokens += job.cost + job.decode_cost
+        self.staging.charge(job)
         job.start_preparing()
         task = spawn(self._prepare(job), "prepare", self._metrics)
         self._preparing.add(task)
@@ -214,7 +218,7 @@ class Scheduler:
         try:
             place = await self._coordination.begin(job)
             if place is not Place.HERE:  # another replica's work now
-                self.staged_tokens -= job.cost + job.decode_cost
+                self.staging.free(job)
                 if isinstance(place, Entry):
                     self._outputs.complete_remote(job, place)
                 else:
@@ -225,17 +229,17 @@ class Scheduler:
             data = job.take_bytes()
             tower_input = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
         except BaseException as e:
-            self.staged_tokens -= job.cost + job.decode_cost
+            self.staging.free(job)
             self._outputs.fail([job], e)
             self._dispatch()
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
-        self.staged_tokens -= job.decode_cost  # the decoded image is gone, its input stays staged
+        self.staging.decoded(job)  # the decoded image is gone, its input stays staged
         if self._on_prepared is not None:
             self._on_prepared(job, time.perf_counter() - t0)
         if self._drop_if_unwanted(job):  # every waiter left while it was preprocessed: free it now
-            self.staged_tokens -= job.cost
+            self.staging.free(job)
             self._dispatch()
             return
         job.prepared(tower_input)
@@ -250,7 +254,7 @@ class Scheduler:
         kept = []
         for job in self._ready:
             if self._drop_if_unwanted(job):
-                self.staged_tokens -= job.cost
+                self.staging.free(job)
             else:
                 kept.append(job)
         self._ready = kept
@@ -284,7 +288,8 @@ class Scheduler:
 
     def done(self, batch: list[Job]) -> None:
         """The device has finished with ``batch``: free its budget, preprocess more."""
-        self.staged_tokens -= sum(j.cost for j in batch)
+        for job in batch:
+            self.staging.free(job)
         self._dispatch()
 
     async def next_batch(self, max_wait_s: float, timeout_s: float | None = None) -> list[Job]:
@@ -306,7 +311,8 @@ class Scheduler:
     def cancel_all(self, error: BaseException) -> None:
         """Fail every job not yet on the device (shutdown, or a device that cannot be restarted)."""
         self._outputs.fail(self._waiting + self._ready, error)
-        self.staged_tokens -= sum(j.cost for j in self._ready)
+        for job in self._ready:
+            self.staging.free(job)
         self._waiting.clear()
         self._ready.clear()
         for task in list(self._preparing):

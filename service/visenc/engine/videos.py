@@ -22,7 +22,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from visenc.engine.interface import Handle
-from visenc.engine.items import Item
+from visenc.engine.items import Failed, Item
 from visenc.engine.prepare import ImagePrep, Video
 from visenc.errors import NotFound, VisencError
 from visenc_client.format import (
@@ -49,7 +49,7 @@ class Span:
 async def inspect_videos(items: list[Item], prep: ImagePrep, pool: Executor) -> None:
     """Inspect every video item in the pool (one task each); a failure is that item's error."""
     loop = asyncio.get_running_loop()
-    videos = [it for it in items if it.frames is not None and it.error is None]
+    videos = [it for it in items if it.frames is not None and it.open]
     results = await asyncio.gather(
         *(loop.run_in_executor(pool, prep.inspect_video, it.frames or [], it.hash or None) for it in videos),
         return_exceptions=True,
@@ -59,7 +59,7 @@ async def inspect_videos(items: list[Item], prep: ImagePrep, pool: Executor) -> 
             raise res  # a bug, not the video's fault
         it.hash, outcome = res
         if isinstance(outcome, VisencError):
-            it.error = outcome
+            it.outcome = Failed(outcome)
         else:
             it.video = outcome
 
@@ -73,7 +73,7 @@ def expand(items: list[Item]) -> tuple[list[Item], list[Span]]:
         if it.video is None:
             flat.append(it)
         else:
-            flat.extend(Item(t.inspected.hash, inspected=t.inspected, tube=t) for t in it.video.tubes)
+            flat.extend(Item(t.inspected.hash, t, inspected=t.inspected) for t in it.video.tubes)
         spans.append(Span(it, lo, len(flat), it.video))
     return flat, spans
 

@@ -1,0 +1,145 @@
+"""The staging budget is one ledger (``engine/staging.py``): whatever happens to a job, in whatever
+order, it ends holding nothing, and the scheduler's budget comes back to zero.
+
+- the ledger alone: random sequences of charge, decoded and free over a few jobs, each call repeated
+  at will, never leave the total off what the jobs hold, and freeing every job leaves zero;
+- the scheduler: random interleavings of admit, decode (preprocessing runs), cancel, fail (the
+  preprocessing raises), take a batch and finish it, then the queue drained: zero every time.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from tests.support.stages import RecordedFailures
+
+from visenc.engine.coordination import LocalCoordination
+from visenc.engine.job import Job
+from visenc.engine.prepare import Inspected
+from visenc.engine.scheduler import Scheduler
+from visenc.engine.staging import Staging
+from visenc.metrics import Metrics
+from visenc.models.base import Prepared, TokenLayout
+
+
+def make_job(i: int, cost: int, decode: int, loop: asyncio.AbstractEventLoop | None = None) -> Job:
+    future = (loop or asyncio.new_event_loop()).create_future()
+    j = Job(key=f"k{i}", image_hash=f"h{i}", order=(0, i), future=future, admitted_at=0.0)
+    j.give_bytes(
+        i.to_bytes(2, "little") + b"x" * cost, Inspected(f"h{i}", TokenLayout(cost, (1, 1, cost), 0), cost, decode)
+    )
+    return j
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.integers(1, 50), st.integers(0, 200)), min_size=1, max_size=5),
+    st.lists(st.tuples(st.sampled_from(["charge", "decoded", "free"]), st.integers(0, 4)), max_size=40),
+)
+def test_the_ledger_never_leaks_nor_frees_twice(costs: list[tuple[int, int]], calls: list[tuple[str, int]]) -> None:
+    loop = asyncio.new_event_loop()
+    try:
+        jobs = [make_job(i, c, d, loop) for i, (c, d) in enumerate(costs)]
+        ledger = Staging()
+        remaining: dict[int, int] = {}
+        for op, i in calls:
+            job = jobs[i % len(jobs)]
+            getattr(ledger, op)(job)
+            k = i % len(jobs)
+            if op == "charge":
+                remaining.setdefault(k, job.cost + job.decode_cost)
+            elif op == "decoded" and k in remaining:
+                remaining[k] = min(remaining[k], job.cost)
+            elif op == "free":
+                remaining.pop(k, None)
+            assert ledger.tokens == sum(remaining.values()) >= 0
+        for job in jobs:
+            ledger.free(job)
+        assert ledger.tokens == 0
+    finally:
+        loop.close()
+
+
+class Flaky:
+    """Preprocessing that fails for the jobs marked to fail."""
+
+    def __init__(self) -> None:
+        self.fail: set[bytes] = set()
+
+    def __call__(self, data: bytes) -> Prepared:
+        if data[:2] in self.fail:
+            raise RuntimeError("the image could not be preprocessed")
+        n = len(data) - 2
+        return Prepared(np.zeros((n, 1), np.float32), TokenLayout(n, (1, 1, n), 0))
+
+
+OPS = st.lists(
+    st.tuples(st.sampled_from(["admit", "decode", "cancel", "fail", "take", "finish"]), st.integers(0, 7)),
+    max_size=30,
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 30), st.integers(0, 60)), min_size=1, max_size=8), OPS)
+def test_the_scheduler_budget_comes_back_to_zero(costs: list[tuple[int, int]], ops: list[tuple[str, int]]) -> None:
+    asyncio.run(scenario(costs, ops))
+
+
+async def scenario(costs: list[tuple[int, int]], ops: list[tuple[str, int]]) -> None:
+    loop = asyncio.get_running_loop()
+    preprocess = Flaky()
+    failed: list = []
+    with ThreadPoolExecutor(2) as pool:
+        s = Scheduler(
+            preprocess=preprocess,
+            pool=pool,
+            outputs=RecordedFailures(failed),  # type: ignore[arg-type]
+            coordination=LocalCoordination(),
+            max_batch_tokens=40,
+            max_batch_images=3,
+            packable=True,
+            prefetch_tokens=50,
+            metrics=Metrics(),
+        )
+        jobs = [make_job(i, c, d, loop) for i, (c, d) in enumerate(costs)]
+        admitted: set[int] = set()
+        batches: list[list[Job]] = []
+        for op, i in ops:
+            k = i % len(jobs)
+            job = jobs[k]
+            if op == "admit" and k not in admitted:
+                admitted.add(k)
+                job.join()
+                s.submit(job)
+            elif op == "decode":  # let the preparations in flight finish
+                for _ in range(5):
+                    await asyncio.sleep(0.002)
+            elif op == "cancel" and k in admitted and job.interest > 0 and job.leave():
+                s.release(job)
+            elif op == "fail":
+                preprocess.fail.add(k.to_bytes(2, "little"))
+            elif op == "take":
+                if batch := s.take_batch():
+                    batches.append(batch)
+            elif op == "finish" and batches:
+                batch = batches.pop(0)
+                for j in batch:
+                    j.forwarded(0.0, 0.0)
+                s.done(batch)
+        for batch in batches:  # the device finishes what it took
+            s.done(batch)
+        for k in admitted:  # every waiter goes away
+            if jobs[k].interest > 0 and jobs[k].leave():
+                s.release(jobs[k])
+        for _ in range(200):
+            if not s._in_preparation:
+                break
+            await asyncio.sleep(0.005)
+        while batch := s.take_batch():
+            s.done(batch)
+        s.cancel_all(RuntimeError("stopped"))
+        assert s.staged_tokens == 0

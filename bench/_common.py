@@ -12,7 +12,6 @@ import contextlib
 import io
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,12 +20,17 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 import numpy as np
 from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
+if str(ROOT) not in sys.path:  # the waits and the free port the tests use too
+    sys.path.insert(0, str(ROOT))
+
+from tests.support.waits import free_port, wait_ready  # noqa: E402
+
+__all__ = ["free_port"]
 
 
 def spread(values: list[float], unit: str = "x") -> str:
@@ -50,26 +54,6 @@ def jpeg(seed: int, width: int = 640, height: int = 480) -> bytes:
     return buf.getvalue()
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def wait_http(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 180.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before answering {url}")
-        try:
-            if httpx.get(url, timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    raise TimeoutError(f"{url} did not answer within {timeout_s} s")
-
-
 @contextlib.contextmanager
 def server(
     cmd: list[str], health_url: str, env: dict[str, str] | None = None, log: Path | None = None
@@ -80,7 +64,7 @@ def server(
         cmd, env={**os.environ, **(env or {})}, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
     )
     try:
-        wait_http(health_url, proc)
+        wait_ready(health_url, proc, timeout_s=180.0, path="")
         yield proc
     finally:
         if proc.poll() is None:

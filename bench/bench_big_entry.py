@@ -71,24 +71,11 @@ def raw_server(payload: bytes, folder: Path) -> Iterator[str]:
     proc = subprocess.Popen(cmd, cwd=folder, env=env)
     url = f"http://127.0.0.1:{port}"
     try:
-        _wait(url, proc)
+        c.wait_ready(url, proc, timeout_s=30, path="/healthz")
         yield url
     finally:
         proc.terminate()
         proc.wait(timeout=10)
-
-
-def _wait(url: str, proc: subprocess.Popen[bytes]) -> None:
-    import httpx
-
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, "raw server exited"
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/healthz", timeout=1).status_code == 200:
-                return
-        time.sleep(0.1)
-    raise TimeoutError(url)
 
 
 def main() -> None:

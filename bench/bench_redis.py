@@ -22,13 +22,10 @@ import argparse
 import asyncio
 import base64
 import contextlib
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -39,6 +36,7 @@ import numpy as np  # noqa: E402
 import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
+from tests.conftest import redis_process  # noqa: E402
 
 from visenc.bootstrap import create_app  # noqa: E402
 from visenc.config import Settings  # noqa: E402
@@ -47,28 +45,6 @@ from visenc.index.redis_store import RedisStore  # noqa: E402
 from visenc.metrics import Metrics  # noqa: E402
 from visenc_client import Handle, RedisRows  # noqa: E402
 from visenc_client.format import entry_key, pack_entry  # noqa: E402
-
-
-@contextlib.contextmanager
-def redis_server() -> Iterator[str]:
-    exe = shutil.which("redis-server")
-    if exe is None:
-        raise SystemExit("redis-server is not installed")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    proc = subprocess.Popen(
-        [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"], stdout=subprocess.DEVNULL
-    )
-    try:
-        for _ in range(200):
-            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                break
-            time.sleep(0.05)
-        yield f"redis://127.0.0.1:{port}/0"
-    finally:
-        proc.terminate()
-        proc.wait(timeout=10)
 
 
 async def median_s(fn: Callable[[], Awaitable[object]], n: int) -> float:
@@ -182,7 +158,7 @@ async def main() -> None:
     p.add_argument("--tokens", type=int, default=1196, help="tokens of the fetched entry (1280x720 in Qwen2.5-VL)")
     p.add_argument("--hidden", type=int, default=3584, help="hidden size of the fetched entry (Qwen2.5-VL-7B)")
     args = p.parse_args()
-    with redis_server() as url:
+    with redis_process() as (url, _):
         await fetch_throughput(url, args.tokens, args.hidden, args.rounds, args.reps)
         await hit_latency(url, args.rounds, args.reps * 4)
 

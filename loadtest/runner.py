@@ -23,7 +23,6 @@ import contextlib
 import json
 import os
 import shlex
-import socket
 import subprocess
 import sys
 import threading
@@ -41,6 +40,7 @@ if str(ROOT) not in sys.path:  # run as `python loadtest/runner.py`: make `loadt
 
 from loadtest.payloads import DEFAULT_STAGES, parse_stages, parse_timespan  # noqa: E402 - after the path fix
 from loadtest.report import render  # noqa: E402
+from tests.support.waits import free_port, wait_ready  # noqa: E402
 
 SCRAPED = (
     "visenc_cache_lookups_total",
@@ -81,29 +81,11 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     return p.parse_known_args(argv)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _env() -> dict[str, str]:
     paths = [str(ROOT / "service"), str(ROOT / "clients"), str(ROOT)]
     if os.environ.get("PYTHONPATH"):
         paths.append(os.environ["PYTHONPATH"])
     return {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"visenc serve exited with {proc.returncode} before it was ready")
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                return
-        time.sleep(0.25)
-    raise TimeoutError(f"{url} was not ready within {timeout_s} s")
 
 
 @contextlib.contextmanager

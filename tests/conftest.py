@@ -5,28 +5,21 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import socket
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from tests.support.waits import free_port, listening, wait_ready, wait_until
 
 from visenc.bootstrap import create_app
 from visenc.config import Settings
 from visenc.models.base import VisionTower
 
 ROOT = Path(__file__).resolve().parent.parent
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @pytest.fixture(scope="session")
@@ -55,20 +48,6 @@ async def running_app(
 async def service(tiny_tower: VisionTower) -> AsyncIterator[httpx.AsyncClient]:
     async with running_app(tiny_tower) as client:
         yield client
-
-
-def wait_ready(url: str, proc: subprocess.Popen[bytes] | None = None, timeout_s: float = 120.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            raise RuntimeError(f"server exited with {proc.returncode} before it was ready")
-        try:
-            if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
-                return
-        except httpx.TransportError:
-            pass
-        time.sleep(0.2)
-    raise TimeoutError(f"{url} not ready within {timeout_s} s")
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
@@ -131,11 +110,7 @@ def redis_process(port: int | None = None, *extra: str) -> Iterator[tuple[str, s
         stdout=subprocess.DEVNULL,
         stderr=subprocess.STDOUT,
     )
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            break
-        time.sleep(0.05)
+    wait_until(lambda: listening(port), 10, f"redis-server on port {port}", interval_s=0.05)
     try:
         yield f"redis://127.0.0.1:{port}/0", proc
     finally:

@@ -18,6 +18,7 @@ import time
 import pytest
 from tests.conftest import ROOT, serve_process
 from tests.images import png_bytes
+from tests.support.waits import wait_until
 
 from visenc_client import BadRequestError, Client, ImagePlacement, RowRange
 
@@ -57,15 +58,6 @@ def mapped_by(proc: subprocess.Popen[str]) -> list[str]:
     return [os.path.basename(p) for p in line.split()]
 
 
-def wait_for(predicate, timeout_s: float) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.1)
-    return predicate()
-
-
 def test_no_segment_outlives_its_lease_or_the_service_when_clients_exit_or_crash(tmp_path):
     with serve_process("--shm-enabled", "true", "--shm-lease-s", "6", log=tmp_path / "serve.log") as url:
         with Client(url) as vc:
@@ -82,7 +74,7 @@ def test_no_segment_outlives_its_lease_or_the_service_when_clients_exit_or_crash
         assert len(mapped_a) == 2 and len(mapped_b) == 2  # one segment per image, shared by both clients
         prefix = mapped_a[0].rsplit("-", 1)[0] + "-"
         assert set(mapped_a) | set(mapped_b) == set(segments(prefix)), "the segments live under the lease"
-        assert wait_for(lambda: not segments(prefix), timeout_s=15), f"leaked: {segments(prefix)}"
+        wait_until(lambda: not segments(prefix), 15, "every segment is reaped after its lease")
 
         with Client(url, shared_memory=True) as vc:  # new handles, new segments
             vc.fetch_many([RowRange(h) for h in hashes])

@@ -13,7 +13,7 @@ from tests.conftest import running_app
 from tests.images import png_bytes
 from tests.reliability.conftest import server_process
 from tests.service.test_api import encode_json, sha
-from tests.support.waits import metric, until
+from tests.support.waits import metric, until, wait_until
 
 
 @contextlib.contextmanager
@@ -141,18 +141,18 @@ def test_client_disconnect_cancels_its_queued_work(tmp_path):
                 target=lambda: result.setdefault("x", http.post("/v1/encode", json={"items": [{"data": _b64(x)}]}))
             )
             first.start()
-            time.sleep(0.3)
+            wait_until(lambda: metric(http.get("/metrics").text, "visenc_inflight_images") == 1, 10, "X admitted")
             with pytest.raises(httpx.ReadTimeout):
                 httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(y)}]}, timeout=0.5)
             first.join(30)
             assert result["x"].status_code == 200
-            deadline = time.monotonic() + 10
-            while True:
+
+            def settled() -> bool:
                 m = http.get("/metrics").text
-                if metric(m, "visenc_inflight_images") == 0 and metric(m, "visenc_queue_depth") == 0:
-                    break
-                assert time.monotonic() < deadline, m
-                time.sleep(0.1)
+                return metric(m, "visenc_inflight_images") == 0 and metric(m, "visenc_queue_depth") == 0
+
+            wait_until(settled, 10, "nothing in flight or queued")
+            m = http.get("/metrics").text
             assert metric(m, "visenc_encoded_images_total") == 1  # only X
             assert metric(m, "visenc_cancelled_images_total") == 1  # Y, dropped before its forward
             assert metric(m, "visenc_requests_total", endpoint="/v1/encode", status="499") == 1

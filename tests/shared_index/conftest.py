@@ -9,21 +9,12 @@ import contextlib
 import shutil
 import socket
 import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from tests.conftest import free_port
-
-
-def _wait_port(port: int, timeout_s: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
-            return
-        time.sleep(0.05)
-    raise TimeoutError(f"nothing listens on 127.0.0.1:{port}")
+from tests.support.waits import listening, wait_until
 
 
 def _cluster_port() -> int:
@@ -79,7 +70,7 @@ def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[list[int]]:
                 )
             )
         for port in ports:
-            _wait_port(port)
+            wait_until(lambda port=port: listening(port), 10, f"redis on port {port}", 0.05)
         subprocess.run(
             [
                 cli,
@@ -94,17 +85,15 @@ def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[list[int]]:
             capture_output=True,
             timeout=30,
         )
-        deadline = time.monotonic() + 20
-        while True:  # every node must agree the cluster is up before a client connects
-            states = [
-                subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True, timeout=5).stdout
+
+        def cluster_ok() -> bool:  # every node must agree the cluster is up before a client connects
+            info = (
+                subprocess.run([cli, "-p", str(p), "cluster", "info"], capture_output=True, text=True, timeout=5)
                 for p in ports
-            ]
-            if all("cluster_state:ok" in s for s in states):
-                break
-            if time.monotonic() > deadline:
-                raise TimeoutError("the local redis cluster did not reach cluster_state:ok")
-            time.sleep(0.1)
+            )
+            return all("cluster_state:ok" in done.stdout for done in info)
+
+        wait_until(cluster_ok, 20, "the local redis cluster reaches cluster_state:ok", 0.1)
         yield ports
     finally:
         for proc in procs:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import random
+from collections.abc import Callable
 
 import httpx
 import numpy as np
@@ -58,16 +59,26 @@ async def test_service_survives_a_redis_restart_under_traffic(tiny_tower):
             ]
             pairs = list(zip(clients, (a, b)))
             workers = [asyncio.create_task(traffic(pairs, seed)) for seed in range(4)]
+
+            def served_at_least(n: int) -> Callable[[], bool]:  # or the traffic is over (bounded in count)
+                return lambda: len(served) >= n or all(w.done() for w in workers)
+
             try:
-                await asyncio.sleep(0.5)
+                await until(served_at_least(4), 60, "traffic before the outage")
                 proc.kill()  # SIGKILL: no goodbye; everything stored is lost (no persistence)
                 proc.wait(timeout=5)
-                await asyncio.sleep(0.5)
+                before = len(served)
+                await until(
+                    lambda: len(served) >= before + 4 or all(w.done() for w in workers), 60, "traffic, Redis down"
+                )
                 for c in (a, b):  # each replica has met the dead Redis by now (traffic asks it for unknowns)
                     await c.post("/v1/encode", json={"items": [{"hash": "e" * 64}]})
                 degraded = [(await c.get("/readyz")).json()["status"] for c in (a, b)]
                 restarted = stack.enter_context(redis_process(port))  # same port, empty
-                await asyncio.sleep(0.8)
+                before = len(served)
+                await until(
+                    lambda: len(served) >= before + 4 or all(w.done() for w in workers), 60, "traffic, Redis back"
+                )
                 stop.set()
                 await asyncio.gather(*workers)  # re-raises any failed request or wrong row
             finally:

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import redis.asyncio as aioredis
 from tests.conftest import free_port
-from tests.support.waits import metric
+from tests.support.waits import listening, metric, wait_until
 
 from visenc.config import Settings
 from visenc.index.memory import MemoryCache
@@ -197,7 +197,6 @@ def test_redacted_location():
 
 def test_shipped_redis_conf_is_a_valid_cache_config(tmp_path):
     import subprocess
-    import time
 
     import redis as syncredis
     from tests.conftest import ROOT
@@ -212,13 +211,9 @@ def test_shipped_redis_conf_is_a_valid_cache_config(tmp_path):
     )
     try:
         r = syncredis.Redis(port=port)
-        for _ in range(100):
-            try:
-                cfg = r.config_get("*")
-                break
-            except syncredis.ConnectionError:
-                assert proc.poll() is None, "redis-server refused the shipped config"
-                time.sleep(0.05)
+        wait_until(lambda: proc.poll() is not None or listening(port), 5, "redis-server with the shipped config")
+        assert proc.poll() is None, "redis-server refused the shipped config"
+        cfg = r.config_get("*")
         assert cfg["maxmemory-policy"] == "allkeys-lru" and int(cfg["maxmemory"]) > 0
         assert cfg["save"] == "" and cfg["appendonly"] == "no"
         r.close()

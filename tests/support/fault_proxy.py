@@ -25,6 +25,7 @@ from collections import Counter
 import aiohttp
 import msgpack
 from aiohttp import web
+from tests.support.waits import free_port
 
 MODES = ("pass", "503", "reset", "hang", "slow")
 
@@ -39,9 +40,7 @@ class FaultProxy:
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
         self._thread = threading.Thread(target=self._run, name="fault-proxy", daemon=True)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = int(s.getsockname()[1])
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
 
     def __enter__(self) -> FaultProxy:

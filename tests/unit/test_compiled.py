@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 from tests.conftest import running_app
+from tests.support.waits import until
 
 from visenc.cli import build_parser
 from visenc.config import Settings
@@ -93,11 +94,7 @@ async def test_the_service_is_ready_once_its_compiled_tower_is_warm() -> None:
         r = await client.get("/readyz")
         assert r.status_code == 503 and "compiling" in r.json()["error"]["message"]
         release.set()
-        for _ in range(600):
-            if (await client.get("/readyz")).status_code == 200:
-                break
-            await asyncio.sleep(0.1)
-        assert (await client.get("/readyz")).status_code == 200
+        await until(lambda: _ready(client), 60, "ready once warm")
         metrics = (await client.get("/metrics")).text
         graphs = next(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith("visenc_compiled_"))
         assert graphs >= 1
@@ -116,3 +113,7 @@ def _png(w: int, h: int) -> str:
     buf = io.BytesIO()
     Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)).save(buf, "PNG")
     return base64.b64encode(buf.getvalue()).decode()
+
+
+async def _ready(client: Any) -> bool:
+    return (await client.get("/readyz")).status_code == 200

@@ -12,7 +12,8 @@ from typing import Any
 
 import numpy as np
 import torch
-from tests.unit.test_scheduler import drain_ready, job, make_scheduler
+from tests.support.waits import until
+from tests.unit.test_scheduler import job, make_scheduler
 
 from visenc.engine.coordination import LocalCoordination
 from visenc.engine.outputs import Outputs
@@ -34,7 +35,7 @@ async def test_batches_stay_under_the_byte_budget():
     jobs = [job(10, (0, 0)), job(30, (0, 1)), job(10, (0, 2)), job(10, (0, 3)), job(40, (0, 4))]
     for j in jobs:
         s.submit(j)
-    await drain_ready(s, 5)
+    await until(lambda: len(s._ready) == 5)
     first = s.take_batch()
     # the 30 would bring 40 + 90 > 100: the batch stops there (no smaller job overtakes it: token order)
     assert first == [jobs[0]]
@@ -52,7 +53,9 @@ async def test_decode_charge_is_held_only_while_preprocessing():
     s.submit(a)
     s.submit(b)
     assert s.staged_tokens == 25 and len(s._waiting) == 1  # b's 25 would cross 30 while a decodes
-    await drain_ready(s, 2)  # a's decode charge is released when it is ready: b may start
+    await until(
+        lambda: len(s._ready) == 2, 1.0, "2 ready"
+    )  # a's decode charge is released when it is ready: b may start
     assert s.staged_tokens == 10
     s.done(s.take_batch())
     assert s.staged_tokens == 0 and s.idle
@@ -172,7 +175,7 @@ async def test_each_forward_gives_its_images_back_to_the_budget_before_the_batch
     jobs = [job(1, (0, i), "only") for i in range(5)]
     for j in jobs[:3]:
         s.submit(j)
-    await drain_ready(s, 3)
+    await until(lambda: len(s._ready) == 3)
     s.submit(jobs[3])  # 3 + 1 <= 4: staged at once
     s.submit(jobs[4])  # 5 > 4 with four images ahead of the device: it waits
     assert s._waiting == [jobs[4]]

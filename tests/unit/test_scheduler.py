@@ -7,6 +7,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from tests.support.stages import RecordedFailures
+from tests.support.waits import until
 
 from visenc.engine.coordination import LocalCoordination
 from visenc.engine.job import Job
@@ -42,20 +43,12 @@ def job(cost: int, order: tuple[int, int], bucket=None) -> Job:
     return j
 
 
-async def drain_ready(s: Scheduler, n: int):
-    for _ in range(200):
-        if len(s._ready) == n:
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError(f"{len(s._ready)} ready, expected {n}")
-
-
 async def test_same_bucket_batches_in_priority_order():
     s = make_scheduler()
     jobs = [job(10, (0, 0), "A"), job(20, (0, 1), "B"), job(10, (0, 2), "A"), job(10, (1, 0), "A")]
     for j in jobs:
         s.submit(j)
-    await drain_ready(s, 4)
+    await until(lambda: len(s._ready) == 4)
     assert s.take_batch() == [jobs[0], jobs[2], jobs[3]]
     assert s.take_batch() == [jobs[1]]
     assert s.take_batch() == []
@@ -66,7 +59,7 @@ async def test_packable_mixes_buckets_under_token_budget():
     jobs = [job(10, (0, i), f"b{i}") for i in range(5)]
     for j in jobs:
         s.submit(j)
-    await drain_ready(s, 5)
+    await until(lambda: len(s._ready) == 5)
     assert s.take_batch() == jobs[:3]
     assert s.take_batch() == jobs[3:]
 
@@ -75,7 +68,7 @@ async def test_oversized_image_runs_alone():
     s = make_scheduler(max_tokens=10)
     big = job(50, (0, 0))
     s.submit(big)
-    await drain_ready(s, 1)
+    await until(lambda: len(s._ready) == 1)
     assert s.take_batch() == [big]
 
 
@@ -84,7 +77,7 @@ async def test_urgent_job_jumps_the_queue():
     jobs = [job(5, (0, i), "A") for i in range(3)]
     for j in jobs:
         s.submit(j)
-    await drain_ready(s, 3)
+    await until(lambda: len(s._ready) == 3)
     s.bump(jobs[2])
     assert s.take_batch() == [jobs[2]]
     assert s.take_batch() == [jobs[0]]
@@ -95,11 +88,11 @@ async def test_prefetch_budget_bounds_preprocessed_work():
     jobs = [job(10, (0, i), "A") for i in range(6)]
     for j in jobs:
         s.submit(j)
-    await drain_ready(s, 2)  # a third 10 would cross 25: the rest wait with their bytes
+    await until(lambda: len(s._ready) == 2)  # a third 10 would cross 25: the rest wait with their bytes
     assert len(s._waiting) == 4 and s.staged_tokens == 20
     batch = s.take_batch()
     s.done(batch)
-    await drain_ready(s, 2)
+    await until(lambda: len(s._ready) == 2)
     assert s.depth == 4 and len(s._waiting) == 2 and s.staged_tokens == 20
 
 
@@ -110,15 +103,17 @@ async def test_the_devices_next_input_is_prepared_whatever_the_bound_and_no_more
     jobs = [job(8, (0, i), "A") for i in range(3)]
     for j in jobs:
         s.submit(j)
-    await drain_ready(s, 1)
+    await until(lambda: len(s._ready) == 1)
     assert len(s._waiting) == 2 and s.staged_tokens == 8  # 16 > 10, and the first is ahead
     assert s.take_batch() == [jobs[0]]
-    await drain_ready(s, 1)  # started although 16 > 10: the device would else wait for it
+    await until(
+        lambda: len(s._ready) == 1, 1.0, "1 ready"
+    )  # started although 16 > 10: the device would else wait for it
     assert s._ready == [jobs[1]] and s._waiting == [jobs[2]] and s.staged_tokens == 16
     s.done([jobs[0]])
     assert s._waiting == [jobs[2]]  # 16 > 10 and jobs[1] is ahead of the device: the bound holds
     assert s.take_batch() == [jobs[1]]
-    await drain_ready(s, 1)
+    await until(lambda: len(s._ready) == 1)
     assert s._ready == [jobs[2]]
 
 
@@ -128,11 +123,11 @@ async def test_unwanted_jobs_are_dropped_before_preprocess_and_forward():
     a, b, c = job(10, (0, 0), "A"), job(10, (0, 1), "A"), job(10, (0, 2), "A")
     for j in (a, b, c):
         s.submit(j)
-    await drain_ready(s, 1)
+    await until(lambda: len(s._ready) == 1)
     a.leave()  # ready, about to be batched
     b.leave()  # still waiting for preprocessing
     assert s.take_batch() == []
-    await drain_ready(s, 1)
+    await until(lambda: len(s._ready) == 1)
     assert s.take_batch() == [c]
     assert {id(j) for j, _ in failed} == {id(a), id(b)}
     s.done([c])

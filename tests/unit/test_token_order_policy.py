@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.unit.test_scheduler import drain_ready, job, make_scheduler
+from tests.support.waits import until
+from tests.unit.test_scheduler import job, make_scheduler
 
 
 async def test_a_smaller_later_image_does_not_overtake_one_that_did_not_fit():
@@ -12,7 +13,7 @@ async def test_a_smaller_later_image_does_not_overtake_one_that_did_not_fit():
     first, big, small = job(10, (0, 0), "a"), job(30, (0, 1), "b"), job(5, (0, 2), "c")
     for j in (first, big, small):
         s.submit(j)
-    await drain_ready(s, 3)
+    await until(lambda: len(s._ready) == 3)
     assert s.take_batch() == [first]
     assert s.take_batch() == [big, small]
 
@@ -22,10 +23,10 @@ async def test_bump_starts_preprocessing_past_the_prefetch_gate():
     jobs = [job(10, (0, i), "A") for i in range(5)]
     for j in jobs:
         s.submit(j)
-    await drain_ready(s, 2)
+    await until(lambda: len(s._ready) == 2)
     assert jobs[4] in s._waiting
     s.bump(jobs[4])
-    await drain_ready(s, 3)  # preprocessed although the budget (20) is already spent
+    await until(lambda: len(s._ready) == 3)  # preprocessed although the budget (20) is already spent
     assert s.staged_tokens == 30
     assert s.take_batch() == [jobs[4]]
     assert s.take_batch() == [jobs[0]]
@@ -36,7 +37,7 @@ async def test_an_urgent_batch_is_not_padded_with_work_nobody_waits_for():
     jobs = [job(10, (0, i), f"b{i}") for i in range(6)]
     for j in jobs:
         s.submit(j)
-    await drain_ready(s, 6)
+    await until(lambda: len(s._ready) == 6)
     s.bump(jobs[3])
     s.bump(jobs[1])
     assert s.take_batch() == [jobs[1], jobs[3]]

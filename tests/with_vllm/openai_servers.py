@@ -8,11 +8,11 @@ import json
 import os
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
 import httpx
+from tests.support.waits import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -61,17 +61,6 @@ def openai_server(
         stdout=out,
         stderr=subprocess.STDOUT if log else subprocess.DEVNULL,
     )
-
-
-def wait_up(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        assert proc.poll() is None, f"{url} exited with {proc.returncode}"
-        with contextlib.suppress(httpx.TransportError):
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 def chat_request(
@@ -129,7 +118,7 @@ def alone_and_behind_proxy(right: Path, wrong: Path, visenc: str, *, videos: int
     urls = [f"http://127.0.0.1:{p}" for p in ports]
     try:
         for url, proc in zip(urls, [alone, behind, proxy]):
-            wait_up(url, proc)
+            wait_ready(url, proc, 300, "/health")
         yield urls[0], urls[2]
     finally:
         for proc in (proxy, behind, alone):

@@ -16,7 +16,6 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -25,6 +24,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
 from tests.conftest import free_port, serve_process
 from tests.support import tiny_processors
+from tests.support.waits import wait_until
 
 from visenc_client import Client
 
@@ -213,13 +213,6 @@ def _request(rid, *items):
     return SimpleNamespace(request_id=rid, mm_features=features)
 
 
-def _until(predicate, timeout_s=5.0):
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
-
-
 A, B = "a" * 64, "b" * 64
 
 
@@ -246,7 +239,7 @@ def test_rows_are_local_before_an_image_counts_present(monkeypatch):
     assert not connector.has_cache_item(A)
     assert connector.ensure_cache_available(request, 13)  # its image lies before the computed tokens
     release.set()
-    _until(lambda: connector.ensure_cache_available(request, 0))
+    wait_until(lambda: connector.ensure_cache_available(request, 0))
     assert connector.has_cache_item(A)
     connector.update_state_after_alloc(request, 0)
     meta = connector.build_connector_meta(None)
@@ -281,7 +274,7 @@ def test_a_failed_fetch_means_vllm_encodes_the_image(monkeypatch, fault):
     connector = _scheduler_side(monkeypatch, obtain, defer_timeout_s=0.3)
     request = _request("r1", (A, 0, 3, {"pixel_values": 0}))
     assert not connector.ensure_cache_available(request, 0)
-    _until(lambda: connector.ensure_cache_available(request, 0))
+    wait_until(lambda: connector.ensure_cache_available(request, 0))
     assert not connector.has_cache_item(A)
     assert connector.take_unavailable_requests() == set()
     never.set()
@@ -302,7 +295,7 @@ def test_an_image_without_pixels_fails_its_request_alone(monkeypatch):
     with_pixels = _request("r2", (B, 0, 3, {"pixel_values": 0}))
     assert not connector.ensure_cache_available(grid_only, 0)
     assert not connector.ensure_cache_available(with_pixels, 0)
-    _until(lambda: connector.ensure_cache_available(with_pixels, 0))
+    wait_until(lambda: connector.ensure_cache_available(with_pixels, 0))
     assert not connector.ensure_cache_available(grid_only, 0)  # never scheduled for vLLM to encode
     grid = {"image_grid_thw": SimpleNamespace(data=torch.tensor([1, 2, 6]))}
     assert not connector.ensure_cache_available(_request("r3", ("not-a-visenc-hash", 0, 3, grid)), 0)
@@ -345,7 +338,7 @@ def test_a_requests_images_are_fetched_in_one_look_up(monkeypatch):
     connector = _scheduler_side(monkeypatch, obtain, defer_timeout_s=30)
     request = _request("r1", (A, 0, 3, {"pixel_values": 0}), (B, 10, 3, {"pixel_values": 0}))
     assert not connector.ensure_cache_available(request, 0)
-    _until(lambda: connector.ensure_cache_available(request, 0))
+    wait_until(lambda: connector.ensure_cache_available(request, 0))
     assert calls == [[A, B]] and connector.has_cache_item(A) and connector.has_cache_item(B)
 
 
@@ -369,12 +362,12 @@ def test_images_the_request_says_visenc_lacks_are_not_looked_up(monkeypatch, par
     request = _request("r1", (A, 0, 3, {"pixel_values": 0}), (B, 10, 3, {"pixel_values": 0}))
     request.ec_transfer_params = params
     assert not connector.ensure_cache_available(request, 0)
-    _until(lambda: connector.ensure_cache_available(request, 0))
+    wait_until(lambda: connector.ensure_cache_available(request, 0))
     assert calls == [[B] if told else [A, B]] and connector.has_cache_item(A) is not told
     assert connector.stats.told_absent == (1 if told else 0)
     grid_only = _request("r2", (A, 0, 3, {"image_grid_thw": SimpleNamespace(data=torch.tensor([1, 2, 6]))}))
     grid_only.ec_transfer_params = {"visenc_absent": [A]}
-    _until(lambda: connector.ensure_cache_available(grid_only, 0))
+    wait_until(lambda: connector.ensure_cache_available(grid_only, 0))
     assert connector.has_cache_item(A) and connector.take_unavailable_requests() == set()
 
 

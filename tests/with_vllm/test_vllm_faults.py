@@ -31,6 +31,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
 from tests.conftest import free_port, serve_subprocess, stop_process
 from tests.support.fault_proxy import FaultProxy
+from tests.support.waits import wait_until
 
 from visenc_client import Client, image_hash
 
@@ -148,9 +149,10 @@ def test_many_requests_while_visenc_fails_every_other_time(servers: dict) -> Non
 
     with ThreadPoolExecutor(6) as pool:
         futures = [pool.submit(ask, d) for d in datas]
-        for mode in ("503", "reset", "pass", "503"):
-            servers["proxy"].mode = mode
-            time.sleep(0.2)
+        for mode in ("503", "reset", "pass", "503"):  # each fault met by a request, while any is left to meet it
+            proxy, met = servers["proxy"], servers["proxy"].counts[mode]
+            proxy.mode = mode
+            wait_until(lambda: proxy.counts[mode] > met or all(f.done() for f in futures), 120, f"{mode} met")  # noqa: B023
         for f, want in zip(futures, wants):
             same(f.result(timeout=120), want)
     healthy_again(servers)

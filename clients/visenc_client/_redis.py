@@ -1,33 +1,8 @@
-"""Direct per-chunk reads from the shared Redis index: no hop through the service.
+"""Direct reads of token rows from the shared Redis index, with no hop through the service.
 
-A prefill worker that can reach the Redis the service writes to reads the
-token rows ``[start, end)`` of an image with ``GETRANGE`` (byte offsets from
-the value's header), and gets exactly the bytes ``GET
-/v1/embeddings/{hash}?start=&end=`` would answer. Only *ready* images can be
-read this way; a pending one (or one evicted from Redis) raises
-``NotFoundError``: fall back to ``Client.fetch``, which waits.
-
-Example::
-
-    from visenc_client import Client, RedisRows
-
-    with Client("http://visenc:8000") as vc:
-        fingerprint = vc.model()["fingerprint"]
-        (h,) = vc.encode([png])
-    rows = RedisRows.from_url("redis://cache:6379/0", fingerprint=fingerprint)
-    chunk = rows.fetch(h, 0, 64)          # numpy [64, hidden], == vc.fetch(h, 0, 64)
-
-Given a ``Handle`` (which knows the shape), a read is *one* round trip: the
-header and the rows are two ``GETRANGE`` commands pipelined together, and the
-header is checked against the handle, the key's fingerprint and the image
-hash. Given a bare hash it is two (header first, then the rows).
-
-Redis Cluster: pass ``cluster=True`` (or a ``RedisCluster`` client); every
-read touches one key, so it goes to the node owning that key's slot.
-
-The value format is ``visenc_client.format`` (version 1), the one definition
-the service writes with: a header in the first ``DATA_OFFSET`` (256) bytes,
-then the rows, C-contiguous, little-endian, ``row_bytes = hidden * itemsize``.
+``RedisRows.fetch(handle, start, end)`` reads exactly the bytes ``GET /v1/embeddings/{hash}`` would answer,
+in one round trip (header and rows pipelined); only ready images are there: ``NotFoundError`` otherwise
+(fall back to ``Client.fetch``, which waits).
 """
 
 from __future__ import annotations

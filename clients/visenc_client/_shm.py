@@ -1,21 +1,8 @@
 """Mapping the service's shared-memory segments (same host, same user, Linux tmpfs).
 
-The client owns nothing here: it opens a segment the service created, maps it
-read-only and closes the descriptor at once. The mapping lives as long as the
-arrays viewing it and stays valid after the service unlinks the file, so a
-client that exits or is killed leaves nothing behind.
-
-A segment is written once and never changes (its name carries the service's pid, a
-random token and a counter), so mappings are kept in a small per-process cache
-(``VISENC_SHM_MAP_CACHE_BYTES``, default 1 GiB, least recently used first out): the
-chunks of one image map it and fault its pages in once, not once per chunk. The cache
-holds at most that many bytes of tmpfs pages past their segments' leases.
-
-For the same reason a client remembers where each image's rows sit (``SegmentHandles``)
-and reads a later range of the same image (the next prefill chunk, the next turn)
-with no request at all, for half the lease the service promised with the handle and
-while the segment's file still exists (the service unlinks its segments when it
-stops, so a restarted service is always asked again).
+The client owns nothing: it maps a segment read-only and closes the descriptor at once, so one that exits
+or is killed leaves nothing behind. Mappings are cached per process, and a client reads later ranges of an
+image it knows with no request for half the segment's lease (``docs/internals.md``).
 """
 
 from __future__ import annotations

@@ -1,34 +1,8 @@
-"""Chunk planner: which token rows of which images a prefill chunk needs.
+"""Chunk planner: which token rows of which images a prefill chunk ``[start, end)`` needs.
 
-A prompt of ``L`` positions holds images at known places: image ``k`` covers
-positions ``[offset_k, offset_k + num_tokens_k)`` (its token rows in order), or,
-for families whose placeholder span interleaves text tokens with the rows
-(Mistral 3's ``[IMG_BREAK]``, Idefics3's tile markers), runs of positions
-(``ImagePlacement.from_span``, from ``GET /v1/model/layout``'s ``span``).
-A prefill chunk computes positions ``[start, end)``; it needs, from each image
-that overlaps the chunk, exactly the overlapping rows, and nothing from images
-wholly before or after it.
-
-``plan_chunk`` is pure arithmetic (no I/O); ``Client.fetch_chunk`` /
-``AsyncClient.fetch_chunk`` fetch a plan's rows in one round trip straight
-into one ``[rows, hidden]`` buffer.
-
-Two buffer layouts:
-
-* packed (default): the chunk's image rows only, back to back in prompt
-  order (``rows`` = the number of image positions in the chunk) -- what an
-  engine scatters into the positions of its image placeholder tokens;
-* dense: one row per chunk position (``rows = end - start``); image rows land
-  at ``position - start`` and text positions are left as they are.
-
-Example::
-
-    from visenc_client import Client, ImagePlacement
-
-    with Client() as vc:
-        a, b = vc.encode([png_a, png_b], wait=False)             # pending handles, num_tokens known
-        placements = [ImagePlacement.of(a, offset=5), ImagePlacement.of(b, offset=5 + a.num_tokens + 9)]
-        rows = vc.fetch_chunk(placements, 0, 512)                # only what chunk [0, 512) needs
+Pure arithmetic: from each image that overlaps the chunk, exactly the overlapping rows, packed (image rows
+only) or dense (one row per position); ``Client.fetch_chunk`` fetches a plan in one round trip
+(``docs/internals.md``).
 """
 
 from __future__ import annotations

@@ -1,48 +1,8 @@
 """Prefill integration: lay a multimodal prompt out from visenc handles, fill each chunk's image rows.
 
-A prefill worker that takes its image embeddings from visenc does, per request:
-
-1. ``prepare(token_ids, images)``: the prompt's token ids hold ONE image
-   placeholder (``image_token_id``) per image, images in prompt order. The
-   images are encoded hash-first with ``wait=False`` (the service answers at
-   once; only images it does not know are uploaded), and each placeholder is
-   expanded into ``num_tokens`` placeholders, as the Qwen2-VL processor
-   expands ``<|image_pad|>`` into ``grid_t * grid_h * grid_w // merge_size**2``
-   copies. The handles carry ``num_tokens`` and ``grid_thw`` while the images
-   are still ``pending``, so the prompt layout, its position ids (e.g. M-RoPE)
-   and the scheduler's token budget are known before any embedding exists.
-2. ``fill_chunk(layout, start, end, inputs_embeds)`` per prefill chunk
-   ``[start, end)``: the rows of the images that overlap the chunk are fetched
-   in one round trip (``Client.fetch_chunk``: images wholly outside the chunk
-   are not touched; a pending image is waited for and moved to the front of
-   the service's queue) and written into ``inputs_embeds`` at the
-   placeholder positions; text rows are left as they are.
-
-Failures: an image the service cannot decode or encode comes back as an
-``error`` handle and ``prepare`` raises ``ImageEncodeError`` (fail the
-request, do not retry). A fetch that finds an image evicted
-(``NotFoundError``) re-encodes it from the bytes the layout kept, once per
-attempt; a fetch past the service's deadline (``DeadlineError``) or a full
-queue (``OverloadedError``, after its ``Retry-After``) is retried, up to
-``attempts`` tries; anything else propagates.
-
-Example::
-
-    from visenc_client import Client
-    from visenc_client.prefill import VisencPrefill
-
-    with Client("http://127.0.0.1:8000") as vc:
-        prefill = VisencPrefill(vc, image_token_id=151655, merge_size=2)
-        layout = prefill.prepare(token_ids, [png_a, png_b])   # returns at once
-        for start in range(0, layout.num_positions, 512):
-            end = min(start + 512, layout.num_positions)
-            embeds = embed_tokens(layout.input_ids[start:end])  # [end - start, hidden]
-            prefill.fill_chunk(layout, start, end, embeds)      # image rows written in place
-            run_layers(embeds, positions[..., start:end], kv_cache)
-
-The layer is model-agnostic: the placeholder id and merge size are
-parameters, and ``PromptLayout`` gives what a model needs to build its own
-positions (``image_grid_thw``, ``mm_token_type_ids``).
+``prepare`` encodes a request's images hash-first without waiting and expands each placeholder into its
+rows (known while pending); ``fill_chunk`` fetches the rows one prefill chunk needs, in one round trip, into
+its ``inputs_embeds``. Usage, failures and retries: ``docs/integration-prefill.md``, ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,69 +1,8 @@
-"""``VisencConnector``: vLLM's encoder-cache (EC) connector, backed by a visenc service.
+"""``VisencConnector``: vLLM's encoder-cache connector (``ec_consumer``), backed by a visenc service.
 
-vLLM runs as an ``ec_consumer``: it asks the connector whether an image's encoder
-output exists and, if so, loads it into its encoder cache instead of running the
-vision tower. Configure it with::
-
-    --ec-transfer-config '{"ec_connector": "VisencConnector",
-                           "ec_connector_module_path": "visenc_client.vllm",
-                           "ec_role": "ec_consumer",
-                           "ec_connector_extra_config": {"url": "http://HOST:8000"}}'
-
-``ec_connector_extra_config`` keys (all optional but ``url``):
-
-=======================  ====================================================================
-``url``                  the visenc service; a list of URLs (replicas) is tried in order
-``api_key``              bearer key (its tenant is the namespace)
-``namespace``            key namespace when the service runs without API keys
-``transport``            ``auto`` (default: shared memory when visenc is on this host, else HTTP; logged),
-                         ``http`` or ``shm``
-``timeout_s``            bound of one fetch of an image's rows from one URL (default 10)
-``defer_timeout_s``      longest a request waits for its rows before vLLM encodes the images itself (default 2)
-``wait_for_encoding``    wait for an image visenc is still encoding (default false: vLLM encodes it itself,
-                         unless the request carries no pixels for it; then it waits, ``defer_timeout_s`` at most)
-``local_cache_bytes``    rows kept in the scheduler's memory for later requests (default 256 MiB)
-``redis_url``            read a ready image's rows straight from the shared index when no URL answers
-``expected_fingerprint`` refuse to start unless visenc serves exactly this model fingerprint
-=======================  ====================================================================
-
-At start-up a visenc that serves rows of another width, or loads images as another engine or
-vLLM release does (``image_loader`` other than ``vllm-<this vLLM's major.minor>``), is refused.
-
-An image's identifier in vLLM is its visenc hash (SHA-256 of the image bytes, 64 hex
-digits): pass it as the image's ``multi_modal_uuids`` entry offline, or as the
-``uuid`` of the image content part over the OpenAI API (``visenc proxy`` does that).
-Any other identifier is simply "not cached" and vLLM encodes the image itself.
-
-A request may say which of its images visenc lacks (``ec_transfer_params``, whose
-``visenc_absent`` lists their identifiers; ``visenc proxy`` asks visenc while it forwards the
-request and fills it in): those the connector does not look up again, and vLLM encodes
-them at once. The word costs at most a cache hit (an image stored since is encoded
-again), never a row: an image vLLM cannot encode itself is looked up whatever it says.
-
-**Never worse than vLLM alone.** In vLLM an exception in the worker step, or an item
-counted present that is missing from the encoder cache when the model gathers it,
-ends the engine. So nothing that can fail happens after an image is counted present:
-
-- **Scheduler side** (engine-core process). ``ensure_cache_available`` starts, in the
-  background, one round trip for the images the request still needs (look-up and rows;
-  ``visenc_client.Client.lookup(include_rows=True)``) and defers the request while any
-  is in flight, for at most ``defer_timeout_s``. An image visenc is still encoding is
-  not waited for (vLLM encodes it sooner itself) unless ``wait_for_encoding`` is set or
-  the request carries no pixels for it. The rows land in this process's memory, checked against what
-  vLLM will read: the number of rows and their width, and for models whose items
-  carry a grid (Qwen-style ``image_grid_thw``) the grid, so a picture visenc decoded
-  otherwise (rotated, resized) is never loaded. ``has_cache_item`` is true only for
-  rows already held here. Whatever went wrong (an error status, a reset, a hang, a
-  wrong shape or model, an eviction, a restart) the image is simply not held: vLLM
-  encodes it itself, as it would without visenc.
-- **Worker side**. The rows travel to the workers inside the step's connector
-  metadata (vLLM's own channel to its workers, whatever their number or node):
-  ``start_load_caches`` only copies tensors it was handed into the encoder cache.
-  It makes no call that visenc, Redis or the network could fail.
-- **An image vLLM cannot encode itself** (sent as its grid only, no pixels) whose rows
-  cannot be had fails that request alone (``take_unavailable_requests``: vLLM finishes
-  it with an error, retryable), logged with the image's hash; the engine and every
-  other request go on.
+Never worse than vLLM alone: everything that can fail (a look-up, the rows, their check against what vLLM
+reads) happens on the scheduler side before an image counts present; the worker side only copies tensors
+it was handed. Configuration and the failure contract: ``docs/integration-vllm.md``.
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""The C heap under a CPU forward (glibc's malloc).
+"""The C heap under a CPU forward (glibc): keep freed activations for the next forward, give them back when idle.
 
-A CPU forward allocates and frees the same few MiB-sized activations at every
-layer. With glibc's defaults a freed block over the (dynamic) mmap threshold
-goes back to the kernel at once, and free memory past the (dynamic) trim
-threshold at the heap's top is trimmed, so each forward faults its pages in
-again: tiny CLIP's forward at batch 8 runs 1.22x faster without that (29-31 ->
-24-25 ms an image, ``bench/bench_heap.py``), a ViT-B/16's 1.03x. glibc's
-thresholds move with the allocation history, so in the service the slow case
-struck some starts and not others; this setting rules it out.
-
-``hold_freed(keep)`` keeps up to ``keep`` bytes of freed heap for reuse (and
-serves blocks up to 32 MiB from the heap). It raises no peak: the heap never
-grows past the most the forwards held at once; it only stops shrinking between
-them. ``give_back()`` returns the free memory to the kernel; the device worker
-calls it when the device has been idle a while. Both do nothing on another C
-library.
+With glibc's defaults every CPU forward faults its activations' pages in again (tiny CLIP 1.22x slower,
+``bench/bench_heap.py``); ``hold_freed`` keeps them, ``give_back`` returns them (``docs/internals.md``).
 """
 
 from __future__ import annotations

@@ -1,30 +1,9 @@
 """Same-host shared memory: index entries exported as tmpfs files, leased to clients.
 
-Ownership and lifetime
-----------------------
-* **The service owns every segment.** A segment is one file in ``shm_dir``
-  (``/dev/shm``) holding one image's whole stored value (the index format:
-  header, then rows at ``DATA_OFFSET``), written once, never changed, mode
-  0600 (clients run as the same user). Its name is
-  ``visenc-{pid}-{instance}-{n}``.
-* **Clients own nothing.** A client gets ``(segment, offset, shape, dtype)``,
-  opens the file read-only, maps it and closes the descriptor. A client that
-  exits or is killed leaves nothing behind. On Linux a mapping stays valid
-  after its file is unlinked (the pages live until the last ``munmap``), so
-  unlinking never breaks a client that already mapped.
-* **Lease.** A segment stays openable by name for at least ``lease_s`` after
-  the last handle naming it went out; every export of the same entry renews
-  it. A reaper task unlinks expired segments every ``lease_s / 4``.
-* **Budget.** At most ``max_bytes`` in segments. An export that would pass it
-  reaps expired segments first and otherwise is refused (``Overloaded``, 429):
-  leases are never cut short.
-* **Shutdown** unlinks every segment. A service killed outright leaves its
-  segments behind; the next one started on the host sweeps every segment
-  whose pid is no longer alive.
-
-Exports are keyed by index key *and* entry object: if an entry is evicted and
-encoded again, the new entry gets a new segment, so a segment always holds
-exactly the bytes the HTTP fetch of the same entry serves.
+The service owns every segment (written once, mode 0600, unlinked after its lease or at shutdown; a dead
+service's are swept by the next one); a client only maps one read-only, and a mapping outlives the file.
+A segment is keyed by index key and entry, so it always holds what the HTTP fetch of that entry serves.
+The lifetime rules: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
 """Optional API keys: bearer tokens, each mapped to a tenant namespace.
 
-Keys come from ``api_keys`` (``key:tenant,key:tenant``) and/or ``api_keys_file``
-(one ``key:tenant`` per line, ``#`` comments). With none configured auth is off
-and the namespace comes from ``X-Visenc-Namespace`` (or the default).
-
-With auth on, every ``/v1/...`` request needs ``Authorization: Bearer <key>``
-(401 otherwise) and its namespace is the key's tenant: ``X-Visenc-Namespace``
-is ignored, so one tenant can never read, probe or time another's entries.
-``/healthz``, ``/readyz``, ``/metrics`` and the OpenAPI document stay open
-(probes and scrapers carry no key; none of them reveals an entry).
-
-Keys are compared in constant time: the presented key and every configured
-key are hashed (SHA-256) and every digest is compared with
-``hmac.compare_digest``, without stopping at the first match. Keys are never
-logged; only their count and the tenants are.
+With keys configured every ``/v1`` request needs one and its namespace is the key's tenant (the namespace
+header is ignored); probes and ``/metrics`` stay open. Keys are compared in constant time and never logged
+(``docs/operations.md``, ``docs/internals.md``).
 """
 
 from __future__ import annotations

@@ -1,19 +1,8 @@
-"""Deadlines and client disconnects for handlers that wait.
+"""Deadlines and client disconnects for handlers that wait (uvicorn does not cancel a handler itself).
 
-uvicorn does not cancel a handler when its client goes away: a request waiting
-for an encode would keep its images queued until the deadline. ``guarded``
-runs the handler's wait as a task and, beside it, listens on the ASGI receive
-channel, which (once the body has been read) only yields ``http.disconnect``
-when the connection closes. Whichever comes first wins:
-
-* the work finishes: its result (or error) is returned (or raised);
-* the client disconnects: the work is cancelled (its waiters release their
-  interest, so queued images nobody else wants are dropped) and
-  ``ClientClosed`` is raised (nothing reaches the client any more);
-* the deadline passes: the work is cancelled and ``DeadlineExceeded`` (504).
-
-Only call it after the body has been read: the listener consumes receive
-messages, so nothing else may read the body concurrently.
+``guarded`` runs the wait beside a listener on the ASGI receive channel: the client going away cancels the
+work (its queued images nobody else wants are dropped); the deadline cancels it with 504. Call it only
+once the body has been read (``docs/internals.md``).
 """
 
 from __future__ import annotations

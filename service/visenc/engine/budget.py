@@ -1,30 +1,7 @@
-"""From a memory budget to batch limits: how many tokens one forward may take,
-how many bytes its activations may use, how much input may be staged.
+"""From a memory budget to batch limits: tokens per forward, bytes of activations, input staged.
 
-The budget is the engine's working memory: the forward's activations (the
-tower's ``forward_bytes`` estimate) and, when they share the same memory (CPU),
-the preprocessed inputs staged for the next batches. Weights, the index and
-the request bodies are outside it. A share (``RESERVE``) is kept back for what
-is not itemised: decode buffers of the preprocessing workers, allocator slack.
-
-On CPU, with ``T`` the batch token limit, ``a`` the tower's activation bytes
-per token and ``p`` its input bytes per token::
-
-    two batches staged (one on the device, one prepared meanwhile) + one forward
-    2·T·p + T·a  ≤  (1 - RESERVE) · budget
-
-so batch N+1 can be preprocessed while batch N runs and the peak stays inside
-the budget. On CUDA the staged inputs live in host memory and the budget is
-device memory: ``T·a ≤ (1 - RESERVE) · budget``, staging two batches on the host.
-A single image larger than the batch limits still runs, alone.
-
-The staging bound (``prefetch_tokens``) is two batches on CUDA, where preprocessing
-runs beside the forward for free. On a CPU it is a quarter of a batch (the memory plan
-above still holds it): there the preprocessing shares the cores with the forward,
-and staging further ahead only slows the forward running now. A prefill blocked on
-a request's first images then gets them sooner (``bench/bench_ttfc.py``: 0.16-0.17 ->
-0.15 of the whole request), at the same throughput (``bench/bench_ab.py``: 1.00x),
-because the scheduler always prepares the device's next image whatever the bound.
+A batch sized by these limits never runs the device out of memory (the arithmetic, and the measurements
+behind the staging bound: ``docs/internals.md``); one image over them still runs, alone.
 """
 
 from __future__ import annotations

@@ -1,28 +1,8 @@
 """This replica's cross-replica encode claims: mark queued, claim at encode start, renew, release.
 
-The in-process single-flight map (``engine/intake.py``) stops one replica from
-encoding an image twice; claims stop two replicas from doing so, and track the
-work really being done. Protocol (the Redis script is ``index/redis_claims.py``'s
-``STATE_SCRIPT``, one pipelined round trip for many images):
-
-1. **Admission** (``admit``): per new image, atomically, the entry if it was
-   written meanwhile; else, if another replica is encoding it (holds its claim),
-   "wait" (the image is *watched*, ``engine/remote.py``); else the image is
-   queued here and marked *queued* (``{key}:queued``, renewed while it waits),
-   so a fetch of it on another replica waits instead of answering 404. A queued
-   image holds no claim: another replica asked for it may start it first.
-2. **Encode start** (``begin``, called by the scheduler when the image leaves the
-   queue for preprocessing, at most ``prefetch_tokens`` ahead of the device):
-   the entry if another replica finished it, else the claim (``SET claim token
-   PX claim_ttl_ms``) if nobody holds it, else "wait" (watched). The calls of
-   one scheduler dispatch share one round trip.
-3. The owner **renews** its claims every ``claim_ttl_ms / 3`` while the encode
-   runs, writes the entry (one atomic ``SET``), then **releases** the claim
-   (``engine/outputs.py``); a failed encode releases it too. A claim therefore
-   lapses only if its owner dies, and other replicas take over within ``claim_ttl``.
-
-When Redis is unavailable every image is encoded here: replicas may then encode
-the same image twice, which is correct, only wasteful.
+The single-flight map stops one replica encoding an image twice; claims stop two replicas doing so. A
+claim lapses only when its owner dies; with Redis down every image is encoded here (correct, wasteful).
+The protocol: ``docs/internals.md``; its Redis script: ``index/redis_claims.py``.
 """
 
 from __future__ import annotations

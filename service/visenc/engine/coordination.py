@@ -1,16 +1,8 @@
 """What the stages need to know of other replicas sharing the index: one interface, built once.
 
-The engine builds one ``Coordination`` at start-up and gives it to the stages
-that ask it something; it never calls a stage back (a wait for another replica
-answers through the callback its asker passed with it)::
-
-    intake ──admit / elsewhere──▶ ┐
-    scheduler ──queued / begin / watch──▶ coordination   (Local: no-op; Shared: claims + remote waits)
-    outputs ──release──▶ ┘
-
-* ``LocalCoordination``: one replica, or no shared index: every image is encoded here.
-* ``SharedCoordination``: Redis claims (``claims.py``) and the waits for other replicas'
-  encodes (``remote.py``), so replicas sharing an index never encode an image twice.
+``LocalCoordination`` (one replica: every image encoded here, no-ops) or ``SharedCoordination`` (claims and
+waits for other replicas, so replicas sharing an index never encode an image twice). It never calls a
+stage back: a wait answers through the callback its asker passed (``docs/design.md``).
 """
 
 from __future__ import annotations

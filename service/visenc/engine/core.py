@@ -1,16 +1,8 @@
 """The engine, wired: intake → scheduler → device worker → outputs, one direction.
 
-``Engine`` builds the stages, starts and stops them in order, and is the one
-object the API talks to (``interface.EngineAPI``)::
-
-    api ─▶ intake (admit, dedup) ─▶ scheduler (bucket, budget, priority)
-        ─▶ device worker (forward only) ─▶ outputs (D2H, pack, index, futures)
-                     coordination (beside them: claims and waits across replicas)
-
-Each stage is handed the public objects of the stages after it, never a
-private method of the one before it; the coordination (local no-op, or Redis
-claims and waits when replicas share an index) is chosen once, here, and
-answers the stages without calling any of them.
+``Engine`` builds the stages (each handed the public objects of the stages after it, never a private method
+of the one before), starts and stops them in order, and is the one object the API talks to
+(``interface.EngineAPI``). The coordination across replicas is chosen once, here.
 """
 
 from __future__ import annotations

@@ -1,33 +1,9 @@
 """One image's trip through the engine: a state machine that only its own methods move.
 
-A ``Job`` is a distinct image being encoded (single-flight: one job per index
-key). Its state changes only through the methods below, each of which checks
-the state it comes from (``EDGES``) and raises ``IllegalTransition`` (a bug)
-otherwise. Each edge has one mover::
-
-    NEW ──queue()────▶ QUEUED        scheduler.submit      (intake hands it on: encode here)
-    NEW ──watch()────▶ WATCHING      scheduler.watch       (another replica encodes it; bytes in hand)
-    NEW ──watch()────▶ FOLLOWING     scheduler.watch       (a fetch: no bytes, another replica encodes it)
-    FOLLOWING ──give_bytes()──▶ WATCHING      intake       (a local encode brought the bytes)
-    WATCHING ──queue()──▶ QUEUED     scheduler             (the other replica went away, or took too long)
-    QUEUED ──start_preparing()──▶ PREPARING   scheduler    (leaves the queue; its encode starts)
-    PREPARING ──watch()──▶ WATCHING  scheduler             (another replica claimed it first)
-    PREPARING ──prepared()──▶ READY  scheduler             (tower input made)
-    READY ──run()──▶ RUNNING         scheduler.take_batch  (taken into a batch)
-    RUNNING ──forwarded()──▶ FORWARDED        worker       (its forward ended; pixels freed)
-    FOLLOWING | WATCHING | PREPARING | FORWARDED ──finish()──▶ DONE     outputs
-    any unfinished ──fail()──▶ FAILED                      outputs
-
-``outputs`` is the only stage that finishes a job and resolves its future.
-
-``order`` is (request arrival, position in the request): jobs run in arrival
-order and, within a request, in prompt order, so the first chunk's images are
-ready first. ``urgent`` (``bump``: a fetch waits on it) moves a job ahead of
-every non-urgent one.
-
-``interest`` counts who still wants the result (``join`` / ``leave``): each waiting
-request or fetch, plus one for a ``wait=false`` encode (the caller will fetch later).
-A job nobody wants any more (``leave`` says so) is dropped before its forward.
+A ``Job`` is a distinct image being encoded (one per index key). Each edge checks the state it comes from
+(``EDGES``) and raises ``IllegalTransition`` otherwise; ``outputs`` alone finishes a job. Who moves each
+edge: ``docs/design.md``. Its interest (``join``/``leave``) and urgency (``bump``) are its own too: a job
+nobody wants any more is dropped before its forward.
 """
 
 from __future__ import annotations

@@ -1,27 +1,8 @@
 """Outputs: from a forward's device tensors to resolved futures, off the device thread.
 
-The device worker hands each finished forward here and goes straight on to
-the next one. This stage then
-
-1. copies the outputs to the host and packs each image's rows into its stored
-   value, on its own thread (``visenc-output``), so forward N+1 runs while N's
-   outputs are copied and packed;
-2. puts the result on one queue that **one output task** on the event loop
-   drains, in the manner of vLLM v1's output handler: it stores each entry in
-   the local index *before* resolving the job's future (a later lookup finds
-   one or the other, so an image is never encoded twice), resolves the future,
-   and writes the entry through to the shared index, then lets the job's
-   cross-replica claim go (entry first, then claim: a waiter never sees neither).
-
-Every failure of every stage comes through here too (``fail``): the job is
-marked failed at once, so intake never joins it again, and its waiters are
-answered by the same task. This is the only module that finishes a job
-(``Job.finish`` / ``Job.fail``) and resolves its future.
-
-On CUDA the forward's outputs are read on this stage's own stream after waiting
-on an event the worker recorded behind the forward, and the tensors are marked
-as used by that stream, so the caching allocator cannot hand their memory to
-the next forward before the copy is done.
+The only stage that finishes a job. Its one task stores an entry in L1 before it resolves the job's future
+(a later look-up finds one or the other: never encoded twice), then writes it through and lets the claim go
+(entry first: a waiter never sees neither). Every failure comes through here too (``docs/internals.md``).
 """
 
 from __future__ import annotations

@@ -1,23 +1,8 @@
 """Images another replica is encoding: wait for its entry, or take over.
 
-A job is *watched* when another replica holds its claim, found at admission or
-when its encode was about to start here (``coordination.begin``). A watched job
-sits in intake's in-flight map (local requests join it) but is not queued here.
-One background loop reads every due watched image's state in one pipelined
-round trip of the state script, backing off from 1 ms to ``claim_poll_ms`` per
-image. Each poll ends the wait with the entry (no forward here), or finds the
-claim gone without an entry (owner died or failed: encode it here), or, after
-``claim_wait_s``, gives up waiting (encode it here, whoever holds the claim). A
-watched job nobody waits for any more ends with ``Cancelled``. A job that
-*follows* (a fetch: no bytes) also waits while the image is queued at some
-replica. The wait answers through the callback ``watch`` was given: this
-module moves no job and calls no stage.
-
-Why polling and not pub/sub: the same script answers "done?" and "owner
-gone?" atomically, works unchanged on Redis Cluster (pub/sub there is
-broadcast or sharded, with per-node subscriptions to keep alive), survives
-Redis restarts with no subscription to restore, and costs one small round trip
-per tick for *all* watched images of this replica.
+One background loop polls every watched image's state in one pipelined round trip of the state script,
+backing off to ``claim_poll_ms``; a wait ends with the entry, with an encode here (the owner is gone, or
+``claim_wait_s`` passed), or ``Cancelled``. Why polling, not pub/sub: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,42 +1,10 @@
-"""Scheduler: which images are preprocessed next, and which run together.
+"""Scheduler: which images are preprocessed next, and which run together (on the event loop, never blocking).
 
-Jobs move ``waiting`` (raw bytes) → ``preparing`` (in the CPU pool) →
-``ready`` (tower input) → a batch on the device. Both choices follow priority
-(urgent first, then arrival, then prompt order):
-
-* preprocessing is *gated* by ``prefetch_tokens``: the tower input staged
-  (being preprocessed, ready, or on the device, plus ``decode_cost`` of the
-  images being decoded) stays within it (``engine/budget.py`` sets it: two
-  batches on CUDA, a quarter of a batch on a CPU), so memory stays bounded however many
-  images are queued. Whatever the bound, a job is started when nothing is staged
-  ahead of the device, so the next input is always prepared while a forward runs;
-  the device worker gives each forward's jobs back to the budget as soon as their
-  forward ends, not when their whole batch does. This gate is the backpressure: a slow forward stops
-  preprocessing, and queued bytes then stop intake at ``max_queue_images``
-  (429). A fetch that raises a job's priority (``bump``) starts its
-  preprocessing at once, past the gate, so it is ready for the very next batch
-  instead of waiting for the staged work ahead of it to drain (the overshoot is
-  bounded by the images some fetch is blocked on);
-* a batch takes the highest-priority ready job and fills up, in priority
-  order, with ready jobs of the **same bucket** (equal input shape: one launch,
-  no padding), or of any bucket for a packable tower, until ``max_batch_tokens``,
-  ``max_batch_images`` or, when given, ``max_batch_bytes`` of estimated forward
-  memory (``batch_bytes``) would be exceeded. Filling stops at the first job
-  that does not fit rather than skipping to smaller ones behind it, so a
-  packable tower encodes a request's ready images strictly in prompt order
-  (token order). A batch headed by an urgent job takes only urgent jobs:
-  someone is blocked on them, and padding their forward with work nobody waits
-  for yet would only delay them. A single job over any limit still runs, alone
-  (and is staged alone when it exceeds the prefetch bound).
-
-Leaving the queue is where an image's encode *starts*: the coordination
-(``coordination.begin``) claims it across replicas first when they share an
-index, and an image another replica started (or finished) meanwhile is watched
-(or finished with that replica's entry) instead of preprocessed. Jobs that wait
-for another replica are handed in with ``watch``; when the wait ends without an
-entry they are queued here (``submit``).
-
-Everything here runs on the event loop thread; nothing blocks.
+Both follow priority: urgent (a fetch waits) first, then arrival, then prompt order. Preprocessing is gated
+by ``prefetch_tokens`` of staged input (``staging.py``): that gate is the backpressure. A batch is the
+head job and the ready jobs behind it of its bucket (any bucket, for a packable tower) up to the batch
+limits, stopping at the first that does not fit, so a request's images run in prompt order. The policy,
+and why: ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,18 +1,4 @@
-"""How the CPU cores are used by the pipeline's stages.
-
-On a CPU device the forward and the preprocessing pool run at the same time on
-the same cores (that is the overlap). On a dedicated 2-core host, giving both
-all the cores measured best (``bench/bench_threads.py``, quiet machine):
-tiny CLIP 2 torch threads + 2 workers 1.29x the 1 + 1 split, tiny Qwen2-VL
-1.51x; preprocessing threads mostly sleep in Pillow/numpy calls that release
-the GIL, so the forward keeps the cores most of the time. (On a host shared
-with other busy processes the picture flips: OpenMP workers then wait at
-barriers for parked threads, and a 1 + 1 split measured up to 3x faster.
-Set ``--torch-threads`` / ``--preprocess-workers`` there.)
-
-On CUDA the forward barely uses the CPU: every core preprocesses, and torch
-keeps 1 intra-op thread (the host side of a GPU forward is launch-bound).
-"""
+"""How the CPU cores are shared by the forward and the preprocessing pool (measured: ``docs/internals.md``)."""
 
 from __future__ import annotations
 

@@ -1,31 +1,9 @@
-"""The device worker: one loop per device that feeds the tower batch after batch.
+"""The device worker: one loop per device, the forward alone on one daemon thread, the event loop never blocked.
 
-The loop is an asyncio task (batch formation stays on the event loop thread);
-the forward alone runs on one dedicated daemon thread, so device work is
-serialised and the event loop never blocks. The forward's outputs go straight
-to the outputs stage (``engine/outputs.py``), which copies and packs them on
-its own thread while this loop starts the next forward.
-
-Overlap: while the device thread runs batch N, the scheduler's CPU pool
-preprocesses batch N+1 and the outputs stage copies out batch N-1. On CUDA the
-worker owns one stream: host→device copies and kernels are ordered on it, and
-an event recorded behind each forward tells the outputs stage when to copy.
-
-A compiled tower (``models/compiled.py``) is warmed up first: its graphs are built by forwards of
-its own images on the device thread, while readiness is false (misses get 503, hits are answered).
-
-Failure semantics (every waiter is answered; nothing hangs):
-
-* **A forward raises** (or the loop itself hits a bug): every job of that batch
-  fails at once with 503 and the reason; the worker turns unhealthy (readiness
-  false, new misses refused with 503; hits still answered) and restarts: a
-  probe forward on a fresh thread. Queued work waits for the restart.
-* **A forward stalls** past ``stall_timeout_s``: handled the same way; the stuck
-  thread is abandoned (it is a daemon: it cannot hold up the exit) and its
-  late result, if any, is dropped.
-* **The restart fails** ``restart_attempts`` times: every queued job fails with
-  503 and ``on_fatal`` is called, which stops the process with a non-zero
-  status so that a supervisor (Docker, Kubernetes, systemd) restarts it.
+While batch N runs, the pool preprocesses batch N+1 and the outputs stage copies out batch N-1. A compiled
+tower is warmed up before readiness. A forward that raises or stalls fails its batch's waiters at once
+(503) and the worker restarts with a probe forward; when it cannot, ``on_fatal`` stops the process for its
+supervisor (``docs/design.md``, "Failure semantics").
 """
 
 from __future__ import annotations

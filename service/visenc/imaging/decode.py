@@ -1,21 +1,7 @@
-"""Image bytes → RGB ``PIL.Image``, with the pixel limit checked before any decode.
+"""Image bytes to an RGB ``PIL.Image``, loaded exactly as the serving engine's loader loads it.
 
-Contract:
-
-- ``probe`` reads only the header (Pillow opens lazily) and returns
-  ``(width, height)``; cheap enough to run on every upload before queueing.
-- ``decode`` returns a fully loaded RGB image, loaded exactly as the serving
-  engine's loader loads it before its processor runs (``LOADERS``: vLLM 0.32 by
-  default, SGLang 0.5.23, or a bare transformers processor), so the rows equal
-  the engine's own: the formats it opens, the EXIF orientation where it applies
-  it (vLLM does: a phone photo is encoded upright), its handling of transparency.
-- Errors: ``InvalidImage`` for anything that is not a decodable image (empty,
-  random, truncated, corrupt, unsupported); ``ImageTooLarge`` when
-  ``width * height > max_pixels``, decided from the header alone.
-
-The limit does not rely on Pillow's global ``Image.MAX_IMAGE_PIXELS`` (process
-state another library may change); Pillow's own bomb check still fires at
-open for absurd sizes, and is reported as ``ImageTooLarge`` too.
+``probe``/``read_header`` read the header only, so the pixel limit (``ImageTooLarge``) is decided before any
+decode; anything that is not a decodable image is ``InvalidImage``. The loaders: ``LOADERS``, ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,25 +1,8 @@
-"""Fast numpy preprocessing shared by the towers, equal to transformers' PIL processors.
+"""Fast numpy preprocessing shared by the towers, bit-identical to transformers' PIL processors.
 
-The transformers PIL backend (``image_processing_backends.PilBackend``) does,
-per image: RGB uint8 → CHW array → back to PIL → ``Image.resize`` → CHW uint8
-→ ``float64 * rescale_factor → float32`` → ``(x - mean) / std`` in float32 →
-(Qwen) a float32 transpose into patches. We keep every step that decides a
-value and drop the round trips:
-
-- resize: the same ``PIL.Image.resize`` call, same filter, same target size
-  (same rounding), applied to the RGB image directly, so resized pixels are
-  identical;
-- rescale + normalise: a uint8 value can only take 256 values per channel,
-  so we precompute a ``[C, 256]`` float32 lookup table with *exactly*
-  transformers' arithmetic (float64 multiply, float32 cast, float32 subtract
-  and divide). One gather per element replaces three full passes and the
-  result is bit-identical (max abs diff 0.0), which a fused multiply-add
-  (``x * 1/(255 std) - mean/std``) is not (≈1e-7 relative);
-- layout moves (crop, patchify transpose) are done on uint8 data (4x fewer
-  bytes to move than float32) before the gather; the gather reads pixel
-  pairs (one uint16 index → two float32), halving the lookups.
-
-All arrays here are HWC uint8 in, float32 out. Units: pixels.
+The same resize call; rescale and normalise through a per-channel lookup table built with transformers'
+own arithmetic (a fused multiply-add would differ by 1e-7); layout moves on uint8 (``docs/internals.md``).
+HWC uint8 in, float32 out.
 """
 
 from __future__ import annotations

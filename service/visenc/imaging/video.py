@@ -1,26 +1,8 @@
-"""Video preprocessing for the Qwen-VL towers, cut into **tubes**: equal to transformers' video processors.
+"""Video preprocessing for the Qwen-VL towers, cut into 2-frame tubes, equal to transformers' video processors.
 
-A Qwen-VL tower with ``temporal_patch_size = 2`` sees a video as a sequence of 2-frame
-tubes: frames (0, 1), (2, 3), ... from the clip's first frame, an odd last frame paired
-with itself. Attention never crosses tubes (one attention segment per temporal slice),
-so a video's rows are its tubes' rows, each tube encoded on its own as an input of grid
-``(1, h, w)``, concatenated in order.
-
-What the rows depend on is therefore exactly one tube's tower input: its two frames,
-resized to the clip's target size, then rescaled, normalised and patchified by these settings.
-That target can depend on the whole clip (Qwen3-VL sizes frames from a pixel budget over every
-frame; ``cap_pixels_per_frame`` divides a budget by the frame count), so a tube is keyed by the
-SHA-256 of its two *resized* frames, its grid and the settings (``VideoPreprocess.key``): two
-clips share a tube only where the tower would see the very same input, and nothing else is ever
-reused. The key needs only the resize (``cut``); the float input is made later, for the tubes
-that are encoded (``tube_pixels``), in the preprocessing pool like an image's.
-
-The arithmetic follows ``Qwen2VLVideoProcessor`` (Qwen2-VL, Qwen2.5-VL) and
-``Qwen3VLVideoProcessor`` (Qwen3-VL) of the installed transformers, pinned by
-``tests/golden/test_video_tubes.py``: the clip as a contiguous ``[T, C, H, W]`` uint8 tensor, one
-antialiased uint8 resize for every frame (``resize_tensor``, torchvision's own call), the fused
-``(x - mean/r) / (std/r)`` in float32, then the patch layout ``(C, T, P, P)`` per row with rows
-merge-block-major. Pure torch: torchvision is not needed.
+Attention never crosses tubes, so a video's rows are its tubes' rows, and a tube is keyed by its two resized
+frames, its grid and the settings: clips share a tube only where the tower sees the very same input
+(``docs/internals.md``; pinned by ``tests/golden/test_video_tubes.py``).
 """
 
 from __future__ import annotations

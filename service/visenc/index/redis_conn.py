@@ -1,21 +1,8 @@
-"""One Redis connection (standalone or cluster) and its failure policy, shared by
-the entry store (``redis_store.py``) and the cross-replica claims (``redis_claims.py``).
+"""One Redis connection (standalone or cluster) and its failure policy, shared by the entry store and the claims.
 
-**Outages degrade, never fail.** A connection error or timeout is counted
-(``visenc_redis_errors{op}``), turns ``up`` (``visenc_index_up{tier="redis"}``)
-false and makes Redis be *skipped* for ``redis_retry_s``: every operation then
-answers ``None`` at once, so no request waits on a dead server. The next call
-after that tries again, so a restarted Redis is used again without restarting
-the service. Each command has socket timeouts (``redis_timeout_s``) and one
-immediate retry (a pooled connection broken by a Redis restart is replaced
-transparently).
-
-**A command or script error is a bug, not an outage.** Redis answering an error that no outage
-explains (a Lua script that fails, a command the server does not know, a wrong type) is logged
-with its traceback, counted (``visenc_redis_script_errors{op}``, alert
-``VisencRedisScriptErrors``) and raised as a 500 (``VisencError``): skipping Redis would hide it
-behind silent double encoding. Out of memory, read-only replicas, loading, busy scripts and
-failovers stay outages.
+An outage degrades, never fails: it is counted and Redis is skipped for ``redis_retry_s`` (operations answer
+``None`` at once), then tried again. An error no outage explains (a failing script) is a bug: logged, counted
+and raised as a 500 (``docs/internals.md``).
 """
 
 from __future__ import annotations

@@ -1,26 +1,6 @@
-"""The one interface every vision tower sits behind.
-
-A tower turns a decoded RGB image into per-image token rows in three steps,
-each with its own contract:
-
-``layout(width, height)``
-    Pure arithmetic on the pixel size: how many token rows the image becomes,
-    its ``grid_thw`` and its *bucket*. Known before any decode or forward, so
-    a ``pending`` handle can already carry ``num_tokens``.
-``preprocess(image)``
-    CPU work (resize, rescale, normalise, patchify), thread-safe, no torch
-    state touched; runs in the preprocessing pool, never on the event loop.
-    Its output equals the transformers image processor of the same model.
-``forward(batch)``
-    Device work, called from the one worker thread of the device. Images of
-    one bucket have equal input shapes and always share a forward; a
-    ``packable`` tower also accepts images of different buckets in one call.
-    Returns one ``[num_tokens, hidden_size]`` tensor per image, in order, on
-    the tower's device, in ``dtype`` (views into one output are fine): the
-    engine's outputs stage copies them to the host off the device thread.
-
-Invariant checked by the engine: ``forward(batch)[i].shape[0] ==
-batch[i].layout.num_tokens``.
+"""The one interface every vision tower sits behind: ``layout`` (rows from the size alone), ``preprocess``
+(CPU, thread-safe, equal to the model's image processor) and ``forward`` (device, one ``[num_tokens,
+hidden_size]`` tensor per image, in order; the engine checks the row counts). Contracts: ``docs/internals.md``.
 """
 
 from __future__ import annotations

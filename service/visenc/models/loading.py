@@ -1,26 +1,8 @@
 """``load_tower``: a built-in tower by name, or the vision tower of a local checkpoint.
 
-From a checkpoint folder only the vision tower is built and only its tensors
-are read: the shard index (``model.safetensors.index.json``) says which shards
-hold them, ``safe_open`` reads those tensors alone (the file is memory-mapped,
-so language-model bytes are never touched), and the language model is never
-instantiated.
-
-Supported folders (``config.json`` ``model_type``):
-
-- ``qwen2_vl`` / ``qwen2_5_vl``: full VLMs (``models/qwen2vl.py``);
-- every family in ``models/families/`` (Qwen3-VL, GLM-4.1V, Gemma 3/4, InternVL,
-  LLaVA-OneVision, Mistral 3, Idefics3, SmolVLM), run by transformers' own code;
-- ``clip`` (``CLIPModel``) and ``siglip`` (``SiglipModel``): one embedding per image.
-
-Where the vision tensors sit (``visual.``, ``model.visual.``, ``vision_tower.``,
-``model.vision_model.``, ...) is derived from the checkpoint's names
-(``derive_renames``), never assumed.
-
-The weights fingerprint digests the safetensors header entries of the vision
-tensors (name, dtype, shape, offsets), the shard file sizes, and the vision
-tensor bytes as they are read (no extra pass over the language model: a
-header-only digest cannot tell two fine-tunes of one architecture apart).
+Only the vision tower is built and only its tensors are read (the language model is never instantiated);
+where they sit in the checkpoint is derived from its names, never assumed. Supported checkpoints and the
+weights digest: ``docs/models.md``, ``docs/internals.md``.
 """
 
 from __future__ import annotations

@@ -1,22 +1,8 @@
 """The vision path of a full VLM, run by transformers' own code: ``FamilyTower``.
 
-A family (``models/families/``) is a small subclass that says four things:
-
-- **weights**: which submodules of the VLM's base model the image path uses
-  (``vision_modules``); only their tensors are read from the checkpoint;
-- **preprocessing plan**: the checkpoint's own image processor, in the chosen
-  backend, called with the defaults its ``Processor`` class adds
-  (``processor_class``); ``layout`` gives the row count from the image size
-  alone, by the processor's own arithmetic;
-- **forward**: the base model's ``get_image_features``, run on a host module
-  that holds only the vision submodules (``VisionOnly``), so every projector,
-  pixel shuffle, image-newline row and pooler is transformers' code;
-- **batching key**: ``TokenLayout.bucket``. Tiles of a fixed size batch freely
-  (one bucket); variable-resolution families key by their grid.
-
-An image's rows are exactly what the VLM places into ``inputs_embeds`` at its
-placeholder positions, in order. ``span`` states where those rows sit inside
-the image's placeholder span, between the family's own text tokens.
+A family (``models/families/``) says which vision submodules to build, which image processor and defaults
+to call, how many rows an image becomes, and how images batch; the rows are the base model's
+``get_image_features``, what the VLM writes at the image's placeholders (``docs/internals.md``).
 """
 
 from __future__ import annotations

@@ -53,6 +53,11 @@ sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(_
 import _common as c  # noqa: E402
 
 
+def source_env(tree: Path) -> dict[str, str]:
+    """The environment that runs visenc from the source tree at ``tree``."""
+    return {"PYTHONPATH": os.pathsep.join(str(tree / d) for d in ("service", "clients"))}
+
+
 def infinity_env(peer: Path) -> dict[str, str]:
     return {
         "HF_HUB_OFFLINE": "1",
@@ -122,31 +127,17 @@ def main() -> int:
 
     logs = Path(tempfile.mkdtemp(prefix="visenc-bench-"))
     env = c.service_env()
-    vport, nport = c.free_port(), c.free_port()
+    nport = c.free_port()
     senders: dict[str, Callable[[int], c.Send]] = {}
     procs: dict[str, subprocess.Popen[bytes]] = {}
     with contextlib.ExitStack() as stack:
-        procs["visenc"] = stack.enter_context(
-            c.server(
-                c.visenc_cmd(model, vport, *args.serve_args.split()),
-                f"http://127.0.0.1:{vport}/readyz",
-                env,
-                logs / "visenc.log",
-            )
-        )
-        senders["visenc"] = lambda r: c.visenc_sender(f"http://127.0.0.1:{vport}", f"bench{r}")
-        if args.before is not None:
-            bport = c.free_port()
-            before_env = {"PYTHONPATH": os.pathsep.join(str(args.before / d) for d in ("service", "clients"))}
-            procs["visenc_before"] = stack.enter_context(
-                c.server(
-                    c.visenc_cmd(model, bport, *args.serve_args.split()),
-                    f"http://127.0.0.1:{bport}/readyz",
-                    before_env,
-                    logs / "visenc_before.log",
-                )
-            )
-            senders["visenc_before"] = lambda r: c.visenc_sender(f"http://127.0.0.1:{bport}", f"bench{r}")
+        trees = {"visenc": env, **({"visenc_before": source_env(args.before)} if args.before else {})}
+        for key, tree_env in trees.items():
+            port = c.free_port()
+            cmd = c.visenc_cmd(model, port, *args.serve_args.split())
+            url = f"http://127.0.0.1:{port}"
+            procs[key] = stack.enter_context(c.server(cmd, f"{url}/readyz", tree_env, logs / f"{key}.log"))
+            senders[key] = lambda r, url=url: c.visenc_sender(url, f"bench{r}")
         if not args.no_naive:
             procs["naive"] = stack.enter_context(
                 c.server(

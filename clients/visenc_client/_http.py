@@ -127,61 +127,68 @@ class Connections:
             conn.close()
 
 
-class ChunkBody:
+class _Pending:
+    """What is left of the last chunk read, handed out before the next chunk is read."""
+
+    def __init__(self) -> None:
+        self._pending = memoryview(b"")
+
+    def _take(self, chunk: bytes | None = None) -> bytes:
+        """The rest of the pending chunk, else ``chunk`` (``b""`` at the end)."""
+        if self._pending:
+            out, self._pending = bytes(self._pending), memoryview(b"")
+            return out
+        return chunk or b""
+
+    def _fill(self, view: memoryview, filled: int, chunk: bytes | None) -> int:
+        """Copy into ``view`` from the pending chunk (``chunk`` once that is used up); the new fill."""
+        if not self._pending:
+            if not chunk:
+                raise ProtocolError("the response body ended early")
+            self._pending = memoryview(chunk)
+        n = min(len(self._pending), len(view) - filled)
+        view[filled : filled + n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return filled + n
+
+
+class ChunkBody(_Pending):
     """A body that comes as chunks (an httpx stream: a custom transport), read like ``Body``."""
 
     def __init__(self, chunks: Iterator[bytes], close: Callable[[], None]) -> None:
+        super().__init__()
         self._chunks = chunks
-        self._pending = memoryview(b"")
         self.close = close
 
     def read(self, n: int = 1 << 16) -> bytes:
-        if not self._pending:
-            return next(self._chunks, b"")
-        out, self._pending = bytes(self._pending), memoryview(b"")
-        return out
+        return self._take(None if self._pending else next(self._chunks, b""))
 
     def readinto(self, view: memoryview) -> None:
         filled = 0
         while filled < len(view):
-            if not self._pending:
-                self._pending = memoryview(next(self._chunks, b""))
-                if not self._pending:
-                    raise ProtocolError("the response body ended early")
-            n = min(len(self._pending), len(view) - filled)
-            view[filled : filled + n] = self._pending[:n]
-            self._pending = self._pending[n:]
-            filled += n
+            filled = self._fill(view, filled, None if self._pending else next(self._chunks, b""))
 
 
-class AsyncChunkBody:
+class AsyncChunkBody(_Pending):
     """The awaitable twin of ``ChunkBody`` (an httpx async stream)."""
 
     def __init__(self, chunks: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]) -> None:
+        super().__init__()
         self._chunks = chunks
-        self._pending = memoryview(b"")
         self.aclose = close
 
-    async def _next(self) -> bytes:
+    async def _next(self) -> bytes | None:
+        if self._pending:
+            return None
         try:
             return await self._chunks.__anext__()
         except StopAsyncIteration:
             return b""
 
     async def read(self, n: int = 1 << 16) -> bytes:
-        if not self._pending:
-            return await self._next()
-        out, self._pending = bytes(self._pending), memoryview(b"")
-        return out
+        return self._take(await self._next())
 
     async def readinto(self, view: memoryview) -> None:
         filled = 0
         while filled < len(view):
-            if not self._pending:
-                self._pending = memoryview(await self._next())
-                if not self._pending:
-                    raise ProtocolError("the response body ended early")
-            n = min(len(self._pending), len(view) - filled)
-            view[filled : filled + n] = self._pending[:n]
-            self._pending = self._pending[n:]
-            filled += n
+            filled = self._fill(view, filled, await self._next())

@@ -31,7 +31,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
 from tests.conftest import free_port, serve_subprocess, stop_process
 from tests.support.fault_proxy import FaultProxy
-from tests.support.waits import wait_until
+from tests.support.waits import wait_ready, wait_until
 
 from visenc_client import Client, image_hash
 
@@ -39,7 +39,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import run_vllm  # noqa: E402
 import tiny_vlm  # noqa: E402
-from openai_servers import chat, chat_request, connector_config, openai_server, wait_up  # noqa: E402
+from openai_servers import chat, chat_request, connector_config, openai_server  # noqa: E402
 
 LOGPROB_ATOL = 1e-3
 DEFER_TIMEOUT_S = 1.5  # the connector's longest wait for rows (a hang costs this, then vLLM encodes)
@@ -69,7 +69,7 @@ def servers(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Itera
             urls = [f"http://127.0.0.1:{p}" for p in ports]
             try:
                 for url, p in zip(urls, (alone, behind)):
-                    wait_up(url, p)
+                    wait_ready(url, p, 300, "/health")
                 yield {"alone": urls[0], "behind": urls[1], "proxy": proxy, "visenc": visenc, "proc": proc}
             finally:
                 stop_process(behind)

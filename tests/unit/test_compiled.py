@@ -20,6 +20,7 @@ import pytest
 import torch
 from PIL import Image
 from tests.conftest import running_app
+from tests.support.tiny_families import save_family
 from tests.support.waits import until
 
 from visenc.cli import build_parser
@@ -36,10 +37,14 @@ def _batch(tower: Any, sizes: list[tuple[int, int]], seed: int = 3) -> list[Any]
     return [tower.preprocess(Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8))) for w, h in sizes]
 
 
-@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-clip"])
-def towers(request: pytest.FixtureRequest) -> tuple[Any, Any]:
-    """(eager, compiled and warmed up) towers with the same weights."""
-    eager, fast = load_tower(request.param), load_tower(request.param)
+@pytest.fixture(scope="module", params=["tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-clip", "qwen3_vl"])
+def towers(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, Any]:
+    """(eager, compiled and warmed up) towers with the same weights (Qwen3-VL: a family's checkpoint,
+    transformers' own forward, deepstack rows)."""
+    spec = request.param
+    if spec == "qwen3_vl":
+        spec = str(save_family(spec, tmp_path_factory.mktemp(spec)))
+    eager, fast = load_tower(spec), load_tower(spec)
     assert fast.compile() >= 2
     before = compiled.graphs()
     fast.warm_up()
@@ -117,3 +122,15 @@ def _png(w: int, h: int) -> str:
 
 async def _ready(client: Any) -> bool:
     return (await client.get("/readyz")).status_code == 200
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (compiled CUDA graphs)")
+@pytest.mark.parametrize("name", ["tiny-qwen2-vl", "tiny-qwen2.5-vl"])
+def test_cuda_compiled_rows_equal_eager_rows_in_bf16(name: str) -> None:
+    eager = load_tower(name, device="cuda", dtype="bfloat16")
+    fast = load_tower(name, device="cuda", dtype="bfloat16")
+    fast.compile()
+    fast.warm_up()
+    batch = _batch(eager, [(224, 224), (300, 200), (97, 131), (640, 480)])
+    for a, b in zip(eager.forward(batch), fast.forward(batch), strict=True):
+        torch.testing.assert_close(b.float(), a.float(), atol=2e-2 * a.float().abs().max().item(), rtol=0)

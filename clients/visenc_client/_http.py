@@ -17,6 +17,7 @@ from __future__ import annotations
 import http.client
 import socket
 import threading
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
 
@@ -26,6 +27,8 @@ from visenc_client._exceptions import ProtocolError, TransportError
 
 #: what a failed connection, request or answer raises here
 ERRORS = (OSError, http.client.HTTPException)
+#: an idle connection older than this is not reused (uvicorn closes kept-alive connections after 5 s)
+KEEP_IDLE_S = 4.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +80,17 @@ class Connections:
         self._https = url.scheme == "https"
         self._host, self._port = url.host, url.port or (443 if self._https else 80)
         self._timeout_s = timeout_s
-        self._idle: list[http.client.HTTPConnection] = []
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []  # and since when, most recent last
         self._max_idle = max_idle
         self._lock = threading.Lock()
 
-    def _connection(self) -> http.client.HTTPConnection:
+    def _connection(self, fresh: bool = False) -> http.client.HTTPConnection:
         with self._lock:
-            if self._idle:
-                return self._idle.pop()
+            while self._idle and not fresh:
+                conn, since = self._idle.pop()
+                if time.monotonic() - since < KEEP_IDLE_S:
+                    return conn
+                conn.close()  # the server has likely closed it by now
         kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = kind(self._host, self._port, timeout=self._timeout_s)
         conn.connect()
@@ -98,7 +104,7 @@ class Connections:
             return
         with self._lock:
             if len(self._idle) < self._max_idle:
-                self._idle.append(conn)
+                self._idle.append((conn, time.monotonic()))
                 return
         conn.close()
 
@@ -107,7 +113,7 @@ class Connections:
         headers = {k: v for k, v in request.headers.items() if k.lower() != "accept-encoding"}
         target = request.url.raw_path.decode("ascii")
         for attempt in (0, 1):  # a kept-alive connection the server has closed meanwhile: once more, new
-            conn = self._connection()
+            conn = self._connection(fresh=attempt > 0)
             try:
                 conn.request(request.method, target, body=request.content or None, headers=headers)
                 response = conn.getresponse()
@@ -123,7 +129,7 @@ class Connections:
     def close(self) -> None:
         with self._lock:
             idle, self._idle = self._idle, []
-        for conn in idle:
+        for conn, _ in idle:
             conn.close()
 
 

@@ -37,9 +37,11 @@ class DaemonThread(Executor):
     ``ThreadPoolExecutor`` threads are joined at interpreter exit, so a forward
     stuck in a kernel would keep a stopping process alive forever. The device
     worker runs its forwards here instead: a stalled thread is abandoned (a
-    fresh one takes over) and never holds up the exit."""
+    fresh one takes over) and never holds up the exit. ``initializer`` runs first in the thread, as
+    ``ThreadPoolExecutor``'s does."""
 
-    def __init__(self, name: str) -> None:
+    def __init__(self, name: str, initializer: Callable[[], object] | None = None) -> None:
+        self._initializer = initializer
         self._work: queue.SimpleQueue[tuple[Future[Any], Callable[..., Any], tuple[Any, ...]] | None] = (
             queue.SimpleQueue()
         )
@@ -47,6 +49,8 @@ class DaemonThread(Executor):
         self._thread.start()
 
     def _loop(self) -> None:
+        if self._initializer is not None:
+            self._initializer()
         while (item := self._work.get()) is not None:
             fut, fn, args = item
             if fut.set_running_or_notify_cancel():

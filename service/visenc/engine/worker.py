@@ -71,7 +71,7 @@ class DeviceWorker:
         #: monotonic end of the last batch; ``None`` once the heap was given back after it
         self._worked_at: float | None = None
         self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
-        self._thread = DaemonThread("visenc-device")
+        self._thread = DaemonThread("visenc-device", compiled.configure)
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         #: the batch taken from the scheduler and not yet given back to its budget
@@ -126,6 +126,8 @@ class DeviceWorker:
         graphs = compiled.graphs()
         self.metrics.compiled_graphs.set(graphs)
         log.info("compiled tower warmed up in %.1f s (%d graphs)", time.monotonic() - started, graphs)
+        if graphs == 0:
+            log.warning("the tower's blocks failed to compile (see torch's warnings above): they run eagerly")
         self.state, self.reason = WorkerState.HEALTHY, None
         self.metrics.worker_alive.set(1)
 
@@ -141,7 +143,7 @@ class DeviceWorker:
         if not done:
             call.add_done_callback(_drop_result)  # the late result of a stalled call is not used
             self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the call
-            self._thread = DaemonThread("visenc-device")
+            self._thread = DaemonThread("visenc-device", compiled.configure)
             raise _Stalled
         return call.result()
 

@@ -4,7 +4,8 @@ The graphs are bounded. Shapes are symbolic from the first call (``dynamic=True`
 size or batch size reuses the graph instead of recompiling. The blocks of a tower share one code
 object and their weights are graph inputs, so they share graphs too. Dynamo still specialises sizes
 0 and 1 (a batch of one image beside a batch of several), which gives one or two graphs for a tower.
-Past ``RECOMPILE_LIMIT`` graphs per block, dynamo runs the block eagerly instead of compiling again.
+Past ``RECOMPILE_LIMIT`` graphs per block, dynamo runs the block eagerly instead of compiling again,
+and a block the backend fails to compile (no compiler, an unsupported device) runs eagerly too.
 
 Packed attention stays one custom op inside the graph (``models/varlen.py``), so the norms, rotary
 embeddings, casts and activations around it fuse into a few kernels.
@@ -39,11 +40,18 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
     return found
 
 
-def compile_blocks(model: torch.nn.Module) -> int:
-    """Compile every repeated block of ``model`` in place; returns how many."""
+def configure() -> None:
+    """Dynamo's settings for the blocks, in the calling thread: torch keeps each setting per thread
+    (a context variable), so the thread that runs the forwards calls this too."""
     for name in ("recompile_limit", "cache_size_limit"):  # the name changed in torch 2.6
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, RECOMPILE_LIMIT)
+    torch._dynamo.config.suppress_errors = True  # a failed compile costs speed, never a request
+
+
+def compile_blocks(model: torch.nn.Module) -> int:
+    """Compile every repeated block of ``model`` in place; returns how many."""
+    configure()
     found = blocks(model)
     for block in found:
         block.compile(dynamic=True)

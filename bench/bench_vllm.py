@@ -362,6 +362,7 @@ def main() -> int:
             vision=tiny_vlm.TOWERS[tower],
             row_width=args.row_width,
             max_image_tokens=args.max_image_tokens,
+            max_positions=max(4096, MAX_MODEL_LEN["value"]),
         )
         logs = work / f"{tower}-logs"
         logs.mkdir()

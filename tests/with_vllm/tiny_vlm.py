@@ -96,6 +96,15 @@ def _text_config(vocab: int, *, bos: int, eos: int, pad: int) -> dict:
     }
 
 
+def _wide(row_width: int) -> dict:
+    """The language model ``row_width`` wide: vLLM's Qwen2 reads a head's width as the model's width
+    over its heads (``hidden_size // num_attention_heads``), so the heads grow with it and stay 64
+    wide, as the rotary sections (8 + 12 + 12 = 64 / 2) need."""
+    if row_width % 64:
+        raise ValueError(f"row_width must be a multiple of 64, not {row_width}")
+    return {"hidden_size": row_width, "num_attention_heads": row_width // 64}
+
+
 def _classes(arch: str) -> tuple[type, type]:
     import transformers
 
@@ -120,10 +129,12 @@ def build(
     vision: dict | None = None,
     row_width: int | None = None,
     max_image_tokens: int = 256,
+    max_positions: int = 4096,
 ) -> Path:
     """``vision``: overrides of the vision config (``TOWERS`` for Qwen2-VL towers of real sizes);
     ``row_width``: the language model's width, and so the rows' (a 7B model's: 3584; default 128);
-    ``max_image_tokens``: the processor's resize ceiling, in image tokens."""
+    ``max_image_tokens``: the processor's resize ceiling, in image tokens; ``max_positions``: the
+    longest sequence the language model takes (vLLM refuses a longer ``--max-model-len``)."""
     import torch
 
     config_class, model_class = _classes(arch)
@@ -151,7 +162,8 @@ def build(
         },
         text_config={
             **_text_config(len(tok), bos=ids["<|endoftext|>"], eos=ids["<|im_end|>"], pad=ids["<|endoftext|>"]),
-            **({} if row_width is None else {"hidden_size": row_width}),
+            **({} if row_width is None else _wide(row_width)),
+            "max_position_embeddings": max_positions,
             "rms_norm_eps": 1e-6,
             "rope_parameters": rope,
             "rope_scaling": rope,

@@ -28,9 +28,7 @@ PYTHON = sys.executable
 if str(ROOT) not in sys.path:  # the waits and the free port the tests use too
     sys.path.insert(0, str(ROOT))
 
-from tests.support.waits import free_port, wait_ready  # noqa: E402
-
-__all__ = ["free_port"]
+from tests.support.waits import free_port, wait_ready  # noqa: E402 - benches call c.free_port, c.wait_ready
 
 
 def spread(values: list[float], unit: str = "x") -> str:

@@ -17,9 +17,6 @@ class Staging:
         self.tokens = 0
         self._held: dict[Job, tuple[int, int]] = {}  # job -> (input tokens, decode tokens)
 
-    def __contains__(self, job: Job) -> bool:
-        return job in self._held
-
     def charge(self, job: Job) -> None:
         """``job``'s preprocessing starts: its input and its decode are held (once)."""
         if job not in self._held:

@@ -71,7 +71,7 @@ class DeviceWorker:
         #: monotonic end of the last batch; ``None`` once the heap was given back after it
         self._worked_at: float | None = None
         self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
-        self._thread = DaemonThread("visenc-device", compiled.configure)
+        self._thread = _device_thread()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         #: the batch taken from the scheduler and not yet given back to its budget
@@ -143,7 +143,7 @@ class DeviceWorker:
         if not done:
             call.add_done_callback(_drop_result)  # the late result of a stalled call is not used
             self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the call
-            self._thread = DaemonThread("visenc-device", compiled.configure)
+            self._thread = _device_thread()
             raise _Stalled
         return call.result()
 
@@ -318,3 +318,8 @@ def is_out_of_memory(error: BaseException) -> bool:
 def _drop_result(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()  # retrieved: a late failure is not logged as "never retrieved"
+
+
+def _device_thread() -> DaemonThread:
+    """The thread the forwards run on, with dynamo's settings for a compiled tower (they are per thread)."""
+    return DaemonThread("visenc-device", compiled.configure)

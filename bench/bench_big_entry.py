@@ -38,7 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
 import _common as c  # noqa: E402
-from tests.conftest import free_port, redis_process, serve_process  # noqa: E402
+from tests.support.processes import redis_process, serve_process  # noqa: E402
+from tests.support.waits import free_port  # noqa: E402
 
 from visenc_client import Client, ImagePlacement, RowRange  # noqa: E402
 from visenc_client._shm import SegmentHandles  # noqa: E402

@@ -36,7 +36,7 @@ import numpy as np  # noqa: E402
 import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
-from tests.conftest import redis_process  # noqa: E402
+from tests.support.processes import redis_process  # noqa: E402
 
 from visenc.bootstrap import create_app  # noqa: E402
 from visenc.config import Settings  # noqa: E402
@@ -112,7 +112,7 @@ async def hit_latency(url: str, rounds: int, reps: int) -> None:
     from visenc.models.loading import load_tower
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from tests.images import png_bytes
+    from tests.support.images import png_bytes
 
     tower = load_tower("tiny-qwen2-vl")
     image = png_bytes(1, 224, 224)

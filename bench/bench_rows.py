@@ -50,7 +50,7 @@ sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROO
 
 import _common as c  # noqa: E402
 import bench_gpu  # noqa: E402
-from tests.conftest import redis_process  # noqa: E402
+from tests.support.processes import redis_process  # noqa: E402
 
 from visenc_client import AsyncClient, Client, Handle, ImagePlacement, RedisRows, image_hash  # noqa: E402
 from visenc_client.format import entry_key  # noqa: E402

@@ -16,7 +16,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from tests.conftest import ROOT, free_port, stop_process, wait_ready
+from tests.support.paths import ROOT
+from tests.support.processes import stop_process
+from tests.support.waits import free_port, wait_ready
 
 DEPLOY = ROOT / "deploy"
 

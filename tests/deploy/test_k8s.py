@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 import yaml
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
 

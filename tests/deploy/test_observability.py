@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
-from tests.conftest import ROOT, running_app
-from tests.images import png_bytes
-from tests.service.test_api import encode_json
+from tests.support.api import encode_json, running_app
+from tests.support.images import png_bytes
+from tests.support.paths import ROOT
 
 from visenc.models.base import VisionTower
 

@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.conftest import serve_process
-from tests.images import png_bytes
+from tests.support.images import png_bytes
+from tests.support.processes import serve_process
 
 from visenc_client import AsyncClient, Client, ImagePlacement, RowRange, plan_chunk
 

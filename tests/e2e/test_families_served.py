@@ -11,8 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from PIL import Image
-from tests.conftest import running_app
-from tests.service.test_api import encode_json, fetch_rows, sha
+from tests.support.api import encode_json, fetch_rows, running_app, sha
 from tests.support.tiny_families import build_family, placeholder_rows, reference_inputs, save_family
 from transformers import AutoImageProcessor
 

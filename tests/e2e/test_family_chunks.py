@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tests.conftest import running_app
+from tests.support.api import running_app
 from tests.support.tiny_families import (
     BUILDERS,
     IMAGE_TOKEN,

@@ -8,9 +8,9 @@ import sys
 import httpx
 import numpy as np
 import pytest
-from tests.conftest import serve_process
-from tests.images import jpeg_bytes, png_bytes
-from tests.service.test_api import reference
+from tests.support.api import reference
+from tests.support.images import jpeg_bytes, png_bytes
+from tests.support.processes import serve_process
 
 from visenc_client import AsyncClient, Client, NotFoundError, RowRange, image_hash
 

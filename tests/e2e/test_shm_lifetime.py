@@ -16,8 +16,9 @@ import textwrap
 import time
 
 import pytest
-from tests.conftest import ROOT, serve_process
-from tests.images import png_bytes
+from tests.support.images import png_bytes
+from tests.support.paths import ROOT
+from tests.support.processes import serve_process
 from tests.support.waits import wait_until
 
 from visenc_client import BadRequestError, Client, ImagePlacement, RowRange

@@ -15,8 +15,7 @@ import numpy as np
 import pytest
 import transformers
 from PIL import Image
-from tests.conftest import running_app
-from tests.service.test_api import encode_json, fetch_rows, sha
+from tests.support.api import encode_json, fetch_rows, running_app, sha
 from tests.support.images import noise as random_pixels
 from tests.support.images import save
 from tests.support.odd_images import corpus as odd_corpus

@@ -18,7 +18,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 from PIL import Image
-from tests.images import encode, make_image
+from tests.support.images import make_image, save
 from transformers.image_transforms import normalize, rescale
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
@@ -48,7 +48,7 @@ CASES = [
 
 def _source(case: tuple[int, int, str, str], seed: int = 1) -> bytes:
     width, height, mode, fmt = case
-    return encode(make_image(width, height, mode=mode, seed=seed), fmt)
+    return save(make_image(width, height, mode=mode, seed=seed), fmt)
 
 
 def _max_diff(ours: np.ndarray, ref: np.ndarray) -> float:
@@ -102,7 +102,7 @@ def test_qwen_equals_processor(qwen: QwenVisionTower, case: tuple, max_pixels: i
 
 
 def test_qwen_equals_processor_at_1280x720(qwen: QwenVisionTower) -> None:
-    data = encode(make_image(1280, 720, seed=3), "JPEG", quality=92)
+    data = save(make_image(1280, 720, seed=3), "JPEG", quality=92)
     processor = Qwen2VLImageProcessorPil(**qwen.settings.processor_kwargs())
     ref = processor(images=[Image.open(io.BytesIO(data))], return_tensors="np")
     prepared = qwen.preprocess(decode(data, max_pixels=LIMIT, loader="transformers"))

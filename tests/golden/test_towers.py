@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tests.images import encode, make_image
+from tests.support.images import make_image, save
 
 # the fast (torchvision) processors: the default image backend's reference (torchvision via the test shim)
 from transformers import CLIPImageProcessor, Qwen2VLImageProcessor, SiglipImageProcessor
@@ -73,7 +73,7 @@ def test_qwen_equals_transformers_on_processor_output(name: str) -> None:
     """Reference: processor ``pixel_values``/``image_grid_thw`` → the transformers vision
     module → ``pooler_output`` split per image, as ``Qwen2VLModel.get_image_features``."""
     tower = load_tower(name)
-    images = [Image.open(io.BytesIO(encode(img, "PNG"))) for img in _images()]
+    images = [Image.open(io.BytesIO(save(img, "PNG"))) for img in _images()]
     processor = Qwen2VLImageProcessor(**tower.settings.processor_kwargs())  # type: ignore[attr-defined]
     inputs = processor(images=images, return_tensors="pt")
     grid = inputs["image_grid_thw"]

@@ -22,7 +22,8 @@ import msgpack
 import psutil
 import pytest
 from PIL import Image
-from tests.conftest import ROOT, serve_process
+from tests.support.paths import ROOT
+from tests.support.processes import serve_process
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("latency.png", "throughput.png", "ttfc.png", "hit_ratio.png", "overview.png")

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 from PIL import Image
-from tests.images import png_bytes
+from tests.support.images import png_bytes
 from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,  # the fast (torchvision) processors: the default backend

@@ -7,10 +7,9 @@ import logging
 
 import httpx
 import pytest
-from tests.conftest import redis_process, running_app
-from tests.images import png_bytes
-from tests.reliability.conftest import server_process
-from tests.service.test_api import encode_json, sha
+from tests.support.api import encode_json, running_app, sha
+from tests.support.images import png_bytes
+from tests.support.processes import redis_process, serve_subprocess
 from tests.support.waits import metric
 
 from visenc.api import auth
@@ -142,7 +141,7 @@ def test_real_server_with_keys_and_a_password_protected_redis(tmp_path):
     with redis_process(None, "--requirepass", password) as (redis_url, _):
         url_with_password = redis_url.replace("redis://", f"redis://:{password}@")
         env = {"VISENC_API_KEYS": KEYS, "VISENC_REDIS_URL": url_with_password}
-        with server_process("--log-level", "debug", "--max-wait-ms", "1", log=log, env=env) as (url, _):
+        with serve_subprocess("--log-level", "debug", "--max-wait-ms", "1", log=log, env=env) as (url, _):
             data = png_bytes(904, 28, 28)
             with Client(url, api_key=KEY_A) as a, Client(url, api_key=KEY_B) as b:
                 (h,) = a.encode([data])

@@ -9,10 +9,9 @@ import time
 
 import httpx
 import pytest
-from tests.conftest import running_app
-from tests.images import png_bytes
-from tests.reliability.conftest import server_process
-from tests.service.test_api import encode_json, sha
+from tests.support.api import b64, encode_json, running_app, sha
+from tests.support.images import png_bytes
+from tests.support.processes import serve_subprocess
 from tests.support.waits import metric, until, wait_until
 
 
@@ -129,7 +128,7 @@ def test_client_disconnect_cancels_its_queued_work(tmp_path):
     The device is busy for ~2 s with image X (injected delay, one image per forward); image Y's
     request is queued behind it and its client gives up after 0.5 s. Without disconnect detection
     Y would stay wanted until request_timeout_s and be encoded when the device frees up."""
-    with server_process(
+    with serve_subprocess(
         "--max-batch-images", "1", "--max-wait-ms", "1", log=tmp_path / "serve.log", faults=("--forward-delay-s", "2")
     ) as (url, _):
         x, y = png_bytes(600, 28, 28), png_bytes(601, 28, 28)
@@ -138,12 +137,12 @@ def test_client_disconnect_cancels_its_queued_work(tmp_path):
 
             result: dict[str, httpx.Response] = {}
             first = threading.Thread(
-                target=lambda: result.setdefault("x", http.post("/v1/encode", json={"items": [{"data": _b64(x)}]}))
+                target=lambda: result.setdefault("x", http.post("/v1/encode", json={"items": [{"data": b64(x)}]}))
             )
             first.start()
             wait_until(lambda: metric(http.get("/metrics").text, "visenc_inflight_images") == 1, 10, "X admitted")
             with pytest.raises(httpx.ReadTimeout):
-                httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(y)}]}, timeout=0.5)
+                httpx.post(f"{url}/v1/encode", json={"items": [{"data": b64(y)}]}, timeout=0.5)
             first.join(30)
             assert result["x"].status_code == 200
 
@@ -158,12 +157,6 @@ def test_client_disconnect_cancels_its_queued_work(tmp_path):
             assert metric(m, "visenc_requests_total", endpoint="/v1/encode", status="499") == 1
             r = http.post("/v1/encode", json={"items": [{"hash": sha(y)}]})
             assert r.json()["items"][0]["status"] == "missing"
-
-
-def _b64(data: bytes) -> str:
-    import base64
-
-    return base64.b64encode(data).decode()
 
 
 def recording_inspect(encoder, monkeypatch, block_at: int | None = None) -> tuple[list[int], threading.Event]:

@@ -12,11 +12,10 @@ import time
 
 import httpx
 import numpy as np
-from tests.conftest import running_app, serve_subprocess
-from tests.images import png_bytes
-from tests.reliability.test_backpressure import _b64
-from tests.service.test_api import encode_json, fetch_rows, reference, sha
+from tests.support.api import b64, encode_json, fetch_rows, reference, running_app, sha
 from tests.support.faults import FaultyTower, faulty_index
+from tests.support.images import png_bytes
+from tests.support.processes import serve_subprocess
 from tests.support.waits import metric, until, wait_until
 
 from visenc.engine.worker import WorkerState
@@ -96,7 +95,7 @@ async def test_hits_are_answered_while_the_device_is_down(tiny_tower):
 def test_device_that_cannot_be_restarted_exits_non_zero(tmp_path):
     log = tmp_path / "serve.log"
     with serve_subprocess("--max-wait-ms", "1", log=log, faults=("--fail-always",)) as (url, proc):
-        r = httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(png_bytes(730, 28, 28))}]}, timeout=30)
+        r = httpx.post(f"{url}/v1/encode", json={"items": [{"data": b64(png_bytes(730, 28, 28))}]}, timeout=30)
         assert r.status_code == 503
         assert proc.wait(timeout=30) == 3  # EXIT_DEVICE_FAILED: a supervisor restarts the process
     assert "device worker cannot be restarted" in log.read_text()
@@ -155,7 +154,7 @@ def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
 
         def call() -> None:
             try:
-                body = {"items": [{"data": _b64(png_bytes(760, 28, 28))}]}
+                body = {"items": [{"data": b64(png_bytes(760, 28, 28))}]}
                 result["r"] = httpx.post(f"{url}/v1/encode", json=body, timeout=30)
             except Exception as e:  # reported below
                 result["r"] = e

@@ -24,8 +24,9 @@ from schemathesis.specs.openapi.checks import (
     response_schema_conformance,
     status_code_conformance,
 )
-from tests.conftest import serve_process
-from tests.images import png_bytes
+from tests.support.api import b64
+from tests.support.images import png_bytes
+from tests.support.processes import serve_process
 
 MSGPACK_TYPES = ("application/msgpack",)
 
@@ -51,7 +52,7 @@ def _to_msgpack(ctx: Any, value: Any) -> bytes:
 def _bytes_as_base64(value: Any) -> Any:
     """msgpack ``bin`` is the JSON body's base64 string: compare both against the one schema."""
     if isinstance(value, bytes):
-        return _b64(value)
+        return b64(value)
     if isinstance(value, list):
         return [_bytes_as_base64(v) for v in value]
     if isinstance(value, dict):
@@ -84,18 +85,12 @@ def server(tmp_path_factory):
         log=log,
     ) as url:
         # one stored image: the server has state to answer from (not only misses)
-        r = httpx.post(f"{url}/v1/encode", json={"items": [{"data": _b64(png_bytes(7, 64, 64))}]}, timeout=30)
+        r = httpx.post(f"{url}/v1/encode", json={"items": [{"data": b64(png_bytes(7, 64, 64))}]}, timeout=30)
         assert r.status_code == 200, r.text
         yield url
         # after the module's fuzz tests, whichever of them ran and in whatever order
         assert httpx.get(f"{url}/readyz", timeout=10).status_code == 200, "fuzzing left the service unready"
     assert "Traceback" not in log.read_text(), "the server logged an unhandled error"
-
-
-def _b64(data: bytes) -> str:
-    import base64
-
-    return base64.b64encode(data).decode()
 
 
 @pytest.fixture(scope="module")

@@ -11,10 +11,9 @@ import dataclasses
 
 import numpy as np
 import pytest
-from tests.conftest import running_app
-from tests.images import png_bytes
-from tests.service.test_api import encode_json, fetch_rows, reference, sha
+from tests.support.api import encode_json, fetch_rows, reference, running_app, sha
 from tests.support.faults import faulty_index
+from tests.support.images import png_bytes
 from tests.support.waits import metric
 
 from visenc_client.format import Entry, entry_key, pack_entry

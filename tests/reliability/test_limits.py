@@ -9,9 +9,8 @@ import zlib
 import msgpack
 import pytest
 from PIL import Image
-from tests.conftest import running_app
-from tests.images import jpeg_bytes, png_bytes
-from tests.service.test_api import MSGPACK, encode_json, sha
+from tests.support.api import MSGPACK, encode_json, running_app, sha
+from tests.support.images import jpeg_bytes, png_bytes
 
 JSON = {"content-type": "application/json"}
 

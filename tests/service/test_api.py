@@ -4,49 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import struct
 
 import msgpack
 import numpy as np
 import pytest
 import torch
-from tests.conftest import running_app
-from tests.images import png_bytes
+from tests.support.api import MSGPACK, encode_json, fetch_rows, reference, running_app, sha
+from tests.support.images import png_bytes
 from tests.support.waits import metric
-
-from visenc.imaging.decode import decode
-from visenc.models.base import VisionTower
-
-MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
-
-
-def sha(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()
-
-
-def reference(tower: VisionTower, data: bytes) -> np.ndarray:
-    """The single-image forward of the same tower: what every served embedding must equal."""
-    prepared = tower.preprocess(decode(data, max_pixels=10**9))
-    (out,) = tower.forward([prepared])
-    return out.float().numpy()
-
-
-async def encode_json(client, items, wait=True, headers=None):
-    body = {
-        "items": [{k: (base64.b64encode(v).decode() if k == "data" else v) for k, v in it.items()} for it in items],
-        "wait": wait,
-    }
-    return await client.post("/v1/encode", json=body, headers=headers or {})
-
-
-async def fetch_rows(client, h: str, start=None, end=None, headers=None) -> np.ndarray:
-    params = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
-    r = await client.get(f"/v1/embeddings/{h}", params=params, headers=headers or {})
-    assert r.status_code == 200, r.text
-    rows, hidden = map(int, r.headers["x-visenc-shape"].split(","))
-    assert r.headers["x-visenc-dtype"] == "float32"
-    return np.frombuffer(r.content, dtype="<f4").reshape(rows, hidden)
 
 
 async def test_encode_then_fetch_equals_single_image_forward(service, tiny_tower):

@@ -15,8 +15,8 @@ import msgpack
 import pytest
 from aiohttp import web
 from aiohttp.test_utils import TestServer
-from tests.conftest import running_app
-from tests.images import jpeg_bytes, png_bytes
+from tests.support.api import running_app
+from tests.support.images import jpeg_bytes, png_bytes
 
 from visenc.proxy import Proxy, ProxySettings, create_proxy_app
 from visenc_client.format import image_hash, video_hash

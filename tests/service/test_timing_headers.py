@@ -5,9 +5,8 @@ from __future__ import annotations
 import time
 
 import pytest
-from tests.conftest import running_app
-from tests.images import png_bytes
-from tests.service.test_api import encode_json
+from tests.support.api import encode_json, running_app
+from tests.support.images import png_bytes
 from tests.support.waits import metric
 
 

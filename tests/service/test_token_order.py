@@ -15,9 +15,8 @@ from dataclasses import dataclass, field
 
 import msgpack
 import pytest
-from tests.conftest import running_app
-from tests.images import png_bytes
-from tests.service.test_api import encode_json
+from tests.support.api import encode_json, running_app
+from tests.support.images import png_bytes
 from tests.support.waits import until
 
 from visenc.models.base import VisionTower

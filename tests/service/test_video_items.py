@@ -16,8 +16,8 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from tests.conftest import running_app
-from tests.images import png_bytes
+from tests.support.api import running_app
+from tests.support.images import png_bytes
 from tests.support.waits import metric
 
 from visenc.imaging.decode import decode

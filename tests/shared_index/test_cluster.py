@@ -8,10 +8,9 @@ import numpy as np
 import pytest
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
-from tests.conftest import running_app
-from tests.images import png_bytes
-from tests.service.test_api import encode_json, reference
-from tests.shared_index.conftest import redis_cluster
+from tests.support.api import encode_json, reference, running_app
+from tests.support.images import png_bytes
+from tests.support.processes import redis_cluster
 from tests.support.waits import metric, until
 
 from visenc.index.redis_claims import claim_key

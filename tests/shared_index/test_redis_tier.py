@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
-from tests.conftest import free_port
-from tests.support.waits import listening, metric, wait_until
+from tests.support.waits import free_port, listening, metric, wait_until
 
 from visenc.config import Settings
 from visenc.index.memory import MemoryCache
@@ -113,7 +112,7 @@ async def test_tiered_lookup_is_one_round_trip_and_promotes(raw, redis_url):
 
 
 async def test_unreachable_redis_answers_misses_counts_and_recovers(tmp_path):
-    from tests.conftest import redis_process
+    from tests.support.processes import redis_process
 
     port = free_port()
     m = Metrics()
@@ -199,7 +198,7 @@ def test_shipped_redis_conf_is_a_valid_cache_config(tmp_path):
     import subprocess
 
     import redis as syncredis
-    from tests.conftest import ROOT
+    from tests.support.paths import ROOT
 
     port = free_port()
     conf = str(ROOT / "deploy" / "redis" / "redis.conf")

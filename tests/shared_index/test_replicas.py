@@ -7,8 +7,8 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
-from tests.conftest import redis_process, serve_process
-from tests.images import jpeg_bytes, png_bytes
+from tests.support.images import jpeg_bytes, png_bytes
+from tests.support.processes import redis_process, serve_process
 from tests.support.waits import metric
 
 from visenc_client import AsyncClient, Client, RedisRows, Video, image_hash, video_hash
@@ -74,7 +74,7 @@ def test_direct_redis_reads_equal_http_fetch_from_either_replica(replicas):
 
 def test_fetch_on_another_replica_waits_for_the_encode_in_flight(replicas, tiny_tower):
     """A pending handle from replica A can be fetched from replica B: B waits on A's claim."""
-    from tests.service.test_api import reference
+    from tests.support.api import reference
 
     _, a, b = replicas
     images = [png_bytes(470 + i, 448, 336) for i in range(6)]

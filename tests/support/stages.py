@@ -1,11 +1,29 @@
-"""Stand-ins for the stages around the one under test."""
+"""The engine's stages for a test of one of them: stand-ins for the stages around it
+(``RecordedFailures``, ``SlowTower``), a scheduler and a job built in one call (``make_scheduler``,
+``job``), and the stages from the scheduler to the outputs wired around a tower (``pipeline``)."""
 
 from __future__ import annotations
 
+import asyncio
+import threading
+import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
+import numpy as np
+import torch
+
+from visenc.engine.coordination import LocalCoordination
 from visenc.engine.job import Job
+from visenc.engine.outputs import Outputs
+from visenc.engine.prepare import Inspected
+from visenc.engine.scheduler import Scheduler
+from visenc.engine.worker import DeviceWorker
+from visenc.index.memory import MemoryCache
+from visenc.index.tiered import Index
+from visenc.metrics import Metrics
+from visenc.models.base import Prepared, TokenLayout, VisionTower
 
 
 class RecordedFailures:
@@ -19,3 +37,92 @@ class RecordedFailures:
             if not job.finished:
                 job.fail()
                 self.failed.append((job, error))
+
+
+def make_scheduler(packable=False, max_tokens=100, max_images=8, prefetch=None, failed=None):
+    def preprocess(data: bytes) -> Prepared:
+        n = len(data)
+        return Prepared(np.zeros((n, 1), np.float32), TokenLayout(n, (1, 1, n), n))
+
+    return Scheduler(
+        preprocess=preprocess,
+        pool=ThreadPoolExecutor(2),
+        outputs=RecordedFailures(failed),  # type: ignore[arg-type]
+        coordination=LocalCoordination(),
+        max_batch_tokens=max_tokens,
+        max_batch_images=max_images,
+        packable=packable,
+        prefetch_tokens=prefetch,
+        metrics=Metrics(),
+    )
+
+
+def job(cost: int, order: tuple[int, int], bucket=None) -> Job:
+    loop = asyncio.get_running_loop()
+    j = Job(key=f"k{order}", image_hash="h", order=order, future=loop.create_future(), admitted_at=0.0)
+    j.give_bytes(b"x" * cost, Inspected("h", TokenLayout(cost, (1, 1, cost), bucket or cost), cost, 0))
+    j.join()
+    return j
+
+
+class SlowTower(VisionTower):
+    """Fixed-shape stand-in whose preprocess and forward take known time and record
+    where and when they ran."""
+
+    name = "slow"
+    hidden_size = 4
+    dtype = torch.float32
+    device = torch.device("cpu")
+
+    def __init__(self, forward_s: float, preprocess_s: float) -> None:
+        self.forward_s, self.preprocess_s = forward_s, preprocess_s
+        self.forwards: list[tuple[float, float, int]] = []
+        self.preps: list[tuple[float, float, str]] = []
+        self._layout = TokenLayout(1, (1, 1, 1), "only")
+
+    def layout(self, width: int, height: int) -> TokenLayout:
+        return self._layout
+
+    def preprocess(self, image: Any) -> Prepared:
+        t0 = time.monotonic()
+        time.sleep(self.preprocess_s)  # the decode/resize/normalise stand-in: blocking CPU work
+        self.preps.append((t0, time.monotonic(), threading.current_thread().name))
+        return Prepared(np.zeros((1, 4), np.float32), self._layout)
+
+    def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
+        t0 = time.monotonic()
+        time.sleep(self.forward_s)
+        self.forwards.append((t0, time.monotonic(), len(batch)))
+        return [torch.zeros(1, 4) for _ in batch]
+
+    def fingerprint_fields(self) -> dict[str, Any]:
+        return {"slow": 1}
+
+
+def pipeline(
+    tower: VisionTower, *, batch: int, prefetch: int
+) -> tuple[ThreadPoolExecutor, Outputs, Scheduler, DeviceWorker]:
+    """The engine's stages around ``tower`` (the outputs stage started, the worker not yet)."""
+    pool = ThreadPoolExecutor(2, thread_name_prefix="visenc-pre")
+    local = LocalCoordination()
+    outputs = Outputs(
+        index=Index(MemoryCache(1 << 20, Metrics())),
+        metrics=Metrics(),
+        fingerprint="f" * 32,
+        hidden_size=4,
+        device=tower.device,
+        coordination=local,
+    )
+    outputs.start()
+    s = Scheduler(
+        preprocess=lambda data: tower.preprocess(data),
+        pool=pool,
+        outputs=outputs,
+        coordination=local,
+        max_batch_tokens=batch,
+        max_batch_images=batch,
+        packable=False,
+        prefetch_tokens=prefetch,
+        metrics=Metrics(),
+    )
+    return pool, outputs, s, DeviceWorker(tower, s, outputs, metrics=Metrics(), max_wait_s=0.0, stall_timeout_s=30)

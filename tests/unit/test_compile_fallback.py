@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch._inductor.compile_fx
 from PIL import Image
-from tests.conftest import running_app
+from tests.support.api import running_app
 from tests.support.waits import until
 
 from visenc.models import compiled

@@ -9,7 +9,7 @@ import zlib
 import numpy as np
 import pytest
 from PIL import Image, ImageOps
-from tests.images import encode, image_bytes, make_image
+from tests.support.images import image_bytes, make_image, save
 from transformers.image_transforms import convert_to_rgb
 
 from visenc.errors import InvalidImage, PayloadTooLarge
@@ -31,7 +31,7 @@ def test_probe_and_decode_good_images(fmt: str) -> None:
 def test_the_transformers_loader_converts_like_transformers(mode: str) -> None:
     source = make_image(40, 30, mode=mode, seed=1)  # seed 1: P gets a transparent index
     fmt = "JPEG" if mode == "CMYK" else "PNG"
-    data = encode(source, fmt)
+    data = save(source, fmt)
     reopened = Image.open(io.BytesIO(data))
     expected = convert_to_rgb(reopened, return_numpy=True)
     np.testing.assert_array_equal(np.asarray(decode(data, max_pixels=LIMIT, loader="transformers")), expected)
@@ -43,7 +43,7 @@ def test_exif_orientation_per_loader() -> None:
     image = make_image(40, 20)
     exif = Image.Exif()
     exif[0x0112] = 6  # "rotate 90 CW"
-    data = encode(image, "JPEG", exif=exif.tobytes())
+    data = save(image, "JPEG", exif=exif.tobytes())
     assert decode(data, max_pixels=LIMIT).size == probe(data, max_pixels=LIMIT) == (20, 40)
     for loader in ("sglang", "transformers"):
         assert decode(data, max_pixels=LIMIT, loader=loader).size == probe(data, max_pixels=LIMIT, loader=loader)
@@ -55,7 +55,7 @@ def test_exif_upright_gives_the_pixels_of_pillows_exif_transpose(orientation: in
     """Every orientation, those it does not turn for included (returned as they are, no copy)."""
     exif = Image.Exif()
     exif[0x0112] = orientation
-    data = encode(make_image(40, 20, mode="RGB", seed=3), "JPEG", exif=exif.tobytes())
+    data = save(make_image(40, 20, mode="RGB", seed=3), "JPEG", exif=exif.tobytes())
     source, reference = Image.open(io.BytesIO(data)), Image.open(io.BytesIO(data))
     source.load()
     upright = exif_upright(source)

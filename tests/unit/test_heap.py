@@ -11,8 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
-from tests.unit.test_pipeline import SlowTower, pipeline
-from tests.unit.test_scheduler import job
+from tests.support.stages import SlowTower, job, pipeline
 
 from visenc import heap
 

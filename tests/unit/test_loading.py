@@ -16,7 +16,7 @@ import pytest
 import safetensors
 import torch
 from safetensors.torch import load_file, save_file
-from tests.images import make_image
+from tests.support.images import make_image
 from transformers import (  # the fast (torchvision) processors: the default backend
     CLIPConfig,
     CLIPImageProcessor,

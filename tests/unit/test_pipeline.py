@@ -5,25 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import threading
-import time
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
 
-import numpy as np
 import torch
+from tests.support.stages import SlowTower, job, make_scheduler, pipeline
 from tests.support.waits import until
-from tests.unit.test_scheduler import job, make_scheduler
 
-from visenc.engine.coordination import LocalCoordination
-from visenc.engine.outputs import Outputs
-from visenc.engine.scheduler import Scheduler
-from visenc.engine.worker import DeviceWorker
 from visenc.errors import InvalidHash
-from visenc.index.memory import MemoryCache
-from visenc.index.tiered import Index
-from visenc.metrics import Metrics
-from visenc.models.base import Prepared, TokenLayout, VisionTower
+from visenc.models.base import Prepared
 
 
 async def test_batches_stay_under_the_byte_budget():
@@ -59,69 +48,6 @@ async def test_decode_charge_is_held_only_while_preprocessing():
     assert s.staged_tokens == 10
     s.done(s.take_batch())
     assert s.staged_tokens == 0 and s.idle
-
-
-class SlowTower(VisionTower):
-    """Fixed-shape stand-in whose preprocess and forward take known time and record
-    where and when they ran."""
-
-    name = "slow"
-    hidden_size = 4
-    dtype = torch.float32
-    device = torch.device("cpu")
-
-    def __init__(self, forward_s: float, preprocess_s: float) -> None:
-        self.forward_s, self.preprocess_s = forward_s, preprocess_s
-        self.forwards: list[tuple[float, float, int]] = []
-        self.preps: list[tuple[float, float, str]] = []
-        self._layout = TokenLayout(1, (1, 1, 1), "only")
-
-    def layout(self, width: int, height: int) -> TokenLayout:
-        return self._layout
-
-    def preprocess(self, image: Any) -> Prepared:
-        t0 = time.monotonic()
-        time.sleep(self.preprocess_s)  # the decode/resize/normalise stand-in: blocking CPU work
-        self.preps.append((t0, time.monotonic(), threading.current_thread().name))
-        return Prepared(np.zeros((1, 4), np.float32), self._layout)
-
-    def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
-        t0 = time.monotonic()
-        time.sleep(self.forward_s)
-        self.forwards.append((t0, time.monotonic(), len(batch)))
-        return [torch.zeros(1, 4) for _ in batch]
-
-    def fingerprint_fields(self) -> dict[str, Any]:
-        return {"slow": 1}
-
-
-def pipeline(
-    tower: VisionTower, *, batch: int, prefetch: int
-) -> tuple[ThreadPoolExecutor, Outputs, Scheduler, DeviceWorker]:
-    """The engine's stages around ``tower`` (the outputs stage started, the worker not yet)."""
-    pool = ThreadPoolExecutor(2, thread_name_prefix="visenc-pre")
-    local = LocalCoordination()
-    outputs = Outputs(
-        index=Index(MemoryCache(1 << 20, Metrics())),
-        metrics=Metrics(),
-        fingerprint="f" * 32,
-        hidden_size=4,
-        device=tower.device,
-        coordination=local,
-    )
-    outputs.start()
-    s = Scheduler(
-        preprocess=lambda data: tower.preprocess(data),
-        pool=pool,
-        outputs=outputs,
-        coordination=local,
-        max_batch_tokens=batch,
-        max_batch_images=batch,
-        packable=False,
-        prefetch_tokens=prefetch,
-        metrics=Metrics(),
-    )
-    return pool, outputs, s, DeviceWorker(tower, s, outputs, metrics=Metrics(), max_wait_s=0.0, stall_timeout_s=30)
 
 
 async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():

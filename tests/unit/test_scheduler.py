@@ -2,45 +2,8 @@
 
 from __future__ import annotations
 
-import asyncio
-from concurrent.futures import ThreadPoolExecutor
-
-import numpy as np
-from tests.support.stages import RecordedFailures
+from tests.support.stages import job, make_scheduler
 from tests.support.waits import until
-
-from visenc.engine.coordination import LocalCoordination
-from visenc.engine.job import Job
-from visenc.engine.prepare import Inspected
-from visenc.engine.scheduler import Scheduler
-from visenc.metrics import Metrics
-from visenc.models.base import Prepared, TokenLayout
-
-
-def make_scheduler(packable=False, max_tokens=100, max_images=8, prefetch=None, failed=None):
-    def preprocess(data: bytes) -> Prepared:
-        n = len(data)
-        return Prepared(np.zeros((n, 1), np.float32), TokenLayout(n, (1, 1, n), n))
-
-    return Scheduler(
-        preprocess=preprocess,
-        pool=ThreadPoolExecutor(2),
-        outputs=RecordedFailures(failed),  # type: ignore[arg-type]
-        coordination=LocalCoordination(),
-        max_batch_tokens=max_tokens,
-        max_batch_images=max_images,
-        packable=packable,
-        prefetch_tokens=prefetch,
-        metrics=Metrics(),
-    )
-
-
-def job(cost: int, order: tuple[int, int], bucket=None) -> Job:
-    loop = asyncio.get_running_loop()
-    j = Job(key=f"k{order}", image_hash="h", order=order, future=loop.create_future(), admitted_at=0.0)
-    j.give_bytes(b"x" * cost, Inspected("h", TokenLayout(cost, (1, 1, cost), bucket or cost), cost, 0))
-    j.join()
-    return j
 
 
 async def test_same_bucket_batches_in_priority_order():

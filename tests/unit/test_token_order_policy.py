@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+from tests.support.stages import job, make_scheduler
 from tests.support.waits import until
-from tests.unit.test_scheduler import job, make_scheduler
 
 
 async def test_a_smaller_later_image_does_not_overtake_one_that_did_not_fit():

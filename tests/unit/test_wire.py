@@ -8,7 +8,7 @@ import re
 import msgpack
 import numpy as np
 import pytest
-from tests.conftest import ROOT
+from tests.support.paths import ROOT
 
 from visenc.api.schemas import HandleOut
 from visenc_client.format import (

@@ -49,8 +49,8 @@ from sglang.srt.disaggregation.encoder.receiver import (
 from sglang.srt.managers.io_struct import EncoderDispatchErrorReq
 from sglang.srt.managers.schedule_batch import Modality
 from sglang.srt.utils.common import safe_pickle_loads
-from tests.conftest import serve_subprocess
 from tests.support.images import noise, save
+from tests.support.processes import serve_subprocess
 from tests.support.waits import metric, until
 from transformers import AutoImageProcessor
 

@@ -22,9 +22,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
-from tests.conftest import free_port, serve_process
 from tests.support import tiny_processors
-from tests.support.waits import wait_until
+from tests.support.processes import serve_process
+from tests.support.waits import free_port, wait_until
 
 from visenc_client import Client
 

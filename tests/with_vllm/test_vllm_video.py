@@ -29,7 +29,8 @@ import pytest
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
 from PIL import Image
-from tests.conftest import free_port, serve_process
+from tests.support.processes import serve_process
+from tests.support.waits import free_port
 
 from visenc_client import Client, Video, image_hash, video_hash
 

@@ -1,0 +1,65 @@
+"""The real app in-process, and talking to it: ``running_app`` (engine, index and tower, lifespan
+included, behind an httpx client), the request and read helpers, and ``reference``, the single-image
+forward every served row must equal."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import httpx
+import numpy as np
+
+from visenc.bootstrap import create_app
+from visenc.config import Settings
+from visenc.imaging.decode import decode
+from visenc.models.base import VisionTower
+
+MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
+
+
+@contextlib.asynccontextmanager
+async def running_app(
+    tower: VisionTower, *, index: Callable[..., Any] | None = None, **overrides: object
+) -> AsyncIterator[httpx.AsyncClient]:
+    """The real app (engine, index, tower) in-process, lifespan included, behind an httpx client.
+    ``index`` replaces the index builder (``tests.support.faults.faulty_index``)."""
+    settings = Settings(**{"max_wait_ms": 1.0, **overrides})  # type: ignore[arg-type]
+    app = create_app(settings, tower=tower) if index is None else create_app(settings, tower=tower, index=index)
+    async with app.router.lifespan_context(app):
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://visenc") as client:
+            client.app = app  # type: ignore[attr-defined]
+            yield client
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
+def reference(tower: VisionTower, data: bytes) -> np.ndarray:
+    """The single-image forward of the same tower: what every served embedding must equal."""
+    prepared = tower.preprocess(decode(data, max_pixels=10**9))
+    (out,) = tower.forward([prepared])
+    return out.float().numpy()
+
+
+async def encode_json(client, items, wait=True, headers=None):
+    body = {"items": [{k: (b64(v) if k == "data" else v) for k, v in it.items()} for it in items], "wait": wait}
+    return await client.post("/v1/encode", json=body, headers=headers or {})
+
+
+async def fetch_rows(client, h: str, start=None, end=None, headers=None) -> np.ndarray:
+    params = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
+    r = await client.get(f"/v1/embeddings/{h}", params=params, headers=headers or {})
+    assert r.status_code == 200, r.text
+    rows, hidden = map(int, r.headers["x-visenc-shape"].split(","))
+    assert r.headers["x-visenc-dtype"] == "float32"
+    return np.frombuffer(r.content, dtype="<f4").reshape(rows, hidden)

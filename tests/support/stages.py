@@ -1,14 +1,15 @@
 """The engine's stages for a test of one of them: stand-ins for the stages around it
 (``RecordedFailures``, ``SlowTower``), a scheduler and a job built in one call (``make_scheduler``,
-``job``), and the stages from the scheduler to the outputs wired around a tower (``pipeline``)."""
+``job``), the stages from the scheduler to the outputs wired around a tower (``pipeline``), a device that
+finishes a batch (``forwarded``), and a pool that runs its calls inline (``InlinePool``, ``settle``)."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
 import time
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Executor, Future, ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -126,3 +127,32 @@ def pipeline(
         metrics=Metrics(),
     )
     return pool, outputs, s, DeviceWorker(tower, s, outputs, metrics=Metrics(), max_wait_s=0.0, stall_timeout_s=30)
+
+
+def forwarded(scheduler: Scheduler, batch: Sequence[Job]) -> None:
+    """The device finished ``batch``: each job's forward ended (its staged input is given back with
+    that transition) and the scheduler dispatches the jobs behind them."""
+    for j in batch:
+        j.forwarded(0.0, 0.0)
+    scheduler.dispatch()
+
+
+class InlinePool(Executor):
+    """A preprocessing pool that runs each call at once, on the event loop's thread: a scheduler's
+    preparations then progress only when the test awaits, so its interleavings are a function of the
+    test's steps alone, never of thread timing."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> Future[Any]:
+        future: Future[Any] = Future()
+        try:
+            future.set_result(fn(*args, **kwargs))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+
+async def settle(scheduler: Scheduler) -> None:
+    """Until no preparation is in progress: each one the scheduler started (and any it starts
+    meanwhile) has ended."""
+    while scheduler._preparing:
+        await asyncio.gather(*scheduler._preparing, return_exceptions=True)

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from visenc.engine.coordination import LocalCoordination, Place
-from visenc.engine.job import EDGES, IllegalTransition, Job, JobState
+from visenc.engine.job import EDGES, STAGED, IllegalTransition, Job, JobState
 from visenc.engine.prepare import Inspected
+from visenc.engine.staging import Staging
 from visenc.models.base import Prepared, TokenLayout
 
 S = JobState
@@ -46,7 +47,7 @@ _path(S.NEW, None, lambda j: None)
 _path(S.FOLLOWING, None, Job.watch, with_bytes=False)
 _path(S.WATCHING, S.NEW, Job.watch)
 _path(S.QUEUED, S.NEW, Job.queue)
-_path(S.PREPARING, S.QUEUED, Job.start_preparing)
+_path(S.PREPARING, S.QUEUED, lambda j: j.start_preparing(Staging()))
 _path(S.READY, S.PREPARING, lambda j: (j.take_bytes(), j.prepared(tower_input())))
 _path(S.RUNNING, S.READY, Job.run)
 _path(S.FORWARDED, S.RUNNING, lambda j: j.forwarded(1.0, 0.5))
@@ -58,7 +59,7 @@ MOVES: dict[JobState, Callable[[Job], object]] = {
     S.FOLLOWING: Job.watch,
     S.WATCHING: lambda j: j.give_bytes(b"png", Inspected("h", LAYOUT, 4, 1)) if j.state is S.FOLLOWING else j.watch(),
     S.QUEUED: Job.queue,
-    S.PREPARING: Job.start_preparing,
+    S.PREPARING: lambda j: j.start_preparing(Staging()),
     S.READY: lambda j: j.prepared(tower_input()),
     S.RUNNING: Job.run,
     S.FORWARDED: lambda j: j.forwarded(1.0, 0.5),
@@ -115,7 +116,7 @@ async def test_bytes_and_tower_input_live_only_in_their_states():
         job.take_bytes()  # only once its encode started
     with pytest.raises(IllegalTransition):
         _ = job.input
-    job.start_preparing()
+    job.start_preparing(Staging())
     assert job.take_bytes() == b"png"
     with pytest.raises(IllegalTransition):
         job.take_bytes()  # taken once
@@ -149,3 +150,26 @@ async def test_the_local_coordination_encodes_everything_here():
     local.watch(job, lambda j, outcome: ended.append((j, outcome)))
     assert ended == [(job, None)]  # nobody else can encode it: encode it here
     assert local.watching == 0
+
+
+async def test_staging_is_held_only_in_the_staged_states_and_every_exit_gives_it_back():
+    exits = {
+        S.PREPARING: [Job.watch, Job.fail],
+        S.READY: [Job.fail],
+        S.RUNNING: [lambda j: j.forwarded(1.0, 0.5), Job.fail],
+    }
+    assert set(exits) == STAGED and all(set(EDGES[s]) - STAGED <= {S.WATCHING, S.FORWARDED, S.FAILED} for s in exits)
+    for state, moves in exits.items():
+        for move in moves:
+            staging = Staging()
+            job = PATHS[S.QUEUED]()
+            job.start_preparing(staging)
+            assert staging.tokens == 5  # its input (4) and its decode (1)
+            if state is not S.PREPARING:
+                job.take_bytes()
+                job.prepared(tower_input())
+                assert staging.tokens == 4  # decoded: its input alone
+            if state is S.RUNNING:
+                job.run()
+            move(job)
+            assert job.state not in STAGED and staging.tokens == 0

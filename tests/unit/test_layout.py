@@ -22,7 +22,7 @@ ENGINE_RANKS = {
     "videos": 3,
     "threads": 1,
     "budget": 1,
-    "staging": 2,
+    "staging": 0,
     # coordination across replicas: beside the stages, below every one of them (it calls none)
     "claims": 2,
     "remote": 3,

@@ -8,7 +8,7 @@ import threading
 from collections.abc import Sequence
 
 import torch
-from tests.support.stages import SlowTower, job, make_scheduler, pipeline
+from tests.support.stages import SlowTower, forwarded, job, make_scheduler, pipeline
 from tests.support.waits import until
 
 from visenc.errors import InvalidHash
@@ -46,7 +46,7 @@ async def test_decode_charge_is_held_only_while_preprocessing():
         lambda: len(s._ready) == 2, 1.0, "2 ready"
     )  # a's decode charge is released when it is ready: b may start
     assert s.staged_tokens == 10
-    s.done(s.take_batch())
+    forwarded(s, s.take_batch())
     assert s.staged_tokens == 0 and s.idle
 
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from tests.support.stages import job, make_scheduler
+from tests.support.stages import forwarded, job, make_scheduler
 from tests.support.waits import until
 
 
@@ -54,7 +54,7 @@ async def test_prefetch_budget_bounds_preprocessed_work():
     await until(lambda: len(s._ready) == 2)  # a third 10 would cross 25: the rest wait with their bytes
     assert len(s._waiting) == 4 and s.staged_tokens == 20
     batch = s.take_batch()
-    s.done(batch)
+    forwarded(s, batch)
     await until(lambda: len(s._ready) == 2)
     assert s.depth == 4 and len(s._waiting) == 2 and s.staged_tokens == 20
 
@@ -73,7 +73,7 @@ async def test_the_devices_next_input_is_prepared_whatever_the_bound_and_no_more
         lambda: len(s._ready) == 1, 1.0, "1 ready"
     )  # started although 16 > 10: the device would else wait for it
     assert s._ready == [jobs[1]] and s._waiting == [jobs[2]] and s.staged_tokens == 16
-    s.done([jobs[0]])
+    forwarded(s, [jobs[0]])
     assert s._waiting == [jobs[2]]  # 16 > 10 and jobs[1] is ahead of the device: the bound holds
     assert s.take_batch() == [jobs[1]]
     await until(lambda: len(s._ready) == 1)
@@ -93,7 +93,7 @@ async def test_unwanted_jobs_are_dropped_before_preprocess_and_forward():
     await until(lambda: len(s._ready) == 1)
     assert s.take_batch() == [c]
     assert {id(j) for j, _ in failed} == {id(a), id(b)}
-    s.done([c])
+    forwarded(s, [c])
     assert s.staged_tokens == 0 and s.idle
 
 

@@ -1,27 +1,31 @@
 """The staging budget is one ledger (``engine/staging.py``): whatever happens to a job, in whatever
 order, it ends holding nothing, and the scheduler's budget comes back to zero.
 
-- the ledger alone: random sequences of charge, decoded and free over a few jobs, each call repeated
-  at will, never leave the total off what the jobs hold, and freeing every job leaves zero;
+- the ledger alone: random sequences of charge (a line opened), decoded and free (closed) over a few
+  jobs, each call repeated at will, never leave the total off what the jobs hold, and freeing every
+  job leaves zero;
 - the scheduler: random interleavings of admit, decode (preprocessing runs), cancel, fail (the
   preprocessing raises), take a batch and finish it, then the queue drained: zero every time.
+
+Both are deterministic: the preprocessing pool runs inline (``InlinePool``), so preparations progress
+only at the steps that await them, and a failing case replays from its seed
+(``pytest --hypothesis-seed=N``, or the ``@reproduce_failure`` blob hypothesis prints).
 """
 
 from __future__ import annotations
 
 import asyncio
-from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from tests.support.stages import RecordedFailures
+from tests.support.stages import InlinePool, RecordedFailures, forwarded, settle
 
 from visenc.engine.coordination import LocalCoordination
 from visenc.engine.job import Job
 from visenc.engine.prepare import Inspected
 from visenc.engine.scheduler import Scheduler
-from visenc.engine.staging import Staging
+from visenc.engine.staging import Line, Staging
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, TokenLayout
 
@@ -35,7 +39,7 @@ def make_job(i: int, cost: int, decode: int, loop: asyncio.AbstractEventLoop | N
     return j
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=200, deadline=None, print_blob=True)
 @given(
     st.lists(st.tuples(st.integers(1, 50), st.integers(0, 200)), min_size=1, max_size=5),
     st.lists(st.tuples(st.sampled_from(["charge", "decoded", "free"]), st.integers(0, 4)), max_size=40),
@@ -45,11 +49,17 @@ def test_the_ledger_never_leaks_nor_frees_twice(costs: list[tuple[int, int]], ca
     try:
         jobs = [make_job(i, c, d, loop) for i, (c, d) in enumerate(costs)]
         ledger = Staging()
+        lines: dict[int, Line] = {}  # each job's latest line, open or closed (its calls are repeated at will)
         remaining: dict[int, int] = {}
         for op, i in calls:
             job = jobs[i % len(jobs)]
-            getattr(ledger, op)(job)
             k = i % len(jobs)
+            if op == "charge" and k not in remaining:
+                lines[k] = ledger.open(job.cost, job.decode_cost)
+            elif op == "decoded" and k in lines:
+                lines[k].decoded()
+            elif op == "free" and k in lines:
+                lines[k].close()
             if op == "charge":
                 remaining.setdefault(k, job.cost + job.decode_cost)
             elif op == "decoded" and k in remaining:
@@ -57,8 +67,8 @@ def test_the_ledger_never_leaks_nor_frees_twice(costs: list[tuple[int, int]], ca
             elif op == "free":
                 remaining.pop(k, None)
             assert ledger.tokens == sum(remaining.values()) >= 0
-        for job in jobs:
-            ledger.free(job)
+        for line in lines.values():
+            line.close()
         assert ledger.tokens == 0
     finally:
         loop.close()
@@ -83,7 +93,7 @@ OPS = st.lists(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=60, deadline=None, print_blob=True)
 @given(st.lists(st.tuples(st.integers(1, 30), st.integers(0, 60)), min_size=1, max_size=8), OPS)
 def test_the_scheduler_budget_comes_back_to_zero(costs: list[tuple[int, int]], ops: list[tuple[str, int]]) -> None:
     asyncio.run(scenario(costs, ops))
@@ -93,53 +103,45 @@ async def scenario(costs: list[tuple[int, int]], ops: list[tuple[str, int]]) -> 
     loop = asyncio.get_running_loop()
     preprocess = Flaky()
     failed: list = []
-    with ThreadPoolExecutor(2) as pool:
-        s = Scheduler(
-            preprocess=preprocess,
-            pool=pool,
-            outputs=RecordedFailures(failed),  # type: ignore[arg-type]
-            coordination=LocalCoordination(),
-            max_batch_tokens=40,
-            max_batch_images=3,
-            packable=True,
-            prefetch_tokens=50,
-            metrics=Metrics(),
-        )
-        jobs = [make_job(i, c, d, loop) for i, (c, d) in enumerate(costs)]
-        admitted: set[int] = set()
-        batches: list[list[Job]] = []
-        for op, i in ops:
-            k = i % len(jobs)
-            job = jobs[k]
-            if op == "admit" and k not in admitted:
-                admitted.add(k)
-                job.join()
-                s.submit(job)
-            elif op == "decode":  # let the preparations in flight finish
-                for _ in range(5):
-                    await asyncio.sleep(0.002)
-            elif op == "cancel" and k in admitted and job.interest > 0 and job.leave():
-                s.release(job)
-            elif op == "fail":
-                preprocess.fail.add(k.to_bytes(2, "little"))
-            elif op == "take":
-                if batch := s.take_batch():
-                    batches.append(batch)
-            elif op == "finish" and batches:
-                batch = batches.pop(0)
-                for j in batch:
-                    j.forwarded(0.0, 0.0)
-                s.done(batch)
-        for batch in batches:  # the device finishes what it took
-            s.done(batch)
-        for k in admitted:  # every waiter goes away
-            if jobs[k].interest > 0 and jobs[k].leave():
-                s.release(jobs[k])
-        for _ in range(200):
-            if not s._in_preparation:
-                break
-            await asyncio.sleep(0.005)
-        while batch := s.take_batch():
-            s.done(batch)
-        s.cancel_all(RuntimeError("stopped"))
-        assert s.staged_tokens == 0
+    s = Scheduler(
+        preprocess=preprocess,
+        pool=InlinePool(),
+        outputs=RecordedFailures(failed),  # type: ignore[arg-type]
+        coordination=LocalCoordination(),
+        max_batch_tokens=40,
+        max_batch_images=3,
+        packable=True,
+        prefetch_tokens=50,
+        metrics=Metrics(),
+    )
+    jobs = [make_job(i, c, d, loop) for i, (c, d) in enumerate(costs)]
+    admitted: set[int] = set()
+    batches: list[list[Job]] = []
+    for op, i in ops:
+        k = i % len(jobs)
+        job = jobs[k]
+        if op == "admit" and k not in admitted:
+            admitted.add(k)
+            job.join()
+            s.submit(job)
+        elif op == "decode":  # let the preparations in flight finish
+            await settle(s)
+        elif op == "cancel" and k in admitted and job.interest > 0 and job.leave():
+            s.drop(job)
+        elif op == "fail":
+            preprocess.fail.add(k.to_bytes(2, "little"))
+        elif op == "take":
+            if batch := s.take_batch():
+                batches.append(batch)
+        elif op == "finish" and batches:
+            forwarded(s, batches.pop(0))
+    for batch in batches:  # the device finishes what it took
+        forwarded(s, batch)
+    for k in admitted:  # every waiter goes away
+        if jobs[k].interest > 0 and jobs[k].leave():
+            s.drop(jobs[k])
+    await settle(s)
+    while batch := s.take_batch():
+        forwarded(s, batch)
+    s.cancel_all(RuntimeError("stopped"))
+    assert s.staged_tokens == 0

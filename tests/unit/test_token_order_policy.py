@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from tests.support.stages import job, make_scheduler
+from tests.support.stages import forwarded, job, make_scheduler
 from tests.support.waits import until
 
 
@@ -63,7 +63,7 @@ async def test_bumps_stage_at_most_one_batch_past_the_prefetch_gate():
         got = s.take_batch()
         if got:
             assert all(j.urgent for j in got)
-            s.done(got)
+            forwarded(s, got)
             done += len(got)
         peak = max(peak, s.staged_tokens)
     assert peak <= prefetch + batch and s.staged_tokens == 0

@@ -330,7 +330,7 @@ class Intake:
     def _release(self, job: Job) -> None:
         """One waiter is done with ``job``; drop it if it is queued and nobody else wants it."""
         if job.leave():
-            self.scheduler.release(job)
+            self.scheduler.drop(job)
 
     def served(self, image_hash: str, namespace: str) -> None:
         self.index.release(entry_key(namespace, self.fingerprint, image_hash))

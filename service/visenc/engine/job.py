@@ -3,7 +3,8 @@
 A ``Job`` is a distinct image being encoded (one per index key). Each edge checks the state it comes from
 (``EDGES``) and raises ``IllegalTransition`` otherwise; ``outputs`` alone finishes a job. Who moves each
 edge: ``docs/design.md``. Its interest (``join``/``leave``) and urgency (``bump``) are its own too: a job
-nobody wants any more is dropped before its forward.
+nobody wants any more is dropped before its forward. So is its staging line (``staging.py``): opened when
+its preprocessing starts, closed by the edge that leaves ``STAGED``, whichever edge that is.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from visenc_client.format import Entry
 
 if TYPE_CHECKING:
     from visenc.engine.prepare import Inspected, Source
+    from visenc.engine.staging import Line, Staging
     from visenc.models.base import Prepared, TokenLayout
 
 _arrivals = itertools.count()
@@ -45,13 +47,13 @@ class JobState(enum.Enum):
 
 S = JobState
 _UNFINISHED = frozenset(s for s in S if not s.finished)
-#: state -> the states a job may move to from it (the drawing above, as data)
+#: state -> the states a job may move to from it (the drawing in ``docs/design.md``, as data)
 EDGES: dict[JobState, frozenset[JobState]] = {
     S.NEW: frozenset({S.QUEUED, S.WATCHING, S.FOLLOWING, S.FAILED}),
     S.FOLLOWING: frozenset({S.WATCHING, S.DONE, S.FAILED}),
     S.WATCHING: frozenset({S.QUEUED, S.DONE, S.FAILED}),
     S.QUEUED: frozenset({S.PREPARING, S.FAILED}),
-    S.PREPARING: frozenset({S.WATCHING, S.READY, S.DONE, S.FAILED}),
+    S.PREPARING: frozenset({S.WATCHING, S.READY, S.FAILED}),
     S.READY: frozenset({S.RUNNING, S.FAILED}),
     S.RUNNING: frozenset({S.FORWARDED, S.FAILED}),
     S.FORWARDED: frozenset({S.DONE, S.FAILED}),
@@ -59,6 +61,8 @@ EDGES: dict[JobState, frozenset[JobState]] = {
     S.FAILED: frozenset(),
 }
 assert all(S.FAILED in EDGES[s] for s in _UNFINISHED)
+#: the states that hold staged input (the job's staging line is open): preprocessing, ready, on the device
+STAGED = frozenset({S.PREPARING, S.READY, S.RUNNING})
 
 
 class Place(enum.Enum):
@@ -96,6 +100,7 @@ class Job:
     #: the image's bytes, or a video's tube (its frames, resized when the video was inspected)
     _data: Source | None = field(default=None, init=False, repr=False)
     _input: Prepared | None = field(default=None, init=False, repr=False)
+    _line: Line | None = field(default=None, init=False, repr=False)
 
     @property
     def state(self) -> JobState:
@@ -150,6 +155,9 @@ class Job:
         if to not in EDGES[self._state]:
             raise IllegalTransition(f"job {self.key}: no edge {self._state.name} -> {to.name}")
         self._state = to
+        if to not in STAGED and self._line is not None:
+            self._line.close()
+            self._line = None
 
     # --- the edges ----------------------------------------------------------------------
     def give_bytes(self, data: Source, inspected: Inspected) -> None:
@@ -167,11 +175,14 @@ class Job:
         self._move(S.QUEUED)
 
     def watch(self) -> None:
-        """Wait for another replica's encode: ``WATCHING`` with bytes, ``FOLLOWING`` without."""
+        """Wait for another replica's encode (or take the entry it finished): ``WATCHING`` with bytes,
+        ``FOLLOWING`` without."""
         self._move(S.FOLLOWING if self.layout is None else S.WATCHING)
 
-    def start_preparing(self) -> None:
+    def start_preparing(self, staging: Staging) -> None:
+        """Its preprocessing starts (``QUEUED`` -> ``PREPARING``): its input and decode are held on ``staging``."""
         self._move(S.PREPARING)
+        self._line = staging.open(self.cost, self.decode_cost)
 
     def take_bytes(self) -> Source:
         """The bytes to preprocess (``PREPARING``); the job lets go of them."""
@@ -181,8 +192,11 @@ class Job:
         return data
 
     def prepared(self, tower_input: Prepared) -> None:
+        """Its tower input is made (``PREPARING`` -> ``READY``): the decode share of its staging goes."""
         self._move(S.READY)
         self._input = tower_input
+        if self._line is not None:
+            self._line.decoded()
 
     def run(self) -> None:
         """Taken into a batch for the device."""

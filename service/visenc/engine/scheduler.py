@@ -1,10 +1,12 @@
 """Scheduler: which images are preprocessed next, and which run together (on the event loop, never blocking).
 
 Both follow priority: urgent (a fetch waits) first, then arrival, then prompt order. Preprocessing is gated
-by ``prefetch_tokens`` of staged input (``staging.py``): that gate is the backpressure. A batch is the
-head job and the ready jobs behind it of its bucket (any bucket, for a packable tower) up to the batch
-limits, stopping at the first that does not fit, so a request's images run in prompt order. The policy,
-and why: ``docs/internals.md``.
+by ``prefetch_tokens`` of staged input (``staging.py``): that gate is the backpressure. A job's staging
+line is its own, closed by the job's own transitions; the scheduler only reads the total, and dispatches
+again (``dispatch``) wherever a job may have given staging back. A batch is the head job and the ready
+jobs behind it of its bucket (any bucket, for a packable tower) up to the batch limits, stopping at the
+first that does not fit, so a request's images run in prompt order. The policy, and why:
+``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ class Scheduler:
         job.queue()
         self._coordination.queued(job)
         self._waiting.append(job)
-        self._dispatch()
+        self.dispatch()
 
     def watch(self, job: Job) -> None:
         """Wait for another replica's encode of ``job``; queue it here if that replica goes away."""
@@ -143,7 +145,7 @@ class Scheduler:
             return True
         return not self._ready and not self._in_preparation
 
-    def release(self, job: Job) -> None:
+    def drop(self, job: Job) -> None:
         """A waiter went away: if nobody else wants ``job`` and it is still queued, drop it now
         (a job already preprocessing is dropped when it becomes ready; one on the device finishes)."""
         if job.interest > 0:
@@ -153,18 +155,19 @@ class Scheduler:
             self._drop_if_unwanted(job)
         elif job in self._ready:
             self._ready.remove(job)
-            self.staging.free(job)
             self._drop_if_unwanted(job)
-            self._dispatch()
+            self.dispatch()
 
     def _drop_if_unwanted(self, job: Job) -> bool:
+        """Fail ``job`` if nobody wants it (its staging line closes with it); whether it did."""
         if job.interest > 0:
             return False
         self._outputs.fail([job], Cancelled("every request waiting for this image went away"))
         return True
 
-    def _dispatch(self) -> None:
-        """Start preprocessing the most urgent waiting jobs while the prefetch budget allows."""
+    def dispatch(self) -> None:
+        """Start preprocessing the most urgent waiting jobs while the prefetch budget allows (called
+        wherever staging may have been given back: the device worker calls it as forwards end)."""
         while self._waiting:
             job = min(self._waiting, key=lambda j: j.priority)
             bound = self.prefetch_tokens + (self.max_batch_tokens if job.urgent else 0)
@@ -176,58 +179,49 @@ class Scheduler:
     def _start(self, job: Job) -> None:
         if self._drop_if_unwanted(job):
             return
-        self.staging.charge(job)
-        job.start_preparing()
+        job.start_preparing(self.staging)
         task = spawn(self._prepare(job), "prepare", self._metrics)
         self._preparing.add(task)
         task.add_done_callback(self._preparing.discard)
 
     async def _prepare(self, job: Job) -> None:
+        """Claim ``job``'s encode, then preprocess it here or hand it to the replica that has it; whatever
+        ends its preparation gives its staging back, and the jobs behind it are dispatched."""
         try:
-            place = await self._coordination.begin(job)
-            if place is not Place.HERE:  # another replica's work now
-                self.staging.free(job)
-                if isinstance(place, Entry):
-                    self._outputs.complete_remote(job, place)
-                else:
+            match await self._coordination.begin(job):
+                case Place.HERE:
+                    await self._preprocess_here(job)
+                case Place.ELSEWHERE:
                     self.watch(job)
-                self._dispatch()
-                return
-            t0 = time.perf_counter()
-            data = job.take_bytes()
-            tower_input = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
+                case Entry() as entry:  # another replica finished it: its entry is taken, nothing staged
+                    job.watch()
+                    self._outputs.complete_remote(job, entry)
         except BaseException as e:
-            self.staging.free(job)
             self._outputs.fail([job], e)
-            self._dispatch()
+            self.dispatch()
             if isinstance(e, asyncio.CancelledError):
                 raise
             return
-        self.staging.decoded(job)  # the decoded image is gone, its input stays staged
+        self.dispatch()
+
+    async def _preprocess_here(self, job: Job) -> None:
+        t0 = time.perf_counter()
+        data = job.take_bytes()
+        tower_input = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
         if self._on_prepared is not None:
             self._on_prepared(job, time.perf_counter() - t0)
-        if self._drop_if_unwanted(job):  # every waiter left while it was preprocessed: free it now
-            self.staging.free(job)
-            self._dispatch()
+        if self._drop_if_unwanted(job):  # every waiter left while it was preprocessed
             return
-        job.prepared(tower_input)
+        job.prepared(tower_input)  # the decoded image is gone, its input stays staged
         self._ready.append(job)
         self._changed.set()
-        if job.decode_cost:
-            self._dispatch()
 
     # --- batches -----------------------------------------------------------------
     def take_batch(self) -> list[Job]:
         """The next batch by priority and bucket (empty if nothing is ready)."""
-        kept = []
-        for job in self._ready:
-            if self._drop_if_unwanted(job):
-                self.staging.free(job)
-            else:
-                kept.append(job)
-        self._ready = kept
+        self._ready = kept = [job for job in self._ready if not self._drop_if_unwanted(job)]
         if not kept:
-            self._dispatch()
+            self.dispatch()
             return []
         self._ready.sort(key=lambda j: j.priority)
         head = self._ready[0]
@@ -251,14 +245,8 @@ class Scheduler:
         self._ready = [j for j in self._ready if id(j) not in taken]
         for job in batch:
             job.run()
-        self._dispatch()  # with nothing left ahead of the device, its next input starts now
+        self.dispatch()  # with nothing left ahead of the device, its next input starts now
         return batch
-
-    def done(self, batch: list[Job]) -> None:
-        """The device has finished with ``batch``: free its budget, preprocess more."""
-        for job in batch:
-            self.staging.free(job)
-        self._dispatch()
 
     async def next_batch(self, max_wait_s: float, timeout_s: float | None = None) -> list[Job]:
         """Wait for ready work; if the device was idle, give a batch ``max_wait_s`` to fill.
@@ -279,8 +267,6 @@ class Scheduler:
     def cancel_all(self, error: BaseException) -> None:
         """Fail every job not yet on the device (shutdown, or a device that cannot be restarted)."""
         self._outputs.fail(self._waiting + self._ready, error)
-        for job in self._ready:
-            self.staging.free(job)
         self._waiting.clear()
         self._ready.clear()
         for task in list(self._preparing):

@@ -1,37 +1,47 @@
 """The staging budget: tower-input tokens held for the device, one ledger line per job.
 
-A job is charged its input and its decode (``charge``) when its preprocessing starts; the decode share
-goes when its image is decoded (``decoded``); the rest when it leaves the device's way: forwarded,
-dropped, failed or cancelled (``free``). Each call is safe to repeat for a job, in any order: the ledger
-frees only what it holds, so no path can leak or double-free the budget.
+A job opens its line when its preprocessing starts (``Job.start_preparing``): its input and its decode are
+held. The decode share goes when its image is decoded (``Line.decoded``, at ``Job.prepared``); the rest when
+the job leaves the states that hold staged input (``job.STAGED``: forwarded, failed, dropped, or handed to
+another replica), which ``Job`` does itself on that transition. A line frees only what it still holds, so
+no path can leak or double-free the budget, and nothing outside a job writes the total.
 """
 
 from __future__ import annotations
 
-from visenc.engine.job import Job
-
 
 class Staging:
     def __init__(self) -> None:
-        #: tokens held now (what the prefetch gate compares with its bound)
-        self.tokens = 0
-        self._held: dict[Job, tuple[int, int]] = {}  # job -> (input tokens, decode tokens)
+        self._tokens = 0
 
-    def charge(self, job: Job) -> None:
-        """``job``'s preprocessing starts: its input and its decode are held (once)."""
-        if job not in self._held:
-            self._held[job] = (job.cost, job.decode_cost)
-            self.tokens += job.cost + job.decode_cost
+    @property
+    def tokens(self) -> int:
+        """Tokens held now (what the prefetch gate compares with its bound)."""
+        return self._tokens
 
-    def decoded(self, job: Job) -> None:
-        """``job``'s image is decoded: the decode share goes, the input stays held."""
-        held = self._held.get(job)
-        if held is not None and held[1]:
-            self._held[job] = (held[0], 0)
-            self.tokens -= held[1]
+    def open(self, tokens: int, decode_tokens: int) -> Line:
+        """A new line holding a job's input (``tokens``) and its decode (``decode_tokens``)."""
+        self._tokens += tokens + decode_tokens
+        return Line(self, tokens, decode_tokens)
 
-    def free(self, job: Job) -> None:
-        """``job`` needs no staging any more: whatever it holds goes."""
-        held = self._held.pop(job, None)
-        if held is not None:
-            self.tokens -= sum(held)
+    def _give_back(self, tokens: int) -> None:
+        self._tokens -= tokens
+
+
+class Line:
+    """One job's hold on the budget; each call is safe to repeat, in any order."""
+
+    __slots__ = ("_decode", "_input", "_ledger")
+
+    def __init__(self, ledger: Staging, tokens: int, decode_tokens: int) -> None:
+        self._ledger, self._input, self._decode = ledger, tokens, decode_tokens
+
+    def decoded(self) -> None:
+        """The image is decoded: the decode share goes, the input stays held."""
+        self._ledger._give_back(self._decode)
+        self._decode = 0
+
+    def close(self) -> None:
+        """The job needs no staging any more: whatever the line holds goes."""
+        self._ledger._give_back(self._input + self._decode)
+        self._input = self._decode = 0

@@ -74,8 +74,6 @@ class DeviceWorker:
         self._thread = _device_thread()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        #: the batch taken from the scheduler and not yet given back to its budget
-        self._held: list[Job] = []
         self.state = WorkerState.HEALTHY
         #: why the worker is not healthy (``None`` while it is)
         self.reason: str | None = None
@@ -155,33 +153,18 @@ class DeviceWorker:
             try:
                 batch = await self.scheduler.next_batch(self.max_wait_s, timeout_s=0.25)
                 if batch:
-                    self._held = batch
                     await self._run_batch(batch)
                     self._worked_at = time.monotonic()
                 elif self._worked_at is not None and time.monotonic() - self._worked_at >= self.heap_idle_s:
                     self._worked_at = None  # idle: the forwards' freed memory goes back to the system
                     await asyncio.get_running_loop().run_in_executor(self._thread, heap.give_back)
             except asyncio.CancelledError:
-                self._release_held()
                 self.outputs.fail(batch, NotReady("the service is shutting down"))
                 raise
             except Exception as e:  # a bug in the loop itself: same as a failed forward
                 log.exception("device worker loop failed")
-                self._release_held()
                 await self._failed(batch, f"the device worker failed: {type(e).__name__}")
-
-    def _release_held(self) -> None:
-        """Give what is left of the batch taken from the scheduler back to its budget (once)."""
-        self._release(self._held)
-
-    def _release(self, jobs: list[Job]) -> None:
-        """Give forwarded jobs back to the budget now, not at the end of their batch: their pixels
-        are freed, and the images behind them are preprocessed as the device works through the batch."""
-        gone = set(map(id, jobs))
-        mine = [j for j in self._held if id(j) in gone]
-        if mine:
-            self._held = [j for j in self._held if id(j) not in gone]
-            self.scheduler.done(mine)
+                self.scheduler.dispatch()  # the failed batch's inputs are freed
 
     async def _run_batch(self, batch: list[Job]) -> None:
         """Forward ``batch`` in the tower's groups (each split on out-of-memory) and hand each finished
@@ -203,7 +186,7 @@ class DeviceWorker:
             await self._failed(_not_forwarded(batch), f"the device worker failed: {type(error).__name__}")
         finally:
             self.busy_since = None
-            self._release_held()
+            self.scheduler.dispatch()  # the batch's inputs are freed, forwarded or failed: preprocess more
 
     async def _forward_fitting(self, jobs: list[Job]) -> None:
         """One forward of ``jobs``; if it runs out of memory, the halves in turn, down to one image.
@@ -222,7 +205,7 @@ class DeviceWorker:
                 self.outputs.fail(
                     jobs, OutOfMemory(f"the image does not fit in the device's memory alone ({type(error).__name__})")
                 )
-                self._release(jobs)
+                self.scheduler.dispatch()
                 return
             log.info("forward of %d images ran out of memory; splitting it in two", len(jobs))
             half = len(jobs) // 2
@@ -235,9 +218,9 @@ class DeviceWorker:
         self.metrics.batch_images.observe(len(jobs))
         self.metrics.batch_tokens.observe(sum(j.cost for j in jobs))
         for job in jobs:
-            job.forwarded(started, elapsed)
+            job.forwarded(started, elapsed)  # its staged input is given back now, not at the batch's end
         self.outputs.submit(Forwarded(jobs, outputs, event))
-        self._release(jobs)
+        self.scheduler.dispatch()  # the images behind it are preprocessed as the device works through the batch
 
     async def _call(self, prepared: list[Prepared]) -> tuple[list[torch.Tensor], Any]:
         """The forward on the device thread (``_device_call``)."""

@@ -134,8 +134,8 @@ def test_a_pinned_entry_stays_past_the_budget_until_read():
         cache.store(k, e, pins=1)
     assert all(k in cache for k in "abcd") and cache.bytes == 4 * e.nbytes  # over the budget, pinned
     assert metrics.cache_pinned_bytes._value.get() == 4 * e.nbytes
-    cache.release("b")  # read: evictable again
-    cache.release("c")
+    cache.unpin("b")  # read: evictable again
+    cache.unpin("c")
     cache.store("e", e)
     assert "b" not in cache and "c" not in cache and all(k in cache for k in "ade")
     assert cache.bytes == 3 * e.nbytes
@@ -146,7 +146,7 @@ def test_a_pin_counts_its_callers_and_ends_with_its_lease():
     e = sized(4)
     cache = MemoryCache(e.nbytes, Metrics(), pin_lease_s=10, clock=clock)
     cache.store("a", e, pins=2)
-    cache.release("a")
+    cache.unpin("a")
     cache.store("b", e)
     assert "a" in cache  # one caller has not read it yet
     clock.now = 11

@@ -108,3 +108,41 @@ def test_files_and_functions_stay_small():
                 if length > MAX_FUNCTION_LINES:
                     too_big.append(f"{path.relative_to(ROOT)}: {node.name}() is {length} lines")
     assert too_big == []
+
+
+def _imported_names(tree: ast.Module) -> set[str]:
+    """The names a module binds by importing (at its top level, ``TYPE_CHECKING`` blocks included)."""
+    nodes = [*tree.body, *(n for s in tree.body if isinstance(s, ast.If) for n in s.body)]
+    return {
+        (a.asname or a.name).split(".")[0]
+        for node in nodes
+        if isinstance(node, ast.Import | ast.ImportFrom)
+        for a in node.names
+    }
+
+
+def _bound_in(fn: ast.AST) -> list[tuple[str, int]]:
+    """Every name a function binds: arguments, assignment and loop targets, nested definitions."""
+    out = []
+    for node in ast.walk(fn):
+        if isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+            out.append((node.id, node.lineno))
+        elif isinstance(node, ast.arg):
+            out.append((node.arg, node.lineno))
+        elif isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef) and node is not fn:
+            out.append((node.name, node.lineno))
+    return out
+
+
+def test_no_function_shadows_a_name_its_module_imports():
+    """One name, one meaning per module: a loop variable called like an imported function hides it."""
+    shadowed = []
+    for path in [*SERVICE.rglob("*.py"), *(ROOT / "clients" / "visenc_client").rglob("*.py")]:
+        tree = ast.parse(path.read_text())
+        imported = _imported_names(tree)
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda):
+                shadowed += [
+                    f"{path.relative_to(ROOT)}:{line}: {name}" for name, line in _bound_in(node) if name in imported
+                ]
+    assert sorted(set(shadowed)) == []

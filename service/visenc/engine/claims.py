@@ -1,4 +1,4 @@
-"""This replica's cross-replica encode claims: mark queued, claim at encode start, renew, release.
+"""This replica's cross-replica encode claims: mark queued, claim at encode start, renew, unclaim.
 
 The single-flight map stops one replica encoding an image twice; claims stop two replicas doing so. A
 claim lapses only when its owner dies; with Redis down every image is encoded here (correct, wasteful).
@@ -94,9 +94,9 @@ class Claims:
             else:
                 answer.set_result(reply if isinstance(reply, Entry) else Place.HERE if mine else Place.ELSEWHERE)
         for key in given_up:  # after every answer is out: no encode start waits on these round trips
-            await self.release(key)
+            await self.unclaim(key)
 
-    async def release(self, key: str) -> None:
+    async def unclaim(self, key: str) -> None:
         """The entry of ``key`` is written (or its encode failed): let the claim go (if it is ours)."""
         if self._owned.pop(key, None) is not None:
             await self.store.release_claims([key], self.token)
@@ -116,7 +116,7 @@ class Claims:
     async def _renew_loop(self) -> None:
         while True:
             await asyncio.sleep(self.ttl_ms / 3000)
-            # a finished job stays owned until ``release`` (after its entry is written), but needs no renewal
+            # a finished job stays owned until ``unclaim`` (after its entry is written), but needs no renewal
             owned = [k for k, job in self._owned.items() if not job.finished]
             self._queued = {k: job for k, job in self._queued.items() if job.state is JobState.QUEUED}
             try:

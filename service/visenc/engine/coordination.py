@@ -48,7 +48,7 @@ class Coordination(Protocol):
         """Wait for another replica's encode of ``job``; ``then(job, outcome)`` is called once."""
         ...
 
-    async def release(self, key: str) -> None:
+    async def unclaim(self, key: str) -> None:
         """``key``'s entry is written, or its encode failed: let the claim go."""
         ...
 
@@ -88,7 +88,7 @@ class LocalCoordination:
     def watch(self, job: Job, then: WaitEnded) -> None:
         then(job, None)  # nobody else can encode it
 
-    async def release(self, key: str) -> None:
+    async def unclaim(self, key: str) -> None:
         pass
 
     def start(self) -> None:
@@ -134,8 +134,8 @@ class SharedCoordination:
 
         self.waits.watch(job, ended)
 
-    async def release(self, key: str) -> None:
-        await self.claims.release(key)
+    async def unclaim(self, key: str) -> None:
+        await self.claims.unclaim(key)
 
     @property
     def watching(self) -> int:

@@ -140,7 +140,7 @@ class Engine:
 
     async def stop(self) -> None:
         """Drain within ``shutdown_timeout_s``: refuse new work, let the forward in progress
-        finish, answer every waiter, release claims. Never hangs on a stalled device."""
+        finish, answer every waiter, let claims go. Never hangs on a stalled device."""
         timeout_s = self.settings.shutdown_timeout_s
         self.intake.closing = True
         self.scheduler.cancel_all(NotReady("the service is shutting down"))

@@ -29,7 +29,7 @@ from visenc.engine.items import (
     Outcome,
     Pending,
     VideoPending,
-    handle,
+    handle_of,
     inspect,
     itemise,
     waves,
@@ -143,7 +143,7 @@ class Intake:
         return self._checked(key, image_hash, self.index.peek(key))
 
     def _handle(self, item: Item) -> Handle:
-        return handle(item, self.hidden_size, self.dtype, self.prep.tower.video)
+        return handle_of(item, self.hidden_size, self.dtype, self.prep.tower.video)
 
     # --- the request path --------------------------------------------------------------------
     def not_ready_reason(self) -> str | None:
@@ -273,7 +273,7 @@ class Intake:
                         joined[i] = job
         except BaseException:
             for job in joined.values():  # a later wave was refused (429/503) or the client left
-                self._release(job)
+                self._leave(job)
             raise
         self.metrics.queue_depth.set(self.scheduler.depth)
         for key, manifest in manifests(spans, work, namespace, self.fingerprint):  # found by the video's hash
@@ -310,7 +310,7 @@ class Intake:
                 )
         finally:
             for job in joined.values():  # also on cancellation (the client went away)
-                self._release(job)
+                self._leave(job)
         if timing is not None:
             jobs = list(joined.values())
             timing.queue_s = max((max(0.0, j.started_at - admitted) for j in jobs if j.started_at), default=0.0)
@@ -327,13 +327,13 @@ class Intake:
                 work[i].outcome = Found(job.future.result())
             handles[i] = self._handle(work[i])
 
-    def _release(self, job: Job) -> None:
+    def _leave(self, job: Job) -> None:
         """One waiter is done with ``job``; drop it if it is queued and nobody else wants it."""
         if job.leave():
             self.scheduler.drop(job)
 
     def served(self, image_hash: str, namespace: str) -> None:
-        self.index.release(entry_key(namespace, self.fingerprint, image_hash))
+        self.index.unpin(entry_key(namespace, self.fingerprint, image_hash))
 
     # --- fetch ---------------------------------------------------------------------------------
     async def _follow(self, key: str, image_hash: str) -> Job | None:
@@ -379,7 +379,7 @@ class Intake:
         try:
             done, _ = await asyncio.wait({job.future}, timeout=max(0.0, timeout_s))
         finally:
-            self._release(job)
+            self._leave(job)
             self.metrics.singleflight_waits.dec()
         if not done:
             raise DeadlineExceeded(

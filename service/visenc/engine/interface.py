@@ -62,7 +62,7 @@ class EngineAPI(Protocol):
         ...
 
     def served(self, image_hash: str, namespace: str) -> None:
-        """A caller has read an image's rows to the last: the pin its ``ready`` answer took is released."""
+        """A caller has read an image's rows to the last: the pin its ``ready`` answer took is dropped (``unpin``)."""
         ...
 
     def not_ready_reason(self) -> str | None:

@@ -135,7 +135,7 @@ def waves(work: list[Item]) -> Iterator[tuple[int, int]]:
         yield lo, len(work)
 
 
-def handle(item: Item, hidden_size: int, dtype: str, video: VideoPreprocess | None) -> Handle:
+def handle_of(item: Item, hidden_size: int, dtype: str, video: VideoPreprocess | None) -> Handle:
     """The handle of ``item``'s outcome (a pending image's layout is its job's, known from its size)."""
     match item.outcome:
         case Failed(error):

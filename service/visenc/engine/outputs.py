@@ -96,7 +96,7 @@ class Outputs:
 
     @property
     def pending_writes(self) -> int:
-        """Write-throughs (and claim releases) still in progress."""
+        """Write-throughs (and the unclaims after them) still in progress."""
         return len(self._writes)
 
     # --- what the other stages hand in (event loop thread) ---------------------------
@@ -215,13 +215,13 @@ class Outputs:
         if not isinstance(error, VisencError):  # a bug in a stage: logged, answered without internals
             log.error("encode of %s failed", job.image_hash, exc_info=error)
             error = EncodeFailed(f"encoding failed: {type(error).__name__}")
-        self._spawn(self.coordination.release(job.key))
+        self._spawn(self.coordination.unclaim(job.key))
         if not job.future.done():
             job.future.set_exception(error)
 
     async def _write_through(self, key: str, entry: Entry) -> None:
         await self.index.write_through(key, entry)
-        await self.coordination.release(key)
+        await self.coordination.unclaim(key)
 
     def _spawn(self, coro: Any) -> None:
         task = spawn(coro, "index-write", self.metrics)

@@ -10,7 +10,7 @@ where recent screenshots come back, keep LRU's hit rate; a cyclic pass over more
 where LRU evicts every entry before its reuse, keeps most of the cache resident under BIP
 (``bench/bench_eviction.py``: 0 and about 0.66 hits on a pass over 1.5x the cache).
 
-**Pins.** An entry answered ``ready`` stays until its callers have read it (``release``, one per
+**Pins.** An entry answered ``ready`` stays until its callers have read it (``unpin``, one per
 pin) or ``pin_lease_s`` ends, whatever the budget: unpinned entries are evicted first, and the
 cache holds more than ``max_bytes`` only while pinned entries alone do, up to ``PIN_LIMIT *
 max_bytes``; past that the oldest pins are cut (``visenc_cache_pins_cut``). A released entry was
@@ -157,7 +157,7 @@ class MemoryCache:
         self._evict()
 
     def pin(self, key: str, count: int = 1) -> None:
-        """``count`` more callers will read ``key``: keep it until they ``release`` it or the lease ends."""
+        """``count`` more callers will read ``key``: keep it until they ``unpin`` it or the lease ends."""
         entry = self._entries.pop(key, None)
         if entry is not None:
             self._pinned[key] = entry
@@ -170,7 +170,7 @@ class MemoryCache:
         self._pins[key] = pin
         self._evict()
 
-    def release(self, key: str) -> None:
+    def unpin(self, key: str) -> None:
         """One caller has read ``key``."""
         pin = self._pins.get(key)
         if pin is not None:

@@ -6,7 +6,7 @@ the shared Redis store (L2). One class, one interface, whatever is configured.
   together; an L2 hit is promoted into L1, so the next lookup of the image on
   this replica costs no I/O.
 * ``store_local``: L1 only (synchronous; ``peek`` sees it at once), pinned for the callers that
-  will read it; ``pin`` / ``release``: an entry answered ready is kept until read (``memory.py``).
+  will read it; ``pin`` / ``unpin``: an entry answered ready is kept until read (``memory.py``).
 * ``write_through``: one atomic Redis ``SET ... EX`` when there is a shared
   store; a failure is counted, never raised (the entry still lives in L1).
 * ``health``: ``ok`` is false while Redis is skipped after a failure: the
@@ -53,9 +53,9 @@ class Index:
         """A caller was told ``key`` is ready: keep it in L1 until it reads it (or the lease ends)."""
         self.local.pin(key)
 
-    def release(self, key: str) -> None:
+    def unpin(self, key: str) -> None:
         """A caller has read ``key``'s rows."""
-        self.local.release(key)
+        self.local.unpin(key)
 
     def discard(self, key: str) -> None:
         """Drop a key from L1 (an entry that failed its integrity check)."""

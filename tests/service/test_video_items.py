@@ -16,17 +16,18 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
-from tests.support.api import running_app
+from tests.support.api import MSGPACK, running_app
 from tests.support.images import png_bytes
 from tests.support.waits import metric
 
+from visenc.engine import fetch as fetch_path
+from visenc.engine import videos
 from visenc.imaging.decode import decode
 from visenc.models.base import VisionTower
 from visenc.models.loading import load_tower
 from visenc_client import AsyncClient, ImagePlacement, RowRange, Video, plan_chunk
 from visenc_client.format import video_hash
 
-MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
 W, H = 120, 90
 
 
@@ -197,3 +198,42 @@ async def test_videos_through_shared_memory(tiny_tower, tmp_path):
             np.testing.assert_array_equal(await vc.fetch(h), ref)
             chunk = await vc.fetch_chunk([ImagePlacement.of(h, 0)], 0, h.num_tokens)
             np.testing.assert_array_equal(chunk, ref)
+
+
+async def test_a_request_of_images_never_touches_video_code(service, monkeypatch):
+    """Every entry into video code trips a wire: images encoded (bytes, then hashes), waited for or not,
+    and fetched never touch it; a video request (the control) does."""
+    touched: list[str] = []
+
+    def wire(name: str):
+        def tripped(*args, **kwargs):
+            touched.append(name)
+            raise AssertionError(f"{name} ran")
+
+        return tripped
+
+    for owner, name in [
+        (videos.Videos, "request"),
+        (videos, "inspect_videos"),
+        (videos, "expand"),
+        (videos, "fold"),
+        (videos, "manifests"),
+        (fetch_path.Fetch, "video_outcome"),
+        (fetch_path.Fetch, "video_rows"),
+        (fetch_path.Fetch, "wait_videos"),
+        (fetch_path, "tube_hashes"),
+        (fetch_path, "join_rows"),
+    ]:
+        monkeypatch.setattr(owner, name, wire(name))
+    datas = [png_bytes(1500 + i, 64 + 28 * i, 64) for i in range(3)]
+    first = await encode(service, [{"data": d} for d in datas])
+    assert [it["status"] for it in first["items"]] == ["ready"] * 3
+    for wait in (False, True):
+        again = await encode(service, [{"hash": it["hash"]} for it in first["items"]], wait=wait)
+        assert [it["status"] for it in again["items"]] == ["ready"] * 3
+    for it in first["items"]:
+        assert (await fetch(service, it["hash"])).shape[0] == it["num_tokens"]
+    assert touched == []
+    with pytest.raises(AssertionError):
+        await encode(service, [{"frames": frames(0, 4)}])
+    assert touched == ["request"]

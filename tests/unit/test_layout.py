@@ -18,6 +18,7 @@ ENGINE_RANKS = {
     "job": 1,
     "limits": 0,
     "prepare": 0,
+    "entries": 0,
     "items": 2,
     "videos": 3,
     "threads": 1,
@@ -27,12 +28,14 @@ ENGINE_RANKS = {
     "claims": 2,
     "remote": 3,
     "coordination": 4,
-    # the stages, in the order data flows
+    # the stages, in the order data flows; the in-flight map and the fetch path beside the worker
     "outputs": 5,
     "scheduler": 6,
     "worker": 7,
-    "intake": 8,
-    "core": 9,
+    "inflight": 7,
+    "fetch": 8,
+    "intake": 9,
+    "core": 10,
 }
 #: deliberate exceptions to the size limits, with the reason
 MAX_FILE_LINES = 400

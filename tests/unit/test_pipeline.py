@@ -121,15 +121,15 @@ async def test_each_forward_gives_its_images_back_to_the_budget_before_the_batch
 
 
 def test_intake_waves_end_after_1_2_4_uploads_and_hashes_ride_along():
-    from visenc.engine.items import Failed, Item, waves
+    from visenc.engine.items import HASH_ONLY, Failed, Item, Upload, waves
 
     def spans(kinds: str) -> list[tuple[int, int]]:  # "d": an upload, "h": a hash only
-        return list(waves([Item("", b"x" if k == "d" else None) for k in kinds]))
+        return list(waves([Item("", Upload(b"x") if k == "d" else HASH_ONLY) for k in kinds]))
 
     assert spans("h" * 8) == [(0, 8)]  # a request of hashes: one wave, one index round trip
     assert spans("d") == [(0, 1)]
     assert spans("d" * 8) == [(0, 1), (1, 3), (3, 7), (7, 8)]
     assert spans("hhdhdd" + "h") == [(0, 3), (3, 6), (6, 7)]  # the last wave is whatever remains
     assert spans("") == []
-    bad = Item("", b"x", outcome=Failed(InvalidHash("bad")))  # an item already refused does not count
-    assert list(waves([bad, Item("", b"x"), Item("", b"x")])) == [(0, 2), (2, 3)]
+    bad = Item("", Failed(InvalidHash("bad")))  # an item already refused does not count
+    assert list(waves([bad, Item("", Upload(b"x")), Item("", Upload(b"x"))])) == [(0, 2), (2, 3)]

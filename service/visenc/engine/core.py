@@ -127,6 +127,7 @@ class Engine:
             metrics=metrics,
             coordination=self.coordination,
         )
+        self.fetch = self.intake.fetch
 
     # --- lifecycle ---------------------------------------------------------------------
     async def start(self, on_fatal: Callable[[str], None] | None = None) -> None:
@@ -163,7 +164,7 @@ class Engine:
         return await self.intake.encode(items, namespace, wait=wait, timing=timing, timeout_s=timeout_s)
 
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
-        return await self.intake.lookup(image_hash, namespace, timeout_s=timeout_s)
+        return await self.fetch.lookup(image_hash, namespace, timeout_s=timeout_s)
 
     def served(self, image_hash: str, namespace: str) -> None:
         self.intake.served(image_hash, namespace)

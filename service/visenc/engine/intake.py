@@ -1,60 +1,55 @@
-"""Intake: the front of the engine. Admission, single-flight, look-ups, waiting.
+"""Intake: the front of the engine. Admission, single-flight, placement, waiting.
 
 A request is taken in waves (``items.waves``), each inspected, looked up (in-flight map, then one index
 round trip), admitted and started before the next is hashed; every item ends with one outcome
 (``items.py``), its own error never failing the others. A new image becomes one ``Job`` per key
-(single-flight: later requests join it), encoded here or, with a shared index, waited for at the
-replica already encoding it (``coordination.py``). Every entry read from a tier is checked against its
-header and key first: a corrupt one is a miss. Intake owns the in-flight map: a job is in it from its
-admission until its future is resolved (``outputs.py``); a finished job is never joined.
+(single-flight: later requests and fetches join it, ``inflight.py``), encoded here or, with a shared
+index, waited for at the replica already encoding it (``coordination.py``). A request with videos is
+taken the same way, as its images and its videos' tubes (``videos.VideoRequest``). Every entry read from
+a tier is checked first (``entries.py``); fetching by hash is the fetch path's (``fetch.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
-import logging
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
 
 from visenc.config import Settings
 from visenc.engine.coordination import Coordination
+from visenc.engine.entries import EntryCheck
+from visenc.engine.fetch import Fetch
+from visenc.engine.inflight import InFlight
 from visenc.engine.interface import EncodeItem, Handle, Timing
 from visenc.engine.items import (
     MISSING,
-    Failed,
+    Encodable,
     Found,
+    Frames,
+    HashOnly,
+    ImageRequest,
     Item,
     Outcome,
     Pending,
+    Upload,
     VideoPending,
     handle_of,
     inspect,
     itemise,
+    joined,
+    outcome_of,
     waves,
 )
 from visenc.engine.job import Job, JobState, Place
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
-from visenc.engine.videos import expand, fold, inspect_videos, manifests, video_rows
+from visenc.engine.videos import Videos
 from visenc.engine.worker import DeviceWorker
-from visenc.errors import (
-    DeadlineExceeded,
-    EncodeFailed,
-    InvalidHash,
-    NotFound,
-    NotReady,
-    Overloaded,
-    PayloadTooLarge,
-    VisencError,
-)
+from visenc.errors import DeadlineExceeded, NotReady, Overloaded, PayloadTooLarge
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
-from visenc.tasks import spawn
-from visenc_client.format import CorruptEntry, Entry, entry_key, is_valid_hash, unpack_entry
-
-log = logging.getLogger(__name__)
+from visenc_client.format import Entry, entry_key
 
 
 class Intake:
@@ -70,82 +65,22 @@ class Intake:
         metrics: Metrics,
         coordination: Coordination,
     ) -> None:
-        self.index = index
-        self.prep = prep
-        self.pool = pool
-        self.scheduler = scheduler
-        self.worker = worker
-        self.settings = settings
-        self.metrics = metrics
-        self.coordination = coordination
-        tower = prep.tower
-        self.fingerprint = tower.fingerprint
-        self.hidden_size = tower.hidden_size
-        self.dtype = str(tower.dtype).removeprefix("torch.")
-        self.inflight: dict[str, Job] = {}
-        self._requests = itertools.count()
+        self.index, self.prep, self.pool, self.coordination = index, prep, pool, coordination
+        self.scheduler, self.worker, self.settings, self.metrics = scheduler, worker, settings, metrics
+        self.tower, self.fingerprint = prep.tower, prep.tower.fingerprint
+        # the parts intake shares with the fetch path, and its video side
+        self.entries = EntryCheck(index, prep.tower, metrics)
+        self.flight = InFlight(scheduler, metrics)
+        self.fetch = Fetch(index, self.entries, self.flight, scheduler, coordination, settings.fetch_timeout_s, metrics)
+        self.videos = Videos(prep, pool, index, metrics)
         self.closing = False
 
-    # --- the in-flight map ---------------------------------------------------------------
-    def _joinable(self, key: str) -> Job | None:
-        job = self.inflight.get(key)
-        return None if job is None or job.finished else job
+    @property
+    def inflight(self) -> dict[str, Job]:
+        """The jobs in flight, by key (``inflight.py``)."""
+        return self.flight.jobs
 
-    def _admit(self, key: str, image_hash: str, order: tuple[int, int]) -> Job:
-        loop = asyncio.get_running_loop()
-        job = Job(
-            key=key, image_hash=image_hash, order=order, future=loop.create_future(), admitted_at=time.monotonic()
-        )
-        self.inflight[key] = job
-        job.future.add_done_callback(lambda _: self._forget(job))
-        self.metrics.inflight.set(len(self.inflight))
-        return job
-
-    def _forget(self, job: Job) -> None:
-        if self.inflight.get(job.key) is job:
-            del self.inflight[job.key]
-        self.metrics.inflight.set(len(self.inflight))
-        if not job.future.cancelled():
-            job.future.exception()  # retrieved: a failed job nobody waits for is not logged
-
-    # --- entries ---------------------------------------------------------------------------
-    def _checked(self, key: str, image_hash: str, entry: Entry | None, *, video: bool = False) -> Entry | None:
-        """``entry`` if its stored value matches its header and this key, else ``None`` (a miss); a video's
-        manifest only where ``video`` asks for one. O(1): the header is parsed, the rows are not read."""
-        if entry is None:
-            return None
-        try:
-            stored = unpack_entry(entry.blob, fingerprint=self.fingerprint, hash=image_hash)
-            if (stored.rows, stored.hidden, stored.dtype, stored.grid_thw) != (
-                entry.rows,
-                entry.hidden,
-                entry.dtype,
-                entry.grid_thw,
-            ):
-                raise CorruptEntry("entry fields differ from its stored header")
-            if stored.kind != entry.kind:
-                raise CorruptEntry("entry kind differs from its stored header")
-            if stored.kind == "video":
-                return entry if video else None
-            if stored.hidden != self.hidden_size or stored.dtype != self.dtype:
-                raise CorruptEntry(
-                    f"entry is [{stored.rows}, {stored.hidden}] {stored.dtype}, the tower "
-                    f"makes rows of {self.hidden_size} {self.dtype}"
-                )
-        except CorruptEntry as e:
-            log.warning("corrupt index entry for image %s treated as a miss: %s", image_hash, e)
-            self.metrics.corrupt_entries.inc()
-            self.index.discard(key)
-            return None
-        return entry
-
-    def _peek(self, key: str, image_hash: str) -> Entry | None:
-        return self._checked(key, image_hash, self.index.peek(key))
-
-    def _handle(self, item: Item) -> Handle:
-        return handle_of(item, self.hidden_size, self.dtype, self.prep.tower.video)
-
-    # --- the request path --------------------------------------------------------------------
+    # --- readiness ------------------------------------------------------------------------------
     def not_ready_reason(self) -> str | None:
         """Why new work (misses) cannot be taken now; ``None`` when it can."""
         if self.closing:
@@ -159,89 +94,7 @@ class Intake:
         if (reason := self.not_ready_reason()) is not None:
             raise NotReady(reason)
 
-    async def _lookup(self, items: list[Item], namespace: str) -> None:
-        """Every tier, one round trip for the whole request (images in flight are not looked up)."""
-        live = [it for it in items if it.open]
-        for it in live:
-            it.key = entry_key(namespace, self.fingerprint, it.hash)
-        todo = [it for it in live if self._joinable(it.key) is None]
-        if todo:
-            for it, entry in zip(todo, await self.index.get_many([it.key for it in todo])):
-                # a hash alone may be a video's: its key then holds the video's manifest
-                found = self._checked(it.key, it.hash, entry, video=it.source is None)
-                if found is None:
-                    continue
-                if found.kind != "video":
-                    it.outcome = Found(found)
-                    continue
-                try:  # ready when every tube is; pending while one is encoded (a fetch waits)
-                    it.outcome = Found(await self._video(found, it.hash, namespace, 0.0))
-                except DeadlineExceeded:
-                    it.outcome = VideoPending(found)
-                except NotFound:  # a tube was evicted: missing (upload the frames again)
-                    pass
-
-    def _admission(self, items: list[Item]) -> set[str]:
-        """Keys this request would queue; 503 / 429 when it cannot."""
-        live = [it for it in items if it.open]
-        new = {it.key for it in live if it.inspected is not None and self._joinable(it.key) is None}
-        if new or any(self._joinable(it.key) for it in live):
-            self.check_accepting()
-        if self.scheduler.depth + len(new) > self.settings.max_queue_images:
-            raise Overloaded(
-                f"encoder queue is full (max_queue_images={self.settings.max_queue_images})", retry_after_s=1.0
-            )
-        return new
-
-    async def _place(self, items: list[Item], new: set[str]) -> dict[str, Entry | Place]:
-        """Where each new image is encoded (one round trip); an entry written meanwhile is taken."""
-        placed = await self.coordination.admit(sorted(new)) if new else {}
-        for it in items:
-            got = placed.get(it.key)
-            if it.open and it.inspected is not None and isinstance(got, Entry):
-                if (entry := self._checked(it.key, it.hash, got)) is not None:
-                    it.outcome = Found(entry)
-                    self.index.store_local(it.key, entry)
-        return placed
-
-    def _start(self, it: Item, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Job:
-        assert it.inspected is not None and it.source is not None
-        job = self._admit(it.key, it.hash, order)
-        job.join()
-        job.give_bytes(it.source, it.inspected)
-        if placed.get(it.key) is Place.ELSEWHERE:
-            self.scheduler.watch(job)  # another replica encodes it
-        else:
-            self.scheduler.submit(job)
-        return job
-
-    async def _take(self, part: list[Item], lo: int, namespace: str, order: int) -> list[tuple[Handle, Job | None]]:
-        """Inspect, look up, admit and start (or join) ``part`` (items ``lo``...): handles and jobs."""
-        await inspect(part, self.prep, self.pool)
-        await self._lookup(part, namespace)
-        placed = await self._place(part, self._admission(part))
-        out: list[tuple[Handle, Job | None]] = []
-        for i, it in enumerate(part, lo):
-            if it.open and (entry := self._peek(it.key, it.hash)) is not None:
-                it.outcome = Found(entry)  # finished while we looked elsewhere
-            if it.open:
-                it.outcome = self._join_or_start(it, (order, i), placed)
-            elif isinstance(it.outcome, Found) and self.index.peek(it.key) is it.outcome.entry:
-                self.index.pin(it.key)  # answered ready: kept until the caller reads it
-            out.append((self._handle(it), it.outcome.job if isinstance(it.outcome, Pending) else None))
-        return out
-
-    def _join_or_start(self, it: Item, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Outcome:
-        """The job in flight for an open item, joined, or a new one with its bytes; missing without them."""
-        job = self._joinable(it.key)
-        if job is None:
-            return Pending(self._start(it, order, placed)) if it.inspected is not None else MISSING
-        self.metrics.singleflight_joins.inc()
-        job.join()
-        if job.state is JobState.FOLLOWING and it.source is not None and it.inspected is not None:
-            job.give_bytes(it.source, it.inspected)  # a fetch's wait for another replica adopts the bytes
-        return Pending(job)
-
+    # --- the request path -------------------------------------------------------------------------
     async def encode(
         self,
         items: Sequence[EncodeItem],
@@ -257,132 +110,139 @@ class Intake:
         if len(items) > self.settings.max_items:
             raise PayloadTooLarge(f"{len(items)} items exceed the limit of max_items={self.settings.max_items}")
         asked = itemise(items)
-        if any(it.frames is not None for it in asked):
-            await inspect_videos(asked, self.prep, self.pool)
-        work, spans = expand(asked)  # a video is taken as its tubes
-        order, admitted = next(self._requests), time.monotonic()
-        handles: list[Handle] = []
-        joined: dict[int, Job] = {}
-        uploads = sum(it.source is not None for it in work)
+        has_videos = any(isinstance(it.state, Frames) for it in asked)
+        request = await self.videos.request(asked, namespace) if has_videos else ImageRequest(asked)
+        admitted = time.monotonic()
+        jobs = await self._take_all(request.work, namespace)
+        request.started()
+        if wait:
+            await self._wait(jobs, request.work, admitted, timing, timeout_s)
+            if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
+                await self.fetch.wait_videos(request.work, namespace, timeout_s)
+        return request.answer([self._handle(it) for it in request.work])
+
+    async def _take_all(self, work: list[Item], namespace: str) -> dict[int, Job]:
+        """Every item taken, wave after wave: the jobs the request joined, by item. One wave where the
+        request may not fit: a 429 then comes before any of it starts."""
+        order = self.flight.next_request()
+        uploads = sum(isinstance(it.state, Upload | Encodable) for it in work)
         fits = self.scheduler.depth + uploads <= self.settings.max_queue_images
-        try:  # one wave where the request may not fit: a 429 then comes before any of it starts
+        try:
             for lo, hi in waves(work) if fits else [(0, len(work))]:
-                for i, (handle, job) in enumerate(await self._take(work[lo:hi], lo, namespace, order), lo):
-                    handles.append(handle)
-                    if job is not None:
-                        joined[i] = job
+                await self._take(work[lo:hi], lo, namespace, order)
         except BaseException:
-            for job in joined.values():  # a later wave was refused (429/503) or the client left
-                self._leave(job)
+            for job in joined(work).values():  # a later wave was refused (429/503) or the client left
+                self.flight.leave(job)
             raise
         self.metrics.queue_depth.set(self.scheduler.depth)
-        for key, manifest in manifests(spans, work, namespace, self.fingerprint):  # found by the video's hash
-            self.index.store_local(key, manifest)
-            spawn(self.index.write_through(key, manifest), "manifest-write", self.metrics)
-        if wait and joined:
-            await self._wait(joined, handles, work, admitted, timing, timeout_s)
-        if wait:  # videos asked by hash whose tubes are being encoded (here or at another replica)
-            for i, it in enumerate(work):
-                if isinstance(it.outcome, VideoPending):
-                    try:
-                        it.outcome = Found(await self._video(it.outcome.manifest, it.hash, namespace, timeout_s))
-                    except NotFound:  # a tube evicted meanwhile: missing
-                        it.outcome = MISSING
-                    handles[i] = self._handle(it)
-        return fold(handles, spans)
+        return joined(work)
 
-    async def _wait(
-        self,
-        joined: dict[int, Job],
-        handles: list[Handle],
-        work: list[Item],
-        admitted: float,
-        timing: Timing | None,
-        timeout_s: float | None,
-    ) -> None:
-        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
-        try:
-            _, not_done = await asyncio.wait({j.future for j in joined.values()}, timeout=max(0.0, timeout_s))
-            if not_done:
-                raise DeadlineExceeded(
-                    f"{len(not_done)} images were not encoded within request_timeout_s="
-                    f"{self.settings.request_timeout_s}"
-                )
-        finally:
-            for job in joined.values():  # also on cancellation (the client went away)
-                self._leave(job)
-        if timing is not None:
-            jobs = list(joined.values())
-            timing.queue_s = max((max(0.0, j.started_at - admitted) for j in jobs if j.started_at), default=0.0)
-            timing.encode_s = sum({j.started_at: j.forward_s or 0.0 for j in jobs if j.started_at}.values())
-        for i, job in joined.items():
-            error = job.future.exception()
-            if isinstance(error, NotReady):
-                raise error  # device failed, stalled or shutting down: retry (503), not a per-image failure
-            if isinstance(error, VisencError) and error.item_reason is None:
-                error = EncodeFailed(error.message)
-            if error is not None:
-                work[i].outcome = Failed(error if isinstance(error, VisencError) else EncodeFailed("encoding failed"))
-            else:
-                work[i].outcome = Found(job.future.result())
-            handles[i] = self._handle(work[i])
+    async def _take(self, part: list[Item], lo: int, namespace: str, order: int) -> None:
+        """Inspect, look up, admit and start (or join) ``part`` (items ``lo``...)."""
+        await inspect(part, self.prep, self.pool)
+        await self._lookup(part, namespace)
+        placed = await self._place(part, self._admission(part))
+        for i, it in enumerate(part, lo):
+            if it.open and (entry := self.entries.peek(it.key, it.hash)) is not None:
+                it.state = Found(entry)  # finished while we looked elsewhere
+            match it.state:
+                case Found(entry):
+                    self._answer_ready(it.key, entry)
+                case HashOnly() | Encodable():
+                    it.state = self._join_or_start(it, (order, i), placed)
 
-    def _leave(self, job: Job) -> None:
-        """One waiter is done with ``job``; drop it if it is queued and nobody else wants it."""
-        if job.leave():
-            self.scheduler.drop(job)
+    async def _lookup(self, items: list[Item], namespace: str) -> None:
+        """Every tier, one round trip for the whole wave (images in flight are not looked up)."""
+        live = [it for it in items if it.open]
+        for it in live:
+            it.key = entry_key(namespace, self.fingerprint, it.hash)
+        todo = [it for it in live if self.flight.joinable(it.key) is None]
+        if not todo:
+            return
+        for it, got in zip(todo, await self.index.get_many([it.key for it in todo])):
+            # a hash alone may be a video's: its key then holds the video's manifest
+            match self.entries.checked(it.key, it.hash, got, video=isinstance(it.state, HashOnly)):
+                case Entry(kind="video") as manifest:  # ready when every tube is, pending while one is encoded
+                    it.state = await self.fetch.video_outcome(manifest, it.hash, namespace)
+                case Entry() as entry:
+                    it.state = Found(entry)
 
-    def served(self, image_hash: str, namespace: str) -> None:
-        self.index.unpin(entry_key(namespace, self.fingerprint, image_hash))
+    def _admission(self, items: list[Item]) -> set[str]:
+        """Keys this wave would queue; 503 / 429 when it cannot."""
+        live = [it for it in items if it.open]
+        new = {it.key for it in live if isinstance(it.state, Encodable) and self.flight.joinable(it.key) is None}
+        if new or any(self.flight.joinable(it.key) for it in live):
+            self.check_accepting()
+        if self.scheduler.depth + len(new) > self.settings.max_queue_images:
+            raise Overloaded(
+                f"encoder queue is full (max_queue_images={self.settings.max_queue_images})", retry_after_s=1.0
+            )
+        return new
 
-    # --- fetch ---------------------------------------------------------------------------------
-    async def _follow(self, key: str, image_hash: str) -> Job | None:
-        """A job following another replica's encode of ``key`` (pending there), or ``None``; a local
-        encode that brings the bytes adopts it."""
-        if not await self.coordination.elsewhere(key):
-            return None
-        job = self._joinable(key)  # a local encode may have started while we asked
+    async def _place(self, items: list[Item], new: set[str]) -> dict[str, Entry | Place]:
+        """Where each new image is encoded (one round trip); an entry written meanwhile is taken."""
+        placed = await self.coordination.admit(sorted(new)) if new else {}
+        for it in items:
+            got = placed.get(it.key)
+            if isinstance(it.state, Encodable) and isinstance(got, Entry):
+                if (entry := self.entries.checked(it.key, it.hash, got)) is not None:
+                    it.state = Found(entry)
+                    self.index.store_local(it.key, entry)
+        return placed
+
+    def _join_or_start(self, it: Item, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Outcome:
+        """The job in flight for an open item, joined, or a new one with its bytes; missing without them."""
+        job = self.flight.joinable(it.key)
         if job is None:
-            job = self._admit(key, image_hash, (next(self._requests), 0))
-            self.scheduler.watch(job)
-            self.metrics.claims.labels("fetch_wait").inc()
+            return Pending(self._start(it, it.state, order, placed)) if isinstance(it.state, Encodable) else MISSING
+        self.metrics.singleflight_joins.inc()
+        job.join()
+        if job.state is JobState.FOLLOWING and isinstance(it.state, Encodable):
+            job.give_bytes(it.state.source, it.state.inspected)  # a fetch's wait for another replica adopts the bytes
+        return Pending(job)
+
+    def _start(self, it: Item, given: Encodable, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Job:
+        job = self.flight.admit(it.key, it.hash, order)
+        job.join()
+        job.give_bytes(given.source, given.inspected)
+        if placed.get(it.key) is Place.ELSEWHERE:
+            self.scheduler.watch(job)  # another replica encodes it
+        else:
+            self.scheduler.submit(job)
         return job
 
-    async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
-        """The entry of an image, waiting (and raising its priority) if it is being encoded."""
-        if not is_valid_hash(image_hash):
-            raise InvalidHash("hash must be 64 lowercase hex digits (SHA-256 of the image bytes)")
-        key = entry_key(namespace, self.fingerprint, image_hash)
-        entry = self._checked(key, image_hash, self.index.peek(key), video=True)
-        job = None if entry is not None else self._joinable(key)
-        if entry is None and job is None:
-            (entry,) = await self.index.get_many([key])
-            entry = self._checked(key, image_hash, entry, video=True) or self._peek(key, image_hash)
-            if entry is None:
-                job = self._joinable(key) or await self._follow(key, image_hash)
-                if job is None:
-                    raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
-        if entry is not None:  # rows, or a video's manifest: its tubes' rows
-            return entry if entry.kind != "video" else await self._video(entry, image_hash, namespace, timeout_s)
-        assert job is not None
-        return await self._wait_one(job, image_hash, timeout_s)
+    # --- answers ----------------------------------------------------------------------------------
+    def _answer_ready(self, key: str, entry: Entry) -> None:
+        """An item is answered ready: L1 keeps its entry until the caller reads it (``served``)."""
+        if self.index.peek(key) is entry:
+            self.index.pin(key)
 
-    async def _video(self, manifest: Entry, video: str, namespace: str, timeout_s: float | None) -> Entry:
-        """A video's rows: every tube of its manifest looked up (waited for while pending)."""
-        return await video_rows(manifest, video, lambda tube: self.lookup(tube, namespace, timeout_s=timeout_s))
+    def served(self, image_hash: str, namespace: str) -> None:
+        """A caller has read an image's rows to the last: the pin its ready answer took goes."""
+        self.index.unpin(entry_key(namespace, self.fingerprint, image_hash))
 
-    async def _wait_one(self, job: Job, image_hash: str, timeout_s: float | None) -> Entry:
-        timeout_s = self.settings.fetch_timeout_s if timeout_s is None else timeout_s
-        self.scheduler.bump(job)
-        job.join()
-        self.metrics.singleflight_waits.inc()
+    def _handle(self, item: Item) -> Handle:
+        return handle_of(item, self.tower.hidden_size, self.entries.dtype, self.tower.video)
+
+    # --- waiting ------------------------------------------------------------------------------------
+    async def _wait(
+        self, jobs: dict[int, Job], work: list[Item], admitted: float, timing: Timing | None, timeout_s: float | None
+    ) -> None:
+        """Until every joined job is done (``request_timeout_s`` at most); each item takes its job's outcome."""
+        if not jobs:
+            return
+        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
         try:
-            done, _ = await asyncio.wait({job.future}, timeout=max(0.0, timeout_s))
+            _, not_done = await asyncio.wait({j.future for j in jobs.values()}, timeout=max(0.0, timeout_s))
+            if not_done:
+                limit = f"request_timeout_s={self.settings.request_timeout_s}"
+                raise DeadlineExceeded(f"{len(not_done)} images were not encoded within {limit}")
         finally:
-            self._leave(job)
-            self.metrics.singleflight_waits.dec()
-        if not done:
-            raise DeadlineExceeded(
-                f"image {image_hash} was not encoded within fetch_timeout_s={self.settings.fetch_timeout_s}"
-            )
-        return job.future.result()
+            for job in jobs.values():  # also on cancellation (the client went away)
+                self.flight.leave(job)
+        if timing is not None:
+            ran = list(jobs.values())
+            timing.queue_s = max((max(0.0, j.started_at - admitted) for j in ran if j.started_at), default=0.0)
+            timing.encode_s = sum({j.started_at: j.forward_s or 0.0 for j in ran if j.started_at}.values())
+        for i, job in jobs.items():
+            work[i].state = outcome_of(job)

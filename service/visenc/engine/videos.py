@@ -1,5 +1,9 @@
 """Videos in a request: inspected whole, then taken as their tubes, then folded back into one handle.
 
+Nothing here runs for a request of images: intake takes a request with videos as a ``VideoRequest``
+(``Videos.request``), and an image's fetch reaches video code only where the index holds a video's
+manifest under the asked hash.
+
 A video item (frames) is inspected in the CPU pool (``ImagePrep.inspect_video``: decoded and
 resized as the tower's video processor does, cut into tubes keyed by their resized frames, grid
 and settings). Each tube then goes through intake exactly as an image that came with bytes:
@@ -11,20 +15,24 @@ step normalises and patchifies.
 stretch is whose); ``fold`` turns the flat handles back into one handle per item, a video's from
 its tubes' (ready when all are; the first failed tube's error otherwise). A video's manifest (its
 tubes' hashes in order, ``visenc_client.format.pack_manifest``) is stored under the video's own
-key, so a later look-up by that hash alone finds its tubes (``video_rows``).
+key once its tubes are taken, so a later look-up by that hash alone finds its tubes (``tube_hashes``,
+``join_rows``: the fetch path, ``fetch.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from visenc.engine.interface import Handle
-from visenc.engine.items import Failed, Item
+from visenc.engine.items import Encodable, Failed, Frames, Item, Tubes
 from visenc.engine.prepare import ImagePrep, Video
 from visenc.errors import NotFound, VisencError
+from visenc.index.tiered import Index
+from visenc.metrics import Metrics
+from visenc.tasks import spawn
 from visenc_client.format import (
     CorruptEntry,
     Entry,
@@ -46,22 +54,53 @@ class Span:
     video: Video | None
 
 
+class Videos:
+    """The video side of intake: a request with videos becomes a ``VideoRequest``."""
+
+    def __init__(self, prep: ImagePrep, pool: Executor, index: Index, metrics: Metrics) -> None:
+        self.prep, self.pool, self.index, self.metrics = prep, pool, index, metrics
+
+    async def request(self, items: list[Item], namespace: str) -> VideoRequest:
+        """``items`` with each video inspected (in the pool) and taken apart into its tubes."""
+        await inspect_videos(items, self.prep, self.pool)
+        work, spans = expand(items)
+        return VideoRequest(work, spans, lambda: self._store_manifests(spans, work, namespace))
+
+    def _store_manifests(self, spans: list[Span], work: list[Item], namespace: str) -> None:
+        """Each video's manifest under its own key: found by the video's hash from now on."""
+        for key, manifest in manifests(spans, work, namespace, self.prep.tower.fingerprint):
+            self.index.store_local(key, manifest)
+            spawn(self.index.write_through(key, manifest), "manifest-write", self.metrics)
+
+
+class VideoRequest:
+    """A request with videos: intake takes its images and the videos' tubes (``work``); once they are
+    taken the manifests are stored, and the answer folds each video's tubes into one handle."""
+
+    def __init__(self, work: list[Item], spans: list[Span], store_manifests: Callable[[], None]) -> None:
+        self.work, self._spans, self._store_manifests = work, spans, store_manifests
+
+    def started(self) -> None:
+        """Every image and tube is taken: the videos' manifests are stored."""
+        self._store_manifests()
+
+    def answer(self, handles: list[Handle]) -> list[Handle]:
+        return fold(handles, self._spans)
+
+
 async def inspect_videos(items: list[Item], prep: ImagePrep, pool: Executor) -> None:
     """Inspect every video item in the pool (one task each); a failure is that item's error."""
     loop = asyncio.get_running_loop()
-    videos = [it for it in items if it.frames is not None and it.open]
+    videos = [(it, it.state.frames) for it in items if isinstance(it.state, Frames)]
     results = await asyncio.gather(
-        *(loop.run_in_executor(pool, prep.inspect_video, it.frames or [], it.hash or None) for it in videos),
+        *(loop.run_in_executor(pool, prep.inspect_video, frames, it.hash or None) for it, frames in videos),
         return_exceptions=True,
     )
-    for it, res in zip(videos, results):
+    for (it, _), res in zip(videos, results):
         if isinstance(res, BaseException):
             raise res  # a bug, not the video's fault
         it.hash, outcome = res
-        if isinstance(outcome, VisencError):
-            it.outcome = Failed(outcome)
-        else:
-            it.video = outcome
+        it.state = Failed(outcome) if isinstance(outcome, VisencError) else Tubes(outcome)
 
 
 def expand(items: list[Item]) -> tuple[list[Item], list[Span]]:
@@ -70,11 +109,13 @@ def expand(items: list[Item]) -> tuple[list[Item], list[Span]]:
     spans: list[Span] = []
     for it in items:
         lo = len(flat)
-        if it.video is None:
-            flat.append(it)
-        else:
-            flat.extend(Item(t.inspected.hash, t, inspected=t.inspected) for t in it.video.tubes)
-        spans.append(Span(it, lo, len(flat), it.video))
+        match it.state:
+            case Tubes(video):
+                flat.extend(Item(t.inspected.hash, Encodable(t, t.inspected)) for t in video.tubes)
+                spans.append(Span(it, lo, len(flat), video))
+            case _:
+                flat.append(it)
+                spans.append(Span(it, lo, len(flat), None))
     return flat, spans
 
 
@@ -119,14 +160,16 @@ def manifests(spans: list[Span], flat: list[Item], namespace: str, fingerprint: 
             )
 
 
-async def video_rows(manifest: Entry, video: str, lookup: Callable[[str], Awaitable[Entry]]) -> Entry:
-    """A video's rows from its manifest: every tube looked up (``lookup`` waits for a pending one and
-    raises ``NotFound`` for an evicted one), joined in order, copied once."""
+def tube_hashes(manifest: Entry, video: str) -> list[str]:
+    """The hashes of a video's tubes, in order (``NotFound`` for a manifest that does not parse)."""
     try:
-        tubes = manifest_tubes(manifest)
+        return manifest_tubes(manifest)
     except CorruptEntry as e:
         raise NotFound(f"no embedding for video {video} (its manifest is unreadable: {e})") from e
-    entries = await asyncio.gather(*(lookup(t) for t in tubes))
-    first = entries[0]
-    rows = [e.array() for e in entries]  # views of the stored values: joined in one copy
+
+
+def join_rows(manifest: Entry, video: str, tubes: Sequence[Entry]) -> Entry:
+    """A video's rows: its tubes' entries joined in order, copied once."""
+    first = tubes[0]
+    rows = [e.array() for e in tubes]  # views of the stored values: joined in one copy
     return pack_entry(rows, dtype=first.dtype, grid_thw=manifest.grid_thw, fingerprint=first.fingerprint, hash=video)

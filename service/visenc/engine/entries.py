@@ -1,0 +1,59 @@
+"""Entries read from a tier, checked before use: one that does not match its stored header, its key or the
+tower's rows is a miss (dropped from L1, logged, counted), never served. O(1): the header is parsed, the
+rows are not read.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from visenc.index.tiered import Index
+from visenc.metrics import Metrics
+from visenc.models.base import VisionTower
+from visenc_client.format import CorruptEntry, Entry, unpack_entry
+
+log = logging.getLogger(__name__)
+
+
+class EntryCheck:
+    def __init__(self, index: Index, tower: VisionTower, metrics: Metrics) -> None:
+        self.index = index
+        self.fingerprint = tower.fingerprint
+        self.hidden_size = tower.hidden_size
+        #: the rows' dtype, as the wire names it
+        self.dtype = str(tower.dtype).removeprefix("torch.")
+        self.metrics = metrics
+
+    def checked(self, key: str, image_hash: str, entry: Entry | None, *, video: bool = False) -> Entry | None:
+        """``entry`` if its stored value matches its header and this key, else ``None`` (a miss); a video's
+        manifest only where ``video`` asks for one."""
+        if entry is None:
+            return None
+        try:
+            stored = unpack_entry(entry.blob, fingerprint=self.fingerprint, hash=image_hash)
+            if (stored.rows, stored.hidden, stored.dtype, stored.grid_thw) != (
+                entry.rows,
+                entry.hidden,
+                entry.dtype,
+                entry.grid_thw,
+            ):
+                raise CorruptEntry("entry fields differ from its stored header")
+            if stored.kind != entry.kind:
+                raise CorruptEntry("entry kind differs from its stored header")
+            if stored.kind == "video":
+                return entry if video else None
+            if stored.hidden != self.hidden_size or stored.dtype != self.dtype:
+                raise CorruptEntry(
+                    f"entry is [{stored.rows}, {stored.hidden}] {stored.dtype}, the tower "
+                    f"makes rows of {self.hidden_size} {self.dtype}"
+                )
+        except CorruptEntry as e:
+            log.warning("corrupt index entry for image %s treated as a miss: %s", image_hash, e)
+            self.metrics.corrupt_entries.inc()
+            self.index.discard(key)
+            return None
+        return entry
+
+    def peek(self, key: str, image_hash: str, *, video: bool = False) -> Entry | None:
+        """L1's entry for ``key``, checked (no round trip)."""
+        return self.checked(key, image_hash, self.index.peek(key), video=video)

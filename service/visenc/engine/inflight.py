@@ -1,0 +1,59 @@
+"""The in-flight map: the one job per key, from its admission until its future is resolved (``outputs.py``).
+
+Intake and the fetch path share it: a later request, or a fetch, joins the job already admitted for its
+image (single-flight) instead of encoding it again; a finished job is never joined. A job nobody waits
+for any more is dropped by the scheduler before its forward (``leave``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+
+from visenc.engine.job import Job
+from visenc.engine.scheduler import Scheduler
+from visenc.metrics import Metrics
+
+
+class InFlight:
+    def __init__(self, scheduler: Scheduler, metrics: Metrics) -> None:
+        self.scheduler = scheduler
+        self.metrics = metrics
+        self.jobs: dict[str, Job] = {}
+        self._requests = itertools.count()
+
+    def next_request(self) -> int:
+        """The arrival number of a new request (or fetch): the first part of its jobs' order."""
+        return next(self._requests)
+
+    def joinable(self, key: str) -> Job | None:
+        """The unfinished job of ``key``, if one is in flight."""
+        job = self.jobs.get(key)
+        return None if job is None or job.finished else job
+
+    def admit(self, key: str, image_hash: str, order: tuple[int, int]) -> Job:
+        """A new job for ``key``, in the map until its future is resolved."""
+        job = Job(
+            key=key,
+            image_hash=image_hash,
+            order=order,
+            future=asyncio.get_running_loop().create_future(),
+            admitted_at=time.monotonic(),
+        )
+        self.jobs[key] = job
+        job.future.add_done_callback(lambda _: self._forget(job))
+        self.metrics.inflight.set(len(self.jobs))
+        return job
+
+    def leave(self, job: Job) -> None:
+        """One waiter is done with ``job``: the scheduler drops it if it is queued and nobody else wants it."""
+        if job.leave():
+            self.scheduler.drop(job)
+
+    def _forget(self, job: Job) -> None:
+        if self.jobs.get(job.key) is job:
+            del self.jobs[job.key]
+        self.metrics.inflight.set(len(self.jobs))
+        if not job.future.cancelled():
+            job.future.exception()  # retrieved: a failed job nobody waits for is not logged

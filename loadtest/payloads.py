@@ -31,9 +31,9 @@ import numpy as np
 from PIL import Image
 
 from visenc_client.format import (
-    DTYPES,
     FRAME_PREFIX_BYTES,
     MSGPACK,
+    NUMPY_DTYPES,
     ROWS_MEDIA_TYPE,
     CorruptFrame,
     frame_header_length,
@@ -41,10 +41,8 @@ from visenc_client.format import (
 )
 
 __all__ = ["MSGPACK", "ROWS_MEDIA_TYPE"]
-#: bytes per element of each wire dtype
-ITEMSIZE = {name: size for name, (size, _) in DTYPES.items()}
 #: the wire dtypes whose raw values numpy reads as floats, for the finiteness check (bfloat16 has none: skipped)
-FLOAT_DTYPES = {name: raw for name, (_, raw) in DTYPES.items() if raw.kind == "f"}
+FLOAT_DTYPES = {name: raw for name, raw in NUMPY_DTYPES.items() if raw.kind == "f"}
 
 
 class PayloadError(Exception):
@@ -211,7 +209,7 @@ def check_handles(body: bytes, hashes: Sequence[str], allowed: frozenset[str]) -
                 raise PayloadError(f"item {i}: num_tokens {item.get('num_tokens')!r} is not a positive int")
             if not (isinstance(item.get("hidden_size"), int) and item["hidden_size"] > 0):
                 raise PayloadError(f"item {i}: hidden_size {item.get('hidden_size')!r} is not a positive int")
-            if item.get("dtype") not in ITEMSIZE:
+            if item.get("dtype") not in NUMPY_DTYPES:
                 raise PayloadError(f"item {i}: unknown dtype {item.get('dtype')!r}")
     return list(items)
 
@@ -223,7 +221,7 @@ def _check_rows(
         raise PayloadError(
             f"{label}: hidden/dtype {hidden}/{dtype} differ from the handle's {expect['hidden_size']}/{expect['dtype']}"
         )
-    want = rows * hidden * ITEMSIZE[dtype]
+    want = rows * hidden * NUMPY_DTYPES[dtype].itemsize
     if len(data) != want:
         raise PayloadError(f"{label}: {len(data)} bytes for {rows} rows x {hidden} x {dtype} (want {want})")
     np_dtype = FLOAT_DTYPES.get(dtype)

@@ -20,10 +20,8 @@ from redis.cluster import RedisCluster
 from visenc_client._exceptions import BadRequestError, NotFoundError, ProtocolError, TransportError
 from visenc_client._protocol import NUMPY_DTYPES
 from visenc_client._types import Handle
-from visenc_client.format import DATA_OFFSET, DTYPES, CorruptEntry, entry_key
+from visenc_client.format import DATA_OFFSET, CorruptEntry, entry_key
 from visenc_client.format import parse_header as format_header
-
-ITEMSIZE = {name: size for name, (size, _) in DTYPES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,7 +37,7 @@ class RowsInfo:
 
     @property
     def row_bytes(self) -> int:
-        return self.hidden * ITEMSIZE[self.dtype]
+        return self.hidden * NUMPY_DTYPES[self.dtype].itemsize
 
 
 def parse_header(prefix: bytes, *, fingerprint: str, image_hash: str) -> RowsInfo:
@@ -82,7 +80,7 @@ def read_flow(image: str | Handle, start: int | None, end: int | None, *, finger
     reads the replies, independent of I/O; ``RedisRows`` / ``AsyncRedisRows`` drive it."""
     h = image.hash if isinstance(image, Handle) else image
     batch = [_HEADER]
-    if isinstance(image, Handle) and image.num_tokens and image.hidden_size and image.dtype in ITEMSIZE:
+    if isinstance(image, Handle) and image.num_tokens and image.hidden_size and image.dtype in NUMPY_DTYPES:
         # the handle tells the shape: read the header and the rows in the same round trip
         known = RowsInfo(image.num_tokens, image.hidden_size, str(image.dtype), (0, 0, 0), "", h)
         s, e = _range(known, start, end)

@@ -29,9 +29,6 @@ from visenc_client.format import TORCH_NAMES, bfloat16_as_float32, words_tensor
 
 T = TypeVar("T")
 
-#: torch dtype name → wire dtype of embeddings that can be written into it without a conversion
-_TORCH_WIRE = {torch_name: wire for wire, torch_name in TORCH_NAMES.items()}
-
 
 def expand_placeholders(
     token_ids: Sequence[int] | np.ndarray, image_token_id: int, num_tokens: Sequence[int]
@@ -199,7 +196,7 @@ class VisencPrefill:
         device = getattr(out, "device", None)
         return (
             getattr(device, "type", None) == "cpu"
-            and _TORCH_WIRE.get(str(out.dtype)) == wire
+            and str(out.dtype) == TORCH_NAMES.get(wire or "")  # rows of that dtype go in without a conversion
             and bool(out.is_contiguous())
         )
 

@@ -6,7 +6,6 @@ the engine connectors and the load tests import these same definitions, by these
 """
 
 from visenc_client.format.dtypes import (
-    DTYPES,
     NUMPY_DTYPES,
     TORCH_NAMES,
     bfloat16_as_float32,
@@ -64,7 +63,6 @@ from visenc_client.format.manifest import (
 __all__ = [
     "ABSENT_KEY",
     "DATA_OFFSET",
-    "DTYPES",
     "FRAME_PREFIX_BYTES",
     "HANDLE_FIELDS",
     "HASH_PATTERN",

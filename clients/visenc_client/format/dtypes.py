@@ -1,5 +1,6 @@
-"""The wire's dtypes, defined once: their sizes, the numpy types that carry their raw values (bfloat16 as
-16-bit words: numpy has none), and the conversions to and from torch without a copy."""
+"""The wire's dtypes, defined once: one table per purpose, each named for what it maps (the numpy type that
+carries a dtype's raw values, bfloat16 as 16-bit words since numpy has none; the name torch gives it),
+and the conversions to and from torch without a copy."""
 
 from __future__ import annotations
 
@@ -7,16 +8,14 @@ from typing import Any
 
 import numpy as np
 
-#: dtype name -> (itemsize, numpy dtype used to move the raw bytes): the one table of the wire's dtypes
-DTYPES: dict[str, tuple[int, np.dtype]] = {
-    "float32": (4, np.dtype("<f4")),
-    "float16": (2, np.dtype("<f2")),
-    "bfloat16": (2, np.dtype("<u2")),  # numpy has no bfloat16: carried as raw 16-bit words
+#: wire dtype -> the numpy dtype that carries its raw values (its itemsize is the wire's): the wire's dtypes
+NUMPY_DTYPES: dict[str, np.dtype] = {
+    "float32": np.dtype("<f4"),
+    "float16": np.dtype("<f2"),
+    "bfloat16": np.dtype("<u2"),  # numpy has no bfloat16: carried as raw 16-bit words
 }
-#: wire dtype -> the numpy dtype of its raw values (bfloat16: its 16-bit words)
-NUMPY_DTYPES: dict[str, np.dtype] = {name: raw for name, (_, raw) in DTYPES.items()}
-#: wire dtype -> the name torch gives it (``str(tensor.dtype)``)
-TORCH_NAMES: dict[str, str] = {name: f"torch.{name}" for name in DTYPES}
+#: wire dtype -> the name torch gives it (``str(tensor.dtype)``; ``torch.<name>`` is the dtype itself)
+TORCH_NAMES: dict[str, str] = {name: f"torch.{name}" for name in NUMPY_DTYPES}
 
 
 def bfloat16_as_float32(words: np.ndarray) -> np.ndarray:

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import msgpack
 import numpy as np
 
-from visenc_client.format.dtypes import DTYPES
+from visenc_client.format.dtypes import NUMPY_DTYPES
 
 MAGIC = b"VENC"
 VERSION = 1
@@ -54,7 +54,7 @@ class Entry:
 
     @property
     def row_bytes(self) -> int:
-        return self.hidden * DTYPES[self.dtype][0]
+        return self.hidden * NUMPY_DTYPES[self.dtype].itemsize
 
     @property
     def nbytes(self) -> int:
@@ -69,7 +69,7 @@ class Entry:
 
     def array(self) -> np.ndarray:
         """All rows as a read-only ``[rows, hidden]`` numpy view (raw uint16 for bfloat16)."""
-        return np.frombuffer(self.rows_view(), dtype=DTYPES[self.dtype][1]).reshape(self.rows, self.hidden)
+        return np.frombuffer(self.rows_view(), dtype=NUMPY_DTYPES[self.dtype]).reshape(self.rows, self.hidden)
 
 
 def pack_entry(
@@ -88,7 +88,7 @@ def pack_entry(
     into the header unless it is ``rows`` (so rows' values are as they always were)."""
     if kind not in KINDS:
         raise ValueError(f"unknown entry kind {kind!r}")
-    if dtype not in DTYPES:
+    if dtype not in NUMPY_DTYPES:
         raise ValueError(f"unsupported dtype {dtype!r}")
     parts = [rows] if isinstance(rows, np.ndarray) else list(rows)
     if not parts or any(p.ndim != 2 or p.shape[1] != parts[0].shape[1] for p in parts):
@@ -104,7 +104,7 @@ def pack_entry(
     header = msgpack.packb(fields if kind == "rows" else {**fields, "kind": kind})
     if _PREFIX.size + len(header) > DATA_OFFSET:
         raise ValueError("entry header does not fit before DATA_OFFSET")
-    npdtype = DTYPES[dtype][1]
+    npdtype = NUMPY_DTYPES[dtype]
     blob = bytearray(DATA_OFFSET + n * hidden * npdtype.itemsize)
     _PREFIX.pack_into(blob, 0, MAGIC, VERSION, len(header))
     blob[_PREFIX.size : _PREFIX.size + len(header)] = header
@@ -129,7 +129,7 @@ def parse_header(prefix: bytes | bytearray | memoryview) -> dict:
     try:
         header = msgpack.unpackb(bytes(prefix[_PREFIX.size : _PREFIX.size + header_len]))
         rows, hidden = (int(x) for x in header["shape"])
-        if header["dtype"] not in DTYPES or rows < 0 or hidden <= 0 or len(header["grid_thw"]) != 3:
+        if header["dtype"] not in NUMPY_DTYPES or rows < 0 or hidden <= 0 or len(header["grid_thw"]) != 3:
             raise CorruptEntry("bad header fields")
         if header.get("kind", "rows") not in KINDS:
             raise CorruptEntry(f"unknown entry kind {header['kind']!r}")
@@ -146,7 +146,7 @@ def unpack_entry(blob: bytes | bytearray, *, fingerprint: str | None = None, has
     header = parse_header(memoryview(blob)[:DATA_OFFSET])
     rows, hidden = header["shape"]
     dtype = header["dtype"]
-    expected = DATA_OFFSET + rows * hidden * DTYPES[dtype][0]
+    expected = DATA_OFFSET + rows * hidden * NUMPY_DTYPES[dtype].itemsize
     if len(blob) != expected:
         raise CorruptEntry(f"value is {len(blob)} bytes, header says {expected}")
     if fingerprint is not None and header["fingerprint"] != fingerprint:

@@ -12,13 +12,13 @@ import struct
 from dataclasses import dataclass
 from typing import Any
 
+from visenc_client.format import TORCH_NAMES
+
 #: where SGLang 0.5.23 defines what frame 0 names (its unpickler admits these globals)
 EMBEDDING_DATA = ("sglang.srt.disaggregation.encoder.receiver", "EmbeddingData")
 MODALITY = ("sglang.srt.multimodal.modality", "Modality")
 #: ``Modality`` members' values (``enum.auto()``: IMAGE = 1, VIDEO = 2, AUDIO = 3)
 MODALITY_VALUES = {"IMAGE": 1, "VIDEO": 2, "AUDIO": 3}
-#: visenc's row dtypes as torch names them
-TORCH_DTYPES = {"float32": "float32", "float16": "float16", "bfloat16": "bfloat16"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,7 +99,7 @@ def embedding_data_frame(
         "modality": _Enum(_Global(*MODALITY), MODALITY_VALUES[modality]),
         "embedding": None,
         "send_time": None,
-        "dtype": None if dtype is None else _Global("torch", TORCH_DTYPES[dtype]),
+        "dtype": None if dtype is None else _Global(*TORCH_NAMES[dtype].split(".")),
         "shape": shape,
         "_mr_ptr": None,
         "error_msg": error_msg,

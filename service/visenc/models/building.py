@@ -8,12 +8,9 @@ from typing import Any, TypeVar
 import torch
 from transformers.initialization import no_init_weights
 
-from visenc_client.format import DTYPES
+from visenc_client.format import TORCH_NAMES
 
 M = TypeVar("M", bound=torch.nn.Module)
-
-#: the wire's dtypes (``visenc_client.format.DTYPES``) as torch's
-TORCH_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in DTYPES}
 
 #: config keys that never change a vision tower's output (bookkeeping, output flags)
 _NOISE_KEYS = {
@@ -35,9 +32,11 @@ _NOISE_KEYS = {
 def resolve_dtype(name: str) -> torch.dtype:
     """``"float32" | "bfloat16" | "float16"`` → ``torch.dtype``; ``ValueError`` otherwise."""
     try:
-        return TORCH_DTYPES[name.removeprefix("torch.")]
+        torch_name = TORCH_NAMES[name.removeprefix("torch.")]
     except KeyError:
-        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(TORCH_DTYPES)}") from None
+        raise ValueError(f"unsupported dtype {name!r}; expected one of {sorted(TORCH_NAMES)}") from None
+    dtype: torch.dtype = getattr(torch, torch_name.removeprefix("torch."))
+    return dtype
 
 
 def config_fields(config: Any) -> dict[str, Any]:

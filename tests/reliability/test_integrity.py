@@ -6,7 +6,6 @@ same checks hold for any tier behind it: the in-process LRU here, Redis behind t
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 
 import numpy as np
@@ -14,7 +13,7 @@ import pytest
 from tests.support.api import encode_json, fetch_rows, reference, running_app, sha
 from tests.support.faults import faulty_index
 from tests.support.images import png_bytes
-from tests.support.waits import metric
+from tests.support.waits import metric, until
 
 from visenc_client.format import Entry, entry_key, pack_entry
 
@@ -133,10 +132,7 @@ async def test_corrupt_redis_value_is_a_miss_then_repaired(tiny_tower, redis_url
         key = key_of(encoder, data, "integrity")
         raw = aioredis.from_url(redis_url)
         try:
-            for _ in range(100):  # the write-through to Redis is behind the answer
-                if await raw.exists(key):
-                    break
-                await asyncio.sleep(0.02)
+            await until(lambda: raw.exists(key), what="the write-through to Redis, behind the answer")
             good = await raw.get(key)
             await raw.set(key, good[:-10])  # truncated
             encoder.index.discard(key)
@@ -148,11 +144,13 @@ async def test_corrupt_redis_value_is_a_miss_then_repaired(tiny_tower, redis_url
             np.testing.assert_allclose(
                 await fetch_rows(client, sha(data)), reference(tiny_tower, data), atol=1e-5, rtol=0
             )
-            for _ in range(100):
+
+            async def rewritten() -> bool:
                 value = await raw.get(key)
-                if value is not None and len(value) == len(good):
-                    break
-                await asyncio.sleep(0.02)
+                return value is not None and len(value) == len(good)
+
+            await until(rewritten, what="the entry written through again, whole")
+            value = await raw.get(key)
             unpack_entry(value, fingerprint=encoder.fingerprint, hash=sha(data))  # repaired, valid
         finally:
             await raw.delete(key)

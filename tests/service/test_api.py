@@ -12,7 +12,7 @@ import pytest
 import torch
 from tests.support.api import MSGPACK, encode_json, fetch_rows, reference, running_app, sha
 from tests.support.images import png_bytes
-from tests.support.waits import metric
+from tests.support.waits import metric, until
 
 
 async def test_encode_then_fetch_equals_single_image_forward(service, tiny_tower):
@@ -188,10 +188,7 @@ async def test_cancelled_waiters_drop_queued_work(tiny_tower, monkeypatch):
 
         monkeypatch.setattr(encoder.scheduler, "next_batch", held)
         tasks = [asyncio.create_task(encode_json(client, [{"data": png_bytes(40 + i, 64, 64)}])) for i in range(4)]
-        for _ in range(200):
-            await asyncio.sleep(0.01)
-            if len(encoder.intake.inflight) == 4:
-                break
+        await until(lambda: len(encoder.intake.inflight) == 4, what="4 images admitted")
         assert len(encoder.intake.inflight) == 4
         for t in tasks[:2]:
             t.cancel()
@@ -199,10 +196,7 @@ async def test_cancelled_waiters_drop_queued_work(tiny_tower, monkeypatch):
         gate.set()
         done = await asyncio.gather(*tasks[2:])
         assert all(r.json()["items"][0]["status"] == "ready" for r in done)
-        for _ in range(100):
-            if not encoder.intake.inflight and encoder.scheduler.idle:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: not encoder.intake.inflight and encoder.scheduler.idle, what="the engine idle")
         assert encoder.intake.inflight == {} and encoder.scheduler.idle and encoder.scheduler.staged_tokens == 0
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_encoded_images_total") == 2

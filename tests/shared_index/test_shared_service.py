@@ -203,10 +203,7 @@ async def test_a_watched_image_nobody_waits_for_is_dropped(raw, redis_url, tiny_
         r = await encode_json(a, [{"data": data}])
         assert r.status_code == 504
         encoder = a.app.state.engine
-        for _ in range(100):
-            if not encoder.intake.inflight:
-                break
-            await asyncio.sleep(0.01)
+        await until(lambda: not encoder.intake.inflight, what="no image in flight")
         assert encoder.intake.inflight == {} and encoder.coordination.watching == 0
         assert metric(await metrics_of(a), "visenc_encoded_images_total") == 0
 

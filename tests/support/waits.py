@@ -53,8 +53,11 @@ def wait_until(check: Callable[[], object], timeout_s: float = 10.0, what: str =
         time.sleep(interval_s)
 
 
-async def until(check: Callable[[], object | Awaitable[object]], timeout_s: float = 10.0, what: str = "") -> None:
-    """Until ``check()`` (a function or a coroutine function) is true; ``AssertionError`` past ``timeout_s``."""
+async def until(
+    check: Callable[[], object | Awaitable[object]], timeout_s: float = 10.0, what: str = "", interval_s: float = 0.01
+) -> None:
+    """Until ``check()`` (a function or a coroutine function) is true, polled every ``interval_s``;
+    ``AssertionError`` past ``timeout_s``."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         result = check()
@@ -63,7 +66,7 @@ async def until(check: Callable[[], object | Awaitable[object]], timeout_s: floa
         if result:
             return
         assert asyncio.get_running_loop().time() < deadline, f"not reached within {timeout_s} s: {what or check}"
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(interval_s)
 
 
 def wait_ready(

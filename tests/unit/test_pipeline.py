@@ -59,9 +59,13 @@ async def test_preprocessing_overlaps_the_forward_and_never_runs_on_the_loop():
         jobs = [job(1, (0, i), "only") for i in range(16)]
         for j in jobs:
             s.submit(j)
-        while sum(j.future.done() for j in jobs) < 16:
+
+        def all_encoded() -> bool:
+            nonlocal peak_staged
             peak_staged = max(peak_staged, s.staged_tokens)
-            await asyncio.sleep(0.005)
+            return all(j.future.done() for j in jobs)
+
+        await until(all_encoded, 60, "16 images encoded", interval_s=0.005)
     finally:
         await worker.stop(5.0)
         await outputs.stop(5.0)

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
-
 from tests.support.stages import forwarded, job, make_scheduler
 from tests.support.waits import until
 
@@ -58,12 +56,16 @@ async def test_bumps_stage_at_most_one_batch_past_the_prefetch_gate():
         peak = max(peak, s.staged_tokens)
     assert peak <= prefetch + batch
     done = 0
-    while done < len(jobs):  # the device drains it all, the bound holds throughout
-        await asyncio.sleep(0)
+
+    def device_drains() -> bool:  # the device drains it all, the bound holds throughout
+        nonlocal done, peak
         got = s.take_batch()
         if got:
             assert all(j.urgent for j in got)
             forwarded(s, got)
             done += len(got)
         peak = max(peak, s.staged_tokens)
+        return done >= len(jobs)
+
+    await until(device_drains, 60, "every job forwarded", interval_s=0)
     assert peak <= prefetch + batch and s.staged_tokens == 0

@@ -37,9 +37,11 @@ ENGINE_RANKS = {
     "intake": 9,
     "core": 10,
 }
-#: deliberate exceptions to the size limits, with the reason
-MAX_FILE_LINES = 400
-MAX_FUNCTION_LINES = 80
+#: the size limits, at what the code meets: lower them as it shrinks, never raise them to fit
+MAX_FILE_LINES = 360
+MAX_FUNCTION_LINES = 60
+#: intake, the front of the engine, reads straight: short, in short functions, ``encode`` one plain path
+INTAKE_LINES, INTAKE_FUNCTION_LINES, INTAKE_ENCODE_COMPLEXITY = 250, 40, 8
 
 
 def visenc_imports(path: Path) -> set[str]:
@@ -76,6 +78,30 @@ def test_importing_the_api_does_not_import_torch():
     code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", f"importing {modules} imported torch"
+
+
+def test_intake_reads_straight():
+    """``engine/intake.py``: at most 250 lines, no function over 40, and ``Intake.encode`` of McCabe complexity 8
+    at most, as ruff's C901 measures it."""
+    path = SERVICE / "engine" / "intake.py"
+    text = path.read_text()
+    assert text.count("\n") <= INTAKE_LINES
+    long = [
+        node.name
+        for node in ast.walk(ast.parse(text))
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef)
+        and (node.end_lineno or node.lineno) - node.lineno + 1 > INTAKE_FUNCTION_LINES
+    ]
+    assert long == []
+    ruff = [sys.executable, "-m", "ruff", "check", "--no-cache", "--select", "C901", "--output-format", "concise"]
+    limit = ["--config", f"lint.mccabe.max-complexity={INTAKE_ENCODE_COMPLEXITY}"]
+    out = subprocess.run([*ruff, *limit, str(path)], capture_output=True, text=True, cwd=ROOT)
+    assert out.returncode == 0 and "C901" not in out.stdout, out.stdout + out.stderr
+    # the measure is live: under a limit of 1, ``encode`` is reported (the check cannot pass by reading nothing)
+    floor = subprocess.run(
+        [*ruff, "--config", "lint.mccabe.max-complexity=1", str(path)], capture_output=True, text=True
+    )
+    assert "`encode` is too complex" in floor.stdout, floor.stdout + floor.stderr
 
 
 def test_no_fault_injection_ships_in_the_service():

@@ -186,11 +186,11 @@ class VisionTower(ABC):
         return self.activation_bytes_per_token() * sum(self.input_tokens(lay) for lay in layouts)
 
     def to_device(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Host input → the tower's device and dtype. On CUDA the host tensor is
-        pinned and copied without blocking (ordered on the current stream)."""
+        """Host input → the tower's device and dtype, without blocking the host: on CUDA the host
+        tensor is pinned and the copy queued on the current stream."""
         if self.device.type == "cuda":
             return pixels.pin_memory().to(self.device, self.dtype, non_blocking=True)
-        return pixels.to(self.device, self.dtype)
+        return pixels.to(self.device, self.dtype, non_blocking=True)
 
     @property
     def fingerprint(self) -> str:

@@ -218,12 +218,13 @@ def use_varlen(model: torch.nn.Module) -> None:
                     sub._attn_implementation = VARLEN
 
 
-def packed_kwargs(config: Any, grid: list[tuple[int, int, int]], device: torch.device) -> dict[str, Any]:
-    """Everything the Qwen vision forward would derive from ``grid_thw``, computed on the CPU
-    and moved to ``device`` without blocking (pinned when the device is CUDA)."""
+def packed_kwargs(config: Any, grid: list[tuple[int, int, int]] | torch.Tensor, device: torch.device) -> dict[str, Any]:
+    """Everything a Qwen-style vision forward (Qwen2/2.5-VL, Qwen3-VL, GLM-4.1V) would derive from
+    ``grid_thw``, computed on the CPU by transformers' own helpers and moved to ``device`` without
+    blocking (``to_device``)."""
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
-    grid_thw = torch.tensor(grid, dtype=torch.long)
+    grid_thw = torch.as_tensor(grid, dtype=torch.long)
     merge = int(config.spatial_merge_size)
     cu = get_vision_cu_seqlens(grid_thw)
     out: dict[str, Any] = {
@@ -241,10 +242,14 @@ def packed_kwargs(config: Any, grid: list[tuple[int, int, int]], device: torch.d
             cu_window_seqlens=cu_window,
             max_window_seqlen=int((cu_window[1:] - cu_window[:-1]).max()),
         )
-    return {k: _to(v, device) for k, v in out.items()}
+    return {k: to_device(v, device) for k, v in out.items()}
 
 
-def _to(value: Any, device: torch.device) -> Any:
-    if not isinstance(value, torch.Tensor) or device.type == "cpu":
+def to_device(value: Any, device: torch.device) -> Any:
+    """A host tensor on ``device`` without blocking the host (pinned first on CUDA, so the copy is
+    queued on the stream); anything else as it is."""
+    if not isinstance(value, torch.Tensor) or value.device == device:
         return value
-    return value.pin_memory().to(device, non_blocking=True)
+    if device.type == "cuda":
+        value = value.pin_memory()
+    return value.to(device, non_blocking=True)

@@ -112,6 +112,18 @@ class FamilyTower(VisionTower):
         """Arguments of ``get_image_features`` for collated inputs."""
         return dict(inputs)
 
+    def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
+        """The base model's image features of one collated batch of host inputs (``image_rows`` reads
+        them). Default: ``get_image_features`` on every input moved to the device. A family whose
+        transformers code would read a device tensor back (sizes, grids: each read waits for the
+        device to finish the work queued before it) keeps those inputs on the host and passes what
+        the model derives from them precomputed."""
+        moved = {
+            k: self.to_device(v) if v.is_floating_point() else varlen.to_device(v, self.device)
+            for k, v in inputs.items()
+        }
+        return self.model.get_image_features(**self.feature_kwargs(moved))
+
     def collate(self, inputs: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
         """One batch from per-image processor outputs (default: concatenated along dim 0)."""
         return {k: cat([x[k] for x in inputs]) for k in self.input_names}
@@ -158,12 +170,8 @@ class FamilyTower(VisionTower):
         if not batch:
             return []
         inputs = self.collate([p.pixels for p in batch])
-        moved = {
-            k: self.to_device(v) if v.is_floating_point() else v.to(self.device, non_blocking=True)
-            for k, v in inputs.items()
-        }
         with torch.inference_mode():
-            rows = self.image_rows(self.model.get_image_features(**self.feature_kwargs(moved)))
+            rows = self.image_rows(self.image_features(inputs))
         return list(torch.split(rows, [p.layout.num_tokens for p in batch]))
 
     def fingerprint_fields(self) -> dict[str, Any]:

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
 
+from visenc.models import varlen
 from visenc.models.base import Rows, Segment, TokenLayout
 from visenc.models.families.qwen3_vl import grid_layout
 from visenc.models.vlm import FamilyTower
@@ -27,6 +28,18 @@ class Glm4vTower(FamilyTower):
         from transformers.models.glm4v.modeling_glm4v import Glm4vVisionModel
 
         return {"visual": Glm4vVisionModel._from_config(config.vision_config)}
+
+    def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
+        """``Glm4vModel.get_image_features`` is the vision model's output split by sizes it reads
+        back from the grid (``tolist()``), while the vision model's position embeddings index the
+        grid on the device. The vision model alone, with what it derives from the grid precomputed
+        (``models/varlen.py``) and a device copy of the grid, gives the same rows with no read."""
+        grid = inputs["image_grid_thw"]
+        return self.model.visual(
+            self.to_device(inputs["pixel_values"]),
+            grid_thw=varlen.to_device(grid, self.device),
+            **varlen.packed_kwargs(self.vision_config, grid, self.device),
+        )
 
     def layout(self, width: int, height: int) -> TokenLayout:
         t = int(self.processor.temporal_patch_size)

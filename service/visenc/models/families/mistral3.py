@@ -20,6 +20,7 @@ from transformers.image_utils import ChannelDimension
 from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_output_image_size
 
 from visenc.errors import InvalidImage
+from visenc.models import varlen
 from visenc.models.base import Rows, Segment, TokenLayout
 from visenc.models.vlm import FamilyTower, cat
 
@@ -97,12 +98,44 @@ class Mistral3Tower(FamilyTower):
         ]
         return {"pixel_values": cat(padded), "image_sizes": cat([x["image_sizes"] for x in inputs])}
 
-    def forward(self, batch: Any) -> list[torch.Tensor]:
-        # get_image_features squeezes a lone row away (``[1, hidden]`` → ``[hidden]``): a batch of
-        # one row runs beside a copy of itself (attention stays within each image)
-        if sum(p.layout.num_tokens for p in batch) == 1:
-            return super().forward([*batch, *batch])[:1]
-        return super().forward(batch)
+    def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+        """``Mistral3Model.get_image_features``, composed from transformers' own modules with every
+        size kept on the host: Pixtral's forward slices each image by device sizes and builds
+        ``cu_seqlens`` with a blocking copy, and ``get_image_features`` reads the row counts back.
+        Only the blocks up to the deepest selected hidden state run, and no output hook is
+        installed (a hook breaks each compiled block's graph)."""
+        vision: Any = self.model.vision_tower
+        patch = int(vision.patch_size)
+        sizes = [(int(h), int(w)) for h, w in inputs["image_sizes"].tolist()]  # a host tensor
+        grids = [(h // patch, w // patch) for h, w in sizes]
+        embeds = vision.patch_conv(self.to_device(inputs["pixel_values"]))
+        hidden = torch.cat([e[:, :gh, :gw].flatten(1).T for e, (gh, gw) in zip(embeds, grids, strict=True)])
+        hidden = vision.ln_pre(hidden.unsqueeze(0))
+        positions, attention = _packed_grids(grids, self.device)
+        rotary = vision.patch_positional_embedding(hidden, positions)
+        layers = self._feature_layers()
+        states = [hidden]
+        for layer in vision.transformer.layers[: max(layers)]:
+            states.append(layer(states[-1], None, position_embeddings=rotary, **attention))
+        selected = torch.cat([states[i] for i in layers], dim=-1)
+        return self.model.multi_modal_projector(selected[0], sizes)  # type: ignore[no-any-return]
 
-    def feature_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
-        return {**inputs, "vision_feature_layer": self.config.vision_feature_layer}
+    def _feature_layers(self) -> list[int]:
+        """``vision_feature_layer`` as indices into the hidden states (0: the blocks' input)."""
+        chosen = self.config.vision_feature_layer
+        count = int(self.vision_config.num_hidden_layers) + 1
+        return [int(i) % count for i in ([chosen] if isinstance(chosen, int) else chosen)]
+
+    def image_rows(self, outputs: torch.Tensor) -> torch.Tensor:
+        return outputs
+
+
+def _packed_grids(grids: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
+    """What Pixtral's forward derives from the images' patch grids, on the host: each patch's (row,
+    column), and the varlen attention arguments of the images packed in order."""
+    positions = torch.cat([torch.cartesian_prod(torch.arange(h), torch.arange(w)).reshape(h * w, 2) for h, w in grids])
+    lengths = [h * w for h, w in grids]
+    cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu = varlen.to_device(cu, device)
+    attention = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
+    return varlen.to_device(positions, device), attention

@@ -17,6 +17,7 @@ import torch
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize
 
 from visenc.errors import InvalidImage
+from visenc.models import varlen
 from visenc.models.base import Prepared, Rows, Segment, TokenLayout
 from visenc.models.vlm import FamilyTower
 
@@ -58,6 +59,29 @@ class Qwen3VLTower(FamilyTower):
         plain = super().tube_input(pixels, grid_hw)
         tensors = {"pixel_values": torch.from_numpy(pixels), "image_grid_thw": torch.tensor([plain.layout.grid_thw])}
         return Prepared(tensors, plain.layout)
+
+    def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
+        """``get_image_features`` with ``image_grid_thw`` left on the host (it splits the output by
+        the grid's ``tolist()``) and everything the vision model derives from the grid (positions,
+        ``cu_seqlens``, the position-embedding interpolation) precomputed by transformers' own helpers."""
+        from transformers.vision_utils import get_vision_interpolation_indices_and_weights
+
+        grid = inputs["image_grid_thw"]
+        visual: Any = self.model.visual
+        indices, weights = get_vision_interpolation_indices_and_weights(
+            grid,
+            num_grid_per_side=visual.num_grid_per_side,
+            mode=visual.interpolation_mode,
+            align_corners=visual.interpolation_align_corners,
+            spatial_merge_size=self.vision_config.spatial_merge_size,
+        )
+        precomputed = {
+            **varlen.packed_kwargs(self.vision_config, grid, self.device),
+            "interp_indices": varlen.to_device(indices, self.device),
+            "interp_weights": varlen.to_device(weights, self.device),
+        }
+        pixels = self.to_device(inputs["pixel_values"])
+        return self.model.get_image_features(pixel_values=pixels, image_grid_thw=grid, **precomputed)
 
     def image_rows(self, outputs: Any) -> torch.Tensor:
         levels = [outputs.pooler_output, *outputs.deepstack_features]

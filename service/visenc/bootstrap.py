@@ -80,8 +80,11 @@ def load_tower(settings: Settings) -> VisionTower:
         image_loader=settings.image_loader,
         image_backend=settings.image_backend,
     )
-    if compiled.wanted(settings.compile, tower.device):
+    eager = compiled.why_eager(settings.compile, tower.device)
+    if eager is None:
         tower.compile()  # the graphs themselves are compiled by the device worker's warm-up
+    else:
+        tower.run_eagerly(eager)  # said in the log, /readyz and visenc_compile_state by the device worker
     return tower
 
 

@@ -157,6 +157,13 @@ class Settings(BaseSettings):
         description="A forward running longer than this counts as a stalled device: its images fail with "
         "503, readiness turns false and the device worker restarts (see worker_restart_attempts).",
     )
+    warm_up_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="Longest a compiled tower's warm-up (its graphs' compile, before readiness) may take; "
+        "stall_timeout_s does not apply to it and the worker is not restarted while it warms. Past it the "
+        "tower serves eagerly. Default: scaled to the tower, 300 s + 20 s per compiled block.",
+    )
     api_keys: SecretStr | None = Field(
         None,
         description="API keys as 'key:tenant,key:tenant'. When set (or api_keys_file), every /v1 request "

@@ -38,6 +38,9 @@ ENDPOINTS = (
     "/health",
 )
 TRANSPORTS = ("http", "shm", "inline")
+#: why a tower runs eagerly (``models/compiled.py``'s ``CAUSES``), and every (state, cause) pair
+COMPILE_CAUSES = ("setting", "toolchain", "backend", "warm_up_timeout", "warm_up_error")
+COMPILE_STATES = (("warming", "none"), ("compiled", "none"), *(("eager", c) for c in COMPILE_CAUSES))
 LOOKUP_RESULTS = ("hit", "miss", "corrupt", "error")
 REDIS_OPS = ("get", "set", "queue", "claim", "look", "renew", "release")
 CLAIM_OUTCOMES = ("owned", "held", "ready", "takeover", "timeout", "unavailable", "fetch_wait")
@@ -227,6 +230,15 @@ class Metrics:
             "Graphs torch.compile built for the tower (0 when it is not compiled); bounded, see models/compiled.py.",
             registry=r,
         )
+        self.compile_state = Gauge(
+            "visenc_compile_state",
+            "How the tower's blocks run (value 1): state warming, compiled or eager, and the cause of eager "
+            "(setting, toolchain, backend, warm_up_timeout, warm_up_error); see /readyz's compile detail.",
+            ["state", "cause"],
+            registry=r,
+        )
+        for labels in COMPILE_STATES:  # the valid pairs only, not every combination
+            self.compile_state.labels(*labels)
         self.model_info = Gauge(
             "visenc_model_info",
             "The served tower (value 1).",
@@ -260,6 +272,12 @@ class Metrics:
             "SGLang parts whose rows are ready, waiting for their receivers to register.",
             registry=r,
         )
+
+    def set_compile_state(self, state: str, cause: str | None) -> None:
+        """``visenc_compile_state``: 1 for the tower's current state and cause, 0 for the others."""
+        for labels in COMPILE_STATES:
+            self.compile_state.labels(*labels).set(0)
+        self.compile_state.labels(state, cause or "none").set(1)
 
     def export_index_health(self, health: Mapping[str, object]) -> None:
         """Set ``visenc_index_up`` from ``Index.health()``: every mapping in it (nested ones

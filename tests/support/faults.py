@@ -1,8 +1,9 @@
 """Fault injection for tests: wrappers of the real engine parts (nothing of it ships in the service).
 
 ``FaultyTower`` wraps a tower: its forward may raise or stall (it sleeps on the
-device thread, as a hung kernel would block it). ``FaultyIndex`` is an index
-whose round trips are slow and whose reads may come back truncated. Random
+device thread, as a hung kernel would block it), and its warm-up may be a long compile (it holds
+dynamo's compile lock while it sleeps or waits for a gate, as a compile of a large tower does).
+``FaultyIndex`` is an index whose round trips are slow and whose reads may come back truncated. Random
 choices come from one ``random.Random(seed)`` per wrapper, so a run is
 reproducible; the ``*_first`` counts make a fault hit only the first forwards
 (a device that recovers), ``always`` one that never does.
@@ -43,6 +44,8 @@ class FaultyTower(VisionTower):
         delay_first: int | None = None,
         output_delay_s: float = 0.0,
         oom_above_tokens: int | None = None,
+        warm_up_delay_s: float = 0.0,
+        warm_up_gate: threading.Event | None = None,
         seed: int = 0,
     ) -> None:
         self.inner = inner
@@ -59,6 +62,11 @@ class FaultyTower(VisionTower):
         self.output_delay_s = output_delay_s
         #: a forward of more input tokens than this raises an out-of-memory error (as a full device would)
         self.oom_above_tokens = oom_above_tokens
+        #: the warm-up holds dynamo's compile lock this long, or until the gate opens (then returns
+        #: without building a graph: a simulated compile); ``warming`` is set once it holds the lock
+        self.warm_up_delay_s = warm_up_delay_s
+        self.warm_up_gate = warm_up_gate
+        self.warming = threading.Event()
         self.forwards = 0
         self.batch_sizes: list[int] = []
         self._random = random.Random(seed)
@@ -87,6 +95,37 @@ class FaultyTower(VisionTower):
         if self.output_delay_s:  # outputs that are slow to copy out (read on the output thread)
             return [_SlowToCopy.wrap(t, self.output_delay_s) for t in out]
         return out
+
+    def warm_up(self) -> None:
+        if not self.warm_up_delay_s and self.warm_up_gate is None:
+            self.inner.warm_up()
+            return
+        from torch._dynamo.convert_frame import compile_lock
+
+        with compile_lock:
+            self.warming.set()
+            if self.warm_up_gate is not None:
+                self.warm_up_gate.wait()
+            else:
+                time.sleep(self.warm_up_delay_s)
+
+    # compiling is the inner tower's: its blocks, its status
+    def compile(self) -> int:
+        return self.inner.compile()
+
+    @property  # type: ignore[override]
+    def compiled_blocks(self) -> int:
+        return self.inner.compiled_blocks
+
+    @property  # type: ignore[override]
+    def compilation(self) -> Any:
+        return self.inner.compilation
+
+    def compiled_ready(self, graphs: int) -> None:
+        self.inner.compiled_ready(graphs)
+
+    def run_eagerly(self, status: Any) -> None:
+        self.inner.run_eagerly(status)
 
     def fingerprint_fields(self) -> dict[str, Any]:
         return self.inner.fingerprint_fields()

@@ -1,5 +1,5 @@
 """A tower whose blocks the compiler backend fails to compile runs eagerly: same rows, no error,
-no graph (``models/compiled.py``), and the service is ready on it."""
+no graph (``models/compiled.py``), and the service is ready on it and says why."""
 
 from __future__ import annotations
 
@@ -62,9 +62,16 @@ async def test_the_service_is_ready_on_a_tower_that_failed_to_compile(
     with caplog.at_level(logging.WARNING, logger="visenc.engine.worker"):
         async with running_app(tower) as client:
             await until(lambda: _ready(client), 60, "ready on the eager tower")
+            detail = (await client.get("/readyz")).json()["compile"]
             r = await client.post("/v1/encode", json={"items": [{"data": _png()}], "wait": True})
             assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready", r.text
-    assert any("failed to compile" in r.getMessage() for r in caplog.records)
+            metrics = (await client.get("/metrics")).text
+    # the why, in /readyz, the metric and the log: the backend's own error
+    assert detail["state"] == "eager" and detail["cause"] == "backend", detail
+    assert "no C++ compiler found" in detail["detail"]
+    assert 'visenc_compile_state{cause="backend",state="eager"} 1.0' in metrics
+    assert any("runs eagerly (backend)" in r.getMessage() for r in caplog.records)
+    assert tower.compiled_blocks == 0  # uncompiled: the blocks never enter dynamo again
 
 
 def _png() -> str:

@@ -46,10 +46,13 @@ async def healthz() -> str:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    """Readiness: model loaded and device worker healthy (503 with the reason otherwise).
+    """Readiness: model loaded and device worker healthy (503 with the reason otherwise, e.g. "warming
+    up" while a compiled tower builds its graphs).
 
     ``status`` is ``degraded`` (still 200: the replica serves from its own LRU and
-    by encoding) while the shared Redis index is unreachable, else ``ready``."""
+    by encoding) while the shared Redis index is unreachable, else ``ready``. ``compile``: whether the
+    tower runs compiled (``state`` ``compiled``, with its ``graphs``) or eagerly, with the ``cause``
+    and a ``detail``."""
     engine = engine_of(request)
     reason = engine.not_ready_reason()
     if reason is not None:
@@ -57,7 +60,8 @@ async def readyz(request: Request) -> Response:
     health = engine.health()
     index = health["index"]
     status = "ready" if index.get("ok", True) else "degraded"
-    return render(request, {"status": status, "index": index, "queue_depth": health["queue_depth"]})
+    body = {"status": status, "index": index, "queue_depth": health["queue_depth"], "compile": health["compile"]}
+    return render(request, body)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)

@@ -116,6 +116,7 @@ class Engine:
             stall_timeout_s=settings.stall_timeout_s,
             restart_attempts=settings.worker_restart_attempts,
             heap_idle_s=settings.heap_idle_s,
+            warm_up_timeout_s=settings.warm_up_timeout_s,
         )
         self.intake = Intake(
             index=index,
@@ -188,7 +189,11 @@ class Engine:
         }
 
     def health(self) -> dict[str, Any]:
-        return {"index": self.index.health(), "queue_depth": self.scheduler.depth}
+        return {
+            "index": self.index.health(),
+            "queue_depth": self.scheduler.depth,
+            "compile": self.tower.compilation.describe(),
+        }
 
     def export_gauges(self) -> None:
         self.metrics.queue_depth.set(self.scheduler.depth)

@@ -1,9 +1,10 @@
 """The device worker: one loop per device, the forward alone on one daemon thread, the event loop never blocked.
 
 While batch N runs, the pool preprocesses batch N+1 and the outputs stage copies out batch N-1. A compiled
-tower is warmed up before readiness. A forward that raises or stalls fails its batch's waiters at once
-(503) and the worker restarts with a probe forward; when it cannot, ``on_fatal`` stops the process for its
-supervisor (``docs/design.md``, "Failure semantics").
+tower is warmed up before readiness, within a time limit of its own (past it, the tower serves eagerly);
+whether it runs compiled, and why not, goes to the log, the metrics and ``/readyz``. A forward that raises
+or stalls fails its batch's waiters at once (503) and the worker restarts with a probe forward; when it
+cannot, ``on_fatal`` stops the process for its supervisor (``docs/design.md``, "Failure semantics").
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ class DeviceWorker:
         stall_timeout_s: float,
         restart_attempts: int = 2,
         heap_idle_s: float = 2.0,
+        warm_up_timeout_s: float | None = None,
     ) -> None:
         self.tower = tower
         self.scheduler = scheduler
@@ -68,6 +70,8 @@ class DeviceWorker:
         self.stall_timeout_s = stall_timeout_s
         self.restart_attempts = restart_attempts
         self.heap_idle_s = heap_idle_s
+        #: the warm-up's time limit (``None``: scaled to the tower, ``compiled.warm_up_limit_s``)
+        self.warm_up_timeout_s = warm_up_timeout_s
         #: monotonic end of the last batch; ``None`` once the heap was given back after it
         self._worked_at: float | None = None
         self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
@@ -84,11 +88,28 @@ class DeviceWorker:
 
     # --- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
-        if self.tower.compiled_blocks:
-            self.state, self.reason = WorkerState.WARMING, "warming up: compiling the tower"
+        status = self.tower.compilation
+        if status.state == "warming":
+            limit = self.warm_up_limit_s()
+            self.state = WorkerState.WARMING
+            self.reason = f"warming up: compiling the tower ({status.detail}; up to {limit:.0f} s)"
         else:
             self.metrics.worker_alive.set(1)
+        self._report_compile()
         self._task = spawn(self._run(), "device-worker", self.metrics)
+
+    def warm_up_limit_s(self) -> float:
+        """How long the warm-up may take: ``warm_up_timeout_s``, else scaled to the compiled blocks."""
+        return self.warm_up_timeout_s or compiled.warm_up_limit_s(self.tower.compiled_blocks)
+
+    def _report_compile(self) -> None:
+        """Whether the tower runs compiled, and why not, in the log and the metrics (``/readyz`` reads
+        it from the tower)."""
+        status = self.tower.compilation
+        self.metrics.set_compile_state(status.state, status.cause)
+        self.metrics.compiled_graphs.set(status.graphs)
+        eager_by_choice = status.state != "eager" or status.cause == "setting"
+        log.log(logging.INFO if eager_by_choice else logging.WARNING, "%s", status.sentence())
 
     @property
     def healthy(self) -> bool:
@@ -113,31 +134,49 @@ class DeviceWorker:
 
     # --- the loop ----------------------------------------------------------------------
     async def _warm_up(self) -> None:
-        """Build a compiled tower's graphs before the first batch (``VisionTower.warm_up``)."""
-        started = time.monotonic()
+        """Build a compiled tower's graphs before the first batch (``VisionTower.warm_up``), bounded by
+        ``warm_up_limit_s``, not ``stall_timeout_s``: a cold compile may take minutes, and a compile
+        abandoned midway would hold dynamo's compile lock, on which any later compile waits. Past the
+        limit, or if a warm-up forward raises, the tower runs eagerly (it never enters dynamo again)
+        and the device is probed as after a failed forward; if the backend failed to compile, eagerly
+        too, with no probe (the forwards ran)."""
+        started, limit = time.monotonic(), self.warm_up_limit_s()
         try:
-            await self._device_call(self._warm_forwards)
+            with compiled.backend_failures() as failures:
+                await self._device_call(self._warm_forwards, limit)
+        except _Stalled:
+            detail = f"the warm-up ran past warm_up_timeout_s={limit:g} (a compile that slow is abandoned)"
+            await self._eager_after_warm_up(compiled.Status("eager", "warm_up_timeout", detail))
+            return
         except Exception as error:
             log.error("warm-up of the compiled tower failed", exc_info=error)
-            await self._failed([], f"the warm-up forward failed: {type(error).__name__}")
+            detail = f"the warm-up forward failed: {type(error).__name__}: {error}"
+            await self._eager_after_warm_up(compiled.Status("eager", "warm_up_error", detail[:300]))
             return
-        graphs = compiled.graphs()
-        self.metrics.compiled_graphs.set(graphs)
-        log.info("compiled tower warmed up in %.1f s (%d graphs)", time.monotonic() - started, graphs)
-        if graphs == 0:
-            log.warning("the tower's blocks failed to compile (see torch's warnings above): they run eagerly")
+        log.info("compiled tower warmed up in %.1f s", time.monotonic() - started)
+        if failures:
+            detail = f"the compiler backend failed {len(failures)} times; first: {failures[0]}"
+            self.tower.run_eagerly(compiled.Status("eager", "backend", detail))
+        else:
+            self.tower.compiled_ready(compiled.graphs())
+        self._report_compile()
         self.state, self.reason = WorkerState.HEALTHY, None
         self.metrics.worker_alive.set(1)
+
+    async def _eager_after_warm_up(self, status: compiled.Status) -> None:
+        self.tower.run_eagerly(status)
+        self._report_compile()
+        await self._failed([], status.detail)
 
     def _warm_forwards(self) -> None:
         with self._on_stream():
             self.tower.warm_up()
 
-    async def _device_call(self, fn: Callable[[], Any]) -> Any:
-        """``fn`` on the device thread, bounded by ``stall_timeout_s`` (``_Stalled`` past it: the thread is
-        abandoned and a fresh one takes its place)."""
+    async def _device_call(self, fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
+        """``fn`` on the device thread, bounded by ``timeout_s`` (default ``stall_timeout_s``; ``_Stalled``
+        past it: the thread is abandoned and a fresh one takes its place)."""
         call = asyncio.get_running_loop().run_in_executor(self._thread, fn)
-        done, _ = await asyncio.wait({call}, timeout=self.stall_timeout_s)
+        done, _ = await asyncio.wait({call}, timeout=self.stall_timeout_s if timeout_s is None else timeout_s)
         if not done:
             call.add_done_callback(_drop_result)  # the late result of a stalled call is not used
             self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the call
@@ -287,7 +326,7 @@ def _not_forwarded(batch: list[Job]) -> list[Job]:
 
 
 class _Stalled(Exception):
-    """A forward ran past ``stall_timeout_s``."""
+    """A device call ran past its time limit (``stall_timeout_s``; the warm-up has its own)."""
 
 
 def is_out_of_memory(error: BaseException) -> bool:

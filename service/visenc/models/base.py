@@ -100,6 +100,8 @@ class VisionTower(ABC):
 
     #: blocks compiled by ``compile`` (0: the tower runs eagerly)
     compiled_blocks: int = 0
+    #: whether the blocks run compiled, and if not why (changed only by the methods below)
+    compilation: compiled.Status = compiled.NOT_COMPILED
 
     @property
     def attention_kernel(self) -> str:
@@ -110,7 +112,22 @@ class VisionTower(ABC):
         """Compile the tower's repeated blocks (``models/compiled.py``); returns how many. The graphs
         are built by the first forwards: ``warm_up``, which the device worker runs before it is ready."""
         self.compiled_blocks = compiled.compile_blocks(self.model)
+        if self.compiled_blocks:
+            detail = f"{self.compiled_blocks} blocks; the warm-up builds their graphs"
+            self.compilation = compiled.Status("warming", detail=detail)
+        else:
+            self.compilation = compiled.Status("eager", "backend", "the tower has no repeated blocks to compile")
         return self.compiled_blocks
+
+    def compiled_ready(self, graphs: int) -> None:
+        """The warm-up of the compiled blocks is done: ``graphs`` graphs built."""
+        self.compilation = compiled.Status("compiled", graphs=graphs)
+
+    def run_eagerly(self, status: compiled.Status) -> None:
+        """The blocks run eagerly from now on (undone if compiled), for the reason ``status`` gives."""
+        compiled.uncompile_blocks(self.model)
+        self.compiled_blocks = 0
+        self.compilation = status
 
     def warm_up(self) -> None:
         """Forwards of one image, then of two (of two sizes where the tower packs them, else of one):

@@ -4,8 +4,12 @@ The graphs are bounded. Shapes are symbolic from the first call (``dynamic=True`
 size or batch size reuses the graph instead of recompiling. The blocks of a tower share one code
 object and their weights are graph inputs, so they share graphs too. Dynamo still specialises sizes
 0 and 1 (a batch of one image beside a batch of several), which gives one or two graphs for a tower.
-Past ``RECOMPILE_LIMIT`` graphs per block, dynamo runs the block eagerly instead of compiling again,
-and a block the backend fails to compile (no compiler, an unsupported device) runs eagerly too.
+Past ``RECOMPILE_LIMIT`` graphs per block, dynamo runs the block eagerly instead of compiling again.
+
+Whether a tower runs compiled is never silent: ``Status`` says so and why not (the compile setting,
+a host without the compiler toolchain, a backend that failed, a warm-up past its time limit), and the
+device worker reports it in the log, ``/readyz`` and ``visenc_compile_state``. A tower that does not
+run compiled runs eagerly with the same rows.
 
 Packed attention stays one custom op inside the graph (``models/varlen.py``), so the norms, rotary
 embeddings, casts and activations around it fuse into a few kernels.
@@ -13,8 +17,15 @@ embeddings, casts and activations around it fuse into a few kernels.
 
 from __future__ import annotations
 
+import contextlib
 import logging
-from typing import Literal
+import os
+import shutil
+import sysconfig
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
 
 import torch
 
@@ -24,11 +35,112 @@ log = logging.getLogger(__name__)
 RECOMPILE_LIMIT = 8
 
 Compile = Literal["auto", "on", "off"]
+#: why a tower runs eagerly: the setting, a missing toolchain, a backend failure, a warm-up past its
+#: time limit, a warm-up forward that raised
+Cause = Literal["setting", "toolchain", "backend", "warm_up_timeout", "warm_up_error"]
+CAUSES: tuple[Cause, ...] = ("setting", "toolchain", "backend", "warm_up_timeout", "warm_up_error")
+#: a compiled tower's warm-up may take this long, plus ``WARM_UP_S_PER_BLOCK`` per compiled block
+#: (``warm_up_timeout_s``'s default): a cold compile of a 32-block tower takes minutes
+WARM_UP_BASE_S = 300.0
+WARM_UP_S_PER_BLOCK = 20.0
+
+
+@dataclass(frozen=True, slots=True)
+class Status:
+    """Whether the tower's blocks run compiled: ``warming`` (compiled, graphs being built before
+    readiness), ``compiled`` (``graphs`` built by the warm-up), or ``eager`` with its ``cause`` and a
+    ``detail`` for people."""
+
+    state: Literal["warming", "compiled", "eager"]
+    cause: Cause | None = None
+    detail: str = ""
+    graphs: int = 0
+
+    def describe(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"state": self.state}
+        if self.state == "compiled":
+            out["graphs"] = self.graphs
+        if self.cause is not None:
+            out.update(cause=self.cause, detail=self.detail)
+        return out
+
+    def sentence(self) -> str:
+        """One line for the log."""
+        if self.state == "eager":
+            return f"the tower runs eagerly ({self.cause}): {self.detail}"
+        if self.state == "warming":
+            return f"the tower runs compiled: {self.detail}"
+        return f"the tower runs compiled ({self.graphs} graphs built by the warm-up)"
+
+
+#: a tower that was never compiled
+NOT_COMPILED = Status("eager", "setting", "the tower was not compiled")
 
 
 def wanted(setting: Compile, device: torch.device) -> bool:
     """``auto``: on for CUDA, off on a CPU (where compiling takes longer than it saves for small towers)."""
     return setting == "on" or (setting == "auto" and device.type == "cuda")
+
+
+def why_eager(setting: Compile, device: torch.device) -> Status | None:
+    """Why a tower on ``device`` will not be compiled under ``setting`` (``None``: it will be)."""
+    if not wanted(setting, device):
+        return Status("eager", "setting", f"compile={setting} on {device.type} (auto compiles on CUDA only)")
+    problem = toolchain_problem(device)
+    return None if problem is None else Status("eager", "toolchain", problem)
+
+
+def toolchain_problem(device: torch.device) -> str | None:
+    """What the compiler backend needs at run time and this host lacks (``None``: nothing found missing).
+
+    On CUDA, Triton builds a launcher for its kernels at first use (``triton/runtime/build.py``): a
+    C compiler (``CC``, else ``gcc``, else ``clang``), Python's headers (``Python.h`` in sysconfig's
+    include path) and ``libcuda.so.1`` to link against (``triton/backends/nvidia/driver.py``). On a
+    CPU, inductor compiles C++ (``CXX``, else ``g++``) with Python's headers."""
+    missing = []
+    if device.type == "cuda":
+        if _compiler("CC", "gcc", "clang") is None:
+            missing.append("C compiler (set CC, or install gcc)")
+    elif _compiler("CXX", "g++") is None:
+        missing.append("C++ compiler (set CXX, or install g++)")
+    headers = python_headers()
+    if not (headers / "Python.h").is_file():
+        missing.append(f"Python.h in {headers} (install the headers of this Python: python3-dev)")
+    if device.type == "cuda" and (problem := _libcuda_problem()) is not None:
+        missing.append(problem)
+    return None if not missing else "missing " + "; ".join(missing)
+
+
+def _compiler(variable: str, *names: str) -> str | None:
+    """The compiler ``variable`` names (when set, only it), else the first of ``names`` on PATH."""
+    chosen = os.environ.get(variable)
+    if chosen is not None:
+        return shutil.which(chosen)
+    return next((found for name in names if (found := shutil.which(name)) is not None), None)
+
+
+def python_headers() -> Path:
+    """Where Triton looks for ``Python.h``: the include path of sysconfig's default scheme
+    (Debian's ``posix_local`` read as ``posix_prefix``)."""
+    scheme = sysconfig.get_default_scheme()
+    if scheme == "posix_local":
+        scheme = "posix_prefix"
+    return Path(sysconfig.get_paths(scheme=scheme)["include"])
+
+
+def _libcuda_problem() -> str | None:
+    try:
+        from triton.backends.nvidia.driver import libcuda_dirs
+
+        libcuda_dirs()  # asserts that libcuda.so.1 is found (ldconfig, LD_LIBRARY_PATH, TRITON_LIBCUDA_PATH)
+    except Exception as error:
+        return f"what Triton needs to build its launcher ({type(error).__name__}: {_first_line(error)})"
+    return None
+
+
+def warm_up_limit_s(blocks: int) -> float:
+    """The default time limit of a warm-up that compiles ``blocks`` blocks."""
+    return WARM_UP_BASE_S + WARM_UP_S_PER_BLOCK * blocks
 
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -57,6 +169,39 @@ def compile_blocks(model: torch.nn.Module) -> int:
         block.compile(dynamic=True)
     log.info("compiled %d blocks of %s (dynamic shapes)", len(found), type(model).__name__)
     return len(found)
+
+
+def uncompile_blocks(model: torch.nn.Module) -> None:
+    """Undo ``compile_blocks``: the blocks run eagerly and never enter dynamo again (so never wait for
+    its compile lock, which an abandoned warm-up may still hold)."""
+    for block in blocks(model):
+        block._compiled_call_impl = None  # what ``Module.compile`` set; ``None`` is its eager default
+
+
+@contextlib.contextmanager
+def backend_failures() -> Iterator[list[str]]:
+    """Collect, while inside, the compile failures dynamo suppressed (``suppress_errors``: it logs
+    each one and runs the frame eagerly), as one line each."""
+    found: list[str] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING and record.exc_info and record.exc_info[1] is not None:
+                found.append(_first_line(record.exc_info[1]))
+
+    handler = Collect()
+    source = logging.getLogger("torch._dynamo.convert_frame")
+    source.addHandler(handler)
+    try:
+        yield found
+    finally:
+        source.removeHandler(handler)
+
+
+def _first_line(error: BaseException) -> str:
+    """An exception's message in one line (dynamo wraps the backend's own error on its second line)."""
+    lines = [line.strip() for line in str(error).splitlines() if line.strip()]
+    return " ".join(lines[:2])[:300] or type(error).__name__
 
 
 def graphs() -> int:

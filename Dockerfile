@@ -16,9 +16,12 @@ FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS base-cuda
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cu128 \
     NVIDIA_VISIBLE_DEVICES=all \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility
+# torch.compile (on by default on CUDA) needs at run time what Triton builds its kernel launcher with:
+# a C compiler (gcc; libc6-dev for its headers) and the headers of the Python that runs (python3-dev,
+# the same python3 the venv is made from); libcuda.so.1 comes from the host's driver (NVIDIA toolkit).
 # hadolint ignore=DL3008
 RUN apt-get update \
-    && apt-get install -y --no-install-recommends python3 python3-venv \
+    && apt-get install -y --no-install-recommends python3 python3-venv python3-dev gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
 
 # ---- deps: third-party dependencies only, rebuilt only when pyproject.toml changes ----------------
@@ -48,11 +51,17 @@ RUN pip install --no-deps .
 # hadolint ignore=DL3006
 FROM base-${BASE} AS runtime
 RUN groupadd --system --gid 10001 visenc \
-    && useradd --system --uid 10001 --gid visenc --create-home --home-dir /home/visenc visenc
+    && useradd --system --uid 10001 --gid visenc --create-home --home-dir /home/visenc visenc \
+    && mkdir -p /var/cache/visenc/inductor /var/cache/visenc/triton \
+    && chown -R 10001:10001 /var/cache/visenc
 COPY --from=build /opt/venv /opt/venv
+# the compile caches (inductor's graphs, Triton's kernels) live on /var/cache/visenc: mount a volume
+# there (deploy/) so a restart does not compile again
 ENV PATH=/opt/venv/bin:$PATH \
     PYTHONUNBUFFERED=1 \
     HF_HOME=/home/visenc/.cache/huggingface \
+    TORCHINDUCTOR_CACHE_DIR=/var/cache/visenc/inductor \
+    TRITON_CACHE_DIR=/var/cache/visenc/triton \
     VISENC_PORT=8000
 WORKDIR /home/visenc
 USER 10001:10001

@@ -7,6 +7,7 @@ from __future__ import annotations
 import fnmatch
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -116,6 +117,76 @@ def test_dockerfile_layers_and_runtime(dockerfile):
     argv = json.loads(cmd)
     assert argv[:4] == ["visenc", "serve", "--host", "0.0.0.0"]
     assert final.all("EXPOSE") == ["8000"]
+
+
+def apt_packages(stage: Stage) -> set[str]:
+    """The packages a stage's ``apt-get install`` lines name."""
+    found: set[str] = set()
+    for run in stage.all("RUN"):
+        for command in run.split("&&"):
+            words = command.split()
+            if words[:2] == ["apt-get", "install"]:
+                found |= {w for w in words[2:] if not w.startswith("-")}
+    return found
+
+
+def runtime_packages(stages: dict[str, Stage], args: dict[str, str], flavour: str) -> set[str]:
+    """Every package the runtime stage of ``flavour`` has: its base stage's and its own."""
+    runtime = stages["runtime"]
+    base = stages[resolve(runtime.base, {**args, "BASE": flavour})]
+    return apt_packages(base) | apt_packages(runtime)
+
+
+def compile_toolchain_missing(packages: set[str]) -> list[str]:
+    """What Triton's launcher build (``models/compiled.py``: ``toolchain_problem``) would not find
+    among ``packages``: a C compiler, the C library's headers, the headers of each Python installed."""
+    missing = []
+    if not packages & {"gcc", "clang", "build-essential"}:
+        missing.append("a C compiler (gcc or clang)")
+    if not packages & {"libc6-dev", "build-essential"}:
+        missing.append("the C library's headers (libc6-dev)")
+    pythons = {p for p in packages if re.fullmatch(r"python3(\.\d+)?", p)}
+    if not pythons:
+        missing.append("the Python the image runs (python3)")
+    missing += [f"{p}'s headers ({p}-dev)" for p in sorted(pythons) if f"{p}-dev" not in packages]
+    return missing
+
+
+def test_the_cuda_runtime_has_what_triton_and_inductor_compile_with(dockerfile):
+    """torch.compile is on by default on CUDA; Triton builds its kernel launcher at first use."""
+    args, stages, _ = dockerfile
+    packages = runtime_packages(stages, args, "cuda")
+    assert compile_toolchain_missing(packages) == [], packages
+    # the venv is made from that same python3 (the deps stage starts from the same base)
+    assert resolve(stages["deps"].base, {**args, "BASE": "cuda"}) == "base-cuda"
+    assert any("python3 -m venv /opt/venv" in r for r in stages["deps"].all("RUN"))
+
+
+def test_the_package_check_fails_without_the_compiler_or_the_headers(dockerfile, tmp_path):
+    """The check above can fail: the same Dockerfile with gcc, then python3-dev, taken out."""
+    text = (ROOT / "Dockerfile").read_text()
+    for package, what in (("gcc", "C compiler"), ("python3-dev", "python3's headers")):
+        broken = tmp_path / f"Dockerfile-{package}"
+        broken.write_text(text.replace(f" {package} ", " "))
+        args, stages = parse_dockerfile(broken)
+        missing = compile_toolchain_missing(runtime_packages({s.name: s for s in stages}, args, "cuda"))
+        assert any(what in m for m in missing), missing
+
+
+def test_the_compile_caches_are_on_a_volume(dockerfile, compose):
+    """The image keeps inductor's and Triton's caches under one folder its user owns, and compose
+    mounts a named volume there."""
+    _, _, final = dockerfile
+    env = dict(kv.split("=", 1) for e in final.all("ENV") for kv in e.split())
+    caches = [Path(env["TORCHINDUCTOR_CACHE_DIR"]), Path(env["TRITON_CACHE_DIR"])]
+    uid = final.all("USER")[0].split(":")[0]
+    made = " ".join(final.all("RUN"))
+    assert all("mkdir -p" in made and str(c) in made for c in caches)
+    assert f"chown -R {uid}:" in made
+    visenc = compose["services"]["visenc"]
+    mounts = [v.split(":") for v in visenc["volumes"]]
+    named = [(src, Path(dst)) for src, dst, *_ in mounts if src in (compose.get("volumes") or {})]
+    assert any(all(c.is_relative_to(dst) for c in caches) for _, dst in named), mounts
 
 
 def test_every_copied_path_exists_and_enters_the_build_context(dockerfile):

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
+from pathlib import Path
 
 import pytest
 import yaml
@@ -131,3 +133,16 @@ def test_kustomize_renders(docs):
     (c,) = deployment["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "visenc:cpu"  # the images transformer applied
     assert all(i["metadata"].get("namespace") == "visenc" for i in items if i["kind"] != "Namespace")
+
+
+def test_the_compile_caches_are_on_a_volume(docs):
+    """The image's inductor and Triton cache folders sit on a pod volume, so a restarted container
+    reuses them."""
+    text = (ROOT / "Dockerfile").read_text()
+    caches = [Path(m) for m in re.findall(r"(?:TORCHINDUCTOR|TRITON)_CACHE_DIR=(\S+)", text)]
+    assert len(caches) == 2
+    spec = docs[("Deployment", "visenc")]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    volumes = {v["name"] for v in spec["volumes"]}
+    mounts = [(m["name"], Path(m["mountPath"])) for m in c["volumeMounts"]]
+    assert any(name in volumes and all(p.is_relative_to(path) for p in caches) for name, path in mounts), mounts

@@ -89,12 +89,18 @@ def build_towers(vision: dict[str, Any], device: Any, dtype: Any) -> dict[str, A
             name="qwen2.5-vl-7b-vision", model=model, preprocess=settings, source={}, dtype=dtype, device=device
         )
 
+    from visenc.models import compiled
+
     own, eager, fast = tower(), tower(), tower()
     own.use_varlen(False)
+    missing = compiled.toolchain_problem(device)
     fast.compile()
     t0 = time.perf_counter()
-    fast.warm_up()
-    print(f"compiled tower warmed up in {time.perf_counter() - t0:.1f} s")
+    with compiled.backend_failures() as failures:
+        fast.warm_up()
+    print(f"compiled tower warmed up in {time.perf_counter() - t0:.1f} s ({compiled.graphs()} graphs)")
+    if missing or failures:  # the "compiled" path would then be eager: its figures would not be the compiled ones
+        print(f"COMPILE DID NOT WORK: {missing or ''} {failures[:1]}")
     return {"transformers": own, "visenc eager": eager, "visenc compiled": fast, "compiled per-image": fast}
 
 
@@ -105,7 +111,7 @@ def main() -> int:
     p.add_argument("--device", default="cuda", help="cuda (default) or cpu (with --tower tiny: a smoke run)")
     p.add_argument("--tower", choices=["7b", "tiny"], default="7b")
     p.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
-    p.add_argument("--profile", action="store_true", help="print the top CUDA kernels of compiled 1080p x1")
+    p.add_argument("--profile", action="store_true", help="print the top kernels of compiled 1080p x1")
     p.add_argument("--json", action="store_true", help="also print one JSON line of every figure")
     args = p.parse_args()
     import torch
@@ -193,7 +199,7 @@ def main() -> int:
         for what, values in ratios.items():
             print(f"    {what}: {c.spread(values)}")
         report["scenarios"][label] = {"paths": figures, "ratios": {k: statistics.median(v) for k, v in ratios.items()}}
-    if args.profile and cuda:
+    if args.profile:
         profile(
             towers["visenc compiled"],
             [towers["visenc eager"].preprocess(decode(c.jpeg(0, 1920, 1080), max_pixels=1 << 30))],
@@ -204,16 +210,19 @@ def main() -> int:
 
 
 def profile(tower: Any, batch: list[Any]) -> None:
-    """The CUDA kernels of one forward, by total time (what to cut next)."""
+    """The kernels of one forward, by total time (what to cut next): CUDA kernels on a GPU, operators
+    on a CPU (a smoke run)."""
     import torch
     from torch.profiler import ProfilerActivity
 
+    cuda = tower.device.type == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     tower.forward(batch)
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[ProfilerActivity.CUDA]) as prof:
+    sync()
+    with torch.profiler.profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         tower.forward(batch)
-        torch.cuda.synchronize()
-    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=15))
+        sync()
+    print(prof.key_averages().table(sort_by="cuda_time_total" if cuda else "cpu_time_total", row_limit=15))
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ import json
 import statistics
 import sys
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +89,7 @@ def main() -> int:
         return 0
     from visenc.config import Settings
     from visenc.imaging.decode import decode
+    from visenc.models import compiled
     from visenc.models.loading import load_tower
 
     vision = bench_gpu.QWEN2_5_VL_7B_VISION if args.tower == "7b" else bench_gpu.TINY_VISION
@@ -96,7 +98,9 @@ def main() -> int:
     dtype = "bfloat16" if args.device == "cuda" else "float32"
     tower = load_tower(str(path), device=args.device, dtype=dtype)
     tower.compile()
-    tower.warm_up()
+    with compiled.backend_failures() as failures:
+        tower.warm_up()
+    print(f"bare tower: {compiled.graphs()} graphs" + (f", compile failures: {failures[:1]}" if failures else ""))
     prepared = [tower.preprocess(decode(b, max_pixels=1 << 30)) for b in images]
     max_batch_tokens = Settings().max_batch_tokens
     bare_rate(tower, prepared, max_batch_tokens)  # every batch shape once
@@ -107,6 +111,9 @@ def main() -> int:
     latencies: list[float] = []
     with c.server(c.visenc_cmd(str(path), port, *flags), f"http://127.0.0.1:{port}/readyz", c.service_env()) as proc:
         url = f"http://127.0.0.1:{port}"
+        with urllib.request.urlopen(f"{url}/readyz", timeout=10) as r:
+            served_compile = json.loads(r.read())["compile"]
+        print(f"served tower: {served_compile}")  # eager here would make the ratio below meaningless
         asyncio.run(service_round(url, images[: args.clients], args.clients, "warm"))
         for r in range(args.rounds):
             c.pause(proc)
@@ -125,7 +132,7 @@ def main() -> int:
     print(f"  service / bare forward: {c.spread(ratios)}")
     if args.json:
         report = {"bare_img_s": bare, "served_img_s": served, "ratio": statistics.median(ratios), "p50_s": p50}
-        print(json.dumps({**report, "p95_s": p95, "device": name}))
+        print(json.dumps({**report, "p95_s": p95, "device": name, "served_compile": served_compile}))
     return 0
 
 

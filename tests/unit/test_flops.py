@@ -77,3 +77,8 @@ def test_bench_gpu_runs_its_paths_on_a_cpu_with_a_tiny_tower() -> None:
     paths = report["scenarios"]["1080p x1"]["paths"]
     assert set(paths) == {"transformers", "visenc eager", "visenc compiled", "compiled per-image"}
     assert all(p["img_s"] > 0 for p in paths.values())
+    # bench/gpu_check.py reads the targets out of this line
+    import gpu_check
+
+    found = gpu_check.figures(gpu_check.last_json(out.stdout, "scenarios"), None)
+    assert [label for label, _ in found["speedup"]] == ["1080p x1"]

@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -76,9 +77,10 @@ def run(name: str, limit_s: int, argv: list[str], out: Path, env: dict[str, str]
         try:
             status: int | None = proc.wait(timeout=limit_s)
         except subprocess.TimeoutExpired:
-            proc.terminate()
+            # KeyboardInterrupt, not SIGTERM: the bench's own clean-up runs and stops the server it started
+            proc.send_signal(signal.SIGINT)
             try:
-                proc.wait(timeout=10)
+                proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 proc.kill()
                 proc.wait()

@@ -100,6 +100,7 @@ def test_cuda_forward_has_no_sync(name: str, checkpoints: dict[str, Path]) -> No
     tower = _tower(name, checkpoints, device="cuda", dtype="bfloat16")
     batch = _batch(tower)
     tower.forward(batch)  # the first forward picks the attention kernel (its probe synchronises)
+    assert tower.attention_kernel != "per-segment"  # a varlen kernel: the per-segment one reads its bounds
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:

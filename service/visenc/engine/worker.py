@@ -155,7 +155,7 @@ class DeviceWorker:
             return
         log.info("compiled tower warmed up in %.1f s", time.monotonic() - started)
         if failures:
-            detail = f"the compiler backend failed {len(failures)} times; first: {failures[0]}"
+            detail = f"the compiler backend failed on {len(failures)} frame(s); first: {failures[0]}"
             self.tower.run_eagerly(compiled.Status("eager", "backend", detail))
         else:
             self.tower.compiled_ready(compiled.graphs())

@@ -33,7 +33,7 @@ import httpx
 import numpy as np
 
 from visenc_client import _protocol as p
-from visenc_client._exceptions import TransportError
+from visenc_client._exceptions import TransportError, describe
 from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Connections, Head
 from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
 from visenc_client._shm import SegmentHandles, same_host
@@ -45,7 +45,20 @@ log = logging.getLogger("visenc_client")
 T = TypeVar("T")
 #: a caller's preallocated buffer (numpy array or CPU torch tensor), handed back filled
 Out = TypeVar("Out")
-DEFAULT_TIMEOUT = httpx.Timeout(connect=5.0, read=300.0, write=60.0, pool=60.0)
+#: seconds to connect (TCP and TLS) to the service, unless said otherwise: a replica that does not
+#: accept costs this, not the read timeout
+DEFAULT_CONNECT_TIMEOUT_S = 5.0
+DEFAULT_TIMEOUT = httpx.Timeout(connect=DEFAULT_CONNECT_TIMEOUT_S, read=300.0, write=60.0, pool=60.0)
+
+
+def timeouts(timeout: httpx.Timeout | float | None, connect_timeout: float | None) -> httpx.Timeout:
+    """The client's timeouts: ``timeout`` as an ``httpx.Timeout`` keeps its own connect bound; as a number
+    it bounds each read, write and wait for a pooled connection, and connecting stays at
+    ``DEFAULT_CONNECT_TIMEOUT_S``. ``connect_timeout``, when given, bounds connecting in either case."""
+    if isinstance(timeout, httpx.Timeout):
+        connect = timeout.connect if connect_timeout is None else connect_timeout
+        return httpx.Timeout(connect=connect, read=timeout.read, write=timeout.write, pool=timeout.pool)
+    return httpx.Timeout(timeout, connect=DEFAULT_CONNECT_TIMEOUT_S if connect_timeout is None else connect_timeout)
 
 
 #: ``shared_memory``: ``True``, ``False``, or ``"auto"`` (shared memory when the service is on this host)
@@ -59,7 +72,7 @@ class _Base:
         namespace: str | None,
         api_key: str | None,
         shared_memory: SharedMemory,
-        timeout: httpx.Timeout | float,
+        timeout: httpx.Timeout,
         custom_transport: bool,
     ) -> None:
         self.shared_memory = shared_memory is True
@@ -75,8 +88,10 @@ class _Base:
         #: rows stream through the standard library's connections, straight into their buffers; httpx
         #: streams them where a custom transport stands in for the network (``visenc_client._http``)
         self.base_url = base_url
-        read_s = timeout.read if isinstance(timeout, httpx.Timeout) else float(timeout)
-        self._conns = None if custom_transport else Connections(base_url, read_s)
+        self.timeout = timeout
+        self._conns = (
+            None if custom_transport else Connections(base_url, connect_s=timeout.connect, read_s=timeout.read)
+        )
 
     def _choose(self, model_info: dict[str, Any]) -> None:
         """Settle ``shared_memory="auto"`` from the service's ``/v1/model``: shared memory when its
@@ -98,7 +113,11 @@ class Client(_Base):
     ``encode(images, wait=True, hash_first=True)`` → handles;
     ``fetch(handle, start, end)`` → ``[rows, hidden]`` numpy view;
     ``fetch_many(ranges)`` → one array per range, one round trip;
-    ``fetch_chunk(placements, start, end, out=None)`` → the chunk's rows in one buffer."""
+    ``fetch_chunk(placements, start, end, out=None)`` → the chunk's rows in one buffer.
+
+    ``timeout``: seconds each read (a long-poll's wait included) or write may take, or an
+    ``httpx.Timeout``; ``connect_timeout``: seconds to connect (5 by default), so a replica that
+    does not accept fails fast. Any failure of the network is a ``TransportError`` naming the URL."""
 
     def __init__(
         self,
@@ -107,11 +126,13 @@ class Client(_Base):
         namespace: str | None = None,
         api_key: str | None = None,
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        connect_timeout: float | None = None,
         transport: httpx.BaseTransport | None = None,
         shared_memory: SharedMemory = False,
     ) -> None:
-        super().__init__(base_url, namespace, api_key, shared_memory, timeout, transport is not None)
-        self._http = httpx.Client(base_url=base_url, timeout=timeout, transport=transport)
+        t = timeouts(timeout, connect_timeout)
+        super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None)
+        self._http = httpx.Client(base_url=base_url, timeout=t, transport=transport)
 
     def _open(self, request: httpx.Request) -> tuple[Head, Body | ChunkBody]:
         if self._conns is not None:
@@ -121,6 +142,7 @@ class Client(_Base):
 
     def _drive(self, flow: p.AnyFlow[T]) -> T:
         body: Body | ChunkBody | None = None
+        url: object = self.base_url  # of the request being answered
         try:
             step = next(flow)
             while True:
@@ -130,13 +152,16 @@ class Client(_Base):
                     elif step is p.READ:
                         reply = body.read()  # type: ignore[union-attr]
                     elif isinstance(step, p.Stream):
-                        if body is not None:
-                            body.close()
+                        url = step.request.url
+                        done, body = body, None
+                        if done is not None:
+                            done.close()
                         reply, body = self._open(step.request)
                     else:
+                        url = step.url
                         reply = self._http.send(step)
                 except httpx.TransportError as e:
-                    raise TransportError(str(e) or type(e).__name__) from e
+                    raise TransportError(describe(e), str(url)) from e
                 step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
@@ -239,7 +264,7 @@ class Client(_Base):
 
 
 class AsyncClient(_Base):
-    """The awaitable twin of ``Client`` (same methods, same results)."""
+    """The awaitable twin of ``Client`` (same methods, same options, same results and exceptions)."""
 
     def __init__(
         self,
@@ -248,11 +273,13 @@ class AsyncClient(_Base):
         namespace: str | None = None,
         api_key: str | None = None,
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
+        connect_timeout: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         shared_memory: SharedMemory = False,
     ) -> None:
-        super().__init__(base_url, namespace, api_key, shared_memory, timeout, transport is not None)
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=timeout, transport=transport)
+        t = timeouts(timeout, connect_timeout)
+        super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None)
+        self._http = httpx.AsyncClient(base_url=base_url, timeout=t, transport=transport)
         #: threads that read streamed rows (the socket reads release the GIL); made on first use
         self._io: ThreadPoolExecutor | None = None
 
@@ -277,6 +304,7 @@ class AsyncClient(_Base):
 
     async def _drive(self, flow: p.AnyFlow[T]) -> T:
         body: Body | AsyncChunkBody | None = None
+        url: object = self.base_url  # of the request being answered
         try:
             step = next(flow)
             while True:
@@ -285,12 +313,15 @@ class AsyncClient(_Base):
                         assert body is not None, "a flow read a body before it streamed a request"
                         reply: Any = await self._read(body, step)
                     elif isinstance(step, p.Stream):
-                        await _close(body)
+                        url = step.request.url
+                        done, body = body, None
+                        await _close(done)
                         reply, body = await self._open(step.request)
                     else:
+                        url = step.url
                         reply = await self._http.send(step)
                 except httpx.TransportError as e:
-                    raise TransportError(str(e) or type(e).__name__) from e
+                    raise TransportError(describe(e), str(url)) from e
                 step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]

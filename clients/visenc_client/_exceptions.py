@@ -1,16 +1,18 @@
 """The client's exceptions::
 
-    VisencClientError
-    ├── TransportError        the service could not be reached (connect, read, timeout)
-    ├── ProtocolError         the service answered something this client cannot read
+VisencClientError
+├── TransportError        the service could not be reached or stopped answering (``url``): refused,
+│                         reset, a name that does not resolve, a connect past ``connect_timeout``,
+│                         no byte for ``timeout``, a body cut short; retry, or ask another replica
+├── ProtocolError         the service answered something this client cannot read
 ├── ImageEncodeError      the service could not decode or encode one image (``hash``, ``message``)
-    └── APIError              the service answered an error (``status_code``, ``kind``, ``message``)
-        ├── BadRequestError   400 / 413 / 415 / 422: fix the request, do not retry
-        ├── NotFoundError     404: unknown image (upload its bytes again)
-        ├── OverloadedError   429: retry after ``retry_after_s``
-        └── ServerError       5xx
-            ├── UnavailableError 503: not ready (loading, shutting down, worker down); retry after ``retry_after_s``
-            └── DeadlineError 504: not ready in time; retrying may succeed
+└── APIError              the service answered an error (``status_code``, ``kind``, ``message``)
+    ├── BadRequestError   400 / 413 / 415 / 422: fix the request, do not retry
+    ├── NotFoundError     404: unknown image (upload its bytes again)
+    ├── OverloadedError   429: retry after ``retry_after_s``
+    └── ServerError       5xx
+        ├── UnavailableError 503: not ready (loading, shutting down, worker down); retry after ``retry_after_s``
+        └── DeadlineError 504: not ready in time; retrying may succeed
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ class VisencClientError(Exception):
 
 
 class TransportError(VisencClientError):
-    pass
+    """``url``: what was asked (a request's URL, a Redis server, a shared-memory segment)."""
+
+    def __init__(self, message: str, url: str | None = None) -> None:
+        super().__init__(f"{url}: {message}" if url else message)
+        self.url = url
+
+
+def describe(e: BaseException) -> str:
+    """An OS or library error in a few words: its type, and its message where it has one."""
+    return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
 class ProtocolError(VisencClientError):

@@ -9,7 +9,9 @@ through ``Connections`` whenever the client talks to a real server; httpx keeps 
 request, and every request of a client given a custom httpx transport (an in-process app, a mock).
 
 Thread-safe: a call takes an idle connection (or opens one) and gives it back once its body is
-read to the end; a connection whose body was not read to the end is closed.
+read to the end; a connection whose body was not read to the end is closed. Every failure of the
+network (refused, reset, a name that does not resolve, a connect or a read past its timeout, a body
+cut short) is a ``TransportError`` naming the URL.
 """
 
 from __future__ import annotations
@@ -23,12 +25,16 @@ from dataclasses import dataclass
 
 import httpx
 
-from visenc_client._exceptions import ProtocolError, TransportError
+from visenc_client._exceptions import ProtocolError, TransportError, describe
 
 #: what a failed connection, request or answer raises here
 ERRORS = (OSError, http.client.HTTPException)
 #: an idle connection older than this is not reused (uvicorn closes kept-alive connections after 5 s)
 KEEP_IDLE_S = 4.0
+#: a failed request is sent again only on a fresh connection, and only when a kept-alive one failed so
+STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
+#: guards each ``Body``'s one hand-back of its connection (held for a few instructions)
+_HAND_BACK = threading.Lock()
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,64 +48,91 @@ class Head:
 
 class Body:
     """One response's body from ``Connections``, read in order; ``close`` gives the connection back
-    (kept alive when the body was read to the end)."""
+    (kept alive when the body was read to the end). ``close`` acts once, whoever calls it how often
+    from whichever threads: a connection is never in the pool twice."""
 
-    def __init__(self, pool: Connections, conn: http.client.HTTPConnection, response: http.client.HTTPResponse):
-        self._pool, self._conn, self._response = pool, conn, response
+    def __init__(
+        self, pool: Connections, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, url: str
+    ) -> None:
+        self._pool, self._response, self.url = pool, response, url
+        self._conn: http.client.HTTPConnection | None = conn
 
     def close(self) -> None:
-        self._pool._give_back(self._conn, self._response)
+        with _HAND_BACK:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            self._pool._give_back(conn, self._response)
+
+    def _ended(self) -> None:
+        """The body ended before ``len(view)`` bytes: cut short by the connection (fewer bytes than its
+        ``Content-Length``, a ``TransportError``) or shorter than what it says it holds (``ProtocolError``)."""
+        if self._response.length:  # bytes the head announced and the socket never brought
+            raise TransportError(f"the connection closed {self._response.length} bytes before the body's end", self.url)
+        raise ProtocolError("the response body ended early")
 
     def readinto(self, view: memoryview) -> None:
-        """Fill ``view`` exactly (``ProtocolError`` if the body ends first)."""
+        """Fill ``view`` exactly."""
         filled = 0
         try:
             while filled < len(view):
                 n = self._response.readinto(view[filled:])
                 if not n:
-                    raise ProtocolError("the response body ended early")
+                    self._ended()
                 filled += n
         except ERRORS as e:
-            raise TransportError(str(e) or type(e).__name__) from e
+            raise TransportError(describe(e), self.url) from e
 
     def read(self, n: int = 1 << 16) -> bytes:
         """Up to ``n`` bytes; ``b""`` at the end."""
         try:
-            return self._response.read(n)
+            chunk = self._response.read(n)
         except ERRORS as e:
-            raise TransportError(str(e) or type(e).__name__) from e
+            raise TransportError(describe(e), self.url) from e
+        if not chunk and n and self._response.length:
+            self._ended()
+        return chunk
 
 
 class Connections:
-    """Keep-alive ``http.client`` connections to one server (``base_url``)."""
+    """Keep-alive ``http.client`` connections to one server (``base_url``). ``connect_s`` bounds
+    connecting (TCP and TLS); ``read_s`` each wait for the server's next bytes (``None``: no bound)."""
 
-    def __init__(self, base_url: str, timeout_s: float | None, *, max_idle: int = 32) -> None:
+    def __init__(self, base_url: str, *, connect_s: float | None, read_s: float | None, max_idle: int = 32) -> None:
         url = httpx.URL(base_url)
         if url.scheme not in ("http", "https"):
             raise ValueError(f"not an http(s) URL: {base_url}")
         self._https = url.scheme == "https"
         self._host, self._port = url.host, url.port or (443 if self._https else 80)
-        self._timeout_s = timeout_s
+        self._connect_s, self._read_s = connect_s, read_s
         self._idle: list[tuple[http.client.HTTPConnection, float]] = []  # and since when, most recent last
         self._max_idle = max_idle
         self._lock = threading.Lock()
 
-    def _connection(self, fresh: bool = False) -> http.client.HTTPConnection:
+    def _idle_connection(self) -> http.client.HTTPConnection | None:
         with self._lock:
-            while self._idle and not fresh:
+            while self._idle:
                 conn, since = self._idle.pop()
                 if time.monotonic() - since < KEEP_IDLE_S:
                     return conn
                 conn.close()  # the server has likely closed it by now
+        return None
+
+    def _connect(self) -> http.client.HTTPConnection:
         kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
-        conn = kind(self._host, self._port, timeout=self._timeout_s)
-        conn.connect()
-        assert conn.sock is not None
-        conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        conn = kind(self._host, self._port, timeout=self._connect_s)
+        try:
+            conn.connect()
+            assert conn.sock is not None
+            conn.sock.settimeout(self._read_s)
+            conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except BaseException:
+            conn.close()
+            raise
+        conn.auto_open = 0  # never reconnected behind our back (nor past the connect timeout)
         return conn
 
     def _give_back(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
-        if response.will_close or not response.isclosed():
+        if response.will_close or not response.isclosed() or conn.sock is None:
             conn.close()
             return
         with self._lock:
@@ -109,22 +142,29 @@ class Connections:
         conn.close()
 
     def open(self, request: httpx.Request) -> tuple[Head, Body]:
-        """Send ``request``: its answer's head and its unread body (``close`` it once done, read or not)."""
+        """Send ``request``: its answer's head and its unread body (``close`` it once done, read or not).
+        Any failure to connect, send or read the head is a ``TransportError`` naming the URL."""
         headers = {k: v for k, v in request.headers.items() if k.lower() != "accept-encoding"}
         target = request.url.raw_path.decode("ascii")
-        for attempt in (0, 1):  # a kept-alive connection the server has closed meanwhile: once more, new
-            conn = self._connection(fresh=attempt > 0)
+        url = str(request.url)
+        while True:
+            conn = self._idle_connection()
+            kept = conn is not None
+            if conn is None:
+                try:
+                    conn = self._connect()
+                except ERRORS as e:
+                    raise TransportError(f"connect: {describe(e)}", url) from e
             try:
                 conn.request(request.method, target, body=request.content or None, headers=headers)
                 response = conn.getresponse()
                 break
             except ERRORS as e:
                 conn.close()
-                stale = isinstance(e, http.client.RemoteDisconnected | ConnectionResetError | BrokenPipeError)
-                if attempt or not stale:
-                    raise TransportError(str(e) or type(e).__name__) from e
+                if not (kept and isinstance(e, STALE)):  # a kept-alive connection the server closed: again
+                    raise TransportError(describe(e), url) from e
         head = Head(response.status, response.reason, httpx.Headers(response.getheaders()))
-        return head, Body(self, conn, response)
+        return head, Body(self, conn, response, url)
 
     def close(self) -> None:
         with self._lock:

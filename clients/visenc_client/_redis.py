@@ -2,7 +2,9 @@
 
 ``RedisRows.fetch(handle, start, end)`` reads exactly the bytes ``GET /v1/embeddings/{hash}`` would answer,
 in one round trip (header and rows pipelined); only ready images are there: ``NotFoundError`` otherwise
-(fall back to ``Client.fetch``, which waits).
+(fall back to ``Client.fetch``, which waits). A Redis that cannot be reached or stops answering is a
+``TransportError`` naming it, after redis-py's own retries (``from_url`` passes ``retry`` and the socket
+timeouts through: a cache read usually wants few).
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import redis.asyncio
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
 
-from visenc_client._exceptions import BadRequestError, NotFoundError, ProtocolError, TransportError
+from visenc_client._exceptions import BadRequestError, NotFoundError, ProtocolError, TransportError, describe
 from visenc_client._protocol import NUMPY_DTYPES
 from visenc_client._types import Handle
 from visenc_client.format import DATA_OFFSET, CorruptEntry, entry_key
@@ -106,11 +108,27 @@ def _array(info: RowsInfo, data: bytes) -> np.ndarray:
     return out.reshape(len(data) // info.row_bytes, info.hidden)
 
 
+def _address(client: Any) -> str:
+    """Where a redis-py client connects (``redis://host:port/db``, a socket path, or a cluster's first node)."""
+    kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
+    if "path" in kwargs:
+        return f"unix://{kwargs['path']}"
+    if "host" in kwargs:
+        return f"redis://{kwargs['host']}:{kwargs.get('port', 6379)}/{kwargs.get('db', 0)}"
+    nodes = getattr(client, "startup_nodes", None) or getattr(
+        getattr(client, "nodes_manager", None), "startup_nodes", {}
+    )
+    node = next(iter(nodes.values()), None) if isinstance(nodes, dict) else None
+    return f"redis://{node.host}:{node.port}" if node is not None else "redis"
+
+
 class _Rows:
     def __init__(self, client: Any, *, fingerprint: str, namespace: str = "default") -> None:
         self.redis = client
         self.fingerprint = fingerprint
         self.namespace = namespace
+        #: named by every ``TransportError`` of a read
+        self.url = _address(client)
 
     def key(self, image: str | Handle) -> str:
         return entry_key(self.namespace, self.fingerprint, image.hash if isinstance(image, Handle) else image)
@@ -137,8 +155,8 @@ class RedisRows(_Rows):
                 batch = flow.send(list(pipe.execute()))
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        except redis.RedisError as e:
-            raise TransportError(f"redis: {e}") from e
+        except (redis.RedisError, OSError) as e:
+            raise TransportError(describe(e), self.url) from e
 
     def fetch_bytes(self, image: str | Handle, start: int | None = None, end: int | None = None) -> bytes:
         """Rows ``[start, end)`` as raw little-endian bytes: the body ``GET /v1/embeddings/{hash}`` answers."""
@@ -182,8 +200,8 @@ class AsyncRedisRows(_Rows):
                 batch = flow.send(list(await pipe.execute()))
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        except redis.RedisError as e:
-            raise TransportError(f"redis: {e}") from e
+        except (redis.RedisError, OSError) as e:
+            raise TransportError(describe(e), self.url) from e
 
     async def fetch_bytes(self, image: str | Handle, start: int | None = None, end: int | None = None) -> bytes:
         return (await self._drive(image, read_flow(image, start, end, fingerprint=self.fingerprint)))[1]

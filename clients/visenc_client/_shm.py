@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from visenc_client._exceptions import ProtocolError
+from visenc_client._exceptions import ProtocolError, TransportError, describe
 from visenc_client._types import RowRange
 
 #: segment names are plain file names: never a path
@@ -78,9 +78,13 @@ class SegmentMaps:
         except FileNotFoundError as e:
             # its lease ran out before we got to it: the rows are still served over HTTP
             raise ProtocolError(f"shared-memory segment {name} is gone (lease expired)") from e
+        except OSError as e:  # shared memory is this read's transport
+            raise TransportError(f"cannot open the segment: {describe(e)}", path) from e
         try:
             size = os.fstat(fd).st_size
             mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        except (OSError, ValueError) as e:  # ValueError: an empty file
+            raise TransportError(f"cannot map the segment: {describe(e)}", path) from e
         finally:
             os.close(fd)
         return _CACHE.put(path, mapped)

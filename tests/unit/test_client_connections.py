@@ -1,16 +1,23 @@
 """The client's rows connections (``visenc_client._http``) survive a server that drops kept-alive
-connections: the request goes again on a fresh connection, never failing the caller."""
+connections: the request goes again on a fresh connection, never failing the caller. A connection
+goes back to the pool once, so no two callers ever share one."""
 
 from __future__ import annotations
 
+import contextlib
+import http.client
 import http.server
+import socket
+import struct
 import threading
 from collections.abc import Iterator
+from typing import Any
 
+import msgpack
 import numpy as np
 import pytest
 
-from visenc_client import Client
+from visenc_client import AsyncClient, Client, TransportError
 
 ROWS = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -55,3 +62,132 @@ def test_a_dropped_keep_alive_connection_is_replaced(dropping_server: str) -> No
         for _ in range(4):  # each fetch after the first meets a connection the server closed
             np.testing.assert_array_equal(vc.fetch("a" * 64), ROWS)
     assert len(OneRequestPerConnection.served) == 4
+
+
+class UploadsReset(http.server.BaseHTTPRequestHandler):
+    """A visenc-like server whose look-ups answer ``missing`` and whose uploads meet a reset
+    connection, so an ``encode`` fails after one body was read and closed; its rows are a function of
+    the hash asked, so a connection two callers share shows as rows of another image."""
+
+    protocol_version = "HTTP/1.1"
+
+    def do_POST(self) -> None:
+        payload = msgpack.unpackb(self.rfile.read(int(self.headers["content-length"])))
+        if any("data" in item for item in payload["items"]):
+            self.connection.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+            self.close_connection = True
+            return
+        body = msgpack.packb({"items": [{"hash": i["hash"], "status": "missing"} for i in payload["items"]]})
+        self._answer(body, "application/msgpack")
+
+    def do_GET(self) -> None:
+        self._answer(rows_of(self.path.rsplit("/", 1)[1]).tobytes(), "application/octet-stream")
+
+    def _answer(self, body: bytes, content_type: str) -> None:
+        self.send_response(200)
+        self.send_header("content-type", content_type)
+        self.send_header("content-length", str(len(body)))
+        self.send_header("x-visenc-shape", "3,4")
+        self.send_header("x-visenc-dtype", "float32")
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def rows_of(image_hash: str) -> np.ndarray:
+    return np.full((3, 4), int(image_hash[:6], 16), dtype=np.float32)
+
+
+@pytest.fixture
+def resetting_uploads() -> Iterator[str]:
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), UploadsReset)
+    server.daemon_threads = True
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def pooled(vc: Client) -> list[http.client.HTTPConnection]:
+    assert vc._conns is not None
+    return [conn for conn, _ in vc._conns._idle]
+
+
+def test_a_body_gives_its_connection_back_once(resetting_uploads: str) -> None:
+    """``close`` acts once, however often and from however many threads it is called."""
+    with Client(resetting_uploads) as vc:
+        assert vc._conns is not None
+        for closers in (1, 2, 16):
+            _, body = vc._conns.open(vc._http.build_request("GET", f"/v1/embeddings/{'ab' * 32}"))
+            while body.read():
+                pass
+            start = threading.Barrier(closers)
+
+            def close(body: Any = body, start: threading.Barrier = start) -> None:
+                start.wait(10)
+                body.close()
+
+            threads = [threading.Thread(target=close) for _ in range(closers)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(10)
+            assert len(pooled(vc)) == 1
+            vc._conns.close()
+
+
+def test_a_failed_request_after_a_read_body_pools_nothing_twice(resetting_uploads: str) -> None:
+    """An encode whose look-up was read and whose upload then failed: the look-up's connection went
+    back to the pool once (it was closed, then the next request failed, then the flow ended)."""
+    with Client(resetting_uploads) as vc:
+        with pytest.raises(TransportError):
+            vc.encode([b"not an image"], include_rows=True)
+        conns = pooled(vc)
+        assert len({id(c) for c in conns}) == len(conns) and all(c.sock is not None for c in conns)
+
+
+def test_threads_never_share_a_connection(resetting_uploads: str) -> None:
+    """Threads that each fail an encode (as above) and fetch rows, at once, on one client: every
+    fetch gets its own image's rows (a connection pooled twice would hand two threads one socket)."""
+    errors: list[BaseException] = []
+
+    def work(vc: Client, n: int) -> None:
+        try:
+            for i in range(20):
+                with contextlib.suppress(TransportError):
+                    vc.encode([f"{n}-{i}".encode()], include_rows=True)
+                image = f"{n:02x}{i:04x}" + "0" * 58
+                np.testing.assert_array_equal(vc.fetch(image), rows_of(image))
+        except BaseException as e:
+            errors.append(e)
+
+    with Client(resetting_uploads) as vc:
+        threads = [threading.Thread(target=work, args=(vc, n)) for n in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+    assert errors == []
+
+
+async def test_the_async_client_pools_nothing_twice(resetting_uploads: str) -> None:
+    import asyncio
+
+    async with AsyncClient(resetting_uploads) as vc:
+
+        async def work(n: int) -> None:
+            for i in range(10):
+                with contextlib.suppress(TransportError):
+                    await vc.encode([f"{n}-{i}".encode()], include_rows=True)
+                image = f"{n:02x}{i:04x}" + "0" * 58
+                np.testing.assert_array_equal(await vc.fetch(image), rows_of(image))
+
+        await asyncio.gather(*(work(n) for n in range(8)))
+        assert vc._conns is not None
+        conns = [conn for conn, _ in vc._conns._idle]
+        assert len({id(c) for c in conns}) == len(conns) and all(c.sock is not None for c in conns)

@@ -315,7 +315,7 @@ def make_connector(url: str, model: dict[str, Any]) -> Callable[[Handle], Any] |
     try:
         import torch
 
-        from visenc_client.vllm import ConnectorStats, VisencConnector, VisencConnectorMetadata, _Want
+        from visenc_client.vllm import ConnectorStats, VisencConnector, VisencConnectorMetadata, Want
     except ImportError:
         return None
     from types import SimpleNamespace
@@ -327,7 +327,7 @@ def make_connector(url: str, model: dict[str, Any]) -> Callable[[Handle], Any] |
     connector._start_scheduler_side(SimpleNamespace(get_from_extra_config=lambda k, d: options.get(k, d)))
 
     def load(h: Handle) -> Any:
-        rows = connector._obtain({h.hash: _Want(h.num_tokens, None)}, True)[h.hash]
+        rows = connector._obtain({h.hash: Want(h.num_tokens, None)}, True)[h.hash]
         connector._get_connector_metadata = lambda: VisencConnectorMetadata(items=[(h.hash, rows)])
         cache: dict[str, Any] = {}
         connector.start_load_caches(cache)

@@ -196,7 +196,7 @@ def path_cost(urls: dict[str, str], turns: int, size: tuple[int, int]) -> dict[s
     import torch
 
     from visenc_client import Client, image_hash
-    from visenc_client.vllm import _torch_rows
+    from visenc_client._sources import torch_rows
 
     datas = [screenshot(900_000 + t, size) for t in range(turns)]
     hashes = [image_hash(d) for d in datas]
@@ -222,7 +222,7 @@ def path_cost(urls: dict[str, str], turns: int, size: tuple[int, int]) -> dict[s
             t0 = time.perf_counter()
             for h in handles:  # as the connector holds them and its worker side loads them
                 assert h.rows is not None
-                _torch_rows(h.rows, h.dtype).to(dtype=torch.float32)
+                torch_rows(h.rows, h.dtype).to(dtype=torch.float32)
             samples["copy"].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) * 1e3 for k, v in samples.items()}
     med["hop"] = med["proxy"] - med["direct"]

@@ -28,6 +28,8 @@ class TransportError(VisencClientError):
     def __init__(self, message: str, url: str | None = None) -> None:
         super().__init__(f"{url}: {message}" if url else message)
         self.url = url
+        #: what happened, without the URL
+        self.reason = message
 
 
 def describe(e: BaseException) -> str:

@@ -15,7 +15,6 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorBase,
@@ -23,10 +22,8 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from visenc_client._client import Client
-from visenc_client._exceptions import VisencClientError
-from visenc_client._types import Handle
-from visenc_client.format import ABSENT_KEY, is_valid_hash, words_tensor
+from visenc_client._sources import Absent, Mismatch, RowSources, Served, Want
+from visenc_client.format import ABSENT_KEY, is_valid_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -69,30 +66,6 @@ class ConnectorStats:
     unavailable: int = 0  # requests failed: an image without pixels whose rows could not be had
     loaded: int = 0  # images put into the encoder cache by a worker
     loaded_bytes: int = 0
-
-
-@dataclass(frozen=True, slots=True)
-class _Want:
-    """What vLLM will read for one item: its row count and, where the item carries one, its grid."""
-
-    rows: int
-    grid: tuple[int, ...] | None
-
-
-class _Absent(Exception):
-    """An image's rows cannot be had (said once per fetch, logged by the scheduler side)."""
-
-
-class _Mismatch(_Absent):
-    """visenc's rows are not what vLLM reads for the image (rows, width or grid): no replica of the
-    same model answers otherwise, and they are never loaded."""
-
-
-def _torch_rows(rows: np.ndarray, dtype: str | None) -> torch.Tensor:
-    """The rows as a CPU tensor that owns its memory: an array read for this call is taken as it is, a
-    view of memory that is not ours (a shared-memory segment) is copied once."""
-    owned = rows if rows.flags.owndata and rows.flags.writeable else np.array(rows, copy=True)
-    return words_tensor(owned, dtype or "float32")
 
 
 def encoder_output_width(model_config: Any) -> int:
@@ -187,135 +160,34 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         option = extra.get_from_extra_config
         urls = option("url", "http://127.0.0.1:8000")
         self.urls: list[str] = [urls] if isinstance(urls, str) else list(urls)
-        self.timeout_s = float(option("timeout_s", 10.0))
         self.defer_timeout_s = float(option("defer_timeout_s", 2.0))
         self.wait_for_encoding = bool(option("wait_for_encoding", False))
         transport = option("transport", "auto")
         if transport not in ("auto", "http", "shm"):
             raise ValueError(f"VisencConnector: transport must be 'auto', 'http' or 'shm', not {transport!r}")
-        auth = {"namespace": option("namespace", None), "api_key": option("api_key", None)}
-        shared: Any = {"auto": "auto", "http": False, "shm": True}[transport]
-        self._clients = [Client(url, timeout=self.timeout_s, shared_memory=shared, **auth) for url in self.urls]
+        self._sources = RowSources(
+            self.urls,
+            served=Served(self._hidden, f"vllm-{_vllm_minor()}", option("expected_fingerprint", None)),
+            timeout_s=float(option("timeout_s", 10.0)),
+            connect_timeout_s=float(option("connect_timeout_s", 1.0)),
+            answer_timeout_s=float(option("answer_timeout_s", 1.0)),
+            transport=transport,
+            namespace=option("namespace", None),
+            api_key=option("api_key", None),
+            redis_url=option("redis_url", None),
+        )
         self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))
-        self._inflight: dict[str, Future[dict[str, torch.Tensor | _Absent]]] = {}
+        self._inflight: dict[str, Future[dict[str, torch.Tensor | Absent]]] = {}
         self._absent: dict[str, float] = {}  # identifier -> when it was found absent
         self._waiting_since: dict[str, float] = {}  # request id -> first step it was deferred
         self._unavailable: set[str] = set()
         self._to_load: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="visenc-fetch")
-        fingerprint = self._check_model(option("expected_fingerprint", None))
-        self._redis = None
-        redis_url = option("redis_url", None)
-        if redis_url and fingerprint:
-            from visenc_client._redis import RedisRows
+        self._sources.check_at_start()
 
-            self._redis = RedisRows.from_url(
-                redis_url, fingerprint=fingerprint, namespace=auth["namespace"] or "default"
-            )
-
-    def _check_model(self, expected_fingerprint: str | None) -> str | None:
-        """Refuse a visenc that serves another model; only warn when none can be reached yet.
-        Returns the served fingerprint (or the expected one), for direct Redis reads."""
-        for url, client in zip(self.urls, self._clients):
-            try:
-                served = client.model()
-            except VisencClientError as e:
-                log.warning("VisencConnector: visenc at %s is not reachable yet (%s)", url, e)
-                continue
-            hidden = int(served.get("hidden_size", -1))
-            if hidden != self._hidden:
-                raise ValueError(
-                    f"VisencConnector: visenc at {url} serves {served.get('name')!r} with rows of width {hidden}, "
-                    f"but this model's image embeddings are {self._hidden} wide: it serves another model"
-                )
-            loader = str(served.get("image_loader"))
-            if loader != f"vllm-{_vllm_minor()}":
-                raise ValueError(
-                    f"VisencConnector: visenc at {url} loads images as {loader!r}, but this is vLLM "
-                    f"{_vllm_minor()}: serve visenc with --image-loader vllm, in a release that follows this vLLM "
-                    "(EXIF orientation and transparency would give other rows)"
-                )
-            if expected_fingerprint is not None and served.get("fingerprint") != expected_fingerprint:
-                raise ValueError(
-                    f"VisencConnector: visenc at {url} serves fingerprint {served.get('fingerprint')}, "
-                    f"expected {expected_fingerprint}"
-                )
-            if client._auto:
-                client._choose(served)
-            log.info(
-                "VisencConnector: visenc at %s serves %s (fingerprint %s, %s, rows of %d, image loader %s); "
-                "rows over %s",
-                url,
-                served.get("name"),
-                served.get("fingerprint"),
-                served.get("dtype"),
-                hidden,
-                served.get("image_loader"),
-                "shared memory" if client.shared_memory else "HTTP",
-            )
-            return expected_fingerprint or served.get("fingerprint")
-        log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")
-        return expected_fingerprint
-
-    def _obtain(self, wants: dict[str, _Want], wait: bool) -> dict[str, torch.Tensor | _Absent]:
-        """Several images' rows in one look-up, each checked against what vLLM reads (runs on a
-        fetch thread): each URL in turn for what is still lacking, then the shared index; what
-        none has maps to ``_Absent``. ``wait``: an image still being encoded is waited for (else
-        it is absent: vLLM encodes it sooner than it would wait)."""
-        results: dict[str, torch.Tensor | _Absent] = {}
-        causes: dict[str, list[str]] = {i: [] for i in wants}
-        for url, client in zip(self.urls, self._clients):
-            todo = [i for i in wants if i not in results]
-            if not todo:
-                break
-            try:
-                handles = client.lookup(todo, wait=wait, include_rows=not client.shared_memory)
-            except VisencClientError as e:
-                for i in todo:
-                    causes[i].append(f"{url}: {e}")
-                continue
-            for identifier, handle in zip(todo, handles):
-                try:
-                    results[identifier] = self._rows_of(client, handle, wants[identifier])
-                except _Mismatch as e:  # no replica of the same model answers otherwise
-                    results[identifier] = e
-                except (VisencClientError, _Absent) as e:
-                    causes[identifier].append(f"{url}: {e}")
-        for identifier in [i for i in wants if i not in results]:
-            if self._redis is not None:  # same fingerprint, so the same image loader: the row count is checked
-                try:
-                    info = self._redis.info(identifier)
-                    rows = self._redis.fetch(identifier)
-                    results[identifier] = self._checked_rows(_torch_rows(rows, info.dtype), wants[identifier])
-                    continue
-                except VisencClientError as e:
-                    causes[identifier].append(f"redis: {e}")
-                except _Mismatch as e:
-                    results[identifier] = e
-                    continue
-            results[identifier] = _Absent("; ".join(causes[identifier]) or "no visenc configured")
-        return results
-
-    def _rows_of(self, client: Client, handle: Handle, want: _Want) -> torch.Tensor:
-        if handle.status != "ready":
-            raise _Absent(f"{handle.status}{f' ({handle.error})' if handle.error else ''}")
-        self._check(handle, want)
-        rows = handle.rows if handle.rows is not None else client.fetch(handle.hash)
-        return self._checked_rows(_torch_rows(rows, handle.dtype), want)
-
-    def _check(self, handle: Handle, want: _Want) -> None:
-        if handle.num_tokens != want.rows:
-            raise _Mismatch(f"visenc has {handle.num_tokens} rows, vLLM reads {want.rows}")
-        if want.grid is not None and handle.grid_thw is not None and tuple(handle.grid_thw) != want.grid:
-            raise _Mismatch(
-                f"visenc's grid {tuple(handle.grid_thw)} is not vLLM's {want.grid} "
-                "(the two decode or resize this image differently)"
-            )
-
-    def _checked_rows(self, rows: torch.Tensor, want: _Want) -> torch.Tensor:
-        if tuple(rows.shape) != (want.rows, self._hidden):
-            raise _Mismatch(f"visenc has rows {tuple(rows.shape)}, vLLM reads ({want.rows}, {self._hidden})")
-        return rows
+    def _obtain(self, wants: dict[str, Want], wait: bool) -> dict[str, torch.Tensor | Absent]:
+        """Several images' rows in one look-up per source (runs on a fetch thread): ``RowSources.obtain``."""
+        return self._sources.obtain(wants, wait)
 
     def _collect(self) -> None:
         """Move finished fetches into local memory (scheduler thread only); forget absences past
@@ -327,10 +199,10 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             future = self._inflight.pop(identifier)
             try:
                 rows = future.result()[identifier]
-                if isinstance(rows, _Absent):
+                if isinstance(rows, Absent):
                     raise rows
-            except _Absent as e:
-                self.stats.rejected += isinstance(e, _Mismatch)
+            except Absent as e:
+                self.stats.rejected += isinstance(e, Mismatch)
                 self.stats.failures += 1
                 log.warning(
                     "VisencConnector: image %s is not available from visenc (%s): vLLM encodes it", identifier, e
@@ -363,7 +235,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         now = time.monotonic()
         in_flight = False
         lacking: list[str] = []  # needed, not held, and not encodable by vLLM
-        batches: dict[bool, dict[str, _Want]] = {}  # this request's new fetches, by whether they wait
+        batches: dict[bool, dict[str, Want]] = {}  # this request's new fetches, by whether they wait
         absent, told = told_absent(request), 0
         for feature in request.mm_features:
             identifier = feature.identifier
@@ -376,7 +248,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             elif identifier in absent and _encodable(feature.data):
                 told += 1  # vLLM encodes it now rather than after a look-up's answer
             elif is_valid_hash(identifier) and not self._is_absent(identifier, now):
-                want = _Want(int(feature.mm_position.get_num_embeds()), _item_grid(feature.data))
+                want = Want(int(feature.mm_position.get_num_embeds()), _item_grid(feature.data))
                 wait = self.wait_for_encoding or not _encodable(feature.data)
                 batches.setdefault(wait, {})[identifier] = want
                 in_flight = True
@@ -403,9 +275,9 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self.stats.told_absent += told
         return True
 
-    def _fetch(self, wants: dict[str, _Want], wait: bool) -> None:
+    def _fetch(self, wants: dict[str, Want], wait: bool) -> None:
         """Start look-ups of ``wants``, as few as the rows' size allows (``MAX_FETCH_BYTES`` each)."""
-        batch: dict[str, _Want] = {}
+        batch: dict[str, Want] = {}
         size = 0
         for identifier, want in [*wants.items(), ("", None)]:
             bytes_ = 0 if want is None else 4 * want.rows * self._hidden  # at most 4 bytes a value
@@ -472,7 +344,4 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         if self.role != ECConnectorRole.SCHEDULER:
             return
         self._pool.shutdown(wait=False, cancel_futures=True)
-        for client in self._clients:
-            client.close()
-        if self._redis is not None:
-            self._redis.close()
+        self._sources.close()

@@ -184,7 +184,7 @@ def differs(got: list[dict], want: list[dict]) -> bool:
 
 def _scheduler_side(monkeypatch, obtain, defer_timeout_s=0.5):
     """A scheduler-side connector (no vLLM config; its visenc is a closed port) whose fetches are
-    ``obtain(wants, wait)`` (rows or ``_Absent`` per identifier)."""
+    ``obtain(wants, wait)`` (rows or ``Absent`` per identifier)."""
     from types import SimpleNamespace
 
     from visenc_client.vllm import ConnectorStats, VisencConnector
@@ -259,17 +259,17 @@ def test_a_failed_fetch_means_vllm_encodes_the_image(monkeypatch, fault):
     not cached, and the request is scheduled (vLLM encodes it)."""
     import threading
 
-    from visenc_client.vllm import _Absent
+    from visenc_client.vllm import Absent
 
     never = threading.Event()
 
     def obtain(wants, wait):
         if fault == "absent":
-            return dict.fromkeys(wants, _Absent("503: injected"))
+            return dict.fromkeys(wants, Absent("503: injected"))
         if fault == "bug":
             raise KeyError("rows")
         never.wait(10)
-        return dict.fromkeys(wants, _Absent("too late"))
+        return dict.fromkeys(wants, Absent("too late"))
 
     connector = _scheduler_side(monkeypatch, obtain, defer_timeout_s=0.3)
     request = _request("r1", (A, 0, 3, {"pixel_values": 0}))
@@ -281,10 +281,10 @@ def test_a_failed_fetch_means_vllm_encodes_the_image(monkeypatch, fault):
 
 
 def test_an_image_without_pixels_fails_its_request_alone(monkeypatch):
-    from visenc_client.vllm import _Absent
+    from visenc_client.vllm import Absent
 
     def obtain(wants, wait):
-        return dict.fromkeys(wants, _Absent("connection refused"))
+        return dict.fromkeys(wants, Absent("connection refused"))
 
     connector = _scheduler_side(monkeypatch, obtain)
     from types import SimpleNamespace
@@ -311,18 +311,16 @@ def test_an_image_without_pixels_fails_its_request_alone(monkeypatch):
 def test_rows_for_another_grid_or_count_are_refused(grid, rows, fits):
     """A picture visenc turned or resized otherwise than vLLM (same row count, other grid; or
     another count) is a miss, never loaded."""
-    from types import SimpleNamespace
-
     from visenc_client import Handle
-    from visenc_client.vllm import VisencConnector, _Mismatch, _Want
+    from visenc_client._sources import check_handle
+    from visenc_client.vllm import Mismatch, Want
 
-    connector = SimpleNamespace()
     handle = Handle(A, "ready", rows, 4, "float32", grid)
-    check = lambda: VisencConnector._check(connector, handle, _Want(40, (1, 10, 16)))  # noqa: E731
+    check = lambda: check_handle(handle, Want(40, (1, 10, 16)))  # noqa: E731
     if fits:
         check()
     else:
-        with pytest.raises(_Mismatch):
+        with pytest.raises(Mismatch):
             check()
 
 

@@ -1,0 +1,385 @@
+"""Where ``VisencConnector`` gets images' rows: each visenc replica in turn, then the shared index.
+
+A source that cannot be reached (refused, reset, a name that does not resolve, a connect past
+``connect_timeout_s``, a look-up that does not wait answered nothing for ``answer_timeout_s``) is skipped
+by every caller for a while (``Backoff``), then asked again by one caller: a dead replica costs one
+look-up its timeout per back-off, never every look-up its timeout. A replica is checked (the model it
+serves; for ``transport: auto``, whether it shares this host's memory) the first time it answers, at
+start-up or later, so a visenc started after the engine is used as fully as one started before.
+No vLLM import: the rows are checked against what the engine reads (``Want``) and handed back as CPU
+tensors.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from visenc_client._client import Client
+from visenc_client._exceptions import TransportError, VisencClientError
+from visenc_client._types import Handle
+from visenc_client.format import words_tensor
+
+log = logging.getLogger("visenc_client.vllm")
+
+#: a source that could not be reached is skipped this long, doubled with each failure in a row ...
+BACKOFF_FIRST_S = 1.0
+#: ... up to this; then one caller asks it again, and one answer puts it back
+BACKOFF_MAX_S = 30.0
+#: the shared index, among the sources' names
+INDEX = "redis"
+
+
+@dataclass(frozen=True, slots=True)
+class Want:
+    """What the engine will read for one item: its row count and, where the item carries one, its grid."""
+
+    rows: int
+    grid: tuple[int, ...] | None
+
+
+class Absent(Exception):
+    """An image's rows cannot be had (said once per fetch, logged by the scheduler side)."""
+
+
+class Mismatch(Absent):
+    """visenc's rows are not what the engine reads for the image (rows, width or grid): no replica of
+    the same model answers otherwise, and they are never loaded."""
+
+
+class Backoff:
+    """Which sources to skip now: thread-safe. ``usable(name)`` says whether to ask ``name`` (after a
+    back-off, it lets one caller through, the probe); every ask that ``usable`` allowed ends with
+    ``done(name, reached)``."""
+
+    def __init__(self, *, first_s: float = BACKOFF_FIRST_S, max_s: float = BACKOFF_MAX_S) -> None:
+        self.first_s, self.max_s = first_s, max_s
+        self._failures: dict[str, int] = {}  # failures in a row, of the sources that failed last time
+        self._until: dict[str, float] = {}  # monotonic: skipped before this
+        self._probing: set[str] = set()
+        self._lock = threading.Lock()
+
+    def usable(self, name: str) -> bool:
+        with self._lock:
+            if name not in self._failures:
+                return True
+            if name in self._probing or time.monotonic() < self._until[name]:
+                return False
+            self._probing.add(name)
+            return True
+
+    def done(self, name: str, reached: bool) -> None:
+        with self._lock:
+            self._probing.discard(name)
+            if reached:
+                self._failures.pop(name, None)
+                self._until.pop(name, None)
+                return
+            failures = self._failures[name] = self._failures.get(name, 0) + 1
+            self._until[name] = time.monotonic() + min(self.max_s, self.first_s * 2 ** (failures - 1))
+
+    def skipped_for(self, name: str) -> float:
+        """Seconds until ``name`` is asked again (0 when it is asked now)."""
+        with self._lock:
+            return max(0.0, self._until.get(name, 0.0) - time.monotonic())
+
+
+def torch_rows(rows: np.ndarray, dtype: str | None) -> torch.Tensor:
+    """The rows as a CPU tensor that owns its memory: an array read for this call is taken as it is, a
+    view of memory that is not ours (a shared-memory segment) is copied once."""
+    owned = rows if rows.flags.owndata and rows.flags.writeable else np.array(rows, copy=True)
+    return words_tensor(owned, dtype or "float32")
+
+
+@dataclass
+class Replica:
+    """One visenc URL: a client for look-ups that wait (read timeout ``timeout_s``) and one for those
+    that do not (``answer_timeout_s``), one shared-memory decision for both."""
+
+    url: str
+    waiting: Client
+    prompt: Client
+    #: its model was checked (and, for ``transport: auto``, the transport chosen)
+    checked: bool = False
+    #: why it is never asked (it serves another model); ``None`` while it may be
+    refused: str | None = None
+
+    def client(self, wait: bool) -> Client:
+        return self.waiting if wait else self.prompt
+
+    def close(self) -> None:
+        self.waiting.close()
+        self.prompt.close()
+
+
+@dataclass(frozen=True)
+class Served:
+    """What a connector expects of the visenc it reads: ``hidden`` (row width), ``loader`` (the image
+    loader, ``vllm-0.32``), ``fingerprint`` (``None``: any)."""
+
+    hidden: int
+    loader: str
+    fingerprint: str | None = None
+
+    def refusal(self, url: str, served: dict[str, Any]) -> str | None:
+        """Why the visenc at ``url``, which answered ``served`` (its ``/v1/model``), cannot be used."""
+        hidden = int(served.get("hidden_size", -1))
+        if hidden != self.hidden:
+            return (
+                f"visenc at {url} serves {served.get('name')!r} with rows of width {hidden}, but this model's "
+                f"image embeddings are {self.hidden} wide: it serves another model"
+            )
+        if str(served.get("image_loader")) != self.loader:
+            return (
+                f"visenc at {url} loads images as {served.get('image_loader')!r}, but this is {self.loader}: "
+                "serve visenc with --image-loader vllm, in a release that follows this vLLM "
+                "(EXIF orientation and transparency would give other rows)"
+            )
+        if self.fingerprint is not None and served.get("fingerprint") != self.fingerprint:
+            return f"visenc at {url} serves fingerprint {served.get('fingerprint')}, expected {self.fingerprint}"
+        return None
+
+
+def check_handle(handle: Handle, want: Want) -> None:
+    """``Mismatch`` unless a ready handle's row count and grid are what the engine reads."""
+    if handle.num_tokens != want.rows:
+        raise Mismatch(f"visenc has {handle.num_tokens} rows, vLLM reads {want.rows}")
+    if want.grid is not None and handle.grid_thw is not None and tuple(handle.grid_thw) != want.grid:
+        raise Mismatch(
+            f"visenc's grid {tuple(handle.grid_thw)} is not vLLM's {want.grid} "
+            "(the two decode or resize this image differently)"
+        )
+
+
+def checked_rows(rows: torch.Tensor, want: Want, hidden: int) -> torch.Tensor:
+    if tuple(rows.shape) != (want.rows, hidden):
+        raise Mismatch(f"visenc has rows {tuple(rows.shape)}, vLLM reads ({want.rows}, {hidden})")
+    return rows
+
+
+#: what one source made of each image asked of it: its rows, or why not
+Answers = dict[str, "torch.Tensor | Absent"]
+
+
+class RowSources:
+    """Each replica in turn, then the shared index (the module docstring says how failures are met).
+    ``obtain`` is called from several threads at once."""
+
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        served: Served,
+        timeout_s: float,
+        connect_timeout_s: float,
+        answer_timeout_s: float,
+        transport: str = "auto",
+        namespace: str | None = None,
+        api_key: str | None = None,
+        redis_url: str | None = None,
+    ) -> None:
+        shared: Any = {"auto": "auto", "http": False, "shm": True}[transport]
+
+        def client(url: str, read_s: float) -> Client:
+            return Client(
+                url,
+                timeout=read_s,
+                connect_timeout=connect_timeout_s,
+                shared_memory=shared,
+                namespace=namespace,
+                api_key=api_key,
+            )
+
+        self.replicas = [Replica(u, client(u, timeout_s), client(u, answer_timeout_s)) for u in urls]
+        self.served = served
+        self.backoff = Backoff()
+        self._redis_url, self._namespace = redis_url, namespace or "default"
+        self._redis_options: dict[str, Any] = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": timeout_s}
+        self._index: Any = None  # RedisRows, once the fingerprint its keys need is known
+        self._lock = threading.Lock()
+        if served.fingerprint is not None:
+            self._open_index(served.fingerprint)
+
+    # --- checking replicas ----------------------------------------------------------------
+    def check_at_start(self) -> None:
+        """Check every replica that answers now: ``ValueError`` if one cannot be used (another model,
+        loader or fingerprint: the engine refuses to start); one that does not answer yet is checked
+        when it first does, and skipped meanwhile as any unreachable source."""
+        for replica in self.replicas:
+            try:
+                info = replica.prompt.model()
+            except VisencClientError as e:
+                log.warning("VisencConnector: visenc at %s is not reachable yet (%s)", replica.url, e)
+                self.backoff.done(replica.url, reached=not isinstance(e, TransportError))
+                continue
+            refusal = self.served.refusal(replica.url, info)
+            if refusal is not None:
+                raise ValueError(f"VisencConnector: {refusal}")
+            self._accept(replica, info)
+        if not any(r.checked for r in self.replicas):
+            log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")
+
+    def _accept(self, replica: Replica, info: dict[str, Any]) -> None:
+        with self._lock:
+            for client in (replica.waiting, replica.prompt):
+                if client._auto:
+                    client._choose(info)
+            replica.checked = True
+            if self._index is None and self._redis_url:
+                self._open_index(self.served.fingerprint or str(info.get("fingerprint")))
+        log.info(
+            "VisencConnector: visenc at %s serves %s (fingerprint %s, %s, rows of %s, image loader %s); rows over %s",
+            replica.url,
+            info.get("name"),
+            info.get("fingerprint"),
+            info.get("dtype"),
+            info.get("hidden_size"),
+            info.get("image_loader"),
+            "shared memory" if replica.prompt.shared_memory else "HTTP",
+        )
+
+    def _open_index(self, fingerprint: str) -> None:
+        if not self._redis_url:
+            return
+        from redis.backoff import NoBackoff
+        from redis.retry import Retry
+
+        from visenc_client._redis import RedisRows
+
+        # a cache read: one retry (a connection Redis closed meanwhile), never redis-py's ten
+        options: dict[str, Any] = {**self._redis_options, "retry": Retry(NoBackoff(), 1)}
+        self._index = RedisRows.from_url(self._redis_url, fingerprint=fingerprint, namespace=self._namespace, **options)
+
+    # --- reading rows -----------------------------------------------------------------------
+    def obtain(self, wants: dict[str, Want], wait: bool) -> Answers:
+        """Several images' rows in one look-up per source, each checked against what the engine
+        reads: each replica in turn for what is still lacking, then the shared index; what none has
+        maps to ``Absent``, saying what each source answered. ``wait``: an image still being encoded
+        is waited for (else it is absent)."""
+        results: Answers = {}
+        causes: dict[str, list[str]] = {i: [] for i in wants}
+        sources: list[tuple[str, Callable[[dict[str, Want]], Answers]]] = [
+            (r.url, functools.partial(self._from_replica, r, wait=wait)) for r in self.replicas
+        ]
+        sources.append((INDEX, self._from_index))
+        for name, ask in sources:
+            todo = {i: w for i, w in wants.items() if i not in results}
+            if not todo:
+                break
+            for identifier, got in ask(todo).items():
+                if isinstance(got, Absent) and not isinstance(got, Mismatch):  # a mismatch is final
+                    causes[identifier].append(f"{name}: {got}")
+                else:
+                    results[identifier] = got
+        for identifier in [i for i in wants if i not in results]:
+            results[identifier] = Absent("; ".join(causes[identifier]) or "no visenc configured")
+        return results
+
+    def _skip(self, name: str, wants: dict[str, Want]) -> Answers | None:
+        """``Absent`` for every image when ``name`` is not asked now (it could not be reached lately)."""
+        if self.backoff.usable(name):
+            return None
+        why = f"not asked: it could not be reached lately (asked again in {self.backoff.skipped_for(name):.1f} s)"
+        return {i: Absent(why) for i in wants}
+
+    def _from_replica(self, replica: Replica, wants: dict[str, Want], *, wait: bool) -> Answers:
+        if replica.refused is not None:
+            return {i: Absent("not asked: it serves another model") for i in wants}
+        skipped = self._skip(replica.url, wants)
+        if skipped is not None:
+            return skipped
+        reached = False
+        try:
+            answers = self._ask(replica, wants, wait)
+            reached = True
+            return answers
+        except TransportError as e:
+            return {i: Absent(e.reason) for i in wants}
+        except VisencClientError as e:  # it answered, with an error
+            reached = True
+            return {i: Absent(str(e)) for i in wants}
+        finally:
+            self._reached(replica.url, reached)
+
+    def _reached(self, name: str, reached: bool) -> None:
+        before = self.backoff.skipped_for(name)
+        self.backoff.done(name, reached)
+        if not reached and not before:
+            log.warning(
+                "VisencConnector: %s could not be reached: not asked for %.0f s, then tried again",
+                name,
+                self.backoff.skipped_for(name),
+            )
+
+    def _ask(self, replica: Replica, wants: dict[str, Want], wait: bool) -> Answers:
+        """One look-up of ``wants`` at ``replica`` (checked first, the first time it answers)."""
+        client = replica.client(wait)
+        if not replica.checked:
+            info = client.model()
+            refusal = self.served.refusal(replica.url, info)
+            if refusal is not None:
+                replica.refused = refusal
+                log.error("VisencConnector: %s; it is not asked again", refusal)
+                return {i: Absent(refusal) for i in wants}
+            self._accept(replica, info)
+        handles = client.lookup(list(wants), wait=wait, include_rows=not client.shared_memory)
+        answers: Answers = {}
+        for (identifier, want), handle in zip(wants.items(), handles):
+            try:
+                answers[identifier] = self._rows_of(client, handle, want)
+            except Absent as e:
+                answers[identifier] = e
+            except TransportError:
+                raise  # it stopped answering (a shared-memory read's request): the next replica
+            except VisencClientError as e:
+                answers[identifier] = Absent(str(e))
+        return answers
+
+    def _rows_of(self, client: Client, handle: Handle, want: Want) -> torch.Tensor:
+        if handle.status != "ready":
+            raise Absent(f"{handle.status}{f' ({handle.error})' if handle.error else ''}")
+        check_handle(handle, want)
+        rows = handle.rows if handle.rows is not None else client.fetch(handle.hash)
+        return checked_rows(torch_rows(rows, handle.dtype), want, self.served.hidden)
+
+    def _from_index(self, wants: dict[str, Want]) -> Answers:
+        """Ready rows straight from the shared index (same fingerprint, so the same image loader: only
+        the shape is checked)."""
+        index = self._index
+        if index is None:
+            return {}
+        skipped = self._skip(INDEX, wants)
+        if skipped is not None:
+            return skipped
+        answers: Answers = {}
+        reached = True
+        try:
+            for identifier, want in wants.items():
+                try:
+                    info = index.info(identifier)
+                    rows = index.fetch(identifier)
+                    answers[identifier] = checked_rows(torch_rows(rows, info.dtype), want, self.served.hidden)
+                except TransportError as e:
+                    reached = False
+                    return {**answers, **{i: Absent(str(e)) for i in wants if i not in answers}}
+                except Absent as e:
+                    answers[identifier] = e
+                except VisencClientError as e:
+                    answers[identifier] = Absent(str(e))
+            return answers
+        finally:
+            self._reached(INDEX, reached)
+
+    def close(self) -> None:
+        for replica in self.replicas:
+            replica.close()
+        if self._index is not None:
+            self._index.close()

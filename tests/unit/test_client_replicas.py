@@ -1,0 +1,200 @@
+"""The connector's sources (``visenc_client._sources.RowSources``): when a replica refuses, resets, hangs
+on connect, never answers or cuts its answer short, the rows come from the next replica, then from the
+shared index; a replica that failed is skipped for a while, then asked again; a replica that did not
+answer at start-up is checked, and ``transport: auto`` decided, once it answers. A real ``visenc serve``
+with a real ``redis-server``, and real dead sockets (``tests.support.dead_ends``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import torch
+from tests.conftest import ROOT, redis_process, serve_subprocess, stop_process
+from tests.images import png_bytes
+from tests.support.dead_ends import Blackhole, Peer, refused
+from tests.support.waits import free_port, wait_ready, wait_until
+
+from visenc_client import Client
+from visenc_client._sources import Absent, Backoff, RowSources, Served, Want, torch_rows
+
+#: far above every bound a test sets: a call that took this long waited for the wrong timeout
+SLOW_S = 30.0
+#: the bounds the sources are given here (the connector's defaults are 1 s)
+QUICK = {"timeout_s": 5.0, "connect_timeout_s": 0.5, "answer_timeout_s": 0.5}
+
+
+@pytest.fixture(scope="module")
+def visenc() -> Iterator[dict[str, Any]]:
+    """A real visenc (the default tiny tower) with its index in a real Redis; two images encoded."""
+    with redis_process() as (redis_url, _):
+        with serve_subprocess("--redis-url", redis_url, "--max-wait-ms", "1") as (url, _):
+            images = [png_bytes(i, 64 + 8 * i, 48) for i in range(2)]
+            with Client(url) as vc:
+                handles = vc.encode(images)
+                info = vc.model()
+                rows = {h.hash: torch_rows(vc.fetch(h), h.dtype) for h in handles}
+            yield {"url": url, "redis": redis_url, "info": info, "handles": handles, "rows": rows}
+
+
+def served(visenc: dict[str, Any], fingerprint: bool = False) -> Served:
+    info = visenc["info"]
+    return Served(int(info["hidden_size"]), str(info["image_loader"]), info["fingerprint"] if fingerprint else None)
+
+
+def wants(visenc: dict[str, Any]) -> dict[str, Want]:
+    return {h.hash: Want(h.num_tokens, None) for h in visenc["handles"]}
+
+
+def assert_rows(visenc: dict[str, Any], got: dict[str, Any]) -> None:
+    assert set(got) == set(visenc["rows"])
+    for identifier, rows in got.items():
+        assert isinstance(rows, torch.Tensor), rows
+        assert torch.equal(rows, visenc["rows"][identifier])
+
+
+@contextlib.contextmanager
+def dead(kind: str) -> Iterator[tuple[str, Any]]:
+    """(URL, the peer or ``None``) of a replica that fails as ``kind`` says."""
+    if kind == "refused":
+        yield refused(), None
+    elif kind == "connect-hangs":
+        with Blackhole() as hole:
+            yield hole.url, hole
+    else:
+        with Peer(kind) as peer:
+            yield peer.url, peer
+
+
+@pytest.mark.parametrize("kind", ["refused", "connect-hangs", "silent", "reset", "cut"])
+def test_a_dead_first_replica_costs_its_timeout_once(visenc: dict[str, Any], kind: str) -> None:
+    with dead(kind) as (url, peer):
+        sources = RowSources([url, visenc["url"]], served=served(visenc), **QUICK)
+        sources.backoff = Backoff(first_s=0.3)
+        try:
+            started = time.monotonic()
+            assert_rows(visenc, sources.obtain(wants(visenc), wait=False))
+            assert time.monotonic() - started < SLOW_S
+            assert sources.backoff.skipped_for(url) > 0  # skipped for a while ...
+            seen = peer.connections if isinstance(peer, Peer) else 0
+            assert_rows(visenc, sources.obtain(wants(visenc), wait=False))
+            if isinstance(peer, Peer):
+                assert peer.connections == seen  # ... not asked meanwhile ...
+            wait_until(lambda: sources.backoff.skipped_for(url) == 0, 10, "the back-off ends")
+            assert_rows(visenc, sources.obtain(wants(visenc), wait=False))
+            if isinstance(peer, Peer):
+                assert peer.connections > seen  # ... then asked again
+            assert sources.backoff.skipped_for(url) > 0.3  # failed again: a longer back-off
+        finally:
+            sources.close()
+
+
+def test_rows_come_from_redis_when_no_replica_answers(visenc: dict[str, Any]) -> None:
+    with Blackhole() as hole:
+        sources = RowSources(
+            [refused(), hole.url], served=served(visenc, fingerprint=True), redis_url=visenc["redis"], **QUICK
+        )
+        try:
+            assert_rows(visenc, sources.obtain(wants(visenc), wait=False))
+        finally:
+            sources.close()
+
+
+def test_nothing_answers_every_image_is_absent_saying_why(visenc: dict[str, Any]) -> None:
+    first, dead_redis = refused(), f"redis://127.0.0.1:{free_port()}/0"
+    with Blackhole() as hole:
+        sources = RowSources([first, hole.url], served=served(visenc, fingerprint=True), redis_url=dead_redis, **QUICK)
+        try:
+            started = time.monotonic()
+            got = sources.obtain(wants(visenc), wait=False)
+            assert time.monotonic() - started < SLOW_S
+            for answer in got.values():
+                assert isinstance(answer, Absent)
+                for name in (first, hole.url, dead_redis):
+                    assert name in str(answer)
+            again = sources.obtain(wants(visenc), wait=False)  # every source skipped: at once
+            assert all("not asked" in str(a) for a in again.values())
+        finally:
+            sources.close()
+
+
+def test_a_replica_that_answers_an_error_is_not_skipped(visenc: dict[str, Any]) -> None:
+    """A 4xx/5xx is an answer, not an unreachable replica: it is asked again at once."""
+    sources = RowSources([visenc["url"]], served=served(visenc), namespace="no such namespace?", **QUICK)
+    try:
+        sources.obtain({"not-a-hash": Want(1, None)}, wait=False)
+        assert sources.backoff.skipped_for(visenc["url"]) == 0
+    finally:
+        sources.close()
+
+
+def test_a_replica_started_later_is_checked_and_chooses_shared_memory(visenc: dict[str, Any]) -> None:
+    """``transport: auto`` with visenc down at start-up: once it answers, it is checked and, being on
+    this host, read over shared memory (before, the look-ups asked for rows over HTTP forever)."""
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    sources = RowSources([url], served=served(visenc), transport="auto", **QUICK)
+    sources.backoff = Backoff(first_s=0.1)
+    try:
+        sources.check_at_start()
+        replica = sources.replicas[0]
+        assert not replica.checked and not replica.prompt.shared_memory
+        with visenc_on(port, visenc["redis"]):
+            wait_until(lambda: sources.backoff.skipped_for(url) == 0, 10, "the back-off ends")
+            assert_rows(visenc, sources.obtain(wants(visenc), wait=False))  # from the shared index, via visenc
+        assert replica.checked and replica.prompt.shared_memory and replica.waiting.shared_memory
+    finally:
+        sources.close()
+
+
+def test_a_replica_of_another_model_is_refused_when_it_first_answers(visenc: dict[str, Any]) -> None:
+    other = Served(int(visenc["info"]["hidden_size"]) + 1, str(visenc["info"]["image_loader"]))
+    sources = RowSources([visenc["url"]], served=other, **QUICK)
+    try:
+        got = sources.obtain(wants(visenc), wait=False)
+        assert all("serves another model" in str(a) for a in got.values())
+        assert sources.replicas[0].refused is not None
+        with pytest.raises(ValueError, match="serves another model"):
+            RowSources([visenc["url"]], served=other, **QUICK).check_at_start()
+    finally:
+        sources.close()
+
+
+@contextlib.contextmanager
+def visenc_on(port: int, redis_url: str) -> Iterator[str]:
+    """A ``visenc serve`` on ``port``, sharing ``redis_url``'s index (so it holds the images)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients"), str(ROOT)])}
+    command = ["-m", "visenc", "serve", "--host", "127.0.0.1", "--port", str(port), "--redis-url", redis_url]
+    proc = subprocess.Popen([sys.executable, *command], env=env, cwd=ROOT, stdout=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(url, proc)
+        yield url
+    finally:
+        stop_process(proc)
+
+
+def test_backoff_doubles_and_resets() -> None:
+    backoff = Backoff(first_s=10.0, max_s=25.0)
+    assert backoff.usable("a")
+    backoff.done("a", reached=False)
+    assert not backoff.usable("a") and 9 < backoff.skipped_for("a") <= 10
+    backoff._until["a"] = 0.0  # the back-off has passed: one caller probes, the others still skip
+    assert backoff.usable("a") and not backoff.usable("a")
+    backoff.done("a", reached=False)
+    assert 19 < backoff.skipped_for("a") <= 20
+    backoff._until["a"] = 0.0
+    assert backoff.usable("a")
+    backoff.done("a", reached=False)
+    assert 24 < backoff.skipped_for("a") <= 25  # capped
+    backoff._until["a"] = 0.0
+    assert backoff.usable("a")
+    backoff.done("a", reached=True)
+    assert backoff.usable("a") and backoff.usable("a") and backoff.skipped_for("a") == 0

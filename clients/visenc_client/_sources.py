@@ -32,8 +32,8 @@ log = logging.getLogger("visenc_client.vllm")
 
 #: a source that could not be reached is skipped this long, doubled with each failure in a row ...
 BACKOFF_FIRST_S = 1.0
-#: ... up to this; then one caller asks it again, and one answer puts it back
-BACKOFF_MAX_S = 30.0
+#: ... up to this many times as long; then one caller asks it again, and one answer puts it back
+BACKOFF_GROWTH = 30
 #: the shared index, among the sources' names
 INDEX = "redis"
 
@@ -60,12 +60,14 @@ class Backoff:
     back-off, it lets one caller through, the probe); every ask that ``usable`` allowed ends with
     ``done(name, reached)``."""
 
-    def __init__(self, *, first_s: float = BACKOFF_FIRST_S, max_s: float = BACKOFF_MAX_S) -> None:
-        self.first_s, self.max_s = first_s, max_s
+    def __init__(self, first_s: float = BACKOFF_FIRST_S, *, max_s: float | None = None) -> None:
+        self.first_s, self.max_s = first_s, BACKOFF_GROWTH * first_s if max_s is None else max_s
         self._failures: dict[str, int] = {}  # failures in a row, of the sources that failed last time
         self._until: dict[str, float] = {}  # monotonic: skipped before this
         self._probing: set[str] = set()
         self._lock = threading.Lock()
+        #: asks that found their source unreachable, since start
+        self.unreachable = 0
 
     def usable(self, name: str) -> bool:
         with self._lock:
@@ -83,6 +85,7 @@ class Backoff:
                 self._failures.pop(name, None)
                 self._until.pop(name, None)
                 return
+            self.unreachable += 1
             failures = self._failures[name] = self._failures.get(name, 0) + 1
             self._until[name] = time.monotonic() + min(self.max_s, self.first_s * 2 ** (failures - 1))
 
@@ -185,6 +188,7 @@ class RowSources:
         namespace: str | None = None,
         api_key: str | None = None,
         redis_url: str | None = None,
+        backoff_s: float = BACKOFF_FIRST_S,
     ) -> None:
         shared: Any = {"auto": "auto", "http": False, "shm": True}[transport]
 
@@ -200,7 +204,7 @@ class RowSources:
 
         self.replicas = [Replica(u, client(u, timeout_s), client(u, answer_timeout_s)) for u in urls]
         self.served = served
-        self.backoff = Backoff()
+        self.backoff = Backoff(backoff_s)
         self._redis_url, self._namespace = redis_url, namespace or "default"
         self._redis_options: dict[str, Any] = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": timeout_s}
         self._index: Any = None  # RedisRows, once the fingerprint its keys need is known

@@ -23,6 +23,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 )
 
 from visenc_client._sources import Absent, Mismatch, RowSources, Served, Want
+from visenc_client._vllm_stats import Reporter, VisencPromMetrics, VisencStats, counts
 from visenc_client.format import ABSENT_KEY, is_valid_hash
 
 if TYPE_CHECKING:
@@ -148,6 +149,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
         self.stats = ConnectorStats()
+        self._reporter = Reporter()
         model = vllm_config.model_config
         self._hidden = encoder_output_width(model)
         self._dtype: torch.dtype = model.dtype
@@ -175,6 +177,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             namespace=option("namespace", None),
             api_key=option("api_key", None),
             redis_url=option("redis_url", None),
+            backoff_s=float(option("backoff_s", 1.0)),
         )
         self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))
         self._inflight: dict[str, Future[dict[str, torch.Tensor | Absent]]] = {}
@@ -323,6 +326,27 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
     def request_finished(self, request: Request) -> tuple[bool, dict[str, Any] | None]:
         self._waiting_since.pop(request.request_id, None)
         return False, None
+
+    # --- vLLM's stats (its log and its /metrics: vllm:visenc_*) ---------------------------------
+    def get_ec_connector_stats(self) -> VisencStats | None:
+        """What this side counted since it last said (vLLM asks each step)."""
+        if self.role == ECConnectorRole.SCHEDULER:
+            return self._reporter.report(counts(self.stats, self._sources.backoff.unreachable))
+        return self._reporter.report({"loaded": self.stats.loaded, "loaded_bytes": self.stats.loaded_bytes})
+
+    @classmethod
+    def build_ec_connector_stats(cls, data: dict[str, Any] | None = None) -> VisencStats:
+        return VisencStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> VisencPromMetrics:
+        return VisencPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     # --- worker side -----------------------------------------------------------------------
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:

@@ -9,13 +9,16 @@ connector's failure paths:
 - ``Peer("reset")``: reads the request and resets the connection (RST) without an answer;
 - ``Peer("cut")``: answers a head whose ``Content-Length`` promises more than it sends, then closes
   (the process died mid-body); ``reply`` is the head and the bytes sent (HTTP by default, or RESP for
-  Redis).
+  Redis);
+- ``Switch(upstream)``: one port that relays to a healthy replica, or is closed, or hangs on connect,
+  or accepts and never answers, as a test sets it.
 
 Each counts the connections it saw (``connections``) and names its address (``url``, ``port``).
 """
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
@@ -123,3 +126,104 @@ class Peer:
             except OSError:
                 pass
             conn.close()
+
+
+class Switch:
+    """One loopback port whose behaviour changes on ``set(mode)``: ``forward`` (a TCP relay to
+    ``upstream``, a healthy replica), ``refused`` (nothing listens), ``connect-hangs`` (a full accept
+    queue, as ``Blackhole``) or ``silent`` (accepts, never answers). ``connections`` counts what it
+    accepted in ``silent`` and ``forward`` modes."""
+
+    MODES = ("forward", "refused", "connect-hangs", "silent")
+
+    def __init__(self, upstream: str) -> None:
+        host, port = upstream.removeprefix("http://").rstrip("/").split(":")
+        self.upstream = (host, int(port))
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.mode = "refused"
+        self.connections = 0
+        self._listener: socket.socket | None = None
+        self._held: list[socket.socket] = []
+        self._threads: list[threading.Thread] = []
+
+    def __enter__(self) -> Switch:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.set("refused")
+
+    def set(self, mode: str) -> None:
+        assert mode in self.MODES, mode
+        self._close()
+        self.mode = mode
+        if mode == "refused":
+            return
+        listener = socket.socket()
+        listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        listener.bind(("127.0.0.1", self.port))
+        if mode == "connect-hangs":
+            listener.listen(0)
+            self._listener = listener
+            self._fill()
+            return
+        listener.listen(64)
+        listener.settimeout(0.1)
+        self._listener = listener
+        thread = threading.Thread(target=self._accept, args=(listener, mode), daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def _fill(self) -> None:
+        for _ in range(64):
+            probe = socket.socket()
+            probe.settimeout(0.3)
+            try:
+                probe.connect(("127.0.0.1", self.port))
+            except TimeoutError:
+                probe.close()
+                return
+            self._held.append(probe)
+        raise RuntimeError("could not fill the accept queue")
+
+    def _accept(self, listener: socket.socket, mode: str) -> None:
+        while self._listener is listener:
+            try:
+                conn, _ = listener.accept()
+            except (TimeoutError, OSError):
+                continue
+            self.connections += 1
+            if mode == "silent":
+                self._held.append(conn)
+                continue
+            try:
+                upstream = socket.create_connection(self.upstream, timeout=10)
+            except OSError:
+                conn.close()
+                continue
+            upstream.settimeout(None)
+            conn.settimeout(None)
+            self._held += [conn, upstream]
+            for a, b in ((conn, upstream), (upstream, conn)):
+                threading.Thread(target=_pump, args=(a, b), daemon=True).start()
+
+    def _close(self) -> None:
+        listener, self._listener = self._listener, None
+        for thread in self._threads:
+            thread.join(5)
+        self._threads.clear()
+        if listener is not None:
+            listener.close()
+        held, self._held = self._held, []
+        for s in held:
+            with contextlib.suppress(OSError):
+                s.close()
+
+
+def _pump(src: socket.socket, dst: socket.socket) -> None:
+    """Copy ``src`` to ``dst`` until either end closes."""
+    with contextlib.suppress(OSError):
+        while data := src.recv(1 << 16):
+            dst.sendall(data)
+    with contextlib.suppress(OSError):
+        dst.shutdown(socket.SHUT_WR)

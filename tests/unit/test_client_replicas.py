@@ -76,8 +76,7 @@ def dead(kind: str) -> Iterator[tuple[str, Any]]:
 @pytest.mark.parametrize("kind", ["refused", "connect-hangs", "silent", "reset", "cut"])
 def test_a_dead_first_replica_costs_its_timeout_once(visenc: dict[str, Any], kind: str) -> None:
     with dead(kind) as (url, peer):
-        sources = RowSources([url, visenc["url"]], served=served(visenc), **QUICK)
-        sources.backoff = Backoff(first_s=0.3)
+        sources = RowSources([url, visenc["url"]], served=served(visenc), backoff_s=0.3, **QUICK)
         try:
             started = time.monotonic()
             assert_rows(visenc, sources.obtain(wants(visenc), wait=False))
@@ -140,8 +139,7 @@ def test_a_replica_started_later_is_checked_and_chooses_shared_memory(visenc: di
     this host, read over shared memory (before, the look-ups asked for rows over HTTP forever)."""
     port = free_port()
     url = f"http://127.0.0.1:{port}"
-    sources = RowSources([url], served=served(visenc), transport="auto", **QUICK)
-    sources.backoff = Backoff(first_s=0.1)
+    sources = RowSources([url], served=served(visenc), transport="auto", backoff_s=0.1, **QUICK)
     try:
         sources.check_at_start()
         replica = sources.replicas[0]

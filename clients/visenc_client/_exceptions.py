@@ -31,6 +31,14 @@ class TransportError(VisencClientError):
         #: what happened, without the URL
         self.reason = message
 
+    @property
+    def timed_out(self) -> bool:
+        """Whether a connect or a read ran past its timeout (rather than failing at once)."""
+        import httpx
+        import redis
+
+        return isinstance(self.__cause__, TimeoutError | httpx.TimeoutException | redis.TimeoutError)
+
 
 def describe(e: BaseException) -> str:
     """An OS or library error in a few words: its type, and its message where it has one."""

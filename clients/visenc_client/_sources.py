@@ -1,13 +1,15 @@
 """Where ``VisencConnector`` gets images' rows: each visenc replica in turn, then the shared index.
 
 A source that cannot be reached (refused, reset, a name that does not resolve, a connect past
-``connect_timeout_s``, a look-up that does not wait answered nothing for ``answer_timeout_s``) is skipped
-by every caller for a while (``Backoff``), then asked again by one caller: a dead replica costs one
-look-up its timeout per back-off, never every look-up its timeout. A replica is checked (the model it
-serves; for ``transport: auto``, whether it shares this host's memory) the first time it answers, at
-start-up or later, so a visenc started after the engine is used as fully as one started before.
-No vLLM import: the rows are checked against what the engine reads (``Want``) and handed back as CPU
-tensors.
+``connect_timeout_s``, a look-up that does not wait answered nothing for ``answer_timeout_s``) is asked
+no more than it costs (``visenc_client._backoff``): one that failed at once (refused, reset) is asked
+again by the next look-up, which costs it nothing and finds the source as soon as it is back; one whose
+failure took time (a timeout) is skipped by every caller for a while, then asked again by one, so a
+replica that hangs costs one look-up its timeout per back-off, never every look-up its timeout.
+A replica is checked (the model it serves; for ``transport: auto``, whether it shares this host's
+memory) the first time it answers, at start-up or later, so a visenc started after the engine is
+used as fully as one started before. No vLLM import: the rows are checked against what the engine
+reads (``Want``) and handed back as CPU tensors.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from visenc_client._backoff import BACKOFF_FIRST_S, COSTLY_S, Backoff
 from visenc_client._client import Client
 from visenc_client._exceptions import TransportError, VisencClientError
 from visenc_client._types import Handle
@@ -30,10 +33,6 @@ from visenc_client.format import words_tensor
 
 log = logging.getLogger("visenc_client.vllm")
 
-#: a source that could not be reached is skipped this long, doubled with each failure in a row ...
-BACKOFF_FIRST_S = 1.0
-#: ... up to this many times as long; then one caller asks it again, and one answer puts it back
-BACKOFF_GROWTH = 30
 #: the shared index, among the sources' names
 INDEX = "redis"
 
@@ -53,46 +52,6 @@ class Absent(Exception):
 class Mismatch(Absent):
     """visenc's rows are not what the engine reads for the image (rows, width or grid): no replica of
     the same model answers otherwise, and they are never loaded."""
-
-
-class Backoff:
-    """Which sources to skip now: thread-safe. ``usable(name)`` says whether to ask ``name`` (after a
-    back-off, it lets one caller through, the probe); every ask that ``usable`` allowed ends with
-    ``done(name, reached)``."""
-
-    def __init__(self, first_s: float = BACKOFF_FIRST_S, *, max_s: float | None = None) -> None:
-        self.first_s, self.max_s = first_s, BACKOFF_GROWTH * first_s if max_s is None else max_s
-        self._failures: dict[str, int] = {}  # failures in a row, of the sources that failed last time
-        self._until: dict[str, float] = {}  # monotonic: skipped before this
-        self._probing: set[str] = set()
-        self._lock = threading.Lock()
-        #: asks that found their source unreachable, since start
-        self.unreachable = 0
-
-    def usable(self, name: str) -> bool:
-        with self._lock:
-            if name not in self._failures:
-                return True
-            if name in self._probing or time.monotonic() < self._until[name]:
-                return False
-            self._probing.add(name)
-            return True
-
-    def done(self, name: str, reached: bool) -> None:
-        with self._lock:
-            self._probing.discard(name)
-            if reached:
-                self._failures.pop(name, None)
-                self._until.pop(name, None)
-                return
-            self.unreachable += 1
-            failures = self._failures[name] = self._failures.get(name, 0) + 1
-            self._until[name] = time.monotonic() + min(self.max_s, self.first_s * 2 ** (failures - 1))
-
-    def skipped_for(self, name: str) -> float:
-        """Seconds until ``name`` is asked again (0 when it is asked now)."""
-        with self._lock:
-            return max(0.0, self._until.get(name, 0.0) - time.monotonic())
 
 
 def torch_rows(rows: np.ndarray, dtype: str | None) -> torch.Tensor:
@@ -149,6 +108,11 @@ class Served:
         if self.fingerprint is not None and served.get("fingerprint") != self.fingerprint:
             return f"visenc at {url} serves fingerprint {served.get('fingerprint')}, expected {self.fingerprint}"
         return None
+
+
+def _costly(e: VisencClientError, started: float) -> bool:
+    """Whether a failure cost its caller time: a timeout, or ``COSTLY_S`` spent however it failed."""
+    return isinstance(e, TransportError) and (e.timed_out or time.monotonic() - started >= COSTLY_S)
 
 
 def check_handle(handle: Handle, want: Want) -> None:
@@ -208,6 +172,7 @@ class RowSources:
         self._redis_url, self._namespace = redis_url, namespace or "default"
         self._redis_options: dict[str, Any] = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": timeout_s}
         self._index: Any = None  # RedisRows, once the fingerprint its keys need is known
+        self._down: set[str] = set()  # sources whose last ask failed (said once in the log)
         self._lock = threading.Lock()
         if served.fingerprint is not None:
             self._open_index(served.fingerprint)
@@ -218,11 +183,12 @@ class RowSources:
         loader or fingerprint: the engine refuses to start); one that does not answer yet is checked
         when it first does, and skipped meanwhile as any unreachable source."""
         for replica in self.replicas:
+            started = time.monotonic()
             try:
                 info = replica.prompt.model()
             except VisencClientError as e:
                 log.warning("VisencConnector: visenc at %s is not reachable yet (%s)", replica.url, e)
-                self.backoff.done(replica.url, reached=not isinstance(e, TransportError))
+                self.backoff.done(replica.url, not isinstance(e, TransportError), _costly(e, started))
                 continue
             refusal = self.served.refusal(replica.url, info)
             if refusal is not None:
@@ -300,27 +266,35 @@ class RowSources:
         skipped = self._skip(replica.url, wants)
         if skipped is not None:
             return skipped
-        reached = False
+        failure: TransportError | None = None
+        started = time.monotonic()
         try:
-            answers = self._ask(replica, wants, wait)
-            reached = True
-            return answers
+            return self._ask(replica, wants, wait)
         except TransportError as e:
+            failure = e
             return {i: Absent(e.reason) for i in wants}
         except VisencClientError as e:  # it answered, with an error
-            reached = True
             return {i: Absent(str(e)) for i in wants}
         finally:
-            self._reached(replica.url, reached)
+            self._reached(replica.url, failure, started)
 
-    def _reached(self, name: str, reached: bool) -> None:
-        before = self.backoff.skipped_for(name)
-        self.backoff.done(name, reached)
-        if not reached and not before:
+    def _reached(self, name: str, failure: TransportError | None, started: float) -> None:
+        """Report an ask to the back-off; say in the log when a source goes down or comes back."""
+        reached, cost_s = failure is None, time.monotonic() - started
+        self.backoff.done(name, reached, failure is not None and _costly(failure, started))
+        with self._lock:
+            was_down = name in self._down
+            (self._down.discard if reached else self._down.add)(name)
+        if reached and was_down:
+            log.info("VisencConnector: %s answers again", name)
+        elif not reached and not was_down:
             log.warning(
-                "VisencConnector: %s could not be reached: not asked for %.0f s, then tried again",
+                "VisencConnector: %s could not be reached (after %.1f s): the next source is asked; %s",
                 name,
-                self.backoff.skipped_for(name),
+                cost_s,
+                f"it is skipped for {self.backoff.skipped_for(name):.1f} s, then tried again"
+                if self.backoff.skipped_for(name)
+                else "it is asked again by the next look-up",
             )
 
     def _ask(self, replica: Replica, wants: dict[str, Want], wait: bool) -> Answers:
@@ -364,7 +338,8 @@ class RowSources:
         if skipped is not None:
             return skipped
         answers: Answers = {}
-        reached = True
+        failure: TransportError | None = None
+        started = time.monotonic()
         try:
             for identifier, want in wants.items():
                 try:
@@ -372,7 +347,7 @@ class RowSources:
                     rows = index.fetch(identifier)
                     answers[identifier] = checked_rows(torch_rows(rows, info.dtype), want, self.served.hidden)
                 except TransportError as e:
-                    reached = False
+                    failure = e
                     return {**answers, **{i: Absent(str(e)) for i in wants if i not in answers}}
                 except Absent as e:
                     answers[identifier] = e
@@ -380,7 +355,7 @@ class RowSources:
                     answers[identifier] = Absent(str(e))
             return answers
         finally:
-            self._reached(INDEX, reached)
+            self._reached(INDEX, failure, started)
 
     def close(self) -> None:
         for replica in self.replicas:

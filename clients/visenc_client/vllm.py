@@ -2,7 +2,9 @@
 
 Never worse than vLLM alone: everything that can fail (a look-up, the rows, their check against what vLLM
 reads) happens on the scheduler side before an image counts present; the worker side only copies tensors
-it was handed. Configuration and the failure contract: ``docs/integration-vllm.md``.
+it was handed. Where rows come from, and what a replica or Redis that cannot be reached costs:
+``visenc_client._sources``. Its counters reach vLLM's log and ``/metrics`` (``visenc_client._vllm_stats``).
+Configuration and the failure contract: ``docs/integration-vllm.md``.
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ class VisencConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]
 
 @dataclass
 class ConnectorStats:
-    """Counters of one connector (``VisencConnector.stats``)."""
+    """Counters of one connector (``VisencConnector.stats``; in vLLM's ``/metrics`` as ``vllm:visenc_*``,
+    with ``unreachable``: look-ups that found a replica or Redis unreachable)."""
 
     fetches: int = 0  # background look-ups started (one per request's images not held, rows permitting)
     hits: int = 0  # images answered present (vLLM runs no encoder for them)
@@ -172,7 +175,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             served=Served(self._hidden, f"vllm-{_vllm_minor()}", option("expected_fingerprint", None)),
             timeout_s=float(option("timeout_s", 10.0)),
             connect_timeout_s=float(option("connect_timeout_s", 1.0)),
-            answer_timeout_s=float(option("answer_timeout_s", 1.0)),
+            answer_timeout_s=float(option("answer_timeout_s", 2.0)),
             transport=transport,
             namespace=option("namespace", None),
             api_key=option("api_key", None),

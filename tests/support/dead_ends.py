@@ -217,7 +217,8 @@ class Switch:
         held, self._held = self._held, []
         for s in held:
             with contextlib.suppress(OSError):
-                s.close()
+                s.shutdown(socket.SHUT_RDWR)  # wakes a relay thread blocked on it (a close alone would not)
+            s.close()
 
 
 def _pump(src: socket.socket, dst: socket.socket) -> None:

@@ -17,13 +17,15 @@ from typing import Any
 
 import pytest
 import torch
-from tests.conftest import ROOT, redis_process, serve_subprocess, stop_process
-from tests.images import png_bytes
 from tests.support.dead_ends import Blackhole, Peer, refused
+from tests.support.images import png_bytes
+from tests.support.paths import ROOT
+from tests.support.processes import redis_process, serve_subprocess, stop_process
 from tests.support.waits import free_port, wait_ready, wait_until
 
 from visenc_client import Client
-from visenc_client._sources import Absent, Backoff, RowSources, Served, Want, torch_rows
+from visenc_client._backoff import Backoff
+from visenc_client._sources import Absent, RowSources, Served, Want, torch_rows
 
 #: far above every bound a test sets: a call that took this long waited for the wrong timeout
 SLOW_S = 30.0
@@ -73,8 +75,8 @@ def dead(kind: str) -> Iterator[tuple[str, Any]]:
             yield peer.url, peer
 
 
-@pytest.mark.parametrize("kind", ["refused", "connect-hangs", "silent", "reset", "cut"])
-def test_a_dead_first_replica_costs_its_timeout_once(visenc: dict[str, Any], kind: str) -> None:
+@pytest.mark.parametrize("kind", ["connect-hangs", "silent"])
+def test_a_replica_that_hangs_costs_its_timeout_once_per_back_off(visenc: dict[str, Any], kind: str) -> None:
     with dead(kind) as (url, peer):
         sources = RowSources([url, visenc["url"]], served=served(visenc), backoff_s=0.3, **QUICK)
         try:
@@ -91,6 +93,23 @@ def test_a_dead_first_replica_costs_its_timeout_once(visenc: dict[str, Any], kin
             if isinstance(peer, Peer):
                 assert peer.connections > seen  # ... then asked again
             assert sources.backoff.skipped_for(url) > 0.3  # failed again: a longer back-off
+        finally:
+            sources.close()
+
+
+@pytest.mark.parametrize("kind", ["refused", "reset", "cut"])
+def test_a_replica_that_fails_at_once_is_asked_again_at_once(visenc: dict[str, Any], kind: str) -> None:
+    """Asking it again costs nothing, and finds it as soon as it is back: it is never skipped."""
+    with dead(kind) as (url, peer):
+        sources = RowSources([url, visenc["url"]], served=served(visenc), **QUICK)
+        try:
+            for round_ in range(3):
+                seen = peer.connections if isinstance(peer, Peer) else 0
+                assert_rows(visenc, sources.obtain(wants(visenc), wait=False))
+                assert sources.backoff.skipped_for(url) == 0
+                assert sources.backoff.unreachable == round_ + 1
+                if isinstance(peer, Peer):
+                    assert peer.connections > seen
         finally:
             sources.close()
 
@@ -181,6 +200,8 @@ def visenc_on(port: int, redis_url: str) -> Iterator[str]:
 
 def test_backoff_doubles_and_resets() -> None:
     backoff = Backoff(first_s=10.0, max_s=25.0)
+    backoff.done("a", reached=False, costly=False)  # refused at once: nothing to skip
+    assert backoff.usable("a") and backoff.skipped_for("a") == 0 and backoff.unreachable == 1
     assert backoff.usable("a")
     backoff.done("a", reached=False)
     assert not backoff.usable("a") and 9 < backoff.skipped_for("a") <= 10

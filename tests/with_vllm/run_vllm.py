@@ -1,6 +1,6 @@
 """One vLLM run over a fixed set of image prompts, printed as JSON (tokens and logprobs per prompt).
 
-    python tests/with_vllm/run_vllm.py MODEL [--visenc URL] [--grid-only] [--in-process] [--video]
+    python tests/with_vllm/run_vllm.py MODEL [--visenc URL] [--grid-only] [--in-process] [--video] [--control]
 
 ``--visenc URL``: vLLM as an ``ec_consumer`` with ``visenc_client.vllm.VisencConnector``; every
 image carries its visenc hash as its uuid (the images must already be encoded by visenc).
@@ -8,6 +8,10 @@ image carries its visenc hash as its uuid (the images must already be encoded by
 tower's layout where visenc cannot be reached), no pixels; then one more prompt with pixels.
 ``--video``: the prompts are videos instead (``videos()``: frames already sampled, as arrays), each
 carrying its visenc video hash as its uuid.
+``--control``: then, in the same engine, the same prompts again (a second ``generate``, so the first
+batch is as without it), each image or video under a uuid visenc has never seen (a valid hash of
+something else): the connector finds nothing and vLLM encodes them with its own tower, as it would
+alone. Printed as ``CONTROL [...]``.
 Run in its own process: vLLM keeps process-wide state.
 """
 
@@ -108,7 +112,10 @@ def main() -> int:
     parser.add_argument("--grid-only", action="store_true")
     parser.add_argument("--in-process", action="store_true")
     parser.add_argument("--video", action="store_true")
+    parser.add_argument("--control", action="store_true")
     args = parser.parse_args()
+    if args.control and args.grid_only:
+        parser.error("--control needs pixels (vLLM encodes the control's items itself)")
     if args.in_process:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
     import torch
@@ -165,7 +172,15 @@ def main() -> int:
             request["multi_modal_uuids"] = {"image": [image_hash(d) for d in datas]}
         requests.append(request)
     params = SamplingParams(temperature=0.0, max_tokens=8, logprobs=5, ignore_eos=True)
-    outs = llm.generate(requests, params, use_tqdm=False)
+    print("RESULT " + json.dumps(completions(llm.generate(requests, params, use_tqdm=False))), flush=True)
+    if args.control:
+        unseen = [unknown_to_visenc(r) for r in requests]
+        print("CONTROL " + json.dumps(completions(llm.generate(unseen, params, use_tqdm=False))), flush=True)
+    return 0
+
+
+def completions(outs: list) -> list[dict]:
+    """Tokens, the chosen tokens' logprobs and the finish reason of each output."""
     result = []
     for out in outs:
         completion = out.outputs[0]
@@ -173,8 +188,23 @@ def main() -> int:
         result.append(
             {"tokens": list(completion.token_ids), "logprobs": chosen, "finish_reason": completion.finish_reason}
         )
-    print("RESULT " + json.dumps(result), flush=True)
-    return 0
+    return result
+
+
+def unknown_to_visenc(request: dict) -> dict:
+    """``request`` with each item's uuid replaced by a valid hash of something else (visenc has no
+    entry under it): the connector looks it up, finds it missing, and vLLM encodes the item."""
+    import hashlib
+
+    items = request.get("multi_modal_uuids") or {
+        kind: [f"unseen-{kind}-{i}" for i in range(len(data) if isinstance(data, list) else 1)]
+        for kind, data in request["multi_modal_data"].items()
+    }
+    unseen = {
+        kind: [hashlib.sha256(f"control:{uuid}".encode()).hexdigest() for uuid in uuids]
+        for kind, uuids in items.items()
+    }
+    return {**request, "multi_modal_uuids": unseen}
 
 
 if __name__ == "__main__":

@@ -4,8 +4,9 @@ vLLM serves a copy of a tiny Qwen2-VL whose own vision tower is wrong (redrawn f
 visenc serves the right checkpoint's tower. With the connector, vLLM produces the same tokens, and
 logprobs within 1e-3, as vLLM alone on the right checkpoint: for prompts of 1 and 2 images, sizes
 that need a resize included, with the pixels sent or only their grids, in one process and in
-vLLM's default engine (engine core and worker in their own processes). Without the connector the
-wrong copy gives other tokens, so the embeddings did come from visenc.
+vLLM's default engine (engine core and worker in their own processes). Where the wrong copy encodes
+the images itself (the same engine, the same prompts under uuids visenc never saw: ``--control``)
+it gives other tokens, so the embeddings did come from visenc.
 
 Runs in the vLLM environment (``make vllm``; ``make test-vllm`` runs this folder); each vLLM run is a
 subprocess (``run_vllm.py``), as vLLM keeps process-wide state.
@@ -13,8 +14,6 @@ subprocess (``run_vllm.py``), as vLLM keeps process-wide state.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 from pathlib import Path
 
@@ -32,23 +31,11 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import run_vllm  # noqa: E402
 import tiny_vlm  # noqa: E402
-from openai_servers import alone_and_behind_proxy, chat  # noqa: E402
+from openai_servers import chat  # noqa: E402
+from vllm_forks import vllm_process, vllm_run, vllm_runs  # noqa: E402
 
 ROOT = HERE.parent.parent
 LOGPROB_ATOL = 1e-3
-
-
-def vllm_run(model: Path, *args: str) -> list[dict]:
-    out = subprocess.run(
-        [sys.executable, str(HERE / "run_vllm.py"), str(model), *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert out.returncode == 0 and lines, out.stderr[-4000:]
-    return json.loads(lines[-1].removeprefix("RESULT "))
 
 
 def same(a: list[dict], b: list[dict]) -> None:
@@ -58,19 +45,13 @@ def same(a: list[dict], b: list[dict]) -> None:
 
 
 @pytest.fixture(scope="module")
-def checkpoints(tmp_path_factory) -> tuple[Path, Path]:
-    folder = tmp_path_factory.mktemp("tiny-vlm")
-    return tiny_vlm.build(folder / "right", seed=0), tiny_vlm.build(folder / "wrong", seed=0, vision_seed=1)
+def checkpoints(qwen2_vl) -> tuple[Path, Path]:
+    return qwen2_vl
 
 
 @pytest.fixture(scope="module")
-def visenc(checkpoints):
-    right, _ = checkpoints
-    with serve_process("--model", str(right), "--max-wait-ms", "1") as url:
-        with Client(url) as vc:  # the prompts' images, encoded once; the connector never uploads
-            for datas in run_vllm.images():
-                assert all(h.status == "ready" for h in vc.encode(datas))
-        yield url
+def visenc(right_visenc) -> str:
+    return right_visenc
 
 
 @pytest.fixture(scope="module")
@@ -79,14 +60,20 @@ def reference(checkpoints) -> list[dict]:
     return vllm_run(right, "--in-process")
 
 
-def test_the_wrong_checkpoint_alone_differs(checkpoints, reference):
+@pytest.fixture(scope="module")
+def wrong_with_connector(checkpoints, visenc) -> dict[str, list[dict]]:
+    """The wrong copy with the connector: the prompts (``RESULT``), then the same prompts under uuids
+    visenc never saw (``CONTROL``: vLLM encodes them with its own, wrong, tower, as alone)."""
     _, wrong = checkpoints
-    assert [r["tokens"] for r in vllm_run(wrong, "--in-process")] != [r["tokens"] for r in reference]
+    return vllm_runs(wrong, "--in-process", "--visenc", visenc, "--control")
 
 
-def test_connector_gives_the_right_checkpoints_tokens(checkpoints, visenc, reference):
-    _, wrong = checkpoints
-    same(vllm_run(wrong, "--in-process", "--visenc", visenc), reference)
+def test_the_wrong_checkpoint_alone_differs(wrong_with_connector, reference):
+    assert [r["tokens"] for r in wrong_with_connector["CONTROL"]] != [r["tokens"] for r in reference]
+
+
+def test_connector_gives_the_right_checkpoints_tokens(wrong_with_connector, reference):
+    same(wrong_with_connector["RESULT"], reference)
 
 
 def test_grid_only_images_give_the_same_tokens(checkpoints, visenc, reference):
@@ -107,27 +94,20 @@ def test_connector_in_vllms_default_engine(checkpoints, visenc, reference):
 def test_a_visenc_serving_another_model_is_refused(checkpoints, tmp_path):
     _, wrong = checkpoints
     with serve_process("--model", "tiny-clip") as other:  # rows of 256, the model reads 128
-        out = subprocess.run(
-            [sys.executable, str(HERE / "run_vllm.py"), str(wrong), "--in-process", "--visenc", other],
-            cwd=ROOT,
-            capture_output=True,
-            text=True,
-            timeout=400,
-        )
-    assert out.returncode != 0 and "serves another model" in out.stderr
+        code, _, stderr = vllm_process(wrong, "--in-process", "--visenc", other)
+    assert code != 0 and "serves another model" in stderr
 
 
-def test_openai_server_behind_visenc_proxy(checkpoints, visenc):
+def test_openai_server_behind_visenc_proxy(openai_pair):
     """``vllm serve`` on the wrong copy, with the connector, behind ``visenc proxy`` (which tags the data:
     URL images with their hash and encodes them): the same answers as ``vllm serve`` on the right one.
     (``--encode-first`` and ``wait_for_encoding``: images visenc never saw still come from it.)"""
-    right, wrong = checkpoints
-    with alone_and_behind_proxy(right, wrong, visenc) as (alone, proxied):
-        fresh = [run_vllm.picture(333, 250, 7), run_vllm.picture(224, 224, 8)]  # never sent to visenc before
-        for datas in [fresh, run_vllm.images()[0]]:
-            want, got = chat(alone, datas), chat(proxied, datas)
-            assert got["tokens"] == want["tokens"]
-            assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= LOGPROB_ATOL
+    alone, proxied = openai_pair
+    fresh = [run_vllm.picture(333, 250, 7), run_vllm.picture(224, 224, 8)]  # never sent to visenc before
+    for datas in [fresh, run_vllm.images()[0]]:
+        want, got = chat(alone, datas), chat(proxied, datas)
+        assert got["tokens"] == want["tokens"]
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= LOGPROB_ATOL
 
 
 @pytest.mark.parametrize(
@@ -153,8 +133,8 @@ def test_other_families_through_the_connector(arch, tmp_path):
     (tiles plus a global image, the rows of each among text tokens) and LLaVA-OneVision (anyres
     tiles, unpadded, a learnt newline row after each row of patches), GLM-4.1V (Qwen-style grid,
     2-D rotary positions) and Gemma 4 (variable-resolution patches pooled to soft tokens): the
-    wrong copy with the
-    connector gives the right checkpoint's tokens, and alone it does not."""
+    wrong copy with the connector gives the right checkpoint's tokens, and encoding the images
+    itself (the same engine, under uuids visenc never saw) it does not."""
     if arch == "gemma3":
         right = tiny_vlm.build_gemma3(tmp_path / "right", seed=0)
         wrong = tiny_vlm.build_gemma3(tmp_path / "wrong", seed=0, vision_seed=1)
@@ -169,8 +149,9 @@ def test_other_families_through_the_connector(arch, tmp_path):
         with Client(url) as vc:
             for datas in run_vllm.images():
                 assert all(h.status == "ready" for h in vc.encode(datas))
-        same(vllm_run(wrong, "--in-process", "--visenc", url), reference)
-    assert differs(vllm_run(wrong, "--in-process"), reference)
+        runs = vllm_runs(wrong, "--in-process", "--visenc", url, "--control")
+    same(runs["RESULT"], reference)
+    assert differs(runs["CONTROL"], reference)
 
 
 def differs(got: list[dict], want: list[dict]) -> bool:

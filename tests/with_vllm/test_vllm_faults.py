@@ -17,8 +17,6 @@ gather time, so a single one of these faults used to take the whole server down.
 
 from __future__ import annotations
 
-import json
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -38,8 +36,8 @@ from visenc_client import Client, image_hash
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import run_vllm  # noqa: E402
-import tiny_vlm  # noqa: E402
 from openai_servers import chat, chat_request, connector_config, openai_server  # noqa: E402
+from vllm_forks import vllm_run  # noqa: E402
 
 LOGPROB_ATOL = 1e-3
 DEFER_TIMEOUT_S = 1.5  # the connector's longest wait for rows (a hang costs this, then vLLM encodes)
@@ -52,28 +50,32 @@ def fresh() -> bytes:
 
 
 @pytest.fixture(scope="module")
-def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tiny_vlm.build(tmp_path_factory.mktemp("tiny-vlm") / "right", seed=0)
+def checkpoint(qwen2_vl: tuple[Path, Path]) -> Path:
+    return qwen2_vl[0]
 
 
 @pytest.fixture(scope="module")
-def servers(checkpoint: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
-    """visenc, the proxy in front of it, vLLM alone and vLLM with the connector (through the proxy)."""
+def servers(checkpoint: Path, openai_pair: tuple[str, str], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict]:
+    """visenc, the proxy in front of it, vLLM alone (the session's) and vLLM with the connector (through
+    the proxy)."""
     logs = tmp_path_factory.mktemp("logs")
     with serve_subprocess("--model", str(checkpoint), "--max-wait-ms", "1") as (visenc, proc):
         with FaultProxy(visenc, delay_s=2 * DEFER_TIMEOUT_S) as proxy:
-            ports = free_port(), free_port()
-            config = connector_config(proxy.url, timeout_s=2 * DEFER_TIMEOUT_S, defer_timeout_s=DEFER_TIMEOUT_S)
-            alone = openai_server(checkpoint, ports[0])
-            behind = openai_server(checkpoint, ports[1], "--ec-transfer-config", config, log=logs / "vllm.log")
-            urls = [f"http://127.0.0.1:{p}" for p in ports]
+            config = connector_config(
+                proxy.url,
+                timeout_s=2 * DEFER_TIMEOUT_S,
+                answer_timeout_s=2 * DEFER_TIMEOUT_S,  # past the wait: slow rows are kept for next time
+                defer_timeout_s=DEFER_TIMEOUT_S,
+                backoff_s=0.001,  # every request meets the fault (test_vllm_replicas tests the back-off)
+            )
+            port = free_port()
+            behind = openai_server(checkpoint, port, "--ec-transfer-config", config, log=logs / "vllm.log", videos=1)
+            url = f"http://127.0.0.1:{port}"
             try:
-                for url, p in zip(urls, (alone, behind)):
-                    wait_ready(url, p, 300, "/health")
-                yield {"alone": urls[0], "behind": urls[1], "proxy": proxy, "visenc": visenc, "proc": proc}
+                wait_ready(url, behind, 300, "/health")
+                yield {"alone": openai_pair[0], "behind": url, "proxy": proxy, "visenc": visenc, "proc": proc}
             finally:
                 stop_process(behind)
-                stop_process(alone)
                 if (logs / "vllm.log").exists():  # the connector's warnings, shown with a failure
                     print((logs / "vllm.log").read_text()[-4000:])
 
@@ -165,17 +167,7 @@ def test_images_without_pixels_fail_alone_when_visenc_cannot_answer(checkpoint: 
     unreachable each such request fails on its own (an error finish), while a request with pixels
     in the same engine is answered, and the engine lives on."""
     dead = f"http://127.0.0.1:{free_port()}"
-    out = subprocess.run(
-        [sys.executable, str(HERE / "run_vllm.py"), str(checkpoint), "--in-process", "--visenc", dead, "--grid-only"],
-        cwd=HERE.parent.parent,
-        capture_output=True,
-        text=True,
-        timeout=400,
-    )
-    assert out.returncode == 0, out.stderr[-4000:]
-    lines = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
-    assert lines, out.stderr[-4000:]
-    results = json.loads(lines[-1].removeprefix("RESULT "))
+    results = vllm_run(checkpoint, "--in-process", "--visenc", dead, "--grid-only")
     assert [r["finish_reason"] for r in results[:-1]] == ["error"] * (len(results) - 1)
     assert results[-1]["finish_reason"] == "length" and len(results[-1]["tokens"]) == 8  # the one with pixels
 

@@ -38,8 +38,9 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 import run_vllm  # noqa: E402
 import tiny_vlm  # noqa: E402
-from openai_servers import alone_and_behind_proxy, chat  # noqa: E402
-from test_vllm_connector import same, vllm_run  # noqa: E402
+from openai_servers import chat  # noqa: E402
+from test_vllm_connector import same  # noqa: E402
+from vllm_forks import vllm_run, vllm_runs  # noqa: E402
 
 CLIPS = [(4, 120, 200), (5, 61, 97), (3, 20, 30), (6, 90, 300), (2, 448, 448)]
 
@@ -99,21 +100,28 @@ def test_the_wrong_checkpoint_alone_differs_on_video(wrong_alone, reference):
     assert [r["tokens"] for r in wrong_alone] != [r["tokens"] for r in reference]
 
 
-def test_videos_visenc_cannot_give_are_encoded_by_vllm(checkpoints, wrong_alone):
-    """visenc unreachable, or up without these videos: vLLM encodes them itself (its own answer)."""
-    _, wrong = checkpoints
-    same(vllm_run(wrong, "--in-process", "--visenc", f"http://127.0.0.1:{free_port()}", "--video"), wrong_alone)
-    with serve_process("--model", str(wrong), "--max-wait-ms", "1") as url:
-        same(vllm_run(wrong, "--in-process", "--visenc", url, "--video"), wrong_alone)
-
-
-def test_connector_gives_the_right_checkpoints_tokens_for_videos(checkpoints, reference):
+@pytest.fixture(scope="module")
+def with_connector(checkpoints) -> dict[str, list[dict]]:
+    """The wrong copy with the connector of a visenc on the right checkpoint that holds the videos
+    (``RESULT``), then the same prompts under video hashes visenc never saw (``CONTROL``)."""
     right, wrong = checkpoints
     with serve_process("--model", str(right), "--max-wait-ms", "1") as url:
         with Client(url) as vc:  # the videos, encoded once; the connector never uploads
             handles = vc.encode([Video(frames) for frames in run_vllm.videos()])
             assert all(h.status == "ready" for h in handles)
-        same(vllm_run(wrong, "--in-process", "--visenc", url, "--video"), reference)
+        return vllm_runs(wrong, "--in-process", "--visenc", url, "--video", "--control")
+
+
+def test_videos_visenc_cannot_give_are_encoded_by_vllm(checkpoints, wrong_alone, with_connector):
+    """visenc unreachable, or up without these videos (the control: hashes it never saw): vLLM
+    encodes them itself (its own answer)."""
+    _, wrong = checkpoints
+    same(vllm_run(wrong, "--in-process", "--visenc", f"http://127.0.0.1:{free_port()}", "--video"), wrong_alone)
+    same(with_connector["CONTROL"], wrong_alone)
+
+
+def test_connector_gives_the_right_checkpoints_tokens_for_videos(with_connector, reference):
+    same(with_connector["RESULT"], reference)
 
 
 def jpeg_frames(frames: list[bytes]) -> list[bytes]:
@@ -148,18 +156,19 @@ def test_the_proxy_takes_the_frames_vllm_takes():
         np.testing.assert_array_equal(np.asarray(decode(got, max_pixels=10**8)), want)
 
 
-def test_openai_server_behind_visenc_proxy_for_videos(tmp_path):
+def test_openai_server_behind_visenc_proxy_for_videos(openai_pair, right_visenc):
     """``vllm serve`` on the wrong copy with the connector, behind ``visenc proxy --encode-first``
     (which tags the video parts with their video hash and hands them to visenc): the same answers as
     ``vllm serve`` alone on the right checkpoint, for videos visenc never saw before."""
-    right, wrong = pair(tmp_path, "qwen2_vl")
-    with serve_process("--model", str(right), "--max-wait-ms", "1") as visenc:
-        with alone_and_behind_proxy(right, wrong, visenc, videos=1) as (alone, proxied):
-            for frames in run_vllm.videos()[:2]:
-                clip = jpeg_frames(frames)
-                want, got = chat(alone, [], videos=[clip]), chat(proxied, [], videos=[clip])
-                assert got["tokens"] == want["tokens"]
-                assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= 1e-3
-                with Client(visenc) as vc:  # the rows did come from visenc: it holds the video
-                    (h,) = vc.lookup([video_hash([image_hash(f) for f in clip])])
-                    assert h.status == "ready"
+    alone, proxied = openai_pair
+    for frames in run_vllm.videos()[:2]:
+        clip = jpeg_frames(frames)
+        with Client(right_visenc) as vc:  # never sent to visenc before
+            (h,) = vc.lookup([video_hash([image_hash(f) for f in clip])])
+            assert h.status == "missing"
+        want, got = chat(alone, [], videos=[clip]), chat(proxied, [], videos=[clip])
+        assert got["tokens"] == want["tokens"]
+        assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= 1e-3
+        with Client(right_visenc) as vc:  # the rows did come from visenc: it holds the video
+            (h,) = vc.lookup([video_hash([image_hash(f) for f in clip])])
+            assert h.status == "ready"

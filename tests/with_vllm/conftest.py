@@ -1,0 +1,63 @@
+"""The vLLM suite's shared parts: one fork server for every ``run_vllm.py`` run (``vllm_forks``), and,
+once a session, what several modules read without changing it: the tiny Qwen2-VL pair (the right
+checkpoint and a copy whose vision tower is wrong), a visenc on the right one, and ``vllm serve``
+alone on the right one beside ``vllm serve`` on the wrong one behind ``visenc proxy``. A test that
+kills, faults or reconfigures a server starts its own.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session", autouse=True)
+def fork_server() -> Iterator[None]:
+    """vLLM imported once for the session's ``run_vllm.py`` runs (at the first of them)."""
+    from vllm_forks import SERVER
+
+    SERVER.enabled = True
+    try:
+        yield
+    finally:
+        SERVER.stop()
+
+
+@pytest.fixture(scope="session")
+def qwen2_vl(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(right, wrong): a tiny Qwen2-VL, and a copy whose vision tower is redrawn from another seed."""
+    import tiny_vlm
+
+    folder = tmp_path_factory.mktemp("tiny-qwen2-vl")
+    return tiny_vlm.build(folder / "right", seed=0), tiny_vlm.build(folder / "wrong", seed=0, vision_seed=1)
+
+
+@pytest.fixture(scope="session")
+def right_visenc(qwen2_vl: tuple[Path, Path]) -> Iterator[str]:
+    """visenc on the right checkpoint, holding the images of ``run_vllm``'s prompts (the connector
+    never uploads)."""
+    import run_vllm
+    from tests.support.processes import serve_process
+
+    from visenc_client import Client
+
+    with serve_process("--model", str(qwen2_vl[0]), "--max-wait-ms", "1") as url:
+        with Client(url) as vc:
+            for datas in run_vllm.images():
+                assert all(h.status == "ready" for h in vc.encode(datas))
+        yield url
+
+
+@pytest.fixture(scope="session")
+def openai_pair(qwen2_vl: tuple[Path, Path], right_visenc: str) -> Iterator[tuple[str, str]]:
+    """``(alone, proxied)``: ``openai_servers.alone_and_behind_proxy`` on the pair and ``right_visenc``,
+    one video a prompt allowed."""
+    from openai_servers import alone_and_behind_proxy
+
+    with alone_and_behind_proxy(*qwen2_vl, right_visenc, videos=1) as urls:
+        yield urls

@@ -47,8 +47,15 @@ lint: $(VENV)/.test
 	$(BIN)/ruff check .
 	$(BIN)/mypy service/visenc clients/visenc_client
 
-test: install-test lint
-	$(BIN)/python -m pytest -q $(PYTEST_ARGS)
+# The vLLM environment (download and unpack, mostly) installs in the background while lint and the main
+# suite run; its output goes to $(VENV)/vllm-install.log, shown if it fails. (SUBMAKE, not $$(MAKE): a
+# line naming MAKE would run even under `make -n`.)
+SUBMAKE := $(MAKE) --no-print-directory
+test: install-test
+	@$(SUBMAKE) sglang > $(VENV)/vllm-install.log 2>&1 & installing=$$!; \
+	status=0; $(SUBMAKE) lint && $(BIN)/python -m pytest -q $(PYTEST_ARGS) || status=$$?; \
+	wait $$installing || { cat $(VENV)/vllm-install.log; echo "make vllm sglang failed"; exit 1; }; \
+	exit $$status
 	$(MAKE) test-vllm test-sglang
 
 # vLLM (CPU build) with visenc_client.vllm importable, in its own venv: `make vllm`.

@@ -342,14 +342,9 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         return VisencStats(data=dict(data or {}))
 
     @classmethod
-    def build_prom_metrics(
-        cls,
-        vllm_config: VllmConfig,
-        metric_types: dict[type, type],
-        labelnames: list[str],
-        per_engine_labelvalues: dict[int, list[object]],
-    ) -> VisencPromMetrics:
-        return VisencPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+    def build_prom_metrics(cls, *args: Any) -> VisencPromMetrics:
+        """``vllm:visenc_*`` counters (vLLM passes its config, metric types, label names and values)."""
+        return VisencPromMetrics(*args)
 
     # --- worker side -----------------------------------------------------------------------
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:

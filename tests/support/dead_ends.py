@@ -43,6 +43,22 @@ def refused() -> str:
     return f"http://127.0.0.1:{free_port()}"
 
 
+def fill_accept_queue(port: int) -> list[socket.socket]:
+    """Connections that fill the accept queue of a socket listening on ``port`` that never accepts,
+    connected until one hangs (keep them open: the queue stays full)."""
+    held = []
+    for _ in range(64):
+        probe = socket.socket()
+        probe.settimeout(0.3)
+        try:
+            probe.connect(("127.0.0.1", port))
+        except TimeoutError:
+            probe.close()
+            return held
+        held.append(probe)
+    raise RuntimeError("could not fill the accept queue of a listening socket")
+
+
 class Blackhole:
     """A port whose connects hang: it listens with a backlog of 0 and never accepts, and its accept
     queue is filled at start, so the kernel drops every further SYN."""
@@ -56,16 +72,8 @@ class Blackhole:
         self._fill: list[socket.socket] = []
 
     def __enter__(self) -> Blackhole:
-        for _ in range(64):  # until a connect hangs: the queue is full
-            probe = socket.socket()
-            probe.settimeout(0.3)
-            try:
-                probe.connect(("127.0.0.1", self.port))
-            except TimeoutError:
-                probe.close()
-                return self
-            self._fill.append(probe)
-        raise RuntimeError("could not fill the accept queue of a listening socket")
+        self._fill = fill_accept_queue(self.port)
+        return self
 
     def __exit__(self, *exc: object) -> None:
         for s in self._fill:
@@ -165,7 +173,7 @@ class Switch:
         if mode == "connect-hangs":
             listener.listen(0)
             self._listener = listener
-            self._fill()
+            self._held += fill_accept_queue(self.port)
             return
         listener.listen(64)
         listener.settimeout(0.1)
@@ -173,18 +181,6 @@ class Switch:
         thread = threading.Thread(target=self._accept, args=(listener, mode), daemon=True)
         thread.start()
         self._threads.append(thread)
-
-    def _fill(self) -> None:
-        for _ in range(64):
-            probe = socket.socket()
-            probe.settimeout(0.3)
-            try:
-                probe.connect(("127.0.0.1", self.port))
-            except TimeoutError:
-                probe.close()
-                return
-            self._held.append(probe)
-        raise RuntimeError("could not fill the accept queue")
 
     def _accept(self, listener: socket.socket, mode: str) -> None:
         while self._listener is listener:

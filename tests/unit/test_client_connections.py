@@ -36,17 +36,19 @@ class OneRequestPerConnection(http.server.BaseHTTPRequestHandler):
         self.send_header("x-visenc-shape", "3,4")
         self.send_header("x-visenc-dtype", "float32")
         self.end_headers()
+        self.served.append(1)  # before the body: the client may assert as soon as it has read it
         self.wfile.write(body)
-        self.served.append(1)
         self.close_connection = True
 
     def log_message(self, *args: object) -> None:
         pass
 
 
-@pytest.fixture
-def dropping_server() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), OneRequestPerConnection)
+@contextlib.contextmanager
+def serving(handler: type[http.server.BaseHTTPRequestHandler]) -> Iterator[str]:
+    """A threaded ``http.server`` on a free loopback port: its URL."""
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    server.daemon_threads = True
     thread = threading.Thread(target=server.serve_forever, daemon=True)
     thread.start()
     try:
@@ -54,6 +56,12 @@ def dropping_server() -> Iterator[str]:
     finally:
         server.shutdown()
         server.server_close()
+
+
+@pytest.fixture
+def dropping_server() -> Iterator[str]:
+    with serving(OneRequestPerConnection) as url:
+        yield url
 
 
 def test_a_dropped_keep_alive_connection_is_replaced(dropping_server: str) -> None:
@@ -102,15 +110,8 @@ def rows_of(image_hash: str) -> np.ndarray:
 
 @pytest.fixture
 def resetting_uploads() -> Iterator[str]:
-    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), UploadsReset)
-    server.daemon_threads = True
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_address[1]}"
-    finally:
-        server.shutdown()
-        server.server_close()
+    with serving(UploadsReset) as url:
+        yield url
 
 
 def pooled(vc: Client) -> list[http.client.HTTPConnection]:

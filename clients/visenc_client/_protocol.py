@@ -347,7 +347,15 @@ def failed_range(item: dict[str, Any]) -> Exception:
 
 def simple_flow(
     client: httpx.Client | httpx.AsyncClient, method: str, path: str, headers: dict[str, str] | None
-) -> Flow[Any]:
+) -> Flow[dict[str, Any]]:
+    """One request whose answer is a JSON object (``ProtocolError`` if it is anything else: a page of
+    another server on the way, a body cut short)."""
     resp = yield client.build_request(method, path, headers=headers)
     raise_for_status(resp)
-    return resp.json()
+    try:
+        body = resp.json()
+    except ValueError as e:  # not JSON (nor UTF-8)
+        raise ProtocolError(f"{method} {path}: unreadable answer ({resp.headers.get('content-type')}): {e}") from e
+    if not isinstance(body, dict):
+        raise ProtocolError(f"{method} {path}: the answer is not a JSON object but {type(body).__name__}")
+    return body

@@ -10,6 +10,8 @@ connector's failure paths:
 - ``Peer("cut")``: answers a head whose ``Content-Length`` promises more than it sends, then closes
   (the process died mid-body); ``reply`` is the head and the bytes sent (HTTP by default, or RESP for
   Redis);
+- ``Peer("answer", reply=...)``: answers every request with ``reply`` whole, whatever was asked (a
+  server that is not visenc: ``NOT_VISENC``, an ingress's page);
 - ``Switch(upstream)``: one port that relays to a healthy replica, or is closed, or hangs on connect,
   or accepts and never answers, as a test sets it.
 
@@ -36,6 +38,8 @@ CUT_HTTP = (
 )
 #: a Redis bulk string that stops short of its length
 CUT_RESP = b"$100\r\n" + b"\x00" * 10
+#: a whole HTTP answer of a server that is not visenc: 200 with a page (an ingress's default backend)
+NOT_VISENC = b"HTTP/1.1 200 OK\r\ncontent-type: text/html\r\ncontent-length: 20\r\n\r\n<html>nothing</html>"
 
 
 def refused() -> str:
@@ -83,10 +87,10 @@ class Blackhole:
 
 class Peer:
     """A thread that accepts connections on a free loopback port and fails each as ``mode`` says
-    (``silent``, ``reset`` or ``cut``; see the module docstring)."""
+    (``silent``, ``reset``, ``cut`` or ``answer``; see the module docstring)."""
 
     def __init__(self, mode: str, *, reply: bytes = CUT_HTTP) -> None:
-        assert mode in ("silent", "reset", "cut"), mode
+        assert mode in ("silent", "reset", "cut", "answer"), mode
         self.mode, self.reply = mode, reply
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 import torch
-from tests.support.dead_ends import Blackhole, Peer, refused
+from tests.support.dead_ends import NOT_VISENC, Blackhole, Peer, refused
 from tests.support.images import png_bytes
 from tests.support.paths import ROOT
 from tests.support.processes import redis_process, serve_subprocess, stop_process
@@ -169,6 +169,25 @@ def test_a_replica_started_later_is_checked_and_chooses_shared_memory(visenc: di
         assert replica.checked and replica.prompt.shared_memory and replica.waiting.shared_memory
     finally:
         sources.close()
+
+
+JSON_LIST = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 2\r\n\r\n[]"
+
+
+@pytest.mark.parametrize("reply", [NOT_VISENC, JSON_LIST], ids=["html", "json-list"])
+def test_a_url_that_answers_something_else_is_passed_over(visenc: dict[str, Any], reply: bytes) -> None:
+    """A first URL that answers 200 with what no visenc answers (an ingress's page while visenc starts):
+    the engine still starts (no exception from the start-up check), and the rows come from the next
+    replica (before, the unreadable answer escaped the look-up: no other source was asked)."""
+    with Peer("answer", reply=reply) as peer:
+        sources = RowSources([peer.url, visenc["url"]], served=served(visenc), **QUICK)
+        try:
+            sources.check_at_start()
+            assert [r.checked for r in sources.replicas] == [False, True]
+            assert_rows(visenc, sources.obtain(wants(visenc), wait=False))
+            assert peer.connections >= 2  # asked at start-up and by the look-up
+        finally:
+            sources.close()
 
 
 def test_a_replica_of_another_model_is_refused_when_it_first_answers(visenc: dict[str, Any]) -> None:

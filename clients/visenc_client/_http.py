@@ -16,6 +16,7 @@ cut short) is a ``TransportError`` naming the URL.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import socket
 import threading
@@ -133,7 +134,7 @@ class Connections:
 
     def _give_back(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
         if response.will_close or not response.isclosed() or conn.sock is None:
-            conn.close()
+            _hang_up(conn)
             return
         with self._lock:
             if len(self._idle) < self._max_idle:
@@ -171,6 +172,16 @@ class Connections:
             idle, self._idle = self._idle, []
         for conn, _ in idle:
             conn.close()
+
+
+def _hang_up(conn: http.client.HTTPConnection) -> None:
+    """Close ``conn`` at once, even while a thread still reads its body (a cancelled task's read): shut
+    down, the socket ends that read now, where closing alone waits for it (the response's reader holds
+    its lock until the read returns: up to the read timeout)."""
+    if conn.sock is not None:
+        with contextlib.suppress(OSError):
+            conn.sock.shutdown(socket.SHUT_RDWR)
+    conn.close()
 
 
 class _Pending:

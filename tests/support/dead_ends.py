@@ -10,6 +10,8 @@ connector's failure paths:
 - ``Peer("cut")``: answers a head whose ``Content-Length`` promises more than it sends, then closes
   (the process died mid-body); ``reply`` is the head and the bytes sent (HTTP by default, or RESP for
   Redis);
+- ``Peer("stall")``: sends ``reply`` (a head and the first bytes of a body), then not a byte more,
+  the connection left open (a wedged process mid-answer);
 - ``Peer("answer", reply=...)``: answers every request with ``reply`` whole, whatever was asked (a
   server that is not visenc: ``NOT_VISENC``, an ingress's page);
 - ``Switch(upstream)``: one port that relays to a healthy replica, or is closed, or hangs on connect,
@@ -87,10 +89,10 @@ class Blackhole:
 
 class Peer:
     """A thread that accepts connections on a free loopback port and fails each as ``mode`` says
-    (``silent``, ``reset``, ``cut`` or ``answer``; see the module docstring)."""
+    (``silent``, ``reset``, ``cut``, ``stall`` or ``answer``; see the module docstring)."""
 
     def __init__(self, mode: str, *, reply: bytes = CUT_HTTP) -> None:
-        assert mode in ("silent", "reset", "cut", "answer"), mode
+        assert mode in ("silent", "reset", "cut", "stall", "answer"), mode
         self.mode, self.reply = mode, reply
         self._sock = socket.socket()
         self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -130,6 +132,10 @@ class Peer:
                 conn.recv(1 << 16)  # the request (its first bytes)
                 if self.mode == "reset":
                     conn.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                elif self.mode == "stall":
+                    conn.sendall(self.reply)
+                    self._held.append(conn)  # open, and not a byte more
+                    continue
                 else:
                     conn.sendall(self.reply)
                     conn.shutdown(socket.SHUT_WR)  # the bytes, then the end: no more will come

@@ -5,7 +5,9 @@ once. Real loopback sockets throughout (``tests.support.dead_ends``)."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -15,9 +17,10 @@ import pytest
 import redis
 from redis.backoff import NoBackoff
 from redis.retry import Retry
-from tests.support.dead_ends import CUT_RESP, UNRESOLVABLE, Blackhole, Peer, refused
+from tests.support.dead_ends import CUT_HTTP, CUT_RESP, UNRESOLVABLE, Blackhole, Peer, refused
 
 from visenc_client import AsyncClient, AsyncRedisRows, Client, RedisRows, RowRange, TransportError
+from visenc_client._http import Body
 
 H = "a" * 64
 #: far above every bound a test sets: a call that took this long waited for the wrong timeout
@@ -74,6 +77,29 @@ async def test_the_async_client_raises_the_same(kind: str, call: str) -> None:
             with pytest.raises(TransportError) as raised:
                 await CALLS[call](vc)
     assert raised.value.url is not None and raised.value.url.startswith(url)
+
+
+async def test_a_cancelled_read_never_holds_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A task cancelled while its rows are read (``asyncio.wait_for``, a caller gone) from a server that
+    stalls mid-body: the task ends at once, its connection dropped. Before, closing the body waited on
+    the event loop for the abandoned read in its thread to end: up to the read timeout."""
+    reading = threading.Event()
+    read = Body.readinto
+
+    def readinto(self: Body, view: memoryview) -> None:
+        reading.set()
+        read(self, view)
+
+    monkeypatch.setattr(Body, "readinto", readinto)
+    with Peer("stall", reply=CUT_HTTP) as peer:
+        async with AsyncClient(peer.url, timeout=4 * SLOW_S) as vc:
+            task = asyncio.create_task(vc.fetch(H))
+            assert await asyncio.to_thread(reading.wait, SLOW_S), "the rows were never read"
+            started = time.monotonic()
+            task.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert time.monotonic() - started < SLOW_S
 
 
 @pytest.mark.parametrize("call", ["rows-reader", "httpx"])

@@ -8,13 +8,17 @@ with a real ``redis-server``, and real dead sockets (``tests.support.dead_ends``
 from __future__ import annotations
 
 import contextlib
+import http.server
 import os
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
+import msgpack
 import pytest
 import torch
 from tests.support.dead_ends import NOT_VISENC, Blackhole, Peer, refused
@@ -26,6 +30,7 @@ from tests.support.waits import free_port, wait_ready, wait_until
 from visenc_client import Client
 from visenc_client._backoff import Backoff
 from visenc_client._sources import Absent, RowSources, Served, Want, torch_rows
+from visenc_client.format import MSGPACK, ROWS_MEDIA_TYPE, frame_head, split_frame
 
 #: far above every bound a test sets: a call that took this long waited for the wrong timeout
 SLOW_S = 30.0
@@ -210,6 +215,77 @@ def test_a_replica_of_another_model_is_refused_when_it_first_answers(visenc: dic
             RowSources([visenc["url"]], served=other, **QUICK).check_at_start()
     finally:
         sources.close()
+
+
+class Reordering(http.server.BaseHTTPRequestHandler):
+    """A replica that relays to a real visenc (``upstream``) but answers a look-up's items in reverse
+    order: each handle, with its rows, is whole and true, only not where it was asked."""
+
+    upstream = ""
+    protocol_version = "HTTP/1.1"
+
+    def do_GET(self) -> None:
+        self._relay(httpx.get(self.upstream + self.path, headers={"accept": self.headers["accept"] or "*/*"}))
+
+    def do_POST(self) -> None:
+        body = self.rfile.read(int(self.headers["content-length"]))
+        headers = {k: self.headers[k] for k in ("content-type", "accept")}
+        answer = httpx.post(self.upstream + self.path, content=body, headers=headers, timeout=30)
+        kind = answer.headers.get("content-type", "")
+        if self.path != "/v1/encode":  # a fetch: one image's rows, as asked
+            pass
+        elif kind.startswith(MSGPACK):  # handles alone (their rows then read from shared memory)
+            handles = msgpack.unpackb(answer.content)
+            handles["items"].reverse()
+            answer = httpx.Response(200, headers={"content-type": MSGPACK}, content=msgpack.packb(handles))
+        elif kind.startswith(ROWS_MEDIA_TYPE):
+            items, rows, at = [], [], 0
+            for item, view in reversed(split_frame(answer.content)):
+                if view is not None:
+                    item = {**item, "offset": at}
+                    rows.append(bytes(view))
+                    at += len(view)
+                items.append(item)
+            answer = httpx.Response(
+                200, headers={"content-type": ROWS_MEDIA_TYPE}, content=frame_head(items) + b"".join(rows)
+            )
+        self._relay(answer)
+
+    def _relay(self, answer: httpx.Response) -> None:
+        self.send_response(answer.status_code)
+        self.send_header("content-type", answer.headers.get("content-type", "application/octet-stream"))
+        self.send_header("content-length", str(len(answer.content)))
+        self.end_headers()
+        self.wfile.write(answer.content)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("transport", ["http", "shm"])
+def test_rows_answered_for_another_image_are_never_taken(visenc: dict[str, Any], transport: str) -> None:
+    """A replica whose answer lists the images asked in another order, two of one size (the same row
+    count and grid): their rows come from the next replica, each its own image's (before, each image got
+    the other's rows)."""
+    images = [png_bytes(i, 80, 56) for i in (7, 8)]
+    with Client(visenc["url"]) as vc:
+        handles = vc.encode(images)
+        truth = {h.hash: torch_rows(vc.fetch(h), h.dtype) for h in handles}
+    assert len({(h.num_tokens, h.grid_thw) for h in handles}) == 1 and not torch.equal(*truth.values())
+    Reordering.upstream = visenc["url"]
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Reordering)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    urls = [f"http://127.0.0.1:{server.server_port}", visenc["url"]]
+    sources = RowSources(urls, served=served(visenc), transport=transport, **QUICK)
+    try:
+        got = sources.obtain({h.hash: Want(h.num_tokens, None) for h in handles}, wait=False)
+        for identifier, rows in got.items():
+            assert isinstance(rows, torch.Tensor), rows
+            assert torch.equal(rows, truth[identifier])
+    finally:
+        sources.close()
+        server.shutdown()
+        server.server_close()
 
 
 @contextlib.contextmanager

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.api import running_app
@@ -42,7 +43,15 @@ STALL_S = 0.2
 
 
 @pytest.fixture
-def gate() -> Iterator[threading.Event]:
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches empty before and after: the graphs built here are not another test's."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()  # waits for dynamo's lock: after ``gate`` has let the simulated compile end
+
+
+@pytest.fixture
+def gate(fresh_dynamo: None) -> Iterator[threading.Event]:
     """Opens the simulated compile at the end of the test whatever happens (it holds dynamo's lock)."""
     event = threading.Event()
     yield event

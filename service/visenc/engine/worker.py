@@ -40,7 +40,7 @@ PROBE_SIZE = (56, 56)
 
 
 class WorkerState(enum.Enum):
-    #: a compiled tower's first forwards (its graphs are built): misses wait, hits are answered
+    #: a compiled tower's first forwards (its graphs are built): misses get 503, hits are answered
     WARMING = "warming"
     HEALTHY = "healthy"
     RESTARTING = "restarting"

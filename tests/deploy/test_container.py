@@ -165,9 +165,13 @@ def test_the_cuda_runtime_has_what_triton_and_inductor_compile_with(dockerfile):
 
 
 def test_the_package_check_fails_without_the_compiler_or_the_headers(dockerfile, tmp_path):
-    """The check above can fail: the same Dockerfile with gcc, then python3-dev, taken out."""
+    """The check above can fail: the same Dockerfile with gcc, libc6-dev, then python3-dev, taken out."""
     text = (ROOT / "Dockerfile").read_text()
-    for package, what in (("gcc", "C compiler"), ("python3-dev", "python3's headers")):
+    for package, what in (
+        ("gcc", "C compiler"),
+        ("libc6-dev", "C library's headers"),
+        ("python3-dev", "python3's headers"),
+    ):
         broken = tmp_path / f"Dockerfile-{package}"
         broken.write_text(text.replace(f" {package} ", " "))
         args, stages = parse_dockerfile(broken)

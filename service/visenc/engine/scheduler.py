@@ -70,6 +70,8 @@ class Scheduler:
         #: tower-input tokens preprocessed or being preprocessed, not yet forwarded (``staging.py``)
         self.staging = Staging()
         self._changed = asyncio.Event()
+        #: why nothing more is encoded here, once ``cancel_all`` was called (``None`` until then)
+        self._closed: BaseException | None = None
 
     # --- state ---------------------------------------------------------------
     @property
@@ -93,7 +95,11 @@ class Scheduler:
 
     # --- intake ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Encode ``job`` here (``NEW`` or ``WATCHING``)."""
+        """Encode ``job`` here (``NEW`` or ``WATCHING``); after ``cancel_all`` (an image another replica
+        was to encode, taken over), failed at once with its error."""
+        if self._closed is not None:
+            self._outputs.fail([job], self._closed)
+            return
         job.queue()
         self._coordination.queued(job)
         self._waiting.append(job)
@@ -268,7 +274,8 @@ class Scheduler:
     def cancel_all(self, error: BaseException) -> None:
         """Fail every job not yet on the device (shutdown, or a device that cannot be restarted) with
         ``error``: queued, ready, and being prepared, whose preparations are then cancelled (one whose
-        task has not run yet never reaches its own failure path)."""
+        task has not run yet never reaches its own failure path). Nothing is encoded here afterwards."""
+        self._closed = error
         preparing = [job for task, job in self._preparing.items() if not task.done()]
         self._outputs.fail([*self._waiting, *preparing, *self._ready], error)
         self._waiting.clear()

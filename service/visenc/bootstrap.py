@@ -74,6 +74,7 @@ def load_tower(settings: Settings) -> VisionTower:
     heap.hold_freed(settings.heap_keep_bytes)
     tower = load(
         settings.model,
+        revision=settings.revision,
         dtype=dtype,
         device=device,
         max_pixels=settings.max_pixels,

@@ -19,6 +19,8 @@ from visenc.proxy.settings import ProxySettings
 
 #: exit status when the device worker failed and could not be restarted
 EXIT_DEVICE_FAILED = 3
+#: exit status when the model cannot be served (``ModelUnavailable``: one line says why)
+EXIT_MODEL_UNAVAILABLE = 4
 
 
 def _flag_type(annotation: Any) -> tuple[Any, list[str] | None]:
@@ -78,6 +80,10 @@ def _stopped(signum: int, frame: types.FrameType | None) -> None:
     logging.getLogger("visenc").info("stopped by signal %d after a graceful shutdown", signum)
 
 
+def _stop_loading(signum: int, frame: types.FrameType | None) -> None:
+    raise SystemExit(128 + signum)  # unwinds the load: a partial download is removed, nothing waits for it
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
@@ -92,18 +98,29 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def serve(settings: Settings) -> int:
-    """Run the service until it is stopped: 0 after a graceful stop, ``EXIT_DEVICE_FAILED`` when
-    the device worker could not be restarted (so that a supervisor restarts the process)."""
+    """Run the service until it is stopped: 0 after a graceful stop, ``EXIT_MODEL_UNAVAILABLE`` (one
+    line on stderr) when the model cannot be served, ``EXIT_DEVICE_FAILED`` when the device worker
+    could not be restarted (so that a supervisor restarts the process)."""
     import uvicorn
 
-    from visenc.bootstrap import create_app
+    from visenc.bootstrap import create_app, load_tower
+    from visenc.errors import ModelUnavailable
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.log_level != "debug":  # huggingface_hub's client logs every request it makes at info
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
+    signal.signal(signal.SIGTERM, _stop_loading)
+    try:
+        tower = load_tower(settings)  # before the server listens, as it always did; a download included
+    except ModelUnavailable as e:
+        pinned = f" (revision {settings.revision})" if settings.revision else ""
+        print(f"visenc: cannot serve {settings.model}{pinned}: {e}", file=sys.stderr)
+        return EXIT_MODEL_UNAVAILABLE
     # uvicorn handles SIGTERM/SIGINT gracefully (stops accepting, lets in-flight requests
     # finish, runs the lifespan shutdown) and then re-raises the signal to the handler that
     # was installed before it; with this one, a graceful stop exits 0 instead of dying by it.
     signal.signal(signal.SIGTERM, _stopped)
-    app = create_app(settings)
+    app = create_app(settings, tower=tower)
     server = uvicorn.Server(
         uvicorn.Config(
             app,

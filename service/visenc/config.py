@@ -29,8 +29,12 @@ class Settings(BaseSettings):
     # --- model --------------------------------------------------------------
     model: str = Field(
         "tiny-qwen2-vl",
-        description="Registry name (tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-clip, tiny-siglip) "
-        "or a local checkpoint folder; only its vision weights are read.",
+        description="Registry name (tiny-qwen2-vl, tiny-qwen2.5-vl, tiny-clip, tiny-siglip), a local checkpoint "
+        "folder, or a hub id ORG/NAME[@REVISION] (through huggingface_hub: HF_HOME, HF_HUB_CACHE, HF_TOKEN, "
+        "HF_ENDPOINT, HF_HUB_OFFLINE); only its vision weights are read, and from a hub only they are fetched.",
+    )
+    revision: str | None = Field(
+        None, description="Hub revision (branch, tag or commit) of a hub --model; default main. Same as @REVISION."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA."

@@ -26,6 +26,9 @@ it becomes that item's ``{"status": "error", "reason", "error"}`` and the other
 items proceed; only a malformed or oversized *body* fails a whole request.
 Messages are written for the caller: they say which limit was hit and its value.
 A 500 never echoes internals (the handler logs them and answers a generic text).
+
+``ModelUnavailable`` stands apart: it is raised at start-up, before any request, when the model
+named by ``--model`` cannot be served; ``visenc serve`` prints its one line and exits non-zero.
 """
 
 from __future__ import annotations
@@ -167,6 +170,13 @@ class DeadlineExceeded(VisencError):
     status_code = 504
     kind = "deadline"
     public = True
+
+
+class ModelUnavailable(ValueError):
+    """The model named at start-up cannot be served: an unknown name or repository, a gated or
+    private repository without a token, the hub unreachable with nothing cached, a model type
+    visenc does not serve, no vision weights. The message is one line that states the cause
+    (the caller names the model)."""
 
 
 def all_kinds() -> list[str]:

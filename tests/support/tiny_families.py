@@ -233,11 +233,39 @@ BUILDERS: dict[str, Callable[[], tuple[Any, Any]]] = {
 }
 
 
+def _qwen2_5_vl() -> tuple[Any, Any]:
+    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
+
+    vision = {
+        "depth": 2,
+        "hidden_size": 48,
+        "intermediate_size": 96,
+        "num_heads": 2,
+        "out_hidden_size": TEXT_HIDDEN,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    }
+    text = {**_TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e4}}
+    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN)
+    proc = Qwen2VLImageProcessorPil(
+        patch_size=14, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 56 * 56, "longest_edge": 280 * 280}
+    )
+    return Qwen2_5_VLForConditionalGeneration(config), proc
+
+
+#: checkpoints visenc serves through its own tower classes (not ``FamilyTower``): built and saved the
+#: same way, but not part of the family suites that iterate over ``BUILDERS``
+OTHER_BUILDERS: dict[str, Callable[[], tuple[Any, Any]]] = {"qwen2_5_vl": _qwen2_5_vl}
+
+
 def build_family(name: str, seed: int = 0) -> tuple[Any, Any]:
     """(full VLM in eval mode with seeded weights, its PIL image processor)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model, proc = BUILDERS[name]()
+        model, proc = {**BUILDERS, **OTHER_BUILDERS}[name]()
         with torch.no_grad():
             # constant initialisations (zero projections, unit norms) would hide a wrong weight
             for param in model.parameters():
@@ -247,7 +275,7 @@ def build_family(name: str, seed: int = 0) -> tuple[Any, Any]:
 
 
 def save_family(name: str, outdir: str | Path, seed: int = 0) -> Path:
-    """Write a checkpoint folder of the tiny family ``name`` and return it."""
+    """Write a checkpoint folder of the tiny family ``name`` (or of ``OTHER_BUILDERS``) and return it."""
     out = Path(outdir)
     model, proc = build_family(name, seed)
     model.save_pretrained(out)

@@ -265,3 +265,13 @@ def test_unknown_specs_raise_value_error(tmp_path: Path) -> None:
         load_tower(str(tmp_path))
     with pytest.raises(ValueError, match="unsupported dtype"):
         load_tower("tiny-qwen2-vl", dtype="int8")
+
+
+def test_fingerprint_does_not_depend_on_how_the_checkpoint_is_stored(
+    qwen_checkpoints: dict[str, tuple[Path, Any]],
+) -> None:
+    """The weights digest covers each vision tensor's name, dtype, shape and bytes, not the files that
+    hold them: one file or shards (or a vision-only file, or the hub cache) give one fingerprint, so a
+    hub id and a local folder of the same checkpoint share index entries."""
+    single, sharded = (str(qwen_checkpoints[f"qwen2_vl-{v}"][0]) for v in ("single", "sharded"))
+    assert load_tower(single).fingerprint == load_tower(sharded).fingerprint

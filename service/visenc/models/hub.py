@@ -1,0 +1,268 @@
+"""A model named by its hub id (``ORG/NAME[@REVISION]``): ``open_repo``.
+
+Config and processor files go through ``hf_hub_download`` into the hub cache's standard layout
+(``HF_HUB_CACHE``); of the weights only the vision tensors' bytes are fetched, into one vision-only
+safetensors file per repository and commit under ``$HF_HOME/visenc``, which later starts read. Shards
+already in the hub cache (a checkpoint an engine downloaded) are read where they are. With the hub
+unreachable, or ``HF_HUB_OFFLINE`` set, the commit the revision last resolved to is served from the
+caches. Every failure is a one-line ``ModelUnavailable``. Reasoning: ``docs/internals.md``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from visenc.errors import ModelUnavailable
+from visenc.models.fetch import RemoteFile, fetch_tensors, size_text
+from visenc.models.weights import INDEX_FILE, SINGLE_FILE, Checkpoint, header, shard_map, tensor_names
+
+log = logging.getLogger("visenc")
+
+#: ``ORG/NAME``, as the hub spells repository ids
+REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+#: the files a tower is built from, besides the weights (the index says where the weights are)
+CONFIG_FILES = (
+    "config.json",
+    "preprocessor_config.json",
+    "processor_config.json",
+    "video_preprocessor_config.json",
+    INDEX_FILE,
+)
+VISION_FILE = "vision.safetensors"
+
+
+def parse_spec(spec: str, revision: str | None) -> tuple[str, str | None] | None:
+    """``(repo_id, revision)`` of a hub id ``ORG/NAME`` or ``ORG/NAME@REVISION`` (``revision``, the
+    ``--revision`` setting, where the name has none); ``None`` for anything else."""
+    repo_id, at, pinned = spec.partition("@")
+    if not REPO_ID.match(repo_id) or (at and not pinned):
+        return None
+    if pinned and revision and pinned != revision:
+        raise ModelUnavailable(f"two revisions asked: {pinned!r} in the name and {revision!r} by --revision")
+    return repo_id, pinned or revision
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """A repository at one commit, its config files in the hub cache's snapshot ``folder``.
+    ``files``: the repository's files (or, served from the cache, those cached); ``offline``: why
+    the hub was not asked, or ``None`` when it answered."""
+
+    repo_id: str
+    revision: str
+    commit: str
+    folder: Path
+    files: frozenset[str]
+    offline: str | None
+
+
+def open_repo(repo_id: str, revision: str | None) -> Checkpoint:
+    """The checkpoint of ``repo_id`` at ``revision`` (default ``main``): its config files fetched
+    (or found in the cache), its weights fetched when ``Checkpoint.weights.files`` asks for them."""
+    snapshot = resolve(repo_id, revision or "main")
+    name = repo_id if revision is None else f"{repo_id}@{revision}"
+    return Checkpoint(name=name, folder=snapshot.folder, weights=HubWeights(snapshot))
+
+
+def resolve(repo_id: str, revision: str) -> Snapshot:
+    """Ask the hub what ``revision`` is and fetch the config files; from the cache alone where the
+    hub cannot be reached (no answer, or a 5xx) or ``HF_HUB_OFFLINE`` is set."""
+    from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
+
+    if constants.is_offline_mode():
+        return from_cache(repo_id, revision, "HF_HUB_OFFLINE is set")
+    started, fetched = time.monotonic(), 0
+    try:
+        with hub_answers(revision):
+            api = HfApi()
+            info = api.model_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+            if "config.json" not in {s.rfilename for s in info.siblings or []}:
+                raise ModelUnavailable(f"the repository has no config.json at {revision}: not a transformers model")
+            # named revision → commit, recorded in the cache's refs (what a start without the hub reads)
+            folder = Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
+            if folder.name != info.sha:  # the revision moved meanwhile: list the commit the config came from
+                info = api.model_info(repo_id, revision=folder.name, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+            files = frozenset(s.rfilename for s in info.siblings or [])
+            for name in CONFIG_FILES[1:]:
+                if name in files and not isinstance(try_to_load_from_cache(repo_id, name, revision=folder.name), str):
+                    fetched += Path(hf_hub_download(repo_id, name, revision=folder.name)).stat().st_size
+    except Unreachable as e:
+        return from_cache(repo_id, revision, str(e))
+    log.info(
+        "%s@%s: commit %s; config files in %s (%s fetched in %.1f s)",
+        repo_id,
+        revision,
+        folder.name,
+        folder,
+        size_text(fetched),
+        time.monotonic() - started,
+    )
+    return Snapshot(repo_id, revision, folder.name, folder, files, None)
+
+
+def from_cache(repo_id: str, revision: str, why: str) -> Snapshot:
+    """The commit ``revision`` last resolved to, as the hub cache holds it."""
+    from huggingface_hub import constants, try_to_load_from_cache
+
+    config = try_to_load_from_cache(repo_id, "config.json", revision=revision)
+    if not isinstance(config, str):
+        raise ModelUnavailable(f"{why}, and the hub cache ({constants.HF_HUB_CACHE}) does not hold {revision}")
+    folder = Path(config).parent
+    files = frozenset(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
+    log.warning("%s@%s: %s; serving commit %s from the cache (%s)", repo_id, revision, why, folder.name, folder)
+    return Snapshot(repo_id, revision, folder.name, folder, files, why)
+
+
+class Unreachable(ModelUnavailable):
+    """No answer from the hub (refused, reset, timed out) or a 5xx: the caches may still serve."""
+
+
+@contextmanager
+def hub_answers(revision: str) -> Iterator[None]:
+    """What the hub (or the way to it) answered, as one ``ModelUnavailable`` line: ``Unreachable``
+    where it did not answer, a refusal (unknown or gated repository, unknown revision) otherwise."""
+    import httpx2
+    from huggingface_hub import constants
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        HfHubHTTPError,
+        HFValidationError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+    from huggingface_hub.utils import get_token
+
+    hub = constants.ENDPOINT
+    try:
+        yield
+    except HFValidationError as e:
+        raise ModelUnavailable(f"not a valid hub id ({first_line(e)})") from e
+    except GatedRepoError as e:
+        fix = "HF_TOKEN has not been granted access" if get_token() else "set HF_TOKEN to a token that has access"
+        raise ModelUnavailable(f"a gated repository: accept its terms on {hub}; {fix}") from e
+    except RevisionNotFoundError as e:
+        raise ModelUnavailable(f"the repository has no revision {revision!r}") from e
+    except RepositoryNotFoundError as e:
+        hint = "or HF_TOKEN has no access to it" if get_token() else "or it is private: set HF_TOKEN"
+        raise ModelUnavailable(f"no such repository on {hub} ({hint})") from e
+    except HfHubHTTPError as e:
+        status = e.response.status_code if e.response is not None else 0
+        if status >= 500:
+            raise Unreachable(f"the hub {hub} answered {status}") from e
+        raise ModelUnavailable(f"the hub {hub} refused a request ({status}: {first_line(e)})") from e
+    except LocalEntryNotFoundError as e:
+        raise Unreachable(f"the hub {hub} is unreachable") from e
+    except httpx2.TransportError as e:
+        raise Unreachable(f"the hub {hub} is unreachable ({first_line(e)})") from e
+    except OSError as e:
+        raise ModelUnavailable(f"cannot write the cache: {e}") from e
+
+
+def first_line(e: BaseException) -> str:
+    text = str(e).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+@dataclass
+class HubWeights:
+    """The weights of a ``Snapshot``: the vision-only file if it holds what is wanted, else the hub
+    cache's shards if every needed one is there, else the wanted tensors' bytes, fetched."""
+
+    snapshot: Snapshot
+    _remote: dict[str, RemoteFile] = field(default_factory=dict)
+
+    @property
+    def vision_file(self) -> Path:
+        from huggingface_hub import constants
+        from huggingface_hub.file_download import repo_folder_name
+
+        repo = repo_folder_name(repo_id=self.snapshot.repo_id, repo_type="model")
+        return Path(constants.HF_HOME) / "visenc" / repo / self.snapshot.commit / VISION_FILE
+
+    def names(self) -> list[str]:
+        if self.vision_file.is_file():
+            return json.loads(header(self.vision_file)["__metadata__"]["checkpoint_names"])  # type: ignore[no-any-return]
+        with hub_answers(self.snapshot.revision):
+            return [n for names in self.shards().values() for n in names]
+
+    def shards(self) -> dict[str, list[str]]:
+        """shard file → its tensor names: the index (a config file), or the single file's header."""
+        s = self.snapshot
+        if INDEX_FILE in s.files:
+            return shard_map(json.loads((s.folder / INDEX_FILE).read_text()))
+        if SINGLE_FILE in s.files:
+            local = s.folder / SINGLE_FILE
+            head = header(local) if local.is_file() else self.remote(SINGLE_FILE).header()[0]
+            return {SINGLE_FILE: tensor_names(head)}
+        if s.offline:
+            raise ModelUnavailable(f"{s.offline}, and the cache holds none of its weights")
+        raise ModelUnavailable(f"the repository has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE})")
+
+    def remote(self, filename: str) -> RemoteFile:
+        if filename not in self._remote:
+            self._remote[filename] = RemoteFile.open(self.snapshot.repo_id, filename, self.snapshot.commit)
+        return self._remote[filename]
+
+    def files(self, wanted: set[str]) -> dict[Path, list[str]]:
+        from huggingface_hub import try_to_load_from_cache
+
+        s, vision = self.snapshot, self.vision_file
+        if self._holds(wanted):
+            log.info("%s: vision weights read from %s (nothing fetched)", s.repo_id, vision)
+            return {vision: sorted(wanted)}
+        with hub_answers(s.revision):
+            shards = self.shards()
+        needed = {f: [n for n in names if n in wanted] for f, names in shards.items()}
+        needed = {f: names for f, names in needed.items() if names}
+        cached = {f: try_to_load_from_cache(s.repo_id, f, revision=s.commit) for f in needed}
+        if all(isinstance(p, str) for p in cached.values()):
+            log.info("%s: vision weights read from the hub cache's %d shards (nothing fetched)", s.repo_id, len(needed))
+            return {Path(str(cached[f])): names for f, names in needed.items()}
+        if s.offline:
+            raise ModelUnavailable(f"{s.offline}, and its vision weights are not in the cache")
+        with hub_answers(s.revision):
+            self._fetch(needed)
+        return {vision: sorted(wanted)}
+
+    def _holds(self, wanted: set[str]) -> bool:
+        return self.vision_file.is_file() and wanted <= set(tensor_names(header(self.vision_file)))
+
+    def _fetch(self, needed: dict[str, list[str]]) -> None:
+        """The needed tensors into the vision file, once however many replicas share the cache."""
+        from huggingface_hub.utils import WeakFileLock
+
+        s, vision = self.snapshot, self.vision_file
+        vision.parent.mkdir(parents=True, exist_ok=True)
+        with WeakFileLock(vision.with_suffix(".lock")):
+            if self._holds({n for names in needed.values() for n in names}):
+                return  # another replica fetched them while this one waited
+            started = time.monotonic()
+            metadata = {
+                "format": "pt",
+                "repo": s.repo_id,
+                "commit": s.commit,
+                "checkpoint_names": json.dumps(self.names()),
+            }
+            wanted = {self.remote(f): names for f, names in needed.items()}
+            done = fetch_tensors(vision, wanted, metadata, f"{s.repo_id} vision weights")
+        log.info(
+            "%s: fetched %s of vision weights (%d tensors from %d of %d shards; %s of shard headers; %d ranged "
+            "requests) in %.1f s into %s",
+            s.repo_id,
+            size_text(done.tensor_bytes),
+            sum(len(v) for v in needed.values()),
+            done.shards,
+            len(self.shards()),  # known by now: no request
+            size_text(done.header_bytes),
+            done.requests,
+            time.monotonic() - started,
+            vision,
+        )

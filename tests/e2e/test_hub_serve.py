@@ -1,0 +1,221 @@
+"""``visenc serve --model ORG/NAME`` against a hub on loopback (``tests/support/hub.py``, ``HF_ENDPOINT``).
+
+Checkpoints laid out as real repositories (``hub_layout``: vision tensors beside language-model ones in
+shard 1, a language-model-only shard 2, the index). Everything is asserted from what the hub served:
+the rows equal, bit for bit, those of the same checkpoint served from a local folder; the bytes
+fetched are the vision tensors, the shard headers and the config files; the language-model-only shard
+is never asked for; a restart with the hub stopped serves from the cache; each failure is one line,
+a non-zero exit within 60 s, and no traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from tests.support.hub import LoopbackHub
+from tests.support.hub_checkpoints import SHARDS, hub_layout, safetensors_header, vision_ranges
+from tests.support.images import png_bytes
+from tests.support.paths import ROOT
+from tests.support.processes import serve_subprocess
+from tests.support.waits import free_port
+
+from visenc_client import Client
+
+TOKEN = "hf_loopback_token"
+IMAGES = [png_bytes(1, 120, 90), png_bytes(2, 230, 64)]
+KINDS = ["qwen2_5_vl", "gemma3"]  # a Qwen2.5-VL layout (visual.*) and one named otherwise (vision_tower.*, ...)
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("checkpoints")
+    return {kind: hub_layout(kind, root / kind) for kind in KINDS}
+
+
+@pytest.fixture(scope="module")
+def hub(folders: dict[str, Path]) -> Iterator[LoopbackHub]:
+    with LoopbackHub(tokens=(TOKEN,)) as h:
+        for kind, folder in folders.items():
+            h.publish(f"acme/{kind}", folder)
+        yield h
+
+
+def hub_env(hub: LoopbackHub, home: Path, **extra: str) -> dict[str, str]:
+    """The environment of a visenc process that uses ``hub`` and a cache under ``home``."""
+    return {
+        "HF_ENDPOINT": hub.url,
+        "HF_HOME": str(home),
+        "HF_HUB_CACHE": str(home / "hub"),
+        "HF_HUB_OFFLINE": "0",
+        "TRANSFORMERS_OFFLINE": "0",
+        "HF_TOKEN": "",
+        **extra,
+    }
+
+
+def served_rows(model: str, env: dict[str, str], log: Path, *args: str) -> tuple[str, list[np.ndarray]]:
+    """(fingerprint, rows of ``IMAGES``) from a ``visenc serve --model model`` process."""
+    with serve_subprocess("--model", model, "--torch-threads", "1", *args, env=env, log=log) as (url, _):
+        with Client(url) as vc:
+            fingerprint = vc.model()["fingerprint"]
+            return fingerprint, [vc.fetch(h) for h in vc.encode(IMAGES)]
+
+
+def cannot_serve(model: str, env: dict[str, str], *args: str) -> str:
+    """The one line a ``visenc serve`` that cannot serve ``model`` ends with (asserted: non-zero exit
+    within 60 s, no traceback)."""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-m", "visenc", "serve", "--port", str(free_port()), "--model", model, *args],
+        env={**os.environ, "PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'clients'}:{ROOT}", **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert time.monotonic() - started < 60
+    output = done.stdout + done.stderr
+    assert done.returncode == 4, output
+    assert "Traceback" not in output, output
+    lines = [line for line in done.stderr.splitlines() if line.startswith("visenc: cannot serve")]
+    assert len(lines) == 1 and lines[0].startswith(f"visenc: cannot serve {model}"), output
+    return lines[0]
+
+
+def assert_fetched_only_vision_bytes(hub: LoopbackHub, kind: str, folder: Path) -> None:
+    """What the hub sent: nothing of the language-model-only shard; of shard 1 its header and its
+    vision tensors' bytes, each byte once; besides that only config files."""
+    assert hub.served(SHARDS[1]) == []
+    _, data_start = safetensors_header(folder / SHARDS[0])
+    allowed = [(0, data_start), *vision_ranges(kind, folder)[SHARDS[0]]]
+    got = [r for r in hub.served(SHARDS[0]) if r.method == "GET" and r.origin == "cdn"]
+    assert got and all(r.status == 206 and r.byte_range is not None for r in got)
+    for r in got:
+        assert r.byte_range is not None and covered(r.byte_range, allowed), (r.byte_range, allowed)
+    target = sum(end - start for start, end in allowed)
+    assert hub.bytes_sent(SHARDS[0]) == target
+    configs = sum(f.stat().st_size for f in folder.glob("*.json"))
+    files = sum(r.sent for r in hub.served() if r.file is not None)
+    assert files <= target + configs
+
+
+def covered(span: tuple[int, int], allowed: list[tuple[int, int]]) -> bool:
+    """Whether ``span`` lies within the union of ``allowed`` ranges."""
+    at = span[0]
+    for start, end in sorted(allowed):
+        if start <= at < end:
+            at = end
+    return at >= span[1]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hub_id_serves_the_local_rows_from_vision_bytes_then_without_the_hub(
+    kind: str, hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path
+) -> None:
+    folder = folders[kind]
+    local = served_rows(str(folder), hub_env(hub, tmp_path / "unused"), tmp_path / "local.log")
+
+    hub.reset()
+    home = tmp_path / "hf"
+    fetched = served_rows(f"acme/{kind}", hub_env(hub, home), tmp_path / "fetch.log")
+    assert fetched[0] == local[0]  # the same fingerprint: the same index keys as the local folder
+    for a, b in zip(fetched[1], local[1], strict=True):
+        assert a.dtype == b.dtype and np.array_equal(a, b)  # bit for bit
+    assert_fetched_only_vision_bytes(hub, kind, folder)
+    log = (tmp_path / "fetch.log").read_text()
+    assert f"acme/{kind}: fetched" in log and "of vision weights" in log
+    vision_files = list((home / "visenc").rglob("vision.safetensors"))
+    assert len(vision_files) == 1 and not list((home / "visenc").rglob("*.incomplete"))
+    assert not list((home / "hub").rglob("*.safetensors"))  # no shard in the hub cache
+
+    hub.stop()
+    try:
+        again = served_rows(f"acme/{kind}", hub_env(hub, home), tmp_path / "offline.log")
+    finally:
+        hub.start()
+    assert again[0] == local[0] and all(np.array_equal(a, b) for a, b in zip(again[1], local[1], strict=True))
+    log = (tmp_path / "offline.log").read_text()
+    assert "is unreachable" in log and "from the cache" in log and "nothing fetched" in log
+
+    if kind != KINDS[0]:
+        return
+    hub.reset()  # HF_HUB_OFFLINE: the hub is not even asked
+    served_rows(f"acme/{kind}", hub_env(hub, home, HF_HUB_OFFLINE="1"), tmp_path / "hf-offline.log")
+    assert hub.requests == [] and "HF_HUB_OFFLINE is set" in (tmp_path / "hf-offline.log").read_text()
+
+
+def test_a_checkpoint_in_the_hub_cache_is_read_there(hub: LoopbackHub, tmp_path: Path) -> None:
+    """A checkpoint an engine already downloaded (vLLM: ``snapshot_download`` of the safetensors and
+    the index) is read from the hub cache: no weight byte is fetched, no vision file written."""
+    from huggingface_hub import snapshot_download
+
+    home = tmp_path / "hf"
+    snapshot_download(
+        "acme/qwen2_5_vl",
+        cache_dir=home / "hub",
+        endpoint=hub.url,
+        allow_patterns=["*.safetensors", "model.safetensors.index.json"],
+        token=False,
+    )
+    hub.reset()
+    served_rows("acme/qwen2_5_vl", hub_env(hub, home), tmp_path / "serve.log")
+    assert [r for r in hub.served() if r.file is not None and r.file.endswith(".safetensors")] == []
+    assert not (home / "visenc").exists()
+    assert "read from the hub cache" in (tmp_path / "serve.log").read_text()
+
+
+def test_a_revision_is_pinned_by_name_or_flag(hub: LoopbackHub, tmp_path: Path) -> None:
+    from visenc.models.loading import load_tower
+
+    v1 = hub_layout("qwen2_5_vl", tmp_path / "v1", seed=0)
+    v2 = hub_layout("qwen2_5_vl", tmp_path / "v2", seed=1)
+    hub.publish("acme/pinned", v1, tag="v1")
+    second = hub.publish("acme/pinned", v2)
+    want = {n: load_tower(str(p)).fingerprint for n, p in (("v1", v1), ("v2", v2))}
+    assert want["v1"] != want["v2"]
+    env = hub_env(hub, tmp_path / "hf")
+    assert served_rows("acme/pinned@v1", env, tmp_path / "a.log")[0] == want["v1"]
+    assert served_rows("acme/pinned", env, tmp_path / "b.log", "--revision", second)[0] == want["v2"]
+    assert "no revision 'v9'" in cannot_serve("acme/pinned@v9", env)
+
+
+def test_a_gated_repository_needs_a_token(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path) -> None:
+    hub.publish("acme/gated", folders["gemma3"], gated=True)
+    line = cannot_serve("acme/gated", hub_env(hub, tmp_path / "a"))
+    assert "gated repository" in line and "HF_TOKEN" in line
+    fingerprint, _ = served_rows("acme/gated", hub_env(hub, tmp_path / "b", HF_TOKEN=TOKEN), tmp_path / "b.log")
+    assert fingerprint
+
+
+def test_each_failure_is_one_line(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path) -> None:
+    text_only = tmp_path / "text-only"
+    text_only.mkdir()
+    (text_only / "config.json").write_text('{"model_type": "llama"}')
+    hub.publish("acme/text-only", text_only)
+    no_vision = tmp_path / "no-vision"
+    no_vision.mkdir()
+    for f in folders["qwen2_5_vl"].glob("*.json"):
+        (no_vision / f.name).write_bytes(f.read_bytes())
+    (no_vision / "model.safetensors.index.json").unlink()
+    (no_vision / "model.safetensors").write_bytes((folders["qwen2_5_vl"] / SHARDS[1]).read_bytes())
+    hub.publish("acme/no-vision", no_vision)
+    hub.publish("acme/private", folders["gemma3"], private=True)
+    env = hub_env(hub, tmp_path / "hf")
+
+    assert "no such repository" in cannot_serve("acme/missing", env)
+    assert "private: set HF_TOKEN" in cannot_serve("acme/private", env)
+    assert "unsupported model_type 'llama'" in cannot_serve("acme/text-only", env)
+    assert "vision tensors do not match" in cannot_serve("acme/no-vision", env)
+    hub.reset()
+    hub.stop()
+    try:
+        line = cannot_serve("acme/qwen2_5_vl", hub_env(hub, tmp_path / "empty"))
+    finally:
+        hub.start()
+    assert "is unreachable" in line and "does not hold main" in line

@@ -1,0 +1,359 @@
+"""A model hub on loopback that answers as the Hugging Face Hub does, as huggingface_hub 2.x reads it.
+
+    with LoopbackHub() as hub:                      # HF_ENDPOINT=hub.url for the process under test
+        commit = hub.publish("org/name", folder)     # each publish is a new commit on main
+        hub.stop(); hub.start()                      # the same port, answering again
+
+What it serves (derived from huggingface_hub's ``file_download``, ``hf_api`` and ``utils/_http``):
+
+* ``GET /api/models/{repo}[/revision/{rev}]``: repo info (``sha``, ``siblings``; with ``blobs``:
+  sizes, blob ids, LFS);
+* ``GET /api/models/{repo}/tree/{rev}[/{path}]`` (``recursive``) and ``POST .../paths-info/{rev}``;
+* ``HEAD|GET /{repo}/resolve/{rev}/{path}``: a regular file answers itself (``ETag`` its git blob id,
+  ``X-Repo-Commit``, ``Range``); an LFS file (safetensors) answers 302 to a CDN on a second origin
+  with ``X-Linked-Etag`` (its sha256), ``X-Linked-Size`` and ``X-Repo-Commit``, as the hub does;
+* ``HEAD|GET /cdn/{sha256}`` on that CDN, with ``Range`` (206, ``Content-Range``; 416 past the end);
+* refusals with the hub's ``X-Error-Code``: ``RepoNotFound`` (401 without a token, 404 with one),
+  ``GatedRepo`` (resolve of a gated repo: 401 without a token, 403 with one that has no access),
+  ``RevisionNotFound``, ``EntryNotFound`` (with ``X-Repo-Commit``), and 401 for an unknown token.
+
+Every request is recorded (``requests``): origin, method, file, byte range, body bytes sent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import socket
+import threading
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+from urllib.parse import parse_qs, unquote, urlsplit
+
+from tests.support.waits import free_port
+
+LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
+
+
+@dataclass(frozen=True)
+class Blob:
+    path: Path
+    size: int
+    sha256: str
+    git_sha1: str
+    lfs: bool
+
+    @classmethod
+    def of(cls, path: Path) -> Blob:
+        data = path.read_bytes()
+        git = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        return cls(path, len(data), hashlib.sha256(data).hexdigest(), git, path.suffix in LFS_SUFFIXES)
+
+
+@dataclass
+class Repo:
+    repo_id: str
+    gated: bool = False
+    private: bool = False
+    commits: dict[str, dict[str, Blob]] = field(default_factory=dict)
+    refs: dict[str, str] = field(default_factory=dict)
+
+    def commit(self, rev: str) -> str | None:
+        return self.refs.get(rev) or (rev if rev in self.commits else None)
+
+
+@dataclass(frozen=True)
+class Request:
+    origin: str  # "hub" | "cdn"
+    method: str
+    path: str
+    file: str | None  # repo path of the file served
+    byte_range: tuple[int, int] | None  # [start, end) of a 206
+    sent: int  # body bytes
+    status: int
+
+
+class LoopbackHub:
+    """Repositories published from local folders, served on 127.0.0.1 (hub and CDN origins)."""
+
+    def __init__(self, tokens: tuple[str, ...] = ()) -> None:
+        self.repos: dict[str, Repo] = {}
+        self.tokens = set(tokens)
+        self.requests: list[Request] = []
+        self.lock = threading.Lock()
+        self.port = free_port()
+        self.cdn_port = free_port()
+        self._servers: list[ThreadingHTTPServer] = []
+        self._conns: set[socket.socket] = set()
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    # --- content ------------------------------------------------------------
+    def publish(self, repo_id: str, folder: Path, *, tag: str | None = None, **flags: bool) -> str:
+        """A new commit of ``repo_id`` holding ``folder``'s files, on ``main`` (and ``tag``); returns its sha."""
+        repo = self.repos.setdefault(repo_id, Repo(repo_id))
+        for k, v in flags.items():
+            setattr(repo, k, v)
+        files = {str(p.relative_to(folder)): Blob.of(p) for p in sorted(folder.rglob("*")) if p.is_file()}
+        listing = json.dumps([repo_id, len(repo.commits), {k: b.git_sha1 for k, b in files.items()}])
+        sha = hashlib.sha1(listing.encode()).hexdigest()
+        repo.commits[sha] = files
+        repo.refs["main"] = sha
+        if tag:
+            repo.refs[tag] = sha
+        return sha
+
+    def served(self, file: str | None = None, origin: str | None = None) -> list[Request]:
+        with self.lock:
+            return [r for r in self.requests if (file is None or r.file == file) and origin in (None, r.origin)]
+
+    def bytes_sent(self, file: str | None = None) -> int:
+        return sum(r.sent for r in self.served(file))
+
+    def reset(self) -> None:
+        with self.lock:
+            self.requests.clear()
+
+    # --- lifecycle ----------------------------------------------------------
+    def start(self) -> LoopbackHub:
+        for port, origin in ((self.port, "hub"), (self.cdn_port, "cdn")):
+            server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self, origin))
+            server.daemon_threads = True
+            threading.Thread(target=server.serve_forever, daemon=True, name=f"loopback-{origin}").start()
+            self._servers.append(server)
+        return self
+
+    def stop(self) -> None:
+        """No answer any more: listening sockets closed, open connections cut."""
+        for server in self._servers:
+            server.shutdown()
+            server.server_close()
+        self._servers.clear()
+        with self.lock:
+            for conn in self._conns:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            self._conns.clear()
+
+    def __enter__(self) -> LoopbackHub:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+def _handler(hub: LoopbackHub, origin: str) -> type[BaseHTTPRequestHandler]:
+    class Handler(_Handler):
+        pass
+
+    Handler.hub, Handler.origin = hub, origin
+    return Handler
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    hub: LoopbackHub
+    origin: str
+
+    def setup(self) -> None:
+        super().setup()
+        with self.hub.lock:
+            self.hub._conns.add(self.connection)
+
+    def finish(self) -> None:
+        with self.hub.lock:
+            self.hub._conns.discard(self.connection)
+        super().finish()
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+    # --- answers ------------------------------------------------------------
+    def answer(self, status: int, body: bytes = b"", file: str | None = None, **headers: str) -> None:
+        self.send_response(status)
+        for k, v in headers.items():
+            self.send_header(k.replace("_", "-"), v)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        sent = 0
+        if self.command != "HEAD":
+            self.wfile.write(body)
+            sent = len(body)
+        byte_range = None
+        if status == 206:
+            start, _, end = headers["Content_Range"].split()[1].partition("/")[0].partition("-")
+            byte_range = (int(start), int(end) + 1)
+        with self.hub.lock:
+            self.hub.requests.append(Request(self.origin, self.command, self.path, file, byte_range, sent, status))
+
+    def refuse(self, status: int, code: str | None, message: str, **headers: str) -> None:
+        extra = {"X_Error_Code": code} if code else {}
+        body = json.dumps({"error": message}).encode()
+        self.answer(status, body, Content_Type="application/json", X_Error_Message=message, **extra, **headers)
+
+    def json(self, value: Any) -> None:
+        self.answer(200, json.dumps(value).encode(), Content_Type="application/json")
+
+    def do_HEAD(self) -> None:
+        self.route()
+
+    def do_GET(self) -> None:
+        self.route()
+
+    def do_POST(self) -> None:
+        self.route()
+
+    def route(self) -> None:
+        parts = urlsplit(self.path)
+        path = unquote(parts.path)
+        query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        if self.origin == "cdn":
+            return self.cdn(path)
+        if path == "/api/agent-harnesses":  # huggingface_hub's best-effort agent detection asks once
+            return self.json({"standardEnvVars": [], "harnesses": {}})
+        m = re.fullmatch(r"/api/models/([^/]+/[^/]+)(?:/(revision|tree|paths-info)/([^/]+)(/.*)?)?", path)
+        if m:
+            return self.api(m.group(1), m.group(2), m.group(3) or "main", (m.group(4) or "").strip("/"), query)
+        m = re.fullmatch(r"/([^/]+/[^/]+)/resolve/([^/]+)/(.+)", path)
+        if m:
+            return self.resolve(m.group(1), m.group(2), m.group(3))
+        self.refuse(404, None, "Sorry, we can't find the page you are looking for.")
+
+    def access(self, repo_id: str, *, files: bool) -> Repo | None:
+        """The repo if this request may see it (files: its contents too); a refusal sent otherwise."""
+        auth = self.headers.get("Authorization", "")
+        token = auth.removeprefix("Bearer ").strip() or None
+        if token is not None and token not in self.hub.tokens:
+            self.refuse(401, None, "Invalid credentials in Authorization header")
+            return None
+        repo = self.hub.repos.get(repo_id)
+        if repo is None or (repo.private and token is None):
+            self.refuse(404 if token else 401, "RepoNotFound", "Repository not found")
+            return None
+        if files and repo.gated and token is None:
+            msg = f"Access to model {repo_id} is restricted. You must have access to it and be authenticated"
+            self.refuse(401, "GatedRepo", msg + " to access it. Please log in.")
+            return None
+        return repo
+
+    def api(self, repo_id: str, kind: str | None, rev: str, sub: str, query: dict[str, str]) -> None:
+        repo = self.access(repo_id, files=False)
+        if repo is None:
+            return
+        sha = repo.commit(rev)
+        if sha is None:
+            return self.refuse(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        files = repo.commits[sha]
+        if kind in (None, "revision"):
+            blobs = query.get("blobs", "").lower() == "true"
+            siblings = [{"rfilename": p, **(_blob_fields(b) if blobs else {})} for p, b in files.items()]
+            return self.json(
+                {
+                    "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24],
+                    "id": repo_id,
+                    "modelId": repo_id,
+                    "sha": sha,
+                    "private": repo.private,
+                    "gated": "auto" if repo.gated else False,
+                    "disabled": False,
+                    "lastModified": "2025-01-01T00:00:00.000Z",
+                    "tags": ["transformers", "safetensors"],
+                    "library_name": "transformers",
+                    "siblings": siblings,
+                }
+            )
+        if kind == "tree":
+            recursive = query.get("recursive", "").lower() == "true"
+            return self.json(_tree(files, sub, recursive))
+        wanted = self._paths_asked()
+        folders = {str(Path(p).parent) for p in files} - {"."}
+        entries = [_entry(p, files[p]) if p in files else _folder(p) for p in wanted if p in files or p in folders]
+        self.json(entries)
+
+    def _paths_asked(self) -> list[str]:
+        body = self.rfile.read(int(self.headers.get("Content-Length", 0) or 0)).decode()
+        if self.headers.get("Content-Type", "").startswith("application/json"):
+            return list(json.loads(body).get("paths", []))
+        return [unquote(v) for v in parse_qs(body).get("paths", [])]
+
+    def resolve(self, repo_id: str, rev: str, file: str) -> None:
+        repo = self.access(repo_id, files=True)
+        if repo is None:
+            return
+        sha = repo.commit(rev)
+        if sha is None:
+            return self.refuse(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        blob = repo.commits[sha].get(file)
+        if blob is None:
+            return self.refuse(404, "EntryNotFound", f"{file} does not exist on {rev}", X_Repo_Commit=sha)
+        if blob.lfs:
+            location = f"http://127.0.0.1:{self.hub.cdn_port}/cdn/{blob.sha256}"
+            etag = f'"{blob.sha256}"'
+            return self.answer(
+                302, b"", file, Location=location, ETag=etag, X_Linked_Etag=etag, X_Linked_Size=str(blob.size),
+                X_Repo_Commit=sha,
+            )  # fmt: skip
+        self.send_file(blob, file, ETag=f'"{blob.git_sha1}"', X_Repo_Commit=sha)
+
+    def cdn(self, path: str) -> None:
+        m = re.fullmatch(r"/cdn/([0-9a-f]{64})", path)
+        blobs = [(p, b) for r in self.hub.repos.values() for c in r.commits.values() for p, b in c.items()]
+        found = [(p, b) for p, b in blobs if m and b.sha256 == m.group(1)]
+        if not found:
+            return self.answer(404, b"NoSuchKey")
+        file, blob = found[0]
+        self.send_file(blob, file, ETag=f'"{blob.sha256}"')
+
+    def send_file(self, blob: Blob, file: str, **headers: str) -> None:
+        data = blob.path.read_bytes()
+        asked = self.headers.get("Range")
+        if asked is None:
+            return self.answer(200, data, file, Accept_Ranges="bytes", **headers)
+        m = re.fullmatch(r"bytes=(\d*)-(\d*)", asked.strip())
+        if m is None or m.group(1) == m.group(2) == "":
+            return self.answer(416, b"", file, Content_Range=f"bytes */{blob.size}")
+        if m.group(1) == "":
+            start, end = max(0, blob.size - int(m.group(2))), blob.size
+        else:
+            start, end = int(m.group(1)), min(blob.size, int(m.group(2)) + 1 if m.group(2) else blob.size)
+        if start >= blob.size or start >= end:
+            return self.answer(416, b"", file, Content_Range=f"bytes */{blob.size}")
+        self.answer(206, data[start:end], file, Content_Range=f"bytes {start}-{end - 1}/{blob.size}", **headers)
+
+
+def _blob_fields(b: Blob) -> dict[str, Any]:
+    lfs = {"lfs": {"size": b.size, "sha256": b.sha256, "pointerSize": 134}} if b.lfs else {}
+    return {"size": b.size, "blobId": b.git_sha1, **lfs}
+
+
+def _entry(path: str, b: Blob) -> dict[str, Any]:
+    lfs = {"lfs": {"oid": b.sha256, "size": b.size, "pointerSize": 134}} if b.lfs else {}
+    return {"type": "file", "oid": b.git_sha1, "size": b.size, "path": path, **lfs}
+
+
+def _folder(path: str) -> dict[str, Any]:
+    return {"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path}
+
+
+def _tree(files: dict[str, Blob], sub: str, recursive: bool) -> list[dict[str, Any]]:
+    """The entries under ``sub`` (its direct children, or all of them), folders first as the hub lists."""
+    prefix = f"{sub}/" if sub else ""
+    folders: set[str] = set()
+    out = []
+    for path, blob in sorted(files.items()):
+        if not path.startswith(prefix):
+            continue
+        rest = path[len(prefix) :].split("/")
+        for depth in range(1, len(rest)):
+            if recursive or depth == 1:
+                folders.add(prefix + "/".join(rest[:depth]))
+        if recursive or len(rest) == 1:
+            out.append(_entry(path, blob))
+    return [_folder(f) for f in sorted(folders)] + out

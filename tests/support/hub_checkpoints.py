@@ -1,0 +1,69 @@
+"""Tiny checkpoints laid out as real hub repositories are: ``hub_layout(kind, out)``.
+
+The tiny family checkpoints of ``tiny_families`` (their tensor names as ``save_pretrained`` writes them,
+the names of the hub's own repositories: Qwen2.5-VL ``visual.*`` and ``model.*``, Gemma 3 and InternVL
+``vision_tower.*``, ``multi_modal_projector.*`` and ``language_model.*``), re-sharded the way large
+repositories are: shard 1 holds the vision tensors beside language-model ones, shard 2 only
+language-model tensors, and ``model.safetensors.index.json`` maps them.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import struct
+from pathlib import Path
+from typing import Any
+
+from safetensors.torch import load_file, save_file
+from tests.support.tiny_families import save_family
+
+#: per kind: the prefixes of its vision tensors (tower and projector), as its checkpoint names them
+VISION_PREFIXES = {
+    "qwen2_5_vl": ("visual.",),
+    "gemma3": ("vision_tower.", "multi_modal_projector."),
+    "internvl": ("vision_tower.", "multi_modal_projector."),
+}
+SHARDS = ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors")
+
+
+def hub_layout(kind: str, out: Path, seed: int = 0) -> Path:
+    """A folder with ``kind``'s config and processor files and its weights in two shards."""
+    saved = save_family(kind, out.with_name(out.name + "-saved"), seed=seed)
+    tensors = load_file(str(saved / "model.safetensors"))
+    vision = sorted(n for n in tensors if n.startswith(VISION_PREFIXES[kind]))
+    language = sorted(set(tensors) - set(vision))
+    assert vision and len(language) > 1, (kind, sorted(tensors)[:5])
+    out.mkdir(parents=True, exist_ok=True)
+    first, second = [*language[:1], *vision], language[1:]
+    for shard, names in zip(SHARDS, (first, second), strict=True):
+        save_file({n: tensors[n].contiguous() for n in names}, str(out / shard), metadata={"format": "pt"})
+    index = {
+        "metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+        "weight_map": {n: SHARDS[0] if n in first else SHARDS[1] for n in sorted(tensors)},
+    }
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    for f in saved.iterdir():
+        if f.suffix == ".json":
+            shutil.copy(f, out / f.name)
+    shutil.rmtree(saved)
+    return out
+
+
+def safetensors_header(file: Path) -> tuple[dict[str, Any], int]:
+    """A shard's header and where its data starts, read here independently of visenc."""
+    with file.open("rb") as f:
+        (n,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(n)), 8 + n
+
+
+def vision_ranges(kind: str, folder: Path) -> dict[str, list[tuple[int, int]]]:
+    """shard → the byte ranges ``[start, end)`` of its vision tensors (by the kind's prefixes)."""
+    out: dict[str, list[tuple[int, int]]] = {}
+    for shard in SHARDS:
+        head, data = safetensors_header(folder / shard)
+        for name, entry in head.items():
+            if name != "__metadata__" and name.startswith(VISION_PREFIXES[kind]):
+                begin, end = entry["data_offsets"]
+                out.setdefault(shard, []).append((data + begin, data + end))
+    return out

@@ -1,0 +1,110 @@
+"""Hub ids and ranged fetches, piece by piece: which specs are hub ids, which byte ranges a vision file
+is made of (adjacent tensors in one range, large ranges in parts), and that a vision-only file read
+back holds each tensor's bytes as its shard does."""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from visenc.errors import ModelUnavailable
+from visenc.models import fetch
+from visenc.models.fetch import RemoteFile, Span, parts, plan, size_text
+from visenc.models.hub import parse_spec
+
+
+@pytest.mark.parametrize(
+    ("spec", "revision", "want"),
+    [
+        ("Qwen/Qwen2.5-VL-7B-Instruct", None, ("Qwen/Qwen2.5-VL-7B-Instruct", None)),
+        ("Qwen/Qwen2.5-VL-7B-Instruct@v1.0", None, ("Qwen/Qwen2.5-VL-7B-Instruct", "v1.0")),
+        ("google/gemma-3-4b-it", "a" * 40, ("google/gemma-3-4b-it", "a" * 40)),
+        ("org/name@main", "main", ("org/name", "main")),
+        ("/models/Qwen2.5-VL", None, None),
+        ("./models/x", None, None),
+        ("tiny-qwen2-vl", None, None),
+        ("org/name@", None, None),
+        ("a/b/c", None, None),
+    ],
+)
+def test_hub_ids(spec: str, revision: str | None, want: tuple[str, str | None] | None) -> None:
+    assert parse_spec(spec, revision) == want
+
+
+def test_two_different_revisions_are_refused() -> None:
+    with pytest.raises(ModelUnavailable, match="two revisions"):
+        parse_spec("org/name@v1", "v2")
+
+
+class LocalRemote(RemoteFile):
+    """A ``RemoteFile`` whose ranged reads come from a local file (the plan and the writer, without HTTP)."""
+
+    def __init__(self, path: Path) -> None:
+        super().__init__(path.name, str(path), {}, path.stat().st_size)
+        self.path = path
+        self.asked: list[tuple[int, int]] = []
+
+    def stream(self, start: int, end: int) -> Any:
+        self.asked.append((start, end))
+        with self.path.open("rb") as f:
+            f.seek(start)
+            yield f.read(end - start)
+
+
+def shard(path: Path, **tensors: torch.Tensor) -> LocalRemote:
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    return LocalRemote(path)
+
+
+def test_adjacent_tensors_are_one_range_and_gaps_split_them(tmp_path: Path) -> None:
+    # safetensors orders a file by dtype alignment, then by name: a.0 a.1 | b (skipped) | c.0
+    one = shard(
+        tmp_path / "1.safetensors",
+        **{"a.0": torch.ones(3), "a.1": torch.zeros(5), "b": torch.ones(7), "c.0": torch.ones(2)},
+    )
+    two = shard(tmp_path / "2.safetensors", d=torch.arange(4.0))
+    entries, spans = plan({one: ["a.0", "a.1", "c.0"], two: ["d"]})
+    data = one.header()[1]
+    assert [(s.source, s.start - data, s.end - data, s.dest) for s in spans if s.source is one] == [
+        (one, 0, 32, 0),
+        (one, 60, 68, 32),
+    ]
+    assert [(s.start, s.end, s.dest) for s in spans if s.source is two] == [(two.header()[1], two.header()[1] + 16, 40)]
+    assert [e["data_offsets"] for e in entries.values()] == [[0, 12], [12, 32], [32, 40], [40, 56]]
+    cut = parts([Span(one, 100, 350, 7)], size=100)
+    assert [(p.start, p.end, p.dest) for p in cut] == [(100, 200, 7), (200, 300, 107), (300, 350, 207)]
+
+
+def test_a_vision_file_holds_the_tensors_as_their_shards_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(fetch, "PART_BYTES", 16)  # several parts a range, written out of order
+    big = torch.arange(40, dtype=torch.bfloat16).reshape(5, 8)
+    one = shard(tmp_path / "1.safetensors", **{"lm": torch.ones(9), "vis.w": big, "vis.b": torch.arange(3.0)})
+    dest = tmp_path / "out" / "vision.safetensors"
+    done = fetch.fetch_tensors(dest, {one: ["vis.b", "vis.w"]}, {"repo": "org/name"}, "test")
+    assert done.tensor_bytes == 80 + 12 and done.shards == 1
+    with safe_open(str(dest), framework="pt") as f:
+        assert sorted(f.keys()) == ["vis.b", "vis.w"] and f.metadata() == {"repo": "org/name"}
+        assert torch.equal(f.get_tensor("vis.w"), big) and torch.equal(f.get_tensor("vis.b"), torch.arange(3.0))
+    (length,) = struct.unpack("<Q", dest.read_bytes()[:8])
+    assert (8 + length) % 8 == 0 and json.loads(dest.read_bytes()[8 : 8 + length])["__metadata__"]
+    assert not list(dest.parent.glob("*.incomplete"))
+    head, data = one.header()
+    begin, end = (data + o for o in head["lm"]["data_offsets"])  # the language-model tensor: never asked for
+    assert all(e <= begin or s >= end for s, e in one.asked if s >= data)
+
+
+def test_sizes_for_people() -> None:
+    assert [size_text(n) for n in (0, 1023, 1024, 3 << 20, 1.3 * (1 << 30))] == [
+        "0 B",
+        "1023 B",
+        "1.0 KiB",
+        "3.0 MiB",
+        "1.3 GiB",
+    ]

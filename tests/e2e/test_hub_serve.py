@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from itertools import pairwise
 from pathlib import Path
 
 import numpy as np
@@ -90,16 +91,18 @@ def cannot_serve(model: str, env: dict[str, str], *args: str) -> str:
 
 def assert_fetched_only_vision_bytes(hub: LoopbackHub, kind: str, folder: Path) -> None:
     """What the hub sent: nothing of the language-model-only shard; of shard 1 its header and its
-    vision tensors' bytes, each byte once; besides that only config files."""
+    vision tensors' bytes, each byte at most once; besides that only config files."""
     assert hub.served(SHARDS[1]) == []
     _, data_start = safetensors_header(folder / SHARDS[0])
     allowed = [(0, data_start), *vision_ranges(kind, folder)[SHARDS[0]]]
     got = [r for r in hub.served(SHARDS[0]) if r.method == "GET" and r.origin == "cdn"]
     assert got and all(r.status == 206 and r.byte_range is not None for r in got)
-    for r in got:
-        assert r.byte_range is not None and covered(r.byte_range, allowed), (r.byte_range, allowed)
+    spans = sorted(r.byte_range for r in got if r.byte_range is not None)
+    for span in spans:
+        assert covered(span, allowed), (span, allowed)
+    assert all(a[1] <= b[0] for a, b in pairwise(spans)), spans  # each byte fetched once
     target = sum(end - start for start, end in allowed)
-    assert hub.bytes_sent(SHARDS[0]) == target
+    assert hub.bytes_sent(SHARDS[0]) <= target
     configs = sum(f.stat().st_size for f in folder.glob("*.json"))
     files = sum(r.sent for r in hub.served() if r.file is not None)
     assert files <= target + configs

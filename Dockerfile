@@ -50,8 +50,10 @@ RUN pip install --no-deps .
 # ---- runtime: the venv on a clean base, a non-root user --------------------------------------------
 # hadolint ignore=DL3006
 FROM base-${BASE} AS runtime
+# HF_HOME (the hub cache and visenc's vision-only files) owned by the user: a volume mounted there is writable
 RUN groupadd --system --gid 10001 visenc \
     && useradd --system --uid 10001 --gid visenc --create-home --home-dir /home/visenc visenc \
+    && install -d -o visenc -g visenc /home/visenc/.cache /home/visenc/.cache/huggingface \
     && mkdir -p /var/cache/visenc/inductor /var/cache/visenc/triton \
     && chown -R 10001:10001 /var/cache/visenc
 COPY --from=build /opt/venv /opt/venv

@@ -243,13 +243,22 @@ class _Handler(BaseHTTPRequestHandler):
             return None
         return repo
 
-    def api(self, repo_id: str, kind: str | None, rev: str, sub: str, query: dict[str, str]) -> None:
-        repo = self.access(repo_id, files=False)
+    def at(self, repo_id: str, rev: str, *, files: bool) -> tuple[Repo, str] | None:
+        """The repo and the commit ``rev`` names, if this request may see them; a refusal sent otherwise."""
+        repo = self.access(repo_id, files=files)
         if repo is None:
-            return
+            return None
         sha = repo.commit(rev)
         if sha is None:
-            return self.refuse(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+            self.refuse(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+            return None
+        return repo, sha
+
+    def api(self, repo_id: str, kind: str | None, rev: str, sub: str, query: dict[str, str]) -> None:
+        found = self.at(repo_id, rev, files=False)
+        if found is None:
+            return
+        repo, sha = found
         files = repo.commits[sha]
         if kind in (None, "revision"):
             blobs = query.get("blobs", "").lower() == "true"
@@ -284,12 +293,10 @@ class _Handler(BaseHTTPRequestHandler):
         return [unquote(v) for v in parse_qs(body).get("paths", [])]
 
     def resolve(self, repo_id: str, rev: str, file: str) -> None:
-        repo = self.access(repo_id, files=True)
-        if repo is None:
+        found = self.at(repo_id, rev, files=True)
+        if found is None:
             return
-        sha = repo.commit(rev)
-        if sha is None:
-            return self.refuse(404, "RevisionNotFound", f"Invalid rev id: {rev}")
+        repo, sha = found
         blob = repo.commits[sha].get(file)
         if blob is None:
             return self.refuse(404, "EntryNotFound", f"{file} does not exist on {rev}", X_Repo_Commit=sha)

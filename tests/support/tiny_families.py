@@ -79,9 +79,12 @@ def _qwen3_vl() -> tuple[Any, Any]:
     return Qwen3VLForConditionalGeneration(config), proc
 
 
-def _glm4v() -> tuple[Any, Any]:
-    from transformers import Glm4vConfig, Glm4vForConditionalGeneration, Glm4vImageProcessorPil
+def _grid_family(names: tuple[str, str, str], **vision: Any) -> tuple[Any, Any]:
+    """A Qwen-style grid family (transformers' ``{config, model, PIL image processor}`` class ``names``):
+    a 2-block tower at 14 px patches merged 2x2 into rows as wide as the text model, plus ``vision``."""
+    import transformers
 
+    config_class, model_class, proc_class = (getattr(transformers, n) for n in names)
     vision = {
         "depth": 2,
         "hidden_size": 48,
@@ -91,14 +94,18 @@ def _glm4v() -> tuple[Any, Any]:
         "patch_size": 14,
         "spatial_merge_size": 2,
         "temporal_patch_size": 2,
-        "image_size": 112,
+        **vision,
     }
     text = {**_TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e4}}
-    config = Glm4vConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN)
-    proc = Glm4vImageProcessorPil(
+    config = config_class(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN)
+    proc = proc_class(
         patch_size=14, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 56 * 56, "longest_edge": 280 * 280}
     )
-    return Glm4vForConditionalGeneration(config), proc
+    return model_class(config), proc
+
+
+def _glm4v() -> tuple[Any, Any]:
+    return _grid_family(("Glm4vConfig", "Glm4vForConditionalGeneration", "Glm4vImageProcessorPil"), image_size=112)
 
 
 def _gemma3() -> tuple[Any, Any]:
@@ -234,26 +241,8 @@ BUILDERS: dict[str, Callable[[], tuple[Any, Any]]] = {
 
 
 def _qwen2_5_vl() -> tuple[Any, Any]:
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration, Qwen2VLImageProcessorPil
-
-    vision = {
-        "depth": 2,
-        "hidden_size": 48,
-        "intermediate_size": 96,
-        "num_heads": 2,
-        "out_hidden_size": TEXT_HIDDEN,
-        "patch_size": 14,
-        "spatial_merge_size": 2,
-        "temporal_patch_size": 2,
-        "window_size": 56,
-        "fullatt_block_indexes": [1],
-    }
-    text = {**_TEXT, "rope_parameters": {"rope_type": "default", "mrope_section": [4, 6, 6], "rope_theta": 1e4}}
-    config = Qwen2_5_VLConfig(vision_config=vision, text_config=text, image_token_id=IMAGE_TOKEN)
-    proc = Qwen2VLImageProcessorPil(
-        patch_size=14, merge_size=2, temporal_patch_size=2, size={"shortest_edge": 56 * 56, "longest_edge": 280 * 280}
-    )
-    return Qwen2_5_VLForConditionalGeneration(config), proc
+    names = ("Qwen2_5_VLConfig", "Qwen2_5_VLForConditionalGeneration", "Qwen2VLImageProcessorPil")
+    return _grid_family(names, window_size=56, fullatt_block_indexes=[1])
 
 
 #: checkpoints visenc serves through its own tower classes (not ``FamilyTower``): built and saved the

@@ -79,9 +79,13 @@ class Request:
 class LoopbackHub:
     """Repositories published from local folders, served on 127.0.0.1 (hub and CDN origins)."""
 
-    def __init__(self, tokens: tuple[str, ...] = ()) -> None:
+    def __init__(self, tokens: tuple[str, ...] = (), *, siblings: bool = True, cdn: bool = True) -> None:
+        """``tokens``: the tokens with access to gated and private repositories. A more minimal hub:
+        ``siblings=False`` leaves the file list out of repo info (the tree still lists it);
+        ``cdn=False`` serves LFS files at their resolve URL instead of redirecting to the CDN."""
         self.repos: dict[str, Repo] = {}
         self.tokens = set(tokens)
+        self.siblings, self.use_cdn = siblings, cdn
         self.requests: list[Request] = []
         self.lock = threading.Lock()
         self.port = free_port()
@@ -263,8 +267,10 @@ class _Handler(BaseHTTPRequestHandler):
         if kind in (None, "revision"):
             blobs = query.get("blobs", "").lower() == "true"
             siblings = [{"rfilename": p, **(_blob_fields(b) if blobs else {})} for p, b in files.items()]
+            listed = {"siblings": siblings} if self.hub.siblings else {}
             return self.json(
                 {
+                    **listed,
                     "_id": hashlib.md5(repo_id.encode()).hexdigest()[:24],
                     "id": repo_id,
                     "modelId": repo_id,
@@ -275,7 +281,6 @@ class _Handler(BaseHTTPRequestHandler):
                     "lastModified": "2025-01-01T00:00:00.000Z",
                     "tags": ["transformers", "safetensors"],
                     "library_name": "transformers",
-                    "siblings": siblings,
                 }
             )
         if kind == "tree":
@@ -300,14 +305,17 @@ class _Handler(BaseHTTPRequestHandler):
         blob = repo.commits[sha].get(file)
         if blob is None:
             return self.refuse(404, "EntryNotFound", f"{file} does not exist on {rev}", X_Repo_Commit=sha)
-        if blob.lfs:
+        if blob.lfs and self.hub.use_cdn:
             location = f"http://127.0.0.1:{self.hub.cdn_port}/cdn/{blob.sha256}"
             etag = f'"{blob.sha256}"'
             return self.answer(
                 302, b"", file, Location=location, ETag=etag, X_Linked_Etag=etag, X_Linked_Size=str(blob.size),
                 X_Repo_Commit=sha,
             )  # fmt: skip
-        self.send_file(blob, file, ETag=f'"{blob.git_sha1}"', X_Repo_Commit=sha)
+        etag = f'"{blob.sha256 if blob.lfs else blob.git_sha1}"'
+        self.send_file(
+            blob, file, ETag=etag, X_Repo_Commit=sha, **({"X_Linked_Size": str(blob.size)} if blob.lfs else {})
+        )
 
     def cdn(self, path: str) -> None:
         m = re.fullmatch(r"/cdn/([0-9a-f]{64})", path)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import struct
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -108,3 +109,42 @@ def test_sizes_for_people() -> None:
         "3.0 MiB",
         "1.3 GiB",
     ]
+
+
+@pytest.fixture
+def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[str], None]:
+    """Point this process's huggingface_hub at a hub URL, with a cache under ``tmp_path``."""
+    from huggingface_hub import constants
+
+    def use(url: str) -> None:
+        monkeypatch.setattr(constants, "ENDPOINT", url)
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+        monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
+        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+
+    return use
+
+
+def test_a_hub_that_lists_files_only_in_its_tree_and_serves_lfs_itself(
+    hub_env: Callable[[str], None], tmp_path: Path
+) -> None:
+    """A more minimal hub than the real one (repo info without ``siblings``, LFS files answered at
+    their resolve URL, no CDN): the same tower, the same bytes fetched."""
+    from tests.support.hub import LoopbackHub
+    from tests.support.hub_checkpoints import SHARDS, hub_layout, safetensors_header, vision_ranges
+
+    from visenc.models.loading import load_tower
+
+    folder = hub_layout("internvl", tmp_path / "internvl")
+    with LoopbackHub(siblings=False, cdn=False) as hub:
+        hub.publish("acme/internvl", folder)
+        hub_env(hub.url)
+        tower = load_tower("acme/internvl", image_backend="pil")
+        assert tower.name == "acme/internvl"
+        assert tower.fingerprint == load_tower(str(folder), image_backend="pil").fingerprint
+        assert hub.served(SHARDS[1]) == [] and any("/tree/" in r.path for r in hub.served())
+        vision = sum(e - s for s, e in vision_ranges("internvl", folder)[SHARDS[0]])
+        header = safetensors_header(folder / SHARDS[0])[1]
+        assert 0 < hub.bytes_sent(SHARDS[0]) <= vision + header

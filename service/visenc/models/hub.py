@@ -18,6 +18,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from visenc.errors import ModelUnavailable
 from visenc.models.fetch import RemoteFile, fetch_tensors, size_text
@@ -66,30 +67,32 @@ class Snapshot:
 def open_repo(repo_id: str, revision: str | None) -> Checkpoint:
     """The checkpoint of ``repo_id`` at ``revision`` (default ``main``): its config files fetched
     (or found in the cache), its weights fetched when ``Checkpoint.weights.files`` asks for them."""
-    snapshot = resolve(repo_id, revision or "main")
+    snapshot = resolve(repo_id, revision)
     name = repo_id if revision is None else f"{repo_id}@{revision}"
     return Checkpoint(name=name, folder=snapshot.folder, weights=HubWeights(snapshot))
 
 
-def resolve(repo_id: str, revision: str) -> Snapshot:
-    """Ask the hub what ``revision`` is and fetch the config files; from the cache alone where the
-    hub cannot be reached (no answer, or a 5xx) or ``HF_HUB_OFFLINE`` is set."""
+def resolve(repo_id: str, pinned: str | None) -> Snapshot:
+    """Ask the hub what the revision (``pinned``, else ``main``) is and fetch the config files; from
+    the cache alone where the hub cannot be reached (no answer, or a 5xx) or ``HF_HUB_OFFLINE`` is set."""
     from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
+    from huggingface_hub.errors import RemoteEntryNotFoundError
 
+    revision = pinned or "main"
     if constants.is_offline_mode():
         return from_cache(repo_id, revision, "HF_HUB_OFFLINE is set")
     started, fetched = time.monotonic(), 0
     try:
         with hub_answers(revision):
             api = HfApi()
-            info = api.model_info(repo_id, revision=revision, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-            if "config.json" not in {s.rfilename for s in info.siblings or []}:
-                raise ModelUnavailable(f"the repository has no config.json at {revision}: not a transformers model")
-            # named revision → commit, recorded in the cache's refs (what a start without the hub reads)
-            folder = Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
-            if folder.name != info.sha:  # the revision moved meanwhile: list the commit the config came from
-                info = api.model_info(repo_id, revision=folder.name, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-            files = frozenset(s.rfilename for s in info.siblings or [])
+            info = api.model_info(repo_id, revision=pinned, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+            try:  # the revision's commit, recorded in the cache's refs (what a start without the hub reads)
+                folder = Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
+            except RemoteEntryNotFoundError as e:
+                raise ModelUnavailable(
+                    f"the repository has no config.json at {revision}: not a transformers model"
+                ) from e
+            files = listing(api, repo_id, folder.name, info.siblings if info.sha == folder.name else None)
             for name in CONFIG_FILES[1:]:
                 if name in files and not isinstance(try_to_load_from_cache(repo_id, name, revision=folder.name), str):
                     fetched += Path(hf_hub_download(repo_id, name, revision=folder.name)).stat().st_size
@@ -105,6 +108,17 @@ def resolve(repo_id: str, revision: str) -> Snapshot:
         time.monotonic() - started,
     )
     return Snapshot(repo_id, revision, folder.name, folder, files, None)
+
+
+def listing(api: Any, repo_id: str, commit: str, siblings: list[Any] | None) -> frozenset[str]:
+    """The repository's files at ``commit``: the repo info's ``siblings`` where it gave them for that
+    commit, else its tree (what ``snapshot_download`` lists)."""
+    from huggingface_hub.hf_api import RepoFile
+
+    if siblings is not None:
+        return frozenset(s.rfilename for s in siblings)
+    tree = api.list_repo_tree(repo_id, revision=commit, recursive=True)
+    return frozenset(f.path for f in tree if isinstance(f, RepoFile))
 
 
 def from_cache(repo_id: str, revision: str, why: str) -> Snapshot:

@@ -257,7 +257,8 @@ class HubWeights:
         vision.parent.mkdir(parents=True, exist_ok=True)
         with WeakFileLock(vision.with_suffix(".lock")):
             if self._holds({n for names in needed.values() for n in names}):
-                return  # another replica fetched them while this one waited
+                log.info("%s: vision weights fetched by another process meanwhile: %s", s.repo_id, vision)
+                return
             started = time.monotonic()
             metadata = {
                 "format": "pt",

@@ -18,6 +18,7 @@ What it serves (derived from huggingface_hub's ``file_download``, ``hf_api`` and
   ``RevisionNotFound``, ``EntryNotFound`` (with ``X-Repo-Commit``), and 401 for an unknown token.
 
 Every request is recorded (``requests``): origin, method, file, byte range, body bytes sent.
+``cuts[file] = n`` drops the connection of the next ranged GET of ``file`` after ``n`` bytes.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ class LoopbackHub:
         self.repos: dict[str, Repo] = {}
         self.tokens = set(tokens)
         self.siblings, self.use_cdn = siblings, cdn
+        #: file → bytes after which the next ranged GET of it asking for more is cut (the connection drops)
+        self.cuts: dict[str, int] = {}
         self.requests: list[Request] = []
         self.lock = threading.Lock()
         self.port = free_port()
@@ -327,10 +330,9 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_file(blob, file, ETag=f'"{blob.sha256}"')
 
     def send_file(self, blob: Blob, file: str, **headers: str) -> None:
-        data = blob.path.read_bytes()
         asked = self.headers.get("Range")
         if asked is None:
-            return self.answer(200, data, file, Accept_Ranges="bytes", **headers)
+            return self.answer(200, blob.path.read_bytes(), file, Accept_Ranges="bytes", **headers)
         m = re.fullmatch(r"bytes=(\d*)-(\d*)", asked.strip())
         if m is None or m.group(1) == m.group(2) == "":
             return self.answer(416, b"", file, Content_Range=f"bytes */{blob.size}")
@@ -340,7 +342,23 @@ class _Handler(BaseHTTPRequestHandler):
             start, end = int(m.group(1)), min(blob.size, int(m.group(2)) + 1 if m.group(2) else blob.size)
         if start >= blob.size or start >= end:
             return self.answer(416, b"", file, Content_Range=f"bytes */{blob.size}")
-        self.answer(206, data[start:end], file, Content_Range=f"bytes {start}-{end - 1}/{blob.size}", **headers)
+        with blob.path.open("rb") as f:
+            f.seek(start)
+            data = f.read(end - start)
+        cut = self.hub.cuts.pop(file, None) if len(data) > self.hub.cuts.get(file, len(data)) else None
+        if cut is not None:  # the connection drops after ``cut`` bytes of the body
+            self.send_response(206)
+            self.send_header("Content-Range", f"bytes {start}-{end - 1}/{blob.size}")
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data[:cut])
+            self.wfile.flush()
+            self.connection.shutdown(socket.SHUT_RDWR)
+            self.close_connection = True
+            with self.hub.lock:
+                self.hub.requests.append(Request(self.origin, "GET", self.path, file, (start, start + cut), cut, 206))
+            return
+        self.answer(206, data, file, Content_Range=f"bytes {start}-{end - 1}/{blob.size}", **headers)
 
 
 def _blob_fields(b: Blob) -> dict[str, Any]:

@@ -148,3 +148,29 @@ def test_a_hub_that_lists_files_only_in_its_tree_and_serves_lfs_itself(
         vision = sum(e - s for s, e in vision_ranges("internvl", folder)[SHARDS[0]])
         header = safetensors_header(folder / SHARDS[0])[1]
         assert 0 < hub.bytes_sent(SHARDS[0]) <= vision + header
+
+
+def test_a_transfer_cut_short_resumes_where_it_stopped(
+    hub_env: Callable[[str], None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The connection drops in the middle of the vision tensors' range: the fetch asks for the rest
+    only, so every byte still crosses once, and the tower is the local folder's."""
+    from tests.support.hub import LoopbackHub
+    from tests.support.hub_checkpoints import SHARDS, hub_layout, safetensors_header, vision_ranges
+
+    from visenc.models.loading import load_tower
+
+    monkeypatch.setattr(fetch, "RETRY_PAUSE_S", 0.0)
+    folder = hub_layout("qwen2_5_vl", tmp_path / "q")
+    with LoopbackHub() as hub:
+        hub.publish("acme/q", folder)
+        hub.cuts[SHARDS[0]] = 5000  # past the header (two short reads): the vision tensors' range
+        hub_env(hub.url)
+        tower = load_tower("acme/q")
+        assert SHARDS[0] not in hub.cuts  # it was cut
+        got = sorted(r.byte_range for r in hub.served(SHARDS[0], origin="cdn") if r.byte_range)
+    assert tower.fingerprint == load_tower(str(folder)).fingerprint
+    header = safetensors_header(folder / SHARDS[0])[1]
+    ranges = vision_ranges("qwen2_5_vl", folder)[SHARDS[0]]
+    first, last = min(s for s, _ in ranges), max(e for _, e in ranges)
+    assert got == [(0, 8), (8, header), (first, first + 5000), (first + 5000, last)]

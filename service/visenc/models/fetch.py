@@ -65,11 +65,40 @@ class RemoteFile:
         return cls(filename, meta.location, headers, meta.size)
 
     def read(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)``, in one ranged GET."""
-        out = bytearray()
-        for chunk in self.stream(start, end):
-            out += chunk
+        """Bytes ``[start, end)`` (``copy``)."""
+        out = bytearray(end - start)
+
+        def put(at: int, chunk: bytes) -> None:
+            out[at - start : at - start + len(chunk)] = chunk
+
+        self.copy(start, end, put)
         return bytes(out)
+
+    def copy(
+        self, start: int, end: int, write: Callable[[int, bytes], None], stop: threading.Event | None = None
+    ) -> None:
+        """Bytes ``[start, end)`` handed to ``write(offset, chunk)`` as they arrive, in ranged GETs: a
+        transfer cut short resumes where it stopped (``PART_TRIES`` tries, pauses doubling from
+        ``RETRY_PAUSE_S``); ``stop`` set ends it early."""
+        import httpx2
+
+        at, pause = start, RETRY_PAUSE_S
+        for attempt in range(PART_TRIES):
+            try:
+                for chunk in self.stream(at, end):
+                    if stop is not None and stop.is_set():
+                        return
+                    write(at, chunk)
+                    at += len(chunk)
+                if at == end:
+                    return
+                raise httpx2.RemoteProtocolError(f"{end - at} bytes short")
+            except httpx2.TransportError as e:
+                if attempt == PART_TRIES - 1:
+                    raise
+                log.warning("fetching %s: %s; resuming at byte %d in %.0f s", self.name, e, at, pause)
+                time.sleep(pause)
+                pause *= 2
 
     def stream(self, start: int, end: int) -> Iterator[bytes]:
         """Bytes ``[start, end)`` as they arrive; ``ModelUnavailable`` where the server does not
@@ -86,7 +115,7 @@ class RemoteFile:
                     f"the hub answered a request for bytes {start}-{end - 1} of {self.name} with {r.status_code} "
                     f"{got or '(no Content-Range)'}: ranged reads are needed to fetch only the vision weights"
                 )
-            yield from r.iter_bytes(1 << 20)
+            yield from r.iter_bytes()  # as received: a transfer cut short keeps every byte that arrived
 
     def header(self) -> tuple[dict[str, Any], int]:
         """The safetensors header and where the data starts (8 + its length): two ranged GETs, once."""
@@ -199,27 +228,13 @@ def _fetch_parts(fd: int, base: int, pieces: list[Span], progress: Callable[[int
 
 
 def _fetch_part(fd: int, base: int, part: Span, progress: Callable[[int], None], stop: threading.Event) -> None:
-    """One part into the file at ``base + part.dest``; a transfer cut short resumes where it stopped."""
-    import httpx2
+    """One part into the file at ``base + part.dest``."""
 
-    at, pause = part.start, RETRY_PAUSE_S
-    for attempt in range(PART_TRIES):
-        try:
-            for chunk in part.source.stream(at, part.end):
-                if stop.is_set():
-                    return
-                os.pwrite(fd, chunk, base + part.dest + at - part.start)
-                at += len(chunk)
-                progress(len(chunk))
-            if at == part.end:
-                return
-            raise httpx2.RemoteProtocolError(f"{part.end - at} bytes short")
-        except httpx2.TransportError as e:
-            if attempt == PART_TRIES - 1:
-                raise ModelUnavailable(f"fetching {part.source.name} failed: {e}") from e
-            log.warning("fetching %s: %s; resuming at byte %d in %.0f s", part.source.name, e, at, pause)
-            time.sleep(pause)
-            pause *= 2
+    def write(at: int, chunk: bytes) -> None:
+        os.pwrite(fd, chunk, base + part.dest + at - part.start)
+        progress(len(chunk))
+
+    part.source.copy(part.start, part.end, write, stop)
 
 
 class Progress:

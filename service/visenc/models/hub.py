@@ -149,6 +149,7 @@ def hub_answers(revision: str) -> Iterator[None]:
         HfHubHTTPError,
         HFValidationError,
         LocalEntryNotFoundError,
+        OfflineModeIsEnabled,
         RepositoryNotFoundError,
         RevisionNotFoundError,
     )
@@ -174,6 +175,8 @@ def hub_answers(revision: str) -> Iterator[None]:
         raise ModelUnavailable(f"the hub {hub} refused a request ({status}: {first_line(e)})") from e
     except LocalEntryNotFoundError as e:
         raise Unreachable(f"the hub {hub} is unreachable") from e
+    except OfflineModeIsEnabled as e:
+        raise Unreachable("HF_HUB_OFFLINE is set") from e
     except httpx2.TransportError as e:
         raise Unreachable(f"the hub {hub} is unreachable ({first_line(e)})") from e
     except OSError as e:

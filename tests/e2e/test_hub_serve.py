@@ -48,19 +48,6 @@ def hub(folders: dict[str, Path]) -> Iterator[LoopbackHub]:
         yield h
 
 
-def hub_env(hub: LoopbackHub, home: Path, **extra: str) -> dict[str, str]:
-    """The environment of a visenc process that uses ``hub`` and a cache under ``home``."""
-    return {
-        "HF_ENDPOINT": hub.url,
-        "HF_HOME": str(home),
-        "HF_HUB_CACHE": str(home / "hub"),
-        "HF_HUB_OFFLINE": "0",
-        "TRANSFORMERS_OFFLINE": "0",
-        "HF_TOKEN": "",
-        **extra,
-    }
-
-
 def served_rows(model: str, env: dict[str, str], log: Path, *args: str) -> tuple[str, list[np.ndarray]]:
     """(fingerprint, rows of ``IMAGES``) from a ``visenc serve --model model`` process."""
     with serve_subprocess("--model", model, "--torch-threads", "1", *args, env=env, log=log) as (url, _):
@@ -122,11 +109,11 @@ def test_hub_id_serves_the_local_rows_from_vision_bytes_then_without_the_hub(
     kind: str, hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path
 ) -> None:
     folder = folders[kind]
-    local = served_rows(str(folder), hub_env(hub, tmp_path / "unused"), tmp_path / "local.log")
+    local = served_rows(str(folder), hub.env(tmp_path / "unused"), tmp_path / "local.log")
 
     hub.reset()
     home = tmp_path / "hf"
-    fetched = served_rows(f"acme/{kind}", hub_env(hub, home), tmp_path / "fetch.log")
+    fetched = served_rows(f"acme/{kind}", hub.env(home), tmp_path / "fetch.log")
     assert fetched[0] == local[0]  # the same fingerprint: the same index keys as the local folder
     for a, b in zip(fetched[1], local[1], strict=True):
         assert a.dtype == b.dtype and np.array_equal(a, b)  # bit for bit
@@ -139,7 +126,7 @@ def test_hub_id_serves_the_local_rows_from_vision_bytes_then_without_the_hub(
 
     hub.stop()
     try:
-        again = served_rows(f"acme/{kind}", hub_env(hub, home), tmp_path / "offline.log")
+        again = served_rows(f"acme/{kind}", hub.env(home), tmp_path / "offline.log")
     finally:
         hub.start()
     assert again[0] == local[0] and all(np.array_equal(a, b) for a, b in zip(again[1], local[1], strict=True))
@@ -149,7 +136,7 @@ def test_hub_id_serves_the_local_rows_from_vision_bytes_then_without_the_hub(
     if kind != KINDS[0]:
         return
     hub.reset()  # HF_HUB_OFFLINE: the hub is not even asked
-    served_rows(f"acme/{kind}", hub_env(hub, home, HF_HUB_OFFLINE="1"), tmp_path / "hf-offline.log")
+    served_rows(f"acme/{kind}", hub.env(home, HF_HUB_OFFLINE="1"), tmp_path / "hf-offline.log")
     assert hub.requests == [] and "HF_HUB_OFFLINE is set" in (tmp_path / "hf-offline.log").read_text()
 
 
@@ -167,7 +154,7 @@ def test_a_checkpoint_in_the_hub_cache_is_read_there(hub: LoopbackHub, tmp_path:
         token=False,
     )
     hub.reset()
-    served_rows("acme/qwen2_5_vl", hub_env(hub, home), tmp_path / "serve.log")
+    served_rows("acme/qwen2_5_vl", hub.env(home), tmp_path / "serve.log")
     assert [r for r in hub.served() if r.file is not None and r.file.endswith(".safetensors")] == []
     assert not (home / "visenc").exists()
     assert "read from the hub cache" in (tmp_path / "serve.log").read_text()
@@ -182,7 +169,7 @@ def test_a_revision_is_pinned_by_name_or_flag(hub: LoopbackHub, tmp_path: Path) 
     second = hub.publish("acme/pinned", v2)
     want = {n: load_tower(str(p)).fingerprint for n, p in (("v1", v1), ("v2", v2))}
     assert want["v1"] != want["v2"]
-    env = hub_env(hub, tmp_path / "hf")
+    env = hub.env(tmp_path / "hf")
     assert served_rows("acme/pinned@v1", env, tmp_path / "a.log")[0] == want["v1"]
     assert served_rows("acme/pinned", env, tmp_path / "b.log", "--revision", second)[0] == want["v2"]
     assert "no revision 'v9'" in cannot_serve("acme/pinned@v9", env)
@@ -190,9 +177,9 @@ def test_a_revision_is_pinned_by_name_or_flag(hub: LoopbackHub, tmp_path: Path) 
 
 def test_a_gated_repository_needs_a_token(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path) -> None:
     hub.publish("acme/gated", folders["gemma3"], gated=True)
-    line = cannot_serve("acme/gated", hub_env(hub, tmp_path / "a"))
+    line = cannot_serve("acme/gated", hub.env(tmp_path / "a"))
     assert "gated repository" in line and "HF_TOKEN" in line
-    fingerprint, _ = served_rows("acme/gated", hub_env(hub, tmp_path / "b", HF_TOKEN=TOKEN), tmp_path / "b.log")
+    fingerprint, _ = served_rows("acme/gated", hub.env(tmp_path / "b", HF_TOKEN=TOKEN), tmp_path / "b.log")
     assert fingerprint
 
 
@@ -209,7 +196,7 @@ def test_each_failure_is_one_line(hub: LoopbackHub, folders: dict[str, Path], tm
     (no_vision / "model.safetensors").write_bytes((folders["qwen2_5_vl"] / SHARDS[1]).read_bytes())
     hub.publish("acme/no-vision", no_vision)
     hub.publish("acme/private", folders["gemma3"], private=True)
-    env = hub_env(hub, tmp_path / "hf")
+    env = hub.env(tmp_path / "hf")
 
     assert "no such repository" in cannot_serve("acme/missing", env)
     assert "private: set HF_TOKEN" in cannot_serve("acme/private", env)
@@ -218,7 +205,7 @@ def test_each_failure_is_one_line(hub: LoopbackHub, folders: dict[str, Path], tm
     hub.reset()
     hub.stop()
     try:
-        line = cannot_serve("acme/qwen2_5_vl", hub_env(hub, tmp_path / "empty"))
+        line = cannot_serve("acme/qwen2_5_vl", hub.env(tmp_path / "empty"))
     finally:
         hub.start()
     assert "is unreachable" in line and "does not hold main" in line

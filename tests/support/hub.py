@@ -115,6 +115,19 @@ class LoopbackHub:
             repo.refs[tag] = sha
         return sha
 
+    def env(self, home: Path, **extra: str) -> dict[str, str]:
+        """The environment of a process that uses this hub, with its Hugging Face cache under ``home``
+        (and no token, no offline mode inherited from the caller's)."""
+        return {
+            "HF_ENDPOINT": self.url,
+            "HF_HOME": str(home),
+            "HF_HUB_CACHE": str(home / "hub"),
+            "HF_HUB_OFFLINE": "0",
+            "TRANSFORMERS_OFFLINE": "0",
+            "HF_TOKEN": "",
+            **extra,
+        }
+
     def served(self, file: str | None = None, origin: str | None = None) -> list[Request]:
         with self.lock:
             return [r for r in self.requests if (file is None or r.file == file) and origin in (None, r.origin)]

@@ -40,14 +40,7 @@ def test_visenc_reads_what_vllm_downloaded(tmp_path: Path) -> None:
     home = tmp_path / "hf"
     with LoopbackHub() as hub:
         hub.publish("acme/tiny-vlm", folder)
-        env = {
-            "HF_ENDPOINT": hub.url,
-            "HF_HOME": str(home),
-            "HF_HUB_CACHE": str(home / "hub"),
-            "HF_HUB_OFFLINE": "0",
-            "TRANSFORMERS_OFFLINE": "0",
-            "HF_TOKEN": "",
-        }
+        env = hub.env(home)
         code = (
             "from vllm.model_executor.model_loader.weight_utils import download_weights_from_hf as d\n"
             "print(d('acme/tiny-vlm', None, ['*.safetensors']))\n"

@@ -4,6 +4,7 @@ back holds each tensor's bytes as its shard does."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import struct
 from collections.abc import Callable
@@ -91,10 +92,13 @@ def test_a_vision_file_holds_the_tensors_as_their_shards_do(tmp_path: Path, monk
     done = fetch.fetch_tensors(dest, {one: ["vis.b", "vis.w"]}, {"repo": "org/name"}, "test")
     assert done.tensor_bytes == 80 + 12 and done.shards == 1
     with safe_open(str(dest), framework="pt") as f:
-        assert sorted(f.keys()) == ["vis.b", "vis.w"] and f.metadata() == {"repo": "org/name"}
+        assert sorted(f.keys()) == ["vis.b", "vis.w"]
         assert torch.equal(f.get_tensor("vis.w"), big) and torch.equal(f.get_tensor("vis.b"), torch.arange(3.0))
+        metadata = f.metadata()
     (length,) = struct.unpack("<Q", dest.read_bytes()[:8])
-    assert (8 + length) % 8 == 0 and json.loads(dest.read_bytes()[8 : 8 + length])["__metadata__"]
+    assert (8 + length) % 8 == 0 and json.loads(dest.read_bytes()[8 : 8 + length])["__metadata__"] == metadata
+    data = hashlib.sha256(dest.read_bytes()[8 + length :]).hexdigest()
+    assert metadata == {"repo": "org/name", "data_sha256": data}  # the checksum of what was written
     assert not list(dest.parent.glob("*.incomplete"))
     head, data = one.header()
     begin, end = (data + o for o in head["lm"]["data_offsets"])  # the language-model tensor: never asked for
@@ -174,3 +178,37 @@ def test_a_transfer_cut_short_resumes_where_it_stopped(
     ranges = vision_ranges("qwen2_5_vl", folder)[SHARDS[0]]
     first, last = min(s for s, _ in ranges), max(e for _, e in ranges)
     assert got == [(0, 8), (8, header), (first, first + 5000), (first + 5000, last)]
+
+
+@pytest.mark.parametrize("damage", ["cut short", "a flipped bit", "cut in its header"])
+def test_a_damaged_vision_file_is_never_read(damage: str, hub_env: Callable[[str], None], tmp_path: Path) -> None:
+    """A vision file damaged after it was written (a full disk, a copy cut short, a bad sector) is
+    neither read nor a crash: without the hub, one line says so; with it, the file is fetched again."""
+    from tests.support.hub import LoopbackHub
+    from tests.support.hub_checkpoints import SHARDS, hub_layout
+
+    from visenc.models.loading import load_tower
+
+    folder = hub_layout("qwen2_5_vl", tmp_path / "q")
+    want = load_tower(str(folder)).fingerprint
+    with LoopbackHub() as hub:
+        hub.publish("acme/q", folder)
+        hub_env(hub.url)
+        assert load_tower("acme/q").fingerprint == want
+        (vision,) = (tmp_path / "hf" / "visenc").rglob("vision.safetensors")
+        whole = vision.read_bytes()
+        damaged = {
+            "cut short": whole[:-100],
+            "a flipped bit": whole[:-1] + bytes([whole[-1] ^ 1]),
+            "cut in its header": whole[:40],
+        }[damage]
+        vision.write_bytes(damaged)
+        hub.stop()
+        try:
+            with pytest.raises(ModelUnavailable, match=r"is unreachable.*vision file .* is damaged"):
+                load_tower("acme/q")
+        finally:
+            hub.start()
+        hub.reset()
+        assert load_tower("acme/q").fingerprint == want
+        assert hub.served(SHARDS[0]) and vision.read_bytes() == whole  # fetched again

@@ -8,6 +8,7 @@ complete: a reader sees a whole file or none. Reasoning: ``docs/internals.md``.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -37,6 +38,10 @@ PART_TRIES = 5
 RETRY_PAUSE_S = 1.0
 #: how often progress lines are logged when stderr is not a terminal
 PROGRESS_EVERY_S = 5.0
+#: the vision file's metadata key for the sha256 of its data (every byte after the header)
+DATA_SHA256 = "data_sha256"
+#: bytes read at once when that checksum is computed
+CHECK_BYTES = 16 << 20
 
 
 @dataclass(eq=False)
@@ -183,10 +188,14 @@ def parts(spans: list[Span], size: int = PART_BYTES) -> list[Span]:
 
 def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dict[str, str], label: str) -> Fetched:
     """Write ``dest``: a safetensors file of the ``wanted`` tensors of each remote shard (their
-    names, dtypes and bytes as in the shard), with ``metadata``."""
+    names, dtypes and bytes as in the shard), with ``metadata`` and ``DATA_SHA256``, the checksum of
+    its data (``data_sha256``), which tells a later start that the file is whole."""
     entries, spans = plan(wanted)
-    body = json.dumps({"__metadata__": metadata, **entries}, separators=(",", ":")).encode()
+    placeholder = {**metadata, DATA_SHA256: "0" * 64}  # filled in once every byte is there
+    body = json.dumps({"__metadata__": placeholder, **entries}, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    key = f'"{DATA_SHA256}":"'.encode()
+    digest_at = 8 + body.index(key) + len(key)
     pieces = parts(spans)
     done = Fetched(
         tensor_bytes=sum(s.end - s.start for s in spans),
@@ -202,10 +211,11 @@ def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dic
         with tmp.open("wb") as f:
             f.write(struct.pack("<Q", len(body)) + body)
             f.truncate(8 + len(body) + done.tensor_bytes)
-        fd = os.open(tmp, os.O_WRONLY)
+        fd = os.open(tmp, os.O_RDWR)
         try:
             with Progress(done.tensor_bytes, label) as progress:
                 _fetch_parts(fd, 8 + len(body), pieces, progress.update)
+            os.pwrite(fd, data_sha256(fd, 8 + len(body), 8 + len(body) + done.tensor_bytes).encode(), digest_at)
             os.fsync(fd)
         finally:
             os.close(fd)
@@ -213,6 +223,14 @@ def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dic
     finally:
         tmp.unlink(missing_ok=True)
     return done
+
+
+def data_sha256(fd: int, start: int, end: int) -> str:
+    """sha256 (hex) of bytes ``[start, end)`` of the open file ``fd``."""
+    digest = hashlib.sha256()
+    for at in range(start, end, CHECK_BYTES):
+        digest.update(os.pread(fd, min(CHECK_BYTES, end - at), at))
+    return digest.hexdigest()
 
 
 def _fetch_parts(fd: int, base: int, pieces: list[Span], progress: Callable[[int], None]) -> None:

@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import struct
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -21,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from visenc.errors import ModelUnavailable
-from visenc.models.fetch import RemoteFile, fetch_tensors, size_text
+from visenc.models.fetch import DATA_SHA256, RemoteFile, data_sha256, fetch_tensors, size_text
 from visenc.models.weights import INDEX_FILE, SINGLE_FILE, Checkpoint, header, shard_map, tensor_names
 
 log = logging.getLogger("visenc")
@@ -195,6 +197,8 @@ class HubWeights:
 
     snapshot: Snapshot
     _remote: dict[str, RemoteFile] = field(default_factory=dict)
+    #: the vision file's header where it is whole, else ``None``, by the file's (inode, size, mtime)
+    _checked: dict[tuple[int, int, int], dict[str, Any] | None] = field(default_factory=dict)
 
     @property
     def vision_file(self) -> Path:
@@ -204,9 +208,22 @@ class HubWeights:
         repo = repo_folder_name(repo_id=self.snapshot.repo_id, repo_type="model")
         return Path(constants.HF_HOME) / "visenc" / repo / self.snapshot.commit / VISION_FILE
 
+    def vision_header(self) -> dict[str, Any] | None:
+        """The vision file's header if the file is there and whole (``whole_file``), checked once
+        per version of the file."""
+        try:
+            st = self.vision_file.stat()
+        except FileNotFoundError:
+            return None
+        key = (st.st_ino, st.st_size, st.st_mtime_ns)
+        if key not in self._checked:
+            self._checked[key] = whole_file(self.vision_file)
+        return self._checked[key]
+
     def names(self) -> list[str]:
-        if self.vision_file.is_file():
-            return json.loads(header(self.vision_file)["__metadata__"]["checkpoint_names"])  # type: ignore[no-any-return]
+        head = self.vision_header()
+        if head is not None:
+            return json.loads(head["__metadata__"]["checkpoint_names"])  # type: ignore[no-any-return]
         with hub_answers(self.snapshot.revision):
             return [n for names in self.shards().values() for n in names]
 
@@ -244,13 +261,15 @@ class HubWeights:
             log.info("%s: vision weights read from the hub cache's %d shards (nothing fetched)", s.repo_id, len(needed))
             return {Path(str(cached[f])): names for f, names in needed.items()}
         if s.offline:
-            raise ModelUnavailable(f"{s.offline}, and its vision weights are not in the cache")
+            damaged = f" (its vision file {vision} is damaged)" if vision.exists() else ""
+            raise ModelUnavailable(f"{s.offline}, and its vision weights are not in the cache{damaged}")
         with hub_answers(s.revision):
             self._fetch(needed)
         return {vision: sorted(wanted)}
 
     def _holds(self, wanted: set[str]) -> bool:
-        return self.vision_file.is_file() and wanted <= set(tensor_names(header(self.vision_file)))
+        head = self.vision_header()
+        return head is not None and wanted <= set(tensor_names(head))
 
     def _fetch(self, needed: dict[str, list[str]]) -> None:
         """The needed tensors into the vision file, once however many replicas share the cache."""
@@ -284,3 +303,30 @@ class HubWeights:
             time.monotonic() - started,
             vision,
         )
+
+
+def whole_file(file: Path) -> dict[str, Any] | None:
+    """The header of the vision file ``file`` where the file is whole: as long as its header says,
+    its data's checksum the one it was written with (``fetch.DATA_SHA256``). ``None`` where it is
+    not there, or damaged (truncated, overwritten, a disk error: a warning says which); a damaged
+    file is never read, and the next fetch replaces it."""
+    try:
+        with file.open("rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            (length,) = struct.unpack("<Q", f.read(8))
+            if 8 + length > size:
+                raise ValueError(f"a header of {length} bytes in a file of {size}")
+            head = json.loads(f.read(length))
+            meta = head["__metadata__"]
+            end = 8 + length + max((e["data_offsets"][1] for n, e in head.items() if n != "__metadata__"), default=0)
+            if end != size:
+                raise ValueError(f"{size} bytes where its header says {end}")
+            json.loads(meta["checkpoint_names"])
+            if data_sha256(f.fileno(), 8 + length, size) != meta[DATA_SHA256]:
+                raise ValueError("its bytes do not match their checksum")
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as e:
+        log.warning("%s is damaged (%s): not read", file, first_line(e))
+        return None
+    return head  # type: ignore[no-any-return]

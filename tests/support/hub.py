@@ -18,7 +18,9 @@ What it serves (derived from huggingface_hub's ``file_download``, ``hf_api`` and
   ``RevisionNotFound``, ``EntryNotFound`` (with ``X-Repo-Commit``), and 401 for an unknown token.
 
 Every request is recorded (``requests``): origin, method, file, byte range, body bytes sent.
-``cuts[file] = n`` drops the connection of the next ranged GET of ``file`` after ``n`` bytes.
+``cuts[file] = n`` drops the connection of the next ranged GET of ``file`` after ``n`` bytes;
+``stalls[file] = n`` leaves every ranged GET of ``file`` from byte ``n`` on unanswered (a hub that
+accepts the connection and then hangs) until the hub stops.
 """
 
 from __future__ import annotations
@@ -89,6 +91,9 @@ class LoopbackHub:
         self.siblings, self.use_cdn = siblings, cdn
         #: file → bytes after which the next ranged GET of it asking for more is cut (the connection drops)
         self.cuts: dict[str, int] = {}
+        #: file → the byte from which its ranged GETs are never answered (recorded with status 0)
+        self.stalls: dict[str, int] = {}
+        self.stopped = threading.Event()
         self.requests: list[Request] = []
         self.lock = threading.Lock()
         self.port = free_port()
@@ -141,6 +146,7 @@ class LoopbackHub:
 
     # --- lifecycle ----------------------------------------------------------
     def start(self) -> LoopbackHub:
+        self.stopped.clear()
         for port, origin in ((self.port, "hub"), (self.cdn_port, "cdn")):
             server = ThreadingHTTPServer(("127.0.0.1", port), _handler(self, origin))
             server.daemon_threads = True
@@ -150,6 +156,7 @@ class LoopbackHub:
 
     def stop(self) -> None:
         """No answer any more: listening sockets closed, open connections cut."""
+        self.stopped.set()
         for server in self._servers:
             server.shutdown()
             server.server_close()
@@ -355,6 +362,12 @@ class _Handler(BaseHTTPRequestHandler):
             start, end = int(m.group(1)), min(blob.size, int(m.group(2)) + 1 if m.group(2) else blob.size)
         if start >= blob.size or start >= end:
             return self.answer(416, b"", file, Content_Range=f"bytes */{blob.size}")
+        if start >= self.hub.stalls.get(file, blob.size):
+            with self.hub.lock:
+                self.hub.requests.append(Request(self.origin, "GET", self.path, file, None, 0, 0))
+            self.hub.stopped.wait()  # nothing sent, not even a status line
+            self.close_connection = True
+            return
         with blob.path.open("rb") as f:
             f.seek(start)
             data = f.read(end - start)

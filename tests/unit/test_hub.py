@@ -212,3 +212,29 @@ def test_a_damaged_vision_file_is_never_read(damage: str, hub_env: Callable[[str
         hub.reset()
         assert load_tower("acme/q").fingerprint == want
         assert hub.served(SHARDS[0]) and vision.read_bytes() == whole  # fetched again
+
+
+def test_a_hub_that_stops_answering_ends_the_fetch(
+    hub_env: Callable[[str], None], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hub that takes the connection and then sends nothing (a hung CDN) is asked ``STALLED_TRIES``
+    times, each ending after ``HF_HUB_DOWNLOAD_TIMEOUT``: start-up ends with one line within a minute
+    (2 x 10 s by default), where resuming a transfer that does progress takes up to ``PART_TRIES``."""
+    from huggingface_hub import constants
+    from tests.support.hub import LoopbackHub
+    from tests.support.hub_checkpoints import SHARDS, hub_layout, vision_ranges
+
+    from visenc.models.loading import load_tower
+
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)
+    monkeypatch.setattr(fetch, "RETRY_PAUSE_S", 0.0)
+    folder = hub_layout("qwen2_5_vl", tmp_path / "q")
+    with LoopbackHub() as hub:
+        hub.publish("acme/q", folder)
+        hub.stalls[SHARDS[0]] = min(s for s, _ in vision_ranges("qwen2_5_vl", folder)[SHARDS[0]])
+        hub_env(hub.url)
+        with pytest.raises(ModelUnavailable, match="is unreachable"):
+            load_tower("acme/q")
+        unanswered = [r for r in hub.served(SHARDS[0]) if r.status == 0]
+    assert fetch.STALLED_TRIES * constants.DEFAULT_DOWNLOAD_TIMEOUT < 60
+    assert len(unanswered) == fetch.STALLED_TRIES < fetch.PART_TRIES

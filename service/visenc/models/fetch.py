@@ -36,6 +36,9 @@ PARALLEL_PARTS = 8
 #: tries of one part (each resumes where the last one stopped), and the first pause between them
 PART_TRIES = 5
 RETRY_PAUSE_S = 1.0
+#: tries in a row that receive nothing (each waits ``HF_HUB_DOWNLOAD_TIMEOUT``) before the hub is
+#: taken as gone: a hub that hangs ends start-up within a minute, one that cuts transfers short is resumed
+STALLED_TRIES = 2
 #: how often progress lines are logged when stderr is not a terminal
 PROGRESS_EVERY_S = 5.0
 #: the vision file's metadata key for the sha256 of its data (every byte after the header)
@@ -84,11 +87,13 @@ class RemoteFile:
     ) -> None:
         """Bytes ``[start, end)`` handed to ``write(offset, chunk)`` as they arrive, in ranged GETs: a
         transfer cut short resumes where it stopped (``PART_TRIES`` tries, pauses doubling from
-        ``RETRY_PAUSE_S``); ``stop`` set ends it early."""
+        ``RETRY_PAUSE_S``; ``STALLED_TRIES`` in a row that receive nothing end it); ``stop`` set ends
+        it early."""
         import httpx2
 
-        at, pause = start, RETRY_PAUSE_S
+        at, pause, stalled = start, RETRY_PAUSE_S, 0
         for attempt in range(PART_TRIES):
+            began = at
             try:
                 for chunk in self.stream(at, end):
                     if stop is not None and stop.is_set():
@@ -99,7 +104,8 @@ class RemoteFile:
                     return
                 raise httpx2.RemoteProtocolError(f"{end - at} bytes short")
             except httpx2.TransportError as e:
-                if attempt == PART_TRIES - 1:
+                stalled = 0 if at > began else stalled + 1
+                if attempt == PART_TRIES - 1 or stalled == STALLED_TRIES:
                     raise
                 log.warning("fetching %s: %s; resuming at byte %d in %.0f s", self.name, e, at, pause)
                 time.sleep(pause)

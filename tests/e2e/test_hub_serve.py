@@ -25,7 +25,7 @@ from tests.support.hub_checkpoints import SHARDS, hub_layout, safetensors_header
 from tests.support.images import png_bytes
 from tests.support.paths import ROOT
 from tests.support.processes import serve_subprocess
-from tests.support.waits import free_port
+from tests.support.waits import free_port, wait_until
 
 from visenc_client import Client
 
@@ -138,6 +138,35 @@ def test_hub_id_serves_the_local_rows_from_vision_bytes_then_without_the_hub(
     hub.reset()  # HF_HUB_OFFLINE: the hub is not even asked
     served_rows(f"acme/{kind}", hub.env(home, HF_HUB_OFFLINE="1"), tmp_path / "hf-offline.log")
     assert hub.requests == [] and "HF_HUB_OFFLINE is set" in (tmp_path / "hf-offline.log").read_text()
+
+
+def test_a_fetch_killed_midway_leaves_nothing_behind(
+    hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path
+) -> None:
+    """A replica killed while it fetches (SIGKILL: no clean-up of its own) leaves its temporary file;
+    the next fetch, holding the lock, removes it, so crash loops do not fill the volume."""
+    home = tmp_path / "hf"
+    first = min(s for s, _ in vision_ranges("qwen2_5_vl", folders["qwen2_5_vl"])[SHARDS[0]])
+    hub.stalls[SHARDS[0]] = first  # the fetch hangs in the vision tensors' bytes
+    try:
+        with open(tmp_path / "killed.log", "wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, "-m", "visenc", "serve", "--port", str(free_port()), "--model", "acme/qwen2_5_vl"],
+                env={**os.environ, "PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'clients'}:{ROOT}", **hub.env(home)},
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+            try:
+                wait_until(lambda: list(home.glob("visenc/*/*/*.incomplete")), 120, "a fetch under way")
+            finally:
+                proc.kill()
+                proc.wait()
+    finally:
+        del hub.stalls[SHARDS[0]]
+    assert len(list(home.glob("visenc/*/*/*.incomplete"))) == 1  # what the killed fetch left
+    served_rows("acme/qwen2_5_vl", hub.env(home), tmp_path / "next.log")
+    assert not list(home.glob("visenc/*/*/*.incomplete"))
+    assert "left by a fetch that did not end" in (tmp_path / "next.log").read_text()
 
 
 def test_a_checkpoint_in_the_hub_cache_is_read_there(hub: LoopbackHub, tmp_path: Path) -> None:

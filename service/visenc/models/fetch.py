@@ -45,6 +45,8 @@ PROGRESS_EVERY_S = 5.0
 DATA_SHA256 = "data_sha256"
 #: bytes read at once when that checksum is computed
 CHECK_BYTES = 16 << 20
+#: the suffix of a vision file being written
+INCOMPLETE = ".incomplete"
 
 
 @dataclass(eq=False)
@@ -212,7 +214,7 @@ def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dic
     dest.parent.mkdir(parents=True, exist_ok=True)
     if shutil.disk_usage(dest.parent).free < done.tensor_bytes + len(body):
         raise ModelUnavailable(f"{dest.parent} has no room for {size_text(done.tensor_bytes)} of vision weights")
-    tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex[:8]}.incomplete")
+    tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex[:8]}{INCOMPLETE}")
     try:
         with tmp.open("wb") as f:
             f.write(struct.pack("<Q", len(body)) + body)
@@ -229,6 +231,12 @@ def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dic
     finally:
         tmp.unlink(missing_ok=True)
     return done
+
+
+def leftovers(dest: Path) -> list[Path]:
+    """The temporary files of fetches of ``dest`` that never ended (a process killed midway): only
+    the holder of ``dest``'s lock may remove them, no other fetch being under way then."""
+    return sorted(dest.parent.glob(f"{dest.name}.*{INCOMPLETE}"))
 
 
 def data_sha256(fd: int, start: int, end: int) -> str:

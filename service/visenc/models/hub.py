@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from visenc.errors import ModelUnavailable
-from visenc.models.fetch import DATA_SHA256, RemoteFile, data_sha256, fetch_tensors, size_text
+from visenc.models.fetch import DATA_SHA256, RemoteFile, data_sha256, fetch_tensors, leftovers, size_text
 from visenc.models.weights import INDEX_FILE, SINGLE_FILE, Checkpoint, header, shard_map, tensor_names
 
 log = logging.getLogger("visenc")
@@ -281,6 +281,9 @@ class HubWeights:
             if self._holds({n for names in needed.values() for n in names}):
                 log.info("%s: vision weights fetched by another process meanwhile: %s", s.repo_id, vision)
                 return
+            for stale in leftovers(vision):
+                log.info("%s: removing %s, left by a fetch that did not end", s.repo_id, stale)
+                stale.unlink(missing_ok=True)
             started = time.monotonic()
             metadata = {
                 "format": "pt",

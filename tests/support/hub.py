@@ -82,13 +82,16 @@ class Request:
 class LoopbackHub:
     """Repositories published from local folders, served on 127.0.0.1 (hub and CDN origins)."""
 
-    def __init__(self, tokens: tuple[str, ...] = (), *, siblings: bool = True, cdn: bool = True) -> None:
+    def __init__(
+        self, tokens: tuple[str, ...] = (), *, siblings: bool = True, cdn: bool = True, ranges: bool = True
+    ) -> None:
         """``tokens``: the tokens with access to gated and private repositories. A more minimal hub:
         ``siblings=False`` leaves the file list out of repo info (the tree still lists it);
-        ``cdn=False`` serves LFS files at their resolve URL instead of redirecting to the CDN."""
+        ``cdn=False`` serves LFS files at their resolve URL instead of redirecting to the CDN;
+        ``ranges=False`` answers a ranged GET with the whole file (200), as some mirrors and proxies do."""
         self.repos: dict[str, Repo] = {}
         self.tokens = set(tokens)
-        self.siblings, self.use_cdn = siblings, cdn
+        self.siblings, self.use_cdn, self.ranges = siblings, cdn, ranges
         #: file → bytes after which the next ranged GET of it asking for more is cut (the connection drops)
         self.cuts: dict[str, int] = {}
         #: file → the byte from which its ranged GETs are never answered (recorded with status 0)
@@ -351,8 +354,9 @@ class _Handler(BaseHTTPRequestHandler):
 
     def send_file(self, blob: Blob, file: str, **headers: str) -> None:
         asked = self.headers.get("Range")
-        if asked is None:
-            return self.answer(200, blob.path.read_bytes(), file, Accept_Ranges="bytes", **headers)
+        if asked is None or not self.hub.ranges:
+            accept = {"Accept_Ranges": "bytes"} if self.hub.ranges else {}
+            return self.answer(200, blob.path.read_bytes(), file, **accept, **headers)
         m = re.fullmatch(r"bytes=(\d*)-(\d*)", asked.strip())
         if m is None or m.group(1) == m.group(2) == "":
             return self.answer(416, b"", file, Content_Range=f"bytes */{blob.size}")

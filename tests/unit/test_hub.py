@@ -238,3 +238,33 @@ def test_a_hub_that_stops_answering_ends_the_fetch(
         unanswered = [r for r in hub.served(SHARDS[0]) if r.status == 0]
     assert fetch.STALLED_TRIES * constants.DEFAULT_DOWNLOAD_TIMEOUT < 60
     assert len(unanswered) == fetch.STALLED_TRIES < fetch.PART_TRIES
+
+
+@pytest.mark.parametrize("layout", ["sharded", "single file"])
+def test_a_hub_that_ignores_ranges_gets_the_vision_shards_whole(
+    layout: str, hub_env: Callable[[str], None], tmp_path: Path
+) -> None:
+    """A mirror or proxy that answers a ranged GET with the whole file (200): the shards that hold
+    vision weights are downloaded whole into the hub cache (as vLLM would download them) and read
+    there; the language-model-only shard is still never asked for."""
+    from huggingface_hub import try_to_load_from_cache
+    from tests.support.hub import LoopbackHub
+    from tests.support.hub_checkpoints import SHARDS, hub_layout
+    from tests.support.tiny_families import save_family
+
+    from visenc.models.loading import load_tower
+
+    folder = hub_layout("gemma3", tmp_path / "g") if layout == "sharded" else save_family("gemma3", tmp_path / "g")
+    vision_shard = SHARDS[0] if layout == "sharded" else "model.safetensors"
+    want = load_tower(str(folder), image_backend="pil").fingerprint
+    with LoopbackHub(ranges=False) as hub:
+        hub.publish("acme/g", folder)
+        hub_env(hub.url)
+        assert load_tower("acme/g", image_backend="pil").fingerprint == want
+        assert layout == "single file" or hub.served(SHARDS[1]) == []
+        assert all(r.status == 200 for r in hub.served(vision_shard) if r.method == "GET")
+        cached = try_to_load_from_cache("acme/g", vision_shard, revision="main")
+        assert isinstance(cached, str) and Path(cached).read_bytes() == (folder / vision_shard).read_bytes()
+        assert not list((tmp_path / "hf" / "visenc").rglob("vision.safetensors"))
+        hub.stop()
+        assert load_tower("acme/g", image_backend="pil").fingerprint == want  # read there later, hub or none

@@ -114,8 +114,8 @@ class RemoteFile:
                 pause *= 2
 
     def stream(self, start: int, end: int) -> Iterator[bytes]:
-        """Bytes ``[start, end)`` as they arrive; ``ModelUnavailable`` where the server does not
-        answer the range it was asked (it would send the whole file)."""
+        """Bytes ``[start, end)`` as they arrive; ``RangesNotServed`` where the server does not
+        answer the range it was asked (it would send the whole file) or encodes it."""
         from huggingface_hub import constants
         from huggingface_hub.utils import get_session, hf_raise_for_status
 
@@ -123,10 +123,12 @@ class RemoteFile:
         with get_session().stream("GET", self.url, headers=headers, timeout=constants.HF_HUB_DOWNLOAD_TIMEOUT) as r:
             hf_raise_for_status(r)
             got = r.headers.get("Content-Range", "")
-            if r.status_code != 206 or not got.startswith(f"bytes {start}-{end - 1}/"):
-                raise ModelUnavailable(
+            encoding = r.headers.get("Content-Encoding", "identity").strip().lower() or "identity"
+            if r.status_code != 206 or not got.startswith(f"bytes {start}-{end - 1}/") or encoding != "identity":
+                encoded = f", {encoding}-encoded" if encoding != "identity" else ""
+                raise RangesNotServed(
                     f"the hub answered a request for bytes {start}-{end - 1} of {self.name} with {r.status_code} "
-                    f"{got or '(no Content-Range)'}: ranged reads are needed to fetch only the vision weights"
+                    f"{got or '(no Content-Range)'}{encoded}"
                 )
             yield from r.iter_bytes()  # as received: a transfer cut short keeps every byte that arrived
 
@@ -138,6 +140,10 @@ class RemoteFile:
                 raise ModelUnavailable(f"{self.name} is not a safetensors file (header of {length} bytes)")
             self._header = json.loads(self.read(8, 8 + length)), 8 + length
         return self._header
+
+
+class RangesNotServed(ModelUnavailable):
+    """The server does not answer ranged GETs with the bytes asked: the whole file has to be downloaded."""
 
 
 def _origin(url: str) -> tuple[str, str, int | None]:

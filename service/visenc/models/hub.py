@@ -21,7 +21,15 @@ from pathlib import Path
 from typing import Any
 
 from visenc.errors import ModelUnavailable
-from visenc.models.fetch import DATA_SHA256, RemoteFile, data_sha256, fetch_tensors, leftovers, size_text
+from visenc.models.fetch import (
+    DATA_SHA256,
+    RangesNotServed,
+    RemoteFile,
+    data_sha256,
+    fetch_tensors,
+    leftovers,
+    size_text,
+)
 from visenc.models.hub_errors import Unreachable, first_line, hub_answers
 from visenc.models.weights import INDEX_FILE, SINGLE_FILE, Checkpoint, header, shard_map, tensor_names
 
@@ -179,8 +187,12 @@ class HubWeights:
             return shard_map(json.loads((s.folder / INDEX_FILE).read_text()))
         if SINGLE_FILE in s.files:
             local = s.folder / SINGLE_FILE
-            head = header(local) if local.is_file() else self.remote(SINGLE_FILE).header()[0]
-            return {SINGLE_FILE: tensor_names(head)}
+            if not local.is_file():
+                try:
+                    return {SINGLE_FILE: tensor_names(self.remote(SINGLE_FILE).header()[0])}
+                except RangesNotServed as e:
+                    local = self._whole([SINGLE_FILE], e)[SINGLE_FILE]
+            return {SINGLE_FILE: tensor_names(header(local))}
         if s.offline:
             raise ModelUnavailable(f"{s.offline}, and the cache holds none of its weights")
         raise ModelUnavailable(f"the repository has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE})")
@@ -209,8 +221,26 @@ class HubWeights:
             damaged = f" (its vision file {vision} is damaged)" if vision.exists() else ""
             raise ModelUnavailable(f"{s.offline}, and its vision weights are not in the cache{damaged}")
         with hub_answers(s.revision):
-            self._fetch(needed)
+            try:
+                self._fetch(needed)
+            except RangesNotServed as e:
+                return {path: needed[f] for f, path in self._whole(list(needed), e).items()}
         return {vision: sorted(wanted)}
+
+    def _whole(self, filenames: list[str], why: RangesNotServed) -> dict[str, Path]:
+        """``filenames`` downloaded whole into the hub cache (``hf_hub_download``), where the hub does
+        not serve ranges: the shards that hold vision weights, still none of the others."""
+        from huggingface_hub import hf_hub_download
+
+        s = self.snapshot
+        log.warning(
+            "%s: %s, not the range asked: downloading the %d shard(s) that hold vision weights whole, into the "
+            "hub cache",
+            s.repo_id,
+            why,
+            len(filenames),
+        )
+        return {f: Path(hf_hub_download(s.repo_id, f, revision=s.commit)) for f in filenames}
 
     def _holds(self, wanted: set[str]) -> bool:
         head = self.vision_header()

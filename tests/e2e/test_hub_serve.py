@@ -210,6 +210,9 @@ def test_a_gated_repository_needs_a_token(hub: LoopbackHub, folders: dict[str, P
     assert "gated repository" in line and "HF_TOKEN" in line
     fingerprint, _ = served_rows("acme/gated", hub.env(tmp_path / "b", HF_TOKEN=TOKEN), tmp_path / "b.log")
     assert fingerprint
+    # a token the hub does not know (mistyped, revoked) is refused on any repository, gated or not
+    line = cannot_serve("acme/qwen2_5_vl", hub.env(tmp_path / "c", HF_TOKEN="hf_revoked"))
+    assert "does not accept HF_TOKEN" in line
 
 
 def test_each_failure_is_one_line(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path) -> None:

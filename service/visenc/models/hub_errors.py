@@ -48,6 +48,8 @@ def hub_answers(revision: str) -> Iterator[None]:
         status = e.response.status_code if e.response is not None else 0
         if status >= 500:
             raise Unreachable(f"the hub {hub} answered {status}") from e
+        if status == 401 and get_token():  # refusals of a repository carry their own code (above)
+            raise ModelUnavailable(f"the hub {hub} does not accept HF_TOKEN (401: not a valid token)") from e
         raise ModelUnavailable(f"the hub {hub} refused a request ({status}: {first_line(e)})") from e
     except LocalEntryNotFoundError as e:
         raise Unreachable(f"the hub {hub} is unreachable") from e

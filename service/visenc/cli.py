@@ -15,6 +15,7 @@ from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
 from visenc.config import Settings
+from visenc.errors import ModelUnavailable
 from visenc.proxy.settings import ProxySettings
 
 #: exit status when the device worker failed and could not be restarted
@@ -84,6 +85,15 @@ def _stop_loading(signum: int, frame: types.FrameType | None) -> None:
     raise SystemExit(128 + signum)  # unwinds the load: a partial download is removed, nothing waits for it
 
 
+def _cause(e: Exception) -> str:
+    """One line: a ``ModelUnavailable``'s message; for anything else (a file of the checkpoint that
+    does not parse, a device error) its type and the first line of its message."""
+    if isinstance(e, ModelUnavailable):
+        return str(e)
+    lines = str(e).strip().splitlines()
+    return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
@@ -104,7 +114,6 @@ def serve(settings: Settings) -> int:
     import uvicorn
 
     from visenc.bootstrap import create_app, load_tower
-    from visenc.errors import ModelUnavailable
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     if settings.log_level != "debug":  # huggingface_hub's client logs every request it makes at info
@@ -112,9 +121,10 @@ def serve(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, _stop_loading)
     try:
         tower = load_tower(settings)  # before the server listens, as it always did; a download included
-    except ModelUnavailable as e:
+    except Exception as e:  # every cause ends start-up with one line; --log-level debug adds the traceback
+        logging.getLogger("visenc").debug("cannot serve %s", settings.model, exc_info=True)
         pinned = f" (revision {settings.revision})" if settings.revision else ""
-        print(f"visenc: cannot serve {settings.model}{pinned}: {e}", file=sys.stderr)
+        print(f"visenc: cannot serve {settings.model}{pinned}: {_cause(e)}", file=sys.stderr)
         return EXIT_MODEL_UNAVAILABLE
     # uvicorn handles SIGTERM/SIGINT gracefully (stops accepting, lets in-flight requests
     # finish, runs the lifespan shutdown) and then re-raises the signal to the handler that

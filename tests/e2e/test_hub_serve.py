@@ -11,6 +11,7 @@ a non-zero exit within 60 s, and no traceback.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -234,6 +235,11 @@ def test_each_failure_is_one_line(hub: LoopbackHub, folders: dict[str, Path], tm
     assert "private: set HF_TOKEN" in cannot_serve("acme/private", env)
     assert "unsupported model_type 'llama'" in cannot_serve("acme/text-only", env)
     assert "vision tensors do not match" in cannot_serve("acme/no-vision", env)
+    torn = tmp_path / "torn"
+    shutil.copytree(folders["qwen2_5_vl"], torn)
+    (torn / "preprocessor_config.json").write_text('{"patch_size": 14,')  # a file that does not parse
+    hub.publish("acme/torn", torn)
+    assert "JSONDecodeError" in cannot_serve("acme/torn", env)
     hub.reset()
     hub.stop()
     try:

@@ -275,3 +275,25 @@ def test_fingerprint_does_not_depend_on_how_the_checkpoint_is_stored(
     hub id and a local folder of the same checkpoint share index entries."""
     single, sharded = (str(qwen_checkpoints[f"qwen2_vl-{v}"][0]) for v in ("single", "sharded"))
     assert load_tower(single).fingerprint == load_tower(sharded).fingerprint
+
+
+def test_a_persistent_buffer_missing_from_the_checkpoint_is_reported(tmp_path: Path) -> None:
+    """Gemma 4's vision tower keeps its standardisation as persistent buffers (``std_bias``,
+    ``std_scale``, allocated empty): a checkpoint without them cannot be served, rather than served
+    with whatever memory the weight-less build left there."""
+    from tests.support.tiny_families import build_family
+    from transformers import Gemma4ForConditionalGeneration
+
+    model, proc = build_family("gemma4")
+    model.config.vision_config.standardize = True
+    with_std = Gemma4ForConditionalGeneration(model.config)
+    with_std.load_state_dict(model.state_dict(), strict=False)
+    with_std.save_pretrained(tmp_path)
+    proc.save_pretrained(tmp_path)
+    tensors = load_file(str(tmp_path / "model.safetensors"))
+    assert "model.vision_tower.std_bias" in tensors  # a persistent buffer: saved with the weights
+    load_tower(str(tmp_path), image_backend="pil")
+    del tensors["model.vision_tower.std_bias"]
+    save_file(tensors, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing \['vision_tower.std_bias'\]"):
+        load_tower(str(tmp_path), image_backend="pil")

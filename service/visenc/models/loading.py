@@ -212,8 +212,9 @@ def _load_vision_weights(model: torch.nn.Module, weights: Weights) -> str:
             hasher.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
             hasher.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
             state[renames[name]] = tensor
-    params = {name for name, _ in model.named_parameters()}
+    # ``missing`` holds parameters and persistent buffers (values a checkpoint carries, e.g. Gemma 4's
+    # clipping bounds and standardisation): neither may keep what the weight-less build left there
     missing, unexpected = model.load_state_dict(state, strict=False)
-    if set(missing) & params or unexpected:
+    if missing or unexpected:
         raise ModelUnavailable(f"its tensors do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")
     return hasher.hexdigest()

@@ -90,7 +90,8 @@ def derive_renames(names: list[str], params: set[str], buffers: set[str]) -> dic
     ``model.visual.``, ``vision_tower.``, ``model.vision_tower.``, ``model.vision_model.``
     and ``model.connector.``, ...; the projector's may differ from the tower's). For each
     top-level submodule of the module, the prefix is the one under which the checkpoint
-    holds *every* parameter of that submodule; buffers are taken where present. Ties go to
+    holds *every* parameter of that submodule; buffers are taken where present (the load
+    reports a persistent one that is not). Ties go to
     the prefix more names agree on; a submodule no prefix covers is reported before any
     tensor is read. Only names that end like a wanted key vote, so the result is the same
     for any subset of ``names`` that keeps the chosen tensors (a vision-only file).

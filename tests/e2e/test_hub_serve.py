@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from itertools import pairwise
 from pathlib import Path
 
@@ -25,8 +26,8 @@ from tests.support.hub import LoopbackHub
 from tests.support.hub_checkpoints import SHARDS, hub_layout, safetensors_header, vision_ranges
 from tests.support.images import png_bytes
 from tests.support.paths import ROOT
-from tests.support.processes import serve_subprocess
-from tests.support.waits import free_port, wait_until
+from tests.support.processes import serve_subprocess, stop_process
+from tests.support.waits import free_port, wait_ready, wait_until
 
 from visenc_client import Client
 
@@ -141,33 +142,74 @@ def test_hub_id_serves_the_local_rows_from_vision_bytes_then_without_the_hub(
     assert hub.requests == [] and "HF_HUB_OFFLINE is set" in (tmp_path / "hf-offline.log").read_text()
 
 
+@contextmanager
+def serving(model: str, env: dict[str, str], log: Path) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
+    """A ``visenc serve --model model`` process, not waited for (``serve_subprocess`` waits until it
+    is ready); stopped after."""
+    port = free_port()
+    with open(log, "wb") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "visenc", "serve", "--port", str(port), "--model", model, "--torch-threads", "1"],
+            env={**os.environ, "PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'clients'}:{ROOT}", **env},
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+        try:
+            yield f"http://127.0.0.1:{port}", proc
+        finally:
+            stop_process(proc)
+
+
+def first_vision_byte(folder: Path) -> int:
+    return min(s for s, _ in vision_ranges("qwen2_5_vl", folder)[SHARDS[0]])
+
+
 def test_a_fetch_killed_midway_leaves_nothing_behind(
     hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path
 ) -> None:
     """A replica killed while it fetches (SIGKILL: no clean-up of its own) leaves its temporary file;
     the next fetch, holding the lock, removes it, so crash loops do not fill the volume."""
     home = tmp_path / "hf"
-    first = min(s for s, _ in vision_ranges("qwen2_5_vl", folders["qwen2_5_vl"])[SHARDS[0]])
-    hub.stalls[SHARDS[0]] = first  # the fetch hangs in the vision tensors' bytes
+    hub.stalls[SHARDS[0]] = first_vision_byte(folders["qwen2_5_vl"])  # the fetch hangs in the vision bytes
     try:
-        with open(tmp_path / "killed.log", "wb") as out:
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "visenc", "serve", "--port", str(free_port()), "--model", "acme/qwen2_5_vl"],
-                env={**os.environ, "PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'clients'}:{ROOT}", **hub.env(home)},
-                stdout=out,
-                stderr=subprocess.STDOUT,
-            )
-            try:
-                wait_until(lambda: list(home.glob("visenc/*/*/*.incomplete")), 120, "a fetch under way")
-            finally:
-                proc.kill()
-                proc.wait()
+        with serving("acme/qwen2_5_vl", hub.env(home), tmp_path / "killed.log") as (_, proc):
+            wait_until(lambda: list(home.glob("visenc/*/*/*.incomplete")), 120, "a fetch under way")
+            proc.kill()
+            proc.wait()
     finally:
         del hub.stalls[SHARDS[0]]
     assert len(list(home.glob("visenc/*/*/*.incomplete"))) == 1  # what the killed fetch left
     served_rows("acme/qwen2_5_vl", hub.env(home), tmp_path / "next.log")
     assert not list(home.glob("visenc/*/*/*.incomplete"))
     assert "left by a fetch that did not end" in (tmp_path / "next.log").read_text()
+
+
+def test_replicas_sharing_a_cache_fetch_once(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path) -> None:
+    """Two replicas started on one cache (a shared volume): the second waits for the first's fetch,
+    says so, and reads the file it wrote; every vision byte crosses once, and both serve the same rows."""
+    folder, env = folders["qwen2_5_vl"], hub.env(tmp_path / "hf")
+    first = first_vision_byte(folder)
+    hub.reset()
+    hub.stalls[SHARDS[0]] = first  # the first replica's fetch holds in the vision bytes
+    try:
+        with ExitStack() as replicas:
+            url_a, proc_a = replicas.enter_context(serving("acme/qwen2_5_vl", env, tmp_path / "a.log"))
+            wait_until(lambda: list((tmp_path / "hf").glob("visenc/*/*/*.incomplete")), 120, "a fetch under way")
+            url_b, proc_b = replicas.enter_context(serving("acme/qwen2_5_vl", env, tmp_path / "b.log"))
+            wait_until(lambda: "waiting for it" in (tmp_path / "b.log").read_text(), 120, "the second replica waits")
+            del hub.stalls[SHARDS[0]]
+            rows = []
+            for url, proc in ((url_a, proc_a), (url_b, proc_b)):
+                wait_ready(url, proc)
+                with Client(url) as vc:
+                    rows.append((vc.model()["fingerprint"], [vc.fetch(h) for h in vc.encode(IMAGES)]))
+    finally:
+        hub.stalls.pop(SHARDS[0], None)
+    assert rows[0][0] == rows[1][0] and all(np.array_equal(a, b) for a, b in zip(rows[0][1], rows[1][1], strict=True))
+    data = [r for r in hub.served(SHARDS[0]) if r.status == 206 and r.byte_range and r.byte_range[0] >= first]
+    vision = sum(e - s for s, e in vision_ranges("qwen2_5_vl", folder)[SHARDS[0]])
+    assert sum(r.sent for r in data) == vision  # fetched once, by the first replica
+    assert "fetched by another process meanwhile" in (tmp_path / "b.log").read_text()
 
 
 def test_a_checkpoint_in_the_hub_cache_is_read_there(hub: LoopbackHub, tmp_path: Path) -> None:

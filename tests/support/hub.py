@@ -20,7 +20,8 @@ What it serves (derived from huggingface_hub's ``file_download``, ``hf_api`` and
 Every request is recorded (``requests``): origin, method, file, byte range, body bytes sent.
 ``cuts[file] = n`` drops the connection of the next ranged GET of ``file`` after ``n`` bytes;
 ``stalls[file] = n`` leaves every ranged GET of ``file`` from byte ``n`` on unanswered (a hub that
-accepts the connection and then hangs) until the hub stops.
+accepts the connection and then hangs) until the hub stops, or until the stall is lifted (``del``):
+then it is answered, if its client still waits.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import select
 import socket
 import threading
 from dataclasses import dataclass, field
@@ -205,6 +207,14 @@ class _Handler(BaseHTTPRequestHandler):
     def log_message(self, format: str, *args: Any) -> None:
         pass
 
+    def client_gone(self) -> bool:
+        """Whether the client closed the connection (its end reads as closed)."""
+        readable, _, _ = select.select([self.connection], [], [], 0)
+        try:
+            return bool(readable) and not self.connection.recv(1, socket.MSG_PEEK)
+        except OSError:
+            return True
+
     # --- answers ------------------------------------------------------------
     def answer(self, status: int, body: bytes = b"", file: str | None = None, **headers: str) -> None:
         self.send_response(status)
@@ -369,9 +379,10 @@ class _Handler(BaseHTTPRequestHandler):
         if start >= self.hub.stalls.get(file, blob.size):
             with self.hub.lock:
                 self.hub.requests.append(Request(self.origin, "GET", self.path, file, None, 0, 0))
-            self.hub.stopped.wait()  # nothing sent, not even a status line
-            self.close_connection = True
-            return
+            while file in self.hub.stalls:  # nothing sent, not even a status line
+                if self.hub.stopped.wait(0.05) or self.client_gone():
+                    self.close_connection = True
+                    return
         with blob.path.open("rb") as f:
             f.seek(start)
             data = f.read(end - start)

@@ -16,6 +16,8 @@ import os
 import re
 import struct
 import time
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -246,13 +248,30 @@ class HubWeights:
         head = self.vision_header()
         return head is not None and wanted <= set(tensor_names(head))
 
-    def _fetch(self, needed: dict[str, list[str]]) -> None:
-        """The needed tensors into the vision file, once however many replicas share the cache."""
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """The vision file's lock (``WeakFileLock``, as the hub cache's downloads take theirs): at
+        once, or after saying that another process holds it (a replica fetching the same file)."""
         from huggingface_hub.utils import WeakFileLock
 
+        lock = self.vision_file.with_suffix(".lock")
+        with ExitStack() as held:
+            try:
+                held.enter_context(WeakFileLock(lock, timeout=0.01))
+            except TimeoutError:
+                log.info(
+                    "%s: another process is fetching its vision weights (it holds %s): waiting for it",
+                    self.snapshot.repo_id,
+                    lock,
+                )
+                held.enter_context(WeakFileLock(lock))
+            yield
+
+    def _fetch(self, needed: dict[str, list[str]]) -> None:
+        """The needed tensors into the vision file, once however many replicas share the cache."""
         s, vision = self.snapshot, self.vision_file
         vision.parent.mkdir(parents=True, exist_ok=True)
-        with WeakFileLock(vision.with_suffix(".lock")):
+        with self._locked():
             if self._holds({n for names in needed.values() for n in names}):
                 log.info("%s: vision weights fetched by another process meanwhile: %s", s.repo_id, vision)
                 return

@@ -12,13 +12,17 @@ from __future__ import annotations
 
 import os
 import shutil
+import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import pairwise
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -289,3 +293,37 @@ def test_each_failure_is_one_line(hub: LoopbackHub, folders: dict[str, Path], tm
     finally:
         hub.start()
     assert "is unreachable" in line and "does not hold main" in line
+
+
+class _Failing(BaseHTTPRequestHandler):
+    """A hub whose every answer is 503 (down for maintenance, an overloaded proxy)."""
+
+    def do_GET(self) -> None:
+        self.send_response(503)
+        self.send_header("Content-Length", "0")
+        self.end_headers()
+
+    do_HEAD = do_GET
+
+    def log_message(self, format: str, *args: Any) -> None:
+        pass
+
+
+def test_a_hub_that_hangs_or_fails_ends_start_up_with_one_line(tmp_path: Path) -> None:
+    """A hub that takes connections and never answers (a black-holed proxy: every request ends at its
+    timeout), or answers every request with a 5xx: one line, exit 4, within a minute (``cannot_serve``)."""
+    with socket.socket() as hung:
+        hung.bind(("127.0.0.1", 0))
+        hung.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
+        env = LoopbackHub().env(tmp_path / "a", HF_ENDPOINT=f"http://127.0.0.1:{hung.getsockname()[1]}")
+        line = cannot_serve("acme/anything", env)
+    assert "is unreachable (timed out)" in line and "does not hold main" in line
+    failing = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
+    threading.Thread(target=failing.serve_forever, daemon=True).start()
+    try:
+        env = LoopbackHub().env(tmp_path / "b", HF_ENDPOINT=f"http://127.0.0.1:{failing.server_address[1]}")
+        line = cannot_serve("acme/anything", env)
+    finally:
+        failing.shutdown()
+        failing.server_close()
+    assert "answered 503" in line and "does not hold main" in line

@@ -268,3 +268,53 @@ def test_a_hub_that_ignores_ranges_gets_the_vision_shards_whole(
         assert not list((tmp_path / "hf" / "visenc").rglob("vision.safetensors"))
         hub.stop()
         assert load_tower("acme/g", image_backend="pil").fingerprint == want  # read there later, hub or none
+
+
+def test_a_single_file_checkpoint_fetches_only_its_vision_bytes(hub_env: Callable[[str], None], tmp_path: Path) -> None:
+    """A repository with one ``model.safetensors`` and no index (CLIP, SigLIP, small VLMs): its header
+    is read with two ranged GETs, then only the vision tensors' bytes; a restart needs no hub."""
+    from tests.support.hub import LoopbackHub
+    from tests.support.hub_checkpoints import safetensors_header
+    from tests.support.tiny_families import save_family
+
+    from visenc.models.loading import load_tower
+
+    folder = save_family("gemma3", tmp_path / "g")
+    assert not (folder / "model.safetensors.index.json").exists()
+    head, data = safetensors_header(folder / "model.safetensors")
+    vision = [head[n]["data_offsets"] for n in head if n.startswith(("vision_tower.", "multi_modal_projector."))]
+    language = [head[n]["data_offsets"] for n in head if n.startswith("language_model.")]
+    assert vision and language, sorted(head)[:4]
+    want = load_tower(str(folder), image_backend="pil").fingerprint
+    with LoopbackHub() as hub:
+        hub.publish("acme/g", folder)
+        hub_env(hub.url)
+        assert load_tower("acme/g", image_backend="pil").fingerprint == want
+        got = [r.byte_range for r in hub.served("model.safetensors") if r.byte_range]
+        hub.stop()
+        assert load_tower("acme/g", image_backend="pil").fingerprint == want
+    assert got[:2] == [(0, 8), (8, data)]
+    assert sum(e - s for s, e in got[2:]) == sum(e - s for s, e in vision)
+    assert all(e <= data + b or s >= data + e2 for s, e in got[2:] for b, e2 in language)  # no language byte
+
+
+def test_every_revision_form_is_served_from_the_cache(hub_env: Callable[[str], None], tmp_path: Path) -> None:
+    """A branch, a tag or a commit, as ``hf download --revision`` (or visenc itself) left it in the
+    cache: served with the hub stopped, through the cache's ``refs/`` files or its snapshot folder."""
+    from huggingface_hub import snapshot_download
+    from tests.support.hub import LoopbackHub
+    from tests.support.hub_checkpoints import hub_layout
+
+    from visenc.models.loading import load_tower
+
+    folder = hub_layout("qwen2_5_vl", tmp_path / "q")
+    want = load_tower(str(folder)).fingerprint
+    with LoopbackHub() as hub:
+        commit = hub.publish("acme/q", folder, tag="v1")
+        hub_env(hub.url)
+        snapshot_download("acme/q", revision="v1")  # every file, as an engine or `hf download` fetches them
+        assert load_tower("acme/q").fingerprint == want  # main: resolved now, read from the hub cache
+        hub.stop()
+        for spec in ("acme/q@v1", f"acme/q@{commit}", "acme/q"):
+            assert load_tower(spec).fingerprint == want, spec
+    assert not (tmp_path / "hf" / "visenc").exists()  # nothing fetched: the engine's shards were read

@@ -318,3 +318,38 @@ def test_every_revision_form_is_served_from_the_cache(hub_env: Callable[[str], N
         for spec in ("acme/q@v1", f"acme/q@{commit}", "acme/q"):
             assert load_tower(spec).fingerprint == want, spec
     assert not (tmp_path / "hf" / "visenc").exists()  # nothing fetched: the engine's shards were read
+
+
+def test_a_whole_vision_file_that_lacks_a_tensor_is_fetched_again(
+    hub_env: Callable[[str], None], tmp_path: Path
+) -> None:
+    """A whole vision file that holds fewer tensors than the tower now takes (written for another
+    selection): fetched again where the hub answers; without it, one line says the file lacks some."""
+    from safetensors.torch import load_file
+    from tests.support.hub import LoopbackHub
+    from tests.support.hub_checkpoints import hub_layout
+
+    from visenc.models.loading import load_tower
+
+    folder = hub_layout("qwen2_5_vl", tmp_path / "q")
+    with LoopbackHub() as hub:
+        hub.publish("acme/q", folder)
+        hub_env(hub.url)
+        want = load_tower("acme/q").fingerprint
+        (vision,) = (tmp_path / "hf" / "visenc").rglob("vision.safetensors")
+        with safe_open(str(vision), framework="pt") as f:
+            metadata = f.metadata()
+        tensors = load_file(str(vision))
+        del tensors[sorted(tensors)[-1]]
+        save_file(tensors, str(vision), metadata=metadata)
+        (length,) = struct.unpack("<Q", vision.read_bytes()[:8])
+        metadata["data_sha256"] = hashlib.sha256(vision.read_bytes()[8 + length :]).hexdigest()
+        save_file(tensors, str(vision), metadata=metadata)  # whole: the checksum of what it now holds
+        hub.stop()
+        try:
+            with pytest.raises(ModelUnavailable, match="lacks some of them"):
+                load_tower("acme/q")
+        finally:
+            hub.start()
+        assert load_tower("acme/q").fingerprint == want
+        assert len(load_file(str(vision))) == len(tensors) + 1

@@ -220,8 +220,9 @@ class HubWeights:
             log.info("%s: vision weights read from the hub cache's %d shards (nothing fetched)", s.repo_id, len(needed))
             return {Path(str(cached[f])): names for f, names in needed.items()}
         if s.offline:
-            damaged = f" (its vision file {vision} is damaged)" if vision.exists() else ""
-            raise ModelUnavailable(f"{s.offline}, and its vision weights are not in the cache{damaged}")
+            state = "is damaged" if self.vision_header() is None else "lacks some of them"
+            found = f" (its vision file {vision} {state})" if vision.exists() else ""
+            raise ModelUnavailable(f"{s.offline}, and its vision weights are not in the cache{found}")
         with hub_answers(s.revision):
             try:
                 self._fetch(needed)

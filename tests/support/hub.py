@@ -32,53 +32,13 @@ import re
 import select
 import socket
 import threading
-from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from tests.support.hub_repos import Blob, Repo, Request, blob_fields, entry, folder_entry, tree
 from tests.support.waits import free_port
-
-LFS_SUFFIXES = (".safetensors", ".bin", ".pt", ".gguf")
-
-
-@dataclass(frozen=True)
-class Blob:
-    path: Path
-    size: int
-    sha256: str
-    git_sha1: str
-    lfs: bool
-
-    @classmethod
-    def of(cls, path: Path) -> Blob:
-        data = path.read_bytes()
-        git = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
-        return cls(path, len(data), hashlib.sha256(data).hexdigest(), git, path.suffix in LFS_SUFFIXES)
-
-
-@dataclass
-class Repo:
-    repo_id: str
-    gated: bool = False
-    private: bool = False
-    commits: dict[str, dict[str, Blob]] = field(default_factory=dict)
-    refs: dict[str, str] = field(default_factory=dict)
-
-    def commit(self, rev: str) -> str | None:
-        return self.refs.get(rev) or (rev if rev in self.commits else None)
-
-
-@dataclass(frozen=True)
-class Request:
-    origin: str  # "hub" | "cdn"
-    method: str
-    path: str
-    file: str | None  # repo path of the file served
-    byte_range: tuple[int, int] | None  # [start, end) of a 206
-    sent: int  # body bytes
-    status: int
 
 
 class LoopbackHub:
@@ -241,15 +201,6 @@ class _Handler(BaseHTTPRequestHandler):
     def json(self, value: Any) -> None:
         self.answer(200, json.dumps(value).encode(), Content_Type="application/json")
 
-    def do_HEAD(self) -> None:
-        self.route()
-
-    def do_GET(self) -> None:
-        self.route()
-
-    def do_POST(self) -> None:
-        self.route()
-
     def route(self) -> None:
         parts = urlsplit(self.path)
         path = unquote(parts.path)
@@ -265,6 +216,8 @@ class _Handler(BaseHTTPRequestHandler):
         if m:
             return self.resolve(m.group(1), m.group(2), m.group(3))
         self.refuse(404, None, "Sorry, we can't find the page you are looking for.")
+
+    do_HEAD = do_GET = do_POST = route
 
     def access(self, repo_id: str, *, files: bool) -> Repo | None:
         """The repo if this request may see it (files: its contents too); a refusal sent otherwise."""
@@ -302,7 +255,7 @@ class _Handler(BaseHTTPRequestHandler):
         files = repo.commits[sha]
         if kind in (None, "revision"):
             blobs = query.get("blobs", "").lower() == "true"
-            siblings = [{"rfilename": p, **(_blob_fields(b) if blobs else {})} for p, b in files.items()]
+            siblings = [{"rfilename": p, **(blob_fields(b) if blobs else {})} for p, b in files.items()]
             listed = {"siblings": siblings} if self.hub.siblings else {}
             return self.json(
                 {
@@ -321,10 +274,10 @@ class _Handler(BaseHTTPRequestHandler):
             )
         if kind == "tree":
             recursive = query.get("recursive", "").lower() == "true"
-            return self.json(_tree(files, sub, recursive))
+            return self.json(tree(files, sub, recursive))
         wanted = self._paths_asked()
         folders = {str(Path(p).parent) for p in files} - {"."}
-        entries = [_entry(p, files[p]) if p in files else _folder(p) for p in wanted if p in files or p in folders]
+        entries = [entry(p, files[p]) if p in files else folder_entry(p) for p in wanted if p in files or p in folders]
         self.json(entries)
 
     def _paths_asked(self) -> list[str]:
@@ -400,34 +353,3 @@ class _Handler(BaseHTTPRequestHandler):
                 self.hub.requests.append(Request(self.origin, "GET", self.path, file, (start, start + cut), cut, 206))
             return
         self.answer(206, data, file, Content_Range=f"bytes {start}-{end - 1}/{blob.size}", **headers)
-
-
-def _blob_fields(b: Blob) -> dict[str, Any]:
-    lfs = {"lfs": {"size": b.size, "sha256": b.sha256, "pointerSize": 134}} if b.lfs else {}
-    return {"size": b.size, "blobId": b.git_sha1, **lfs}
-
-
-def _entry(path: str, b: Blob) -> dict[str, Any]:
-    lfs = {"lfs": {"oid": b.sha256, "size": b.size, "pointerSize": 134}} if b.lfs else {}
-    return {"type": "file", "oid": b.git_sha1, "size": b.size, "path": path, **lfs}
-
-
-def _folder(path: str) -> dict[str, Any]:
-    return {"type": "directory", "oid": hashlib.sha1(path.encode()).hexdigest(), "size": 0, "path": path}
-
-
-def _tree(files: dict[str, Blob], sub: str, recursive: bool) -> list[dict[str, Any]]:
-    """The entries under ``sub`` (its direct children, or all of them), folders first as the hub lists."""
-    prefix = f"{sub}/" if sub else ""
-    folders: set[str] = set()
-    out = []
-    for path, blob in sorted(files.items()):
-        if not path.startswith(prefix):
-            continue
-        rest = path[len(prefix) :].split("/")
-        for depth in range(1, len(rest)):
-            if recursive or depth == 1:
-                folders.add(prefix + "/".join(rest[:depth]))
-        if recursive or len(rest) == 1:
-            out.append(_entry(path, blob))
-    return [_folder(f) for f in sorted(folders)] + out

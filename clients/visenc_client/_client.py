@@ -177,23 +177,32 @@ class Client(_Base):
         wait: bool = True,
         hash_first: bool = True,
         include_rows: bool = False,
+        pin: bool = True,
     ) -> list[Handle]:
+        """``pin``: the service keeps each ready (or pending) image in its memory until this client reads
+        it (``fetch`` with the handle; ``Handle.lease``); false for a caller that will not read the rows
+        from this service (a hand-over): nothing is kept for it."""
+        headers = p.pinning(self.headers, pin)
         return self._drive(
             p.encode_flow(
-                self._http, images, wait=wait, hash_first=hash_first, headers=self.headers, include_rows=include_rows
+                self._http, images, wait=wait, hash_first=hash_first, headers=headers, include_rows=include_rows
             )
         )
 
-    def lookup(self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False) -> list[Handle]:
+    def lookup(
+        self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False, pin: bool = True
+    ) -> list[Handle]:
         """Where each image stands, by hash only (nothing is uploaded, nothing is encoded).
-        ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows."""
-        return self._drive(p.lookup_flow(self._http, hashes, self.headers, wait=wait, include_rows=include_rows))
+        ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows;
+        ``pin``: as ``encode``'s."""
+        flow = p.lookup_flow(self._http, hashes, p.pinning(self.headers, pin), wait=wait, include_rows=include_rows)
+        return self._drive(flow)
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:
             self._choose(self.model())
         if self.shared_memory:
-            return self.fetch_many([RowRange(image.hash if isinstance(image, Handle) else image, start, end)])[0]
+            return self.fetch_many([RowRange.of(image, start, end)])[0]
         return self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
@@ -336,24 +345,28 @@ class AsyncClient(_Base):
         wait: bool = True,
         hash_first: bool = True,
         include_rows: bool = False,
+        pin: bool = True,
     ) -> list[Handle]:
+        """As ``Client.encode``."""
+        headers = p.pinning(self.headers, pin)
         return await self._drive(
             p.encode_flow(
-                self._http, images, wait=wait, hash_first=hash_first, headers=self.headers, include_rows=include_rows
+                self._http, images, wait=wait, hash_first=hash_first, headers=headers, include_rows=include_rows
             )
         )
 
-    async def lookup(self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False) -> list[Handle]:
-        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded).
-        ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows."""
-        return await self._drive(p.lookup_flow(self._http, hashes, self.headers, wait=wait, include_rows=include_rows))
+    async def lookup(
+        self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False, pin: bool = True
+    ) -> list[Handle]:
+        """As ``Client.lookup``."""
+        flow = p.lookup_flow(self._http, hashes, p.pinning(self.headers, pin), wait=wait, include_rows=include_rows)
+        return await self._drive(flow)
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:
             self._choose(await self.model())
         if self.shared_memory:
-            h = image.hash if isinstance(image, Handle) else image
-            return (await self.fetch_many([RowRange(h, start, end)]))[0]
+            return (await self.fetch_many([RowRange.of(image, start, end)]))[0]
         return await self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     async def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:

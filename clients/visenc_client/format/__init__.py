@@ -37,9 +37,11 @@ from visenc_client.format.frame import (
 )
 from visenc_client.format.handle import (
     HANDLE_FIELDS,
+    LEASE_HEADER,
     REASONS,
     STATUSES,
     Handle,
+    LeaseMode,
     Reason,
     Status,
 )
@@ -68,6 +70,7 @@ __all__ = [
     "HASH_PATTERN",
     "JSON",
     "KINDS",
+    "LEASE_HEADER",
     "MAGIC",
     "MSGPACK",
     "MSGPACK_TYPES",
@@ -83,6 +86,7 @@ __all__ = [
     "CorruptFrame",
     "Entry",
     "Handle",
+    "LeaseMode",
     "Reason",
     "Status",
     "bfloat16_as_float32",

@@ -63,6 +63,11 @@ class HandleOut(_Wire):
         description="A video's tubes' hashes, in order: grid_thw[0] tubes of num_tokens / grid_thw[0] rows each, "
         "each fetchable on its own (null for an image).",
     )
+    lease: str | None = Field(
+        None,
+        description="With the request header X-Visenc-Lease: id, the lease that keeps this ready (or pending) "
+        "image in the replica's memory until the caller reads it: name it in the reads (docs/api.md).",
+    )
     rows: bytes | None = Field(None, description="The rows, when include_rows was asked (ready images only).")
 
 

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.conftest import ROOT, serve_subprocess
+from tests.support.paths import ROOT
+from tests.support.processes import serve_subprocess
 from tests.support.waits import metric
 
 sys.path[:0] = [str(ROOT / "bench")]

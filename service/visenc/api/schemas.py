@@ -80,6 +80,12 @@ class FetchRange(_Wire):
     hash: str = Field(..., description="Image hash, 64 lowercase hex digits.", pattern=HASH_PATTERN)
     start: int | None = Field(None, ge=0, le=MAX_ROW, description="First token row (default 0).")
     end: int | None = Field(None, ge=0, le=MAX_ROW, description="One past the last token row (default: all rows).")
+    lease: str | None = Field(
+        None,
+        max_length=64,
+        description="The lease the image's handle carried: this read renews its pin, or releases it when it "
+        "reaches the last row (a shared-memory export releases it at once). Unknown or spent: ignored.",
+    )
 
 
 class FetchRequest(_Wire):

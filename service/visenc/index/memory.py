@@ -230,8 +230,8 @@ class MemoryCache:
         if lease is None:
             lease = next((i for i, p in pins.items() if not p.named), None)
             if lease is None:
-                if key in self._order:
-                    self.lookup([key])
+                if self.get(key) is not None:  # a reference (not counted as a look-up: it read, it did not ask)
+                    self._duel(key)
                 return
         if lease not in pins:
             return

@@ -65,6 +65,31 @@ def timeouts(timeout: httpx.Timeout | float | None, connect_timeout: float | Non
 SharedMemory = bool | Literal["auto"]
 
 
+def lookup_flow(
+    http: httpx.Client | httpx.AsyncClient,
+    hashes: Sequence[str],
+    headers: dict[str, str],
+    known: SegmentHandles | None,
+    wait: bool,
+    include_rows: bool,
+    pin: bool,
+) -> p.AnyFlow[list[Handle]]:
+    """The look-up of ``hashes``: with ``pin``, images whose rows this client reads from a ``known``
+    segment with no request (so no read of theirs would reach the service to release a pin) are
+    looked up in a request of their own that pins nothing."""
+    parts: list[tuple[list[int], bool]] = [(list(range(len(hashes))), pin)]
+    if pin and known is not None and not include_rows:
+        free = {i for i, h in enumerate(hashes) if known.knows(h)}
+        owed = [i for i in range(len(hashes)) if i not in free]
+        parts = [(part, pinned) for part, pinned in ((sorted(free), False), (owed, True)) if part]
+    handles: dict[int, Handle] = {}
+    for part, pinned in parts:
+        asked = [hashes[i] for i in part]
+        got = yield from p.lookup_flow(http, asked, p.pinning(headers, pinned), wait=wait, include_rows=include_rows)
+        handles.update(zip(part, got))
+    return [handles[i] for i in range(len(hashes))]
+
+
 class _Base:
     def __init__(
         self,
@@ -194,9 +219,9 @@ class Client(_Base):
     ) -> list[Handle]:
         """Where each image stands, by hash only (nothing is uploaded, nothing is encoded).
         ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows;
-        ``pin``: as ``encode``'s."""
-        flow = p.lookup_flow(self._http, hashes, p.pinning(self.headers, pin), wait=wait, include_rows=include_rows)
-        return self._drive(flow)
+        ``pin``: as ``encode``'s (an image this client reads from shared memory with no request is
+        not pinned)."""
+        return self._drive(lookup_flow(self._http, hashes, self.headers, self._segments, wait, include_rows, pin))
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:
@@ -359,8 +384,7 @@ class AsyncClient(_Base):
         self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False, pin: bool = True
     ) -> list[Handle]:
         """As ``Client.lookup``."""
-        flow = p.lookup_flow(self._http, hashes, p.pinning(self.headers, pin), wait=wait, include_rows=include_rows)
-        return await self._drive(flow)
+        return await self._drive(lookup_flow(self._http, hashes, self.headers, self._segments, wait, include_rows, pin))
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:

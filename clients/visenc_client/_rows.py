@@ -159,4 +159,5 @@ def shm_fetch_flow(
         over_http = yield from fetch_many_flow(client, [ranges[i] for i in full], wait=wait, headers=headers)
         for i, array in zip(full, over_http):
             arrays[i] = array
+    known.spend(ranges)
     return arrays  # type: ignore[return-value]

@@ -3,7 +3,8 @@
 Each image is answered ready (or pending) under a pin; after the read the pin count is 0 and the entry
 keeps the rank it had: new entries go in at the evicted-first end (bimodal insertion is forced), so a
 read that moved its entry (a reference counted twice) would show as a rank change. The controls: the
-entry is pinned before the read, and a look-up by hash does move it."""
+entry is pinned before the read, and a look-up by hash does move it. The callers themselves (the
+client library, shared memory, the proxy, 16 at once, two replicas): ``test_read_callers.py``."""
 
 from __future__ import annotations
 
@@ -20,33 +21,14 @@ import zmq
 import zmq.asyncio
 from tests.support.api import MSGPACK, running_app
 from tests.support.images import png_bytes
+from tests.support.l1 import L1
 from tests.support.waits import until
 
-from visenc.index.memory import MemoryCache
 from visenc_client import AsyncClient, ImagePlacement
-from visenc_client.format import LEASE_HEADER, entry_key, image_hash, video_hash
+from visenc_client.format import LEASE_HEADER, image_hash, video_hash
 
 ID = {LEASE_HEADER: "id"}
 NONE = {LEASE_HEADER: "none"}
-
-
-class L1:
-    """The app's in-process index, by image hash."""
-
-    def __init__(self, client: httpx.AsyncClient) -> None:
-        engine = client.app.state.engine  # type: ignore[attr-defined]
-        self.cache: MemoryCache = engine.index.local
-        self.fingerprint = engine.fingerprint
-        self.cache.psel = -1  # bimodal insertion: a new entry goes in at the evicted-first end
-
-    def key(self, h: str) -> str:
-        return entry_key("default", self.fingerprint, h)
-
-    def pins(self, h: str) -> int:
-        return self.cache.pins(self.key(h))
-
-    def rank(self, h: str) -> int | None:
-        return self.cache.rank(self.key(h))
 
 
 @pytest.fixture
@@ -94,7 +76,7 @@ async def test_a_caller_without_leases_is_released_by_its_read_to_the_last_row(a
     assert r.status_code == 200 and l1.pins(h["hash"]) == 0 and l1.rank(h["hash"]) == rank
     # the control: with no pin left, a read is a look-up of its own, and moves the entry
     await client.get(f"/v1/embeddings/{h['hash']}")
-    assert l1.rank(h["hash"]) == len(l1.cache) - 1
+    assert l1.rank(h["hash"]) == l1.top
 
 
 async def test_chunk_reads_release_at_the_last_row(app):
@@ -125,10 +107,18 @@ async def test_the_client_library_hands_its_lease_back(app):
 
 
 async def test_rows_inline_leave_no_pin(app):
+    """An upload with its rows inline, then the connector's look-up by hash with rows: each answer
+    reads its own rows. The look-up is a reference (the entry moves once); reading moves nothing more."""
     client, l1 = app
     (h,) = await encode(client, [{"data": png_bytes(14, 80, 60)}], include_rows=True)
     assert h["status"] == "ready" and h["rows"] and h.get("lease") is None
     assert l1.pins(h["hash"]) == 0 and l1.rank(h["hash"]) == 0
+    for headers in (ID, {}):  # the connector (the client library) and a caller from before leases
+        await encode(client, [{"data": png_bytes(1, 64, 48)}], headers=NONE)  # a neighbour looked up last
+        assert l1.rank(h["hash"]) < l1.top
+        (looked,) = await encode(client, [{"hash": h["hash"]}], include_rows=True, headers=headers)
+        assert looked["status"] == "ready" and looked["rows"] == h["rows"] and looked.get("lease") is None
+        assert l1.pins(h["hash"]) == 0 and l1.rank(h["hash"]) == l1.top
 
 
 async def test_a_shared_memory_export_releases_and_a_refused_one_does_not(app):
@@ -166,7 +156,7 @@ async def test_the_proxys_hand_over_and_look_up_pin_nothing(app):
     (looked,) = await encode(client, [{"hash": h["hash"]}], wait=False, headers=NONE)
     assert looked["status"] == "ready" and looked.get("lease") is None
     assert l1.pins(h["hash"]) == 0
-    assert l1.rank(h["hash"]) == len(l1.cache) - 1  # the control: a look-up by hash is a reference
+    assert l1.rank(h["hash"]) == l1.top  # the control: a look-up by hash is a reference
 
 
 async def test_a_request_naming_one_image_twice_holds_one_pin(app):
@@ -189,26 +179,38 @@ async def test_a_videos_read_releases_its_tubes(app):
     r = await client.get(f"/v1/embeddings/{h['hash']}", params={"lease": h["lease"]})
     assert r.status_code == 200
     assert [l1.pins(t) for t in h["tubes"]] == [0, 0] and [l1.rank(t) for t in h["tubes"]] == ranks
+    (again,) = await encode(client, [{"hash": h["hash"]}], headers=ID)  # asked by its hash alone
+    assert again["status"] == "ready" and again["lease"] and [l1.pins(t) for t in h["tubes"]] == [1, 1]
+    ranks = [l1.rank(t) for t in h["tubes"]]
+    r = await client.get(f"/v1/embeddings/{h['hash']}", params={"lease": again["lease"]})
+    assert [l1.pins(t) for t in h["tubes"]] == [0, 0] and [l1.rank(t) for t in h["tubes"]] == ranks
 
 
 async def test_the_sglang_push_releases_what_it_read(app):
+    """A part of two images: one known (its hash-first look-up pins nothing; the look-up moves it), one
+    new (encoded for the part, pinned, pushed, released where DIP put it)."""
     client, l1 = app
-    data = png_bytes(19, 80, 60)
+    known, new = png_bytes(19, 80, 60), png_bytes(20, 80, 60)
     await ready(client, l1, 19, headers={})  # known: the part's hash-first look-up finds it
-    await client.get(f"/v1/embeddings/{image_hash(data)}")
+    await client.get(f"/v1/embeddings/{image_hash(known)}")
+    assert l1.pins(image_hash(known)) == 0
     context = zmq.asyncio.Context()
     try:
         pull = context.socket(zmq.PULL)
         port = pull.bind_to_random_port("tcp://127.0.0.1")
         reg = {"req_id": "p", "receive_count": 1, "receive_url": f"127.0.0.1:{port}"}
         await client.post("/scheduler_receive_url", json=reg)
-        url = "data:image/png;base64," + base64.b64encode(data).decode()
-        item = {"url": url, "content_hash": f"sha256:{image_hash(data)}"}
-        body = {"req_id": "p", "num_parts": 1, "part_idx": 0, "mm_items": [item], "modality": "IMAGE"}
+        items = [
+            {"url": "data:image/png;base64," + base64.b64encode(d).decode(), "content_hash": f"sha256:{image_hash(d)}"}
+            for d in (known, new)
+        ]
+        body = {"req_id": "p", "num_parts": 1, "part_idx": 0, "mm_items": items, "modality": "IMAGE"}
         r = await client.post("/encode", json=body)
         assert r.status_code == 200
         _, rows = await asyncio.wait_for(pull.recv_multipart(), 30)
         assert len(rows) > 0
     finally:
         context.destroy(linger=0)
-    assert l1.pins(image_hash(data)) == 0
+    assert l1.pins(image_hash(known)) == 0 and l1.pins(image_hash(new)) == 0
+    assert l1.rank(image_hash(new)) == 0  # where bimodal insertion put it: the push moved nothing
+    assert l1.rank(image_hash(known)) == l1.top  # the control: the part's look-ups by hash moved it

@@ -41,7 +41,6 @@ from visenc_client.format.handle import (
     REASONS,
     STATUSES,
     Handle,
-    LeaseMode,
     Reason,
     Status,
 )
@@ -86,7 +85,6 @@ __all__ = [
     "CorruptFrame",
     "Entry",
     "Handle",
-    "LeaseMode",
     "Reason",
     "Status",
     "bfloat16_as_float32",

@@ -24,12 +24,12 @@ Reason = Literal[
 ]
 REASONS: tuple[str, ...] = get_args(Reason)
 
-#: the encode request header that says how its ready (and pending) answers are kept for the caller:
-#: ``id``, under a lease id each handle carries and the caller's reads name; ``none``, not at all (a
-#: caller that will not read the rows from this service); absent, under pins the first read of an
-#: image's last row that names no lease releases (callers from before leases)
+#: the encode request header that says how its answers are kept for the caller (ready images, and
+#: pending ones it waits for or uploaded): ``id``, under a lease id each such handle carries and the
+#: caller's reads name; ``none``, not at all (a caller that will not read the rows from this service);
+#: absent, under pins the first read of an image's last row that names no lease releases (callers from
+#: before leases)
 LEASE_HEADER = "X-Visenc-Lease"
-LeaseMode = Literal["id", "none", "anonymous"]
 
 
 @dataclass(frozen=True, slots=True)

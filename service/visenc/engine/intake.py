@@ -39,7 +39,7 @@ from visenc.engine.items import (
     waves,
 )
 from visenc.engine.job import Job, Place
-from visenc.engine.pins import Pins, new_lease, with_lease
+from visenc.engine.pins import Pins, Reader
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.videos import Videos
@@ -114,16 +114,16 @@ class Intake:
         asked = itemise(items)
         has_videos = any(isinstance(it.state, Frames) for it in asked)
         request = await self.videos.request(asked, namespace) if has_videos else ImageRequest(asked)
-        admitted, reader = time.monotonic(), new_lease(lease)
+        admitted, reader = time.monotonic(), Reader.new(lease, waits=wait)
         jobs = await self._take_all(request.work, namespace, reader)
         request.started()
         if wait:
-            await self._wait(jobs, request.work, admitted, timing, timeout_s, reader)
+            await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
             if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
                 await self.fetch.wait_videos(request.work, namespace, timeout_s)
-        return with_lease(request.answer([self._handle(it) for it in request.work]), reader)
+        return request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
 
-    async def _take_all(self, work: list[Item], namespace: str, reader: Lease | None) -> dict[int, Job]:
+    async def _take_all(self, work: list[Item], namespace: str, reader: Reader) -> dict[int, Job]:
         """Every item taken, wave after wave: the jobs the request joined, by item. One wave where the
         request may not fit: a 429 then comes before any of it starts."""
         order = self.flight.next_request()
@@ -134,14 +134,14 @@ class Intake:
                 await self._take(work[lo:hi], lo, namespace, (order, reader))
         except BaseException:
             for job in joined(work).values():  # a later wave was refused (429/503) or the client left
-                self.flight.leave(job, reader)
+                self.flight.leave(job, reader.lease)
             raise
         self.metrics.queue_depth.set(self.scheduler.depth)
         return joined(work)
 
-    async def _take(self, part: list[Item], lo: int, namespace: str, by: tuple[int, Lease | None]) -> None:
+    async def _take(self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader]) -> None:
         """Inspect, look up, admit and start (or join) ``part`` (items ``lo``...) for request ``by``
-        (its arrival number and its lease)."""
+        (its arrival number and its reader)."""
         order, reader = by
         await inspect(part, self.prep, self.pool)
         await self._lookup(part, namespace)
@@ -151,9 +151,10 @@ class Intake:
                 it.state = Found(entry)  # finished while we looked elsewhere
             match it.state:
                 case Found(entry):  # answered ready: L1 keeps it until the caller reads it
-                    self.pins.hold(it.hash, namespace, entry, reader)
+                    self.pins.hold(it.hash, namespace, entry, reader.lease)
                 case HashOnly() | Encodable():
-                    it.state = self.flight.join_or_start(it, (order, i), placed.get(it.key), reader)
+                    keep = reader.of_pending(uploaded=isinstance(it.state, Encodable))
+                    it.state = self.flight.join_or_start(it, (order, i), placed.get(it.key), keep)
 
     async def _lookup(self, items: list[Item], namespace: str) -> None:
         """Every tier, one round trip for the whole wave (images in flight are not looked up)."""

@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
-from visenc_client.format import Entry, Handle, LeaseMode
+from visenc_client.format import Entry, Handle
 
 __all__ = ["EncodeItem", "EngineAPI", "Handle", "LeaseMode", "Timing"]
+
+#: how a request's answers are kept for its caller to read (``engine/pins.py``): ``id``, under a lease
+#: whose id the handles carry and the reads name; ``anonymous``, under one the reads name no id of
+#: (callers from before leases); ``inline``, until the answer itself has read the ready rows; ``none``,
+#: not at all (a caller that reads the rows elsewhere)
+LeaseMode = Literal["id", "none", "anonymous", "inline"]
 
 
 @dataclass(slots=True)

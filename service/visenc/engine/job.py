@@ -127,6 +127,10 @@ class Job:
         """The leases of the waiters that will read the entry from L1 once it is stored (pinned for them)."""
         return list(self._readers.values())
 
+    def has_reader(self, lease: Lease) -> bool:
+        """Whether the entry is pinned for ``lease`` once stored."""
+        return lease.id in self._readers
+
     def join(self, reader: Lease | None = None) -> None:
         """One more waiter (a request, a fetch, or a ``wait=false`` caller) wants the result; ``reader``:
         its lease, when it will read the entry from L1 after the job ends (a fetch reads the result)."""

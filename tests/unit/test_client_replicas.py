@@ -138,7 +138,6 @@ def test_the_connectors_reads_leave_no_pin_after_a_dead_first_replica(visenc: di
     try:
         for wait in (False, True):
             assert_rows(visenc, sources.obtain(wants(visenc), wait=wait))
-            print("DBG", wait, pinned_bytes(visenc["url"]), httpx.get(visenc["url"] + "/readyz").json()["index"])
             assert pinned_bytes(visenc["url"]) == 0
     finally:
         sources.close()

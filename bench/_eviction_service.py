@@ -1,13 +1,14 @@
 """The in-process index's hit rates through the service's own request path (``bench_eviction.py --service``).
 
 A real ``visenc serve`` (a tower with a 7B model's row width, 3584 bf16, and next to no compute) is driven
-over HTTP by the callers that exist, written here as plain HTTP requests that name no lease, as any
-caller from outside would:
+over HTTP by the callers that exist, written here as plain HTTP requests that name no lease id, as a
+caller from before leases would (the one exception below is the proxy's header):
 
 - **http**: a hash-first look-up (``/v1/encode`` with the hash alone), the bytes on ``missing``, then a
   ``GET /v1/embeddings/{hash}`` of every row (one caller, or 16 at once);
-- **proxy+connector**: the proxy's hand-over (hash-first ``wait=false`` encode, never read), then the
-  connector's look-up with rows (``include_rows``, waiting);
+- **proxy+connector**: the proxy's hand-over (hash-first ``wait=false`` encode, never read, with the
+  ``X-Visenc-Lease: none`` header ``visenc proxy`` sends; a service from before leases ignores it),
+  then the connector's look-up with rows (``include_rows``, waiting);
 - **shm**: a hash-first look-up, the rows as a shared-memory segment (``/v1/embeddings/shm``), then the
   segment read again ``SHM_REREADS`` times without a request, as a client does with a segment it knows.
 
@@ -25,6 +26,7 @@ import contextlib
 import itertools
 import os
 import random
+import re
 import tempfile
 import threading
 import time
@@ -39,7 +41,7 @@ import _common as c
 import bench_gpu
 import httpx
 
-from visenc_client.format import image_hash
+from visenc_client.format import DATA_OFFSET, LEASE_HEADER, image_hash
 
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
 #: how often a shm caller reads a segment it already knows, after its first read
@@ -82,17 +84,19 @@ class Service:
             client = self._local.client = httpx.Client(base_url=self.url, timeout=300.0)
         return client
 
-    def encode(self, items: list[dict[str, Any]], **body: Any) -> list[dict[str, Any]]:
-        answer = self.http.post("/v1/encode", json={"items": items, **body})
+    def encode(self, items: list[dict[str, Any]], *, keep: bool = True, **body: Any) -> list[dict[str, Any]]:
+        """``keep`` false: the request asks the service to keep nothing for it (the proxy's header)."""
+        headers = {} if keep else {LEASE_HEADER: "none"}
+        answer = self.http.post("/v1/encode", json={"items": items, **body}, headers=headers)
         answer.raise_for_status()
         return list(answer.json()["items"])
 
-    def look_up(self, image: Image, *, wait: bool) -> bool:
+    def look_up(self, image: Image, *, wait: bool, keep: bool = True) -> bool:
         """Hash first, the bytes on ``missing``: whether the hash alone answered ready."""
-        (first,) = self.encode([{"hash": image.hash}], wait=wait)
+        (first,) = self.encode([{"hash": image.hash}], wait=wait, keep=keep)
         if first["status"] == "missing":
             data = base64.b64encode(image.data).decode()
-            (first,) = self.encode([{"hash": image.hash, "data": data}], wait=wait)
+            (first,) = self.encode([{"hash": image.hash, "data": data}], wait=wait, keep=keep)
             assert first["status"] in ("ready", "pending"), first
             return False
         assert first["status"] in ("ready", "pending"), first
@@ -106,7 +110,7 @@ class Service:
         return hit
 
     def proxy_then_connector(self, image: Image) -> bool:
-        hit = self.look_up(image, wait=False)  # the proxy: never reads
+        hit = self.look_up(image, wait=False, keep=False)  # the proxy: never reads, and says so
         (handle,) = self.encode([{"hash": image.hash}], wait=True, include_rows=True)  # the connector
         assert handle["status"] == "ready" and handle.get("rows"), handle["status"]
         image.nbytes = image.nbytes or len(base64.b64decode(handle["rows"]))
@@ -135,7 +139,9 @@ class Service:
 
 
 def lru_hits(refs: list[tuple[Image, str]], max_bytes: int) -> list[bool]:
-    """LRU on the same references: a miss stores the entry (by its size in the service)."""
+    """LRU on the same references: a miss stores the entry, by its size in the service (its rows and
+    the entry's header, as L1 counts them: at a cache of 1x the working set, 256 bytes an entry are
+    the difference between fitting the last screenshot or not)."""
     held: OrderedDict[str, int] = OrderedDict()
     total, hits = 0, []
     for image, _ in refs:
@@ -144,8 +150,8 @@ def lru_hits(refs: list[tuple[Image, str]], max_bytes: int) -> list[bool]:
         if hit:
             held.move_to_end(image.hash)
             continue
-        held[image.hash] = image.nbytes
-        total += image.nbytes
+        held[image.hash] = image.nbytes + DATA_OFFSET
+        total += image.nbytes + DATA_OFFSET
         while total > max_bytes:
             total -= held.popitem(last=False)[1]
     return hits
@@ -323,7 +329,7 @@ def main_service(trees: dict[str, Path], slots: int, passes: int, rounds: int, o
     with checkpoint() as model:
         rows = row_bytes(next(iter(trees.values())), model)
         for w in workloads(rows, slots, passes, rounds):
-            if only and only not in w.label:
+            if only and not re.search(only, w.label):
                 continue
             run, hot = w.make()
             result: dict[str, Any] = {}

@@ -186,7 +186,7 @@ def main() -> int:
     p.add_argument("--before", type=Path, help="(--service) also serve this source tree")
     p.add_argument("--slots", type=int, default=16, help="(--service) L1 size, in 720p screenshots")
     p.add_argument("--passes", type=int, default=5, help="(--service) cyclic passes")
-    p.add_argument("--only", help="(--service) only the workloads whose label has this text")
+    p.add_argument("--only", help="(--service) only the workloads whose label matches this regular expression")
     p.add_argument("--no-current", action="store_true", help="(--service) serve only the --before tree")
     args = p.parse_args()
     if args.service:

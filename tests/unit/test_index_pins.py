@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tests.support.l1 import cyclic_hits
 
 from visenc.index.memory import Lease, MemoryCache
 from visenc.metrics import Metrics
@@ -148,22 +149,7 @@ def test_a_request_naming_one_image_twice_holds_one_pin():
 
 
 def dip_hits(pinned: bool) -> float:
-    """A cyclic pass over 1.5x the cache, as the service runs it: look up; on a miss store (pinned for
-    the caller when ``pinned``); then read (releasing the pin)."""
-    cache = MemoryCache(20 * E.nbytes, Metrics(), clock=Clock())
-    keys = [f"k{i}" for i in range(30)]
-    hits = 0
-    for rnd in range(10):
-        for k in keys:
-            hit = cache.lookup([k])[0] is not None
-            hits += hit and rnd > 0
-            lease = Lease.new()
-            if hit:
-                cache.pin(k, lease)
-            else:
-                cache.store(k, E, leases=[lease] if pinned else [])
-            cache.read(k, lease.id, last=True)
-    return hits / (9 * len(keys))
+    return cyclic_hits(MemoryCache(20 * E.nbytes, Metrics(), clock=Clock()), E, pinned=pinned)
 
 
 def test_the_insertion_policy_survives_pins():

@@ -91,7 +91,9 @@ def visenc_cmd(model: str, port: int, *extra: str) -> list[str]:
 
 
 def service_env() -> dict[str, str]:
-    return {"PYTHONPATH": os.pathsep.join([str(ROOT / "service"), str(ROOT / "clients")])}
+    """The project on the server's path, ahead of (never instead of) the caller's own entries."""
+    paths = [str(ROOT / "service"), str(ROOT / "clients"), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 
 Send = Callable[[aiohttp.ClientSession, bytes], Awaitable[None]]

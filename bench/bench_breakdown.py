@@ -73,20 +73,24 @@ async def one_round(engine: object, metrics: object, images: list[bytes], ns: st
 
 
 async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
+    from visenc.bootstrap import load_tower
     from visenc.config import Settings
     from visenc.engine.core import Engine
     from visenc.imaging.decode import decode
     from visenc.index.memory import MemoryCache
     from visenc.index.tiered import Index
     from visenc.metrics import Metrics
-    from visenc.models.loading import load_tower
 
     w, h = (int(x) for x in args.size.split("x"))
-    tower = load_tower(args.model)
-    settings = Settings()
+    settings = Settings(model=args.model)  # device, dtype and compile as VISENC_* say, as the service does
+    tower = load_tower(settings)
     metrics = Metrics()
     engine = Engine(tower, Index(MemoryCache(settings.cache_bytes or 1 << 30, metrics)), settings, metrics)
     await engine.start()
+    while (why := engine.not_ready_reason()) is not None:  # a compiled tower warms up first
+        if "warming" not in why:
+            raise RuntimeError(why)
+        await asyncio.sleep(0.5)
     out: dict[str, list[float]] = {s: [] for s in (*STAGES, "wall", "batch")}
     try:
         await one_round(engine, metrics, [c.jpeg(90_000 + i, w, h) for i in range(8)], "warm", args.concurrency)

@@ -72,6 +72,34 @@ async def service_round(url: str, images: list[bytes], clients: int, namespace: 
     return rate, latencies
 
 
+def measure(
+    proc: Any,
+    port: int,
+    tower: Any,
+    prepared: list[Any],
+    images: list[bytes],
+    args: Any,
+    bare: list[float],
+    served: list[float],
+    latencies: list[float],
+) -> Any:
+    """Rounds of the served rate, each beside the bare forward with the server paused; the served
+    tower's compile status."""
+    url = f"http://127.0.0.1:{port}"
+    with urllib.request.urlopen(f"{url}/readyz", timeout=10) as r:
+        served_compile = json.loads(r.read())["compile"]
+    print(f"served tower: {served_compile}")  # eager here would make the ratio below meaningless
+    asyncio.run(service_round(url, images[: args.clients], args.clients, "warm"))
+    for r in range(args.rounds):
+        c.pause(proc)
+        bare.append(bare_rate(tower, prepared, args.max_batch_tokens))
+        c.resume(proc)
+        rate, lat = asyncio.run(service_round(url, images, args.clients, f"round{r}"))
+        served.append(rate)
+        latencies += lat
+    return served_compile
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=96)
@@ -102,26 +130,22 @@ def main() -> int:
         tower.warm_up()
     print(f"bare tower: {compiled.graphs()} graphs" + (f", compile failures: {failures[:1]}" if failures else ""))
     prepared = [tower.preprocess(decode(b, max_pixels=1 << 30)) for b in images]
-    max_batch_tokens = Settings().max_batch_tokens
-    bare_rate(tower, prepared, max_batch_tokens)  # every batch shape once
+    args.max_batch_tokens = Settings().max_batch_tokens
+    bare_rate(tower, prepared, args.max_batch_tokens)  # every batch shape once
     port = c.free_port()
     flags = ["--device", args.device, "--dtype", dtype, "--compile", "on"]
     bare: list[float] = []
     served: list[float] = []
     latencies: list[float] = []
-    with c.server(c.visenc_cmd(str(path), port, *flags), f"http://127.0.0.1:{port}/readyz", c.service_env()) as proc:
-        url = f"http://127.0.0.1:{port}"
-        with urllib.request.urlopen(f"{url}/readyz", timeout=10) as r:
-            served_compile = json.loads(r.read())["compile"]
-        print(f"served tower: {served_compile}")  # eager here would make the ratio below meaningless
-        asyncio.run(service_round(url, images[: args.clients], args.clients, "warm"))
-        for r in range(args.rounds):
-            c.pause(proc)
-            bare.append(bare_rate(tower, prepared, max_batch_tokens))
-            c.resume(proc)
-            rate, lat = asyncio.run(service_round(url, images, args.clients, f"round{r}"))
-            served.append(rate)
-            latencies += lat
+    log = path.with_name(f"{path.name}-serve.log")  # the server's own output, printed if it never answers
+    try:
+        with c.server(
+            c.visenc_cmd(str(path), port, *flags), f"http://127.0.0.1:{port}/readyz", c.service_env(), log
+        ) as proc:
+            served_compile = measure(proc, port, tower, prepared, images, args, bare, served, latencies)
+    except RuntimeError:
+        print("".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:]), file=sys.stderr)
+        raise
     ratios = [s / b for s, b in zip(served, bare)]
     latencies.sort()
     p50, p95 = (latencies[int(q * (len(latencies) - 1))] for q in (0.5, 0.95))

@@ -6,6 +6,8 @@ no more than it costs (``visenc_client._backoff``): one that failed at once (ref
 again by the next look-up, which costs it nothing and finds the source as soon as it is back; one whose
 failure took time (a timeout) is skipped by every caller for a while, then asked again by one, so a
 replica that hangs costs one look-up its timeout per back-off, never every look-up its timeout.
+The shared index holds ready rows only: a read there is bounded as a look-up that does not wait is
+(``connect_timeout_s``, then ``answer_timeout_s`` of silence), and a timeout is never retried.
 A replica is checked (the model it serves; for ``transport: auto``, whether it shares this host's
 memory) the first time it answers, at start-up or later, so a visenc started after the engine is
 used as fully as one started before. No vLLM import: the rows are checked against what the engine
@@ -170,7 +172,12 @@ class RowSources:
         self.served = served
         self.backoff = Backoff(backoff_s)
         self._redis_url, self._namespace = redis_url, namespace or "default"
-        self._redis_options: dict[str, Any] = {"socket_connect_timeout": connect_timeout_s, "socket_timeout": timeout_s}
+        # the index holds ready rows only, so a read there never waits for an encode: each is bounded
+        # as a look-up that does not wait is
+        self._redis_options: dict[str, Any] = {
+            "socket_connect_timeout": connect_timeout_s,
+            "socket_timeout": answer_timeout_s,
+        }
         self._index: Any = None  # RedisRows, once the fingerprint its keys need is known
         self._down: set[str] = set()  # sources whose last ask failed (said once in the log)
         self._lock = threading.Lock()
@@ -220,12 +227,16 @@ class RowSources:
         if not self._redis_url:
             return
         from redis.backoff import NoBackoff
+        from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.retry import Retry
 
         from visenc_client._redis import RedisRows
 
-        # a cache read: one retry (a connection Redis closed meanwhile), never redis-py's ten
-        options: dict[str, Any] = {**self._redis_options, "retry": Retry(NoBackoff(), 1)}
+        # a cache read: one retry of a connection that failed at once (closed meanwhile, reset), which
+        # costs nothing; never of a timeout (redis-py retries those too: a Redis that hangs would cost
+        # its timeout twice)
+        retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
+        options: dict[str, Any] = {**self._redis_options, "retry": retry}
         self._index = RedisRows.from_url(self._redis_url, fingerprint=fingerprint, namespace=self._namespace, **options)
 
     # --- reading rows -----------------------------------------------------------------------

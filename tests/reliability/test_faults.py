@@ -18,7 +18,10 @@ from tests.support.images import png_bytes
 from tests.support.processes import serve_subprocess
 from tests.support.waits import metric, until, wait_until
 
+from visenc.engine.interface import EncodeItem
+from visenc.engine.job import JobState
 from visenc.engine.worker import WorkerState
+from visenc.errors import NotReady
 
 
 async def test_failed_forward_answers_503_restarts_and_serves_again(tiny_tower):
@@ -92,6 +95,38 @@ async def test_hits_are_answered_while_the_device_is_down(tiny_tower):
         assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
 
 
+async def test_a_device_that_cannot_be_restarted_answers_images_being_preprocessed_503(tiny_tower, monkeypatch):
+    """Image B is being preprocessed when the device is given up (image A's forward fails, and so
+    does the restart's probe): B's waiter is answered 503 (retry) like A's, not a per-image failure,
+    and B's staging comes back."""
+    tower = FaultyTower(tiny_tower, fail_first=1_000_000)
+    async with running_app(tower, worker_restart_attempts=1, preprocess_workers=2) as client:
+        engine = client.app.state.engine
+        a, b = png_bytes(735, 28, 28), png_bytes(736, 28, 28)
+        entered, release = threading.Event(), threading.Event()
+        real = engine.scheduler._preprocess
+
+        def preprocess(data):
+            if data == b:  # B's preprocessing holds its pool thread until the test lets it go
+                entered.set()
+                release.wait(30)
+            return real(data)
+
+        monkeypatch.setattr(engine.scheduler, "_preprocess", preprocess)
+        try:
+            waiting_b = asyncio.create_task(encode_json(client, [{"data": b}]))
+            await until(entered.is_set, what="B's preprocessing started")
+            r = await encode_json(client, [{"data": a}])
+            assert r.status_code == 503
+            await until(lambda: client.app.state.fatal is not None, what="the device given up")
+            r = await asyncio.wait_for(waiting_b, 10)
+            assert r.status_code == 503, r.text
+            assert "the device cannot be used" in r.json()["error"]["message"]
+            assert engine.scheduler.staged_tokens == 0 and engine.intake.inflight == {}
+        finally:
+            release.set()
+
+
 def test_device_that_cannot_be_restarted_exits_non_zero(tmp_path):
     log = tmp_path / "serve.log"
     with serve_subprocess("--max-wait-ms", "1", log=log, faults=("--fail-always",)) as (url, proc):
@@ -145,6 +180,25 @@ async def test_shutdown_never_hangs_on_a_stalled_forward(tiny_tower):
     assert time.monotonic() - t0 < 5.0
     r = await asyncio.wait_for(task, 5)
     assert r.status_code == 503
+
+
+async def test_shutdown_answers_an_image_whose_preprocessing_was_started_but_never_ran(tiny_tower):
+    """The engine stops in the same turn of the loop as an image's preprocessing was started (its
+    task has not run a step yet): the image is answered 503 all the same, its staging comes back
+    and nothing stays in flight."""
+    client_cm = running_app(tiny_tower)
+    client = await client_cm.__aenter__()
+    engine = client.app.state.engine
+    try:
+        (handle,) = await engine.encode([EncodeItem(data=png_bytes(755, 28, 28))], "default", wait=False)
+        assert handle.status == "pending"
+        (job,) = engine.intake.inflight.values()
+        assert job.state is JobState.PREPARING and engine.scheduler.staged_tokens > 0
+        await engine.stop()  # no await in between: the preparation's task never ran
+    finally:
+        await client_cm.__aexit__(None, None, None)
+    assert job.future.done() and isinstance(job.future.exception(), NotReady)
+    assert engine.scheduler.staged_tokens == 0 and engine.intake.inflight == {}
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):

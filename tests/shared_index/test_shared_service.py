@@ -208,6 +208,29 @@ async def test_a_watched_image_nobody_waits_for_is_dropped(raw, redis_url, tiny_
         assert metric(await metrics_of(a), "visenc_encoded_images_total") == 0
 
 
+async def test_an_image_taken_over_after_the_device_was_given_up_is_answered_503(raw, redis_url, tiny_tower):
+    """An image waited for at another replica whose claim goes away (the other replica died) is
+    encoded here, unless this replica's device was given up meanwhile: then its waiter is answered
+    503 at once (retry elsewhere), not left to its request deadline with the image stuck ready."""
+    waited, failing = png_bytes(337, 64, 64), png_bytes(338, 64, 64)
+    tower = FaultyTower(tiny_tower, fail_first=1_000_000)
+    async with running_app(tower, redis_url=redis_url, worker_restart_attempts=1, request_timeout_s=30, **FAST) as a:
+        engine = a.app.state.engine
+        fp = (await a.get("/v1/model")).json()["fingerprint"]
+        claim = claim_key(entry_key("default", fp, image_hash(waited)))
+        await raw.set(claim, "another-replica", px=60_000)
+        waiting = asyncio.create_task(encode_json(a, [{"data": waited}]))
+        await until(lambda: engine.coordination.watching == 1, what="the image waited for at the other replica")
+        assert (await encode_json(a, [{"data": failing}])).status_code == 503
+        await until(lambda: a.app.state.fatal is not None, what="the device given up")
+        await raw.delete(claim)  # the other replica went away: this one would take the image over
+        r = await asyncio.wait_for(waiting, 10)
+        assert r.status_code == 503, r.text
+        assert "the device cannot be used" in r.json()["error"]["message"]
+        await until(lambda: not engine.intake.inflight, what="nothing in flight")
+        assert engine.scheduler.depth == 0 and engine.scheduler.staged_tokens == 0
+
+
 async def test_without_redis_the_service_answers_and_reports_degraded(tiny_tower):
     url = f"redis://127.0.0.1:{free_port()}/0"  # nothing listens there
     async with running_app(tiny_tower, redis_url=url, redis_timeout_s=0.2) as a:

@@ -62,8 +62,8 @@ class FaultyTower(VisionTower):
         self.output_delay_s = output_delay_s
         #: a forward of more input tokens than this raises an out-of-memory error (as a full device would)
         self.oom_above_tokens = oom_above_tokens
-        #: the warm-up holds dynamo's compile lock this long, or until the gate opens (then returns
-        #: without building a graph: a simulated compile); ``warming`` is set once it holds the lock
+        #: the warm-up holds dynamo's compile lock this long, or until the gate opens, then builds the
+        #: inner tower's graphs (a long compile); ``warming`` is set once it holds the lock
         self.warm_up_delay_s = warm_up_delay_s
         self.warm_up_gate = warm_up_gate
         self.warming = threading.Event()
@@ -108,6 +108,7 @@ class FaultyTower(VisionTower):
                 self.warm_up_gate.wait()
             else:
                 time.sleep(self.warm_up_delay_s)
+            self.inner.warm_up()  # the compile's end: its graphs are built
 
     # compiling is the inner tower's: its blocks, its status
     def compile(self) -> int:

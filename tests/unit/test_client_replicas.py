@@ -10,11 +10,12 @@ from __future__ import annotations
 import contextlib
 import http.server
 import os
+import socket
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import httpx
@@ -180,6 +181,45 @@ def test_nothing_answers_every_image_is_absent_saying_why(visenc: dict[str, Any]
                     assert name in str(answer)
             again = sources.obtain(wants(visenc), wait=False)  # the replica that hung is skipped
             assert all(f"{hole.url}: not asked" in str(a) for a in again.values())
+        finally:
+            sources.close()
+
+
+def _within(limit_s: float, fn: Callable[[], Any]) -> Any:
+    """``fn()``'s result, failing the test if it has not returned after ``limit_s``."""
+    box: dict[str, Any] = {}
+    thread = threading.Thread(target=lambda: box.update(got=fn()), daemon=True)
+    thread.start()
+    thread.join(limit_s)
+    assert not thread.is_alive(), f"still waiting after {limit_s} s"
+    return box["got"]
+
+
+@pytest.mark.parametrize("kind", ["connect-hangs", "silent"])
+def test_a_redis_that_hangs_costs_one_timeout_per_back_off(kind: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index holds ready rows only: a read there is bounded as a look-up that does not wait
+    (``answer_timeout_s``, never ``timeout_s``, set here past the test's patience), one connect a
+    look-up (a timeout is not retried), then skipped for the back-off."""
+    connects: list[object] = []
+    resolve = socket.getaddrinfo
+
+    def counted(host: Any, port: Any, *args: Any, **kwargs: Any) -> Any:
+        connects.append(port)
+        return resolve(host, port, *args, **kwargs)
+
+    monkeypatch.setattr(socket, "getaddrinfo", counted)
+    with dead(kind) as (url, peer):
+        redis_url = url.replace("http://", "redis://") + "/0"
+        quick = {**QUICK, "timeout_s": 3 * SLOW_S}
+        sources = RowSources([], served=Served(8, "any", "f" * 32), redis_url=redis_url, backoff_s=BACKOFF_S, **quick)
+        try:
+            got = _within(SLOW_S, lambda: sources.obtain({"a" * 64: Want(1, None)}, wait=False))
+            assert "redis: " in str(got["a" * 64]) and "Timeout" in str(got["a" * 64]), got
+            assert connects.count(peer.port) == 1  # one connect, not retried
+            if isinstance(peer, Peer):
+                assert peer.connections == 1
+            again = sources.obtain({"a" * 64: Want(1, None)}, wait=False)
+            assert "redis: not asked" in str(again["a" * 64])
         finally:
             sources.close()
 

@@ -1,5 +1,6 @@
 """A tower whose blocks the compiler backend fails to compile runs eagerly: same rows, no error,
-no graph (``models/compiled.py``), and the service is ready on it and says why."""
+no graph (``models/compiled.py``), and the service is ready on it and says why; so it does when the
+warm-up compiled no graph at all without an error (dynamo disabled)."""
 
 from __future__ import annotations
 
@@ -7,14 +8,17 @@ import base64
 import io
 import logging
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import torch
 import torch._inductor.compile_fx
 from PIL import Image
 from tests.support.api import running_app
+from tests.support.processes import serve_subprocess
 from tests.support.waits import until
 
 from visenc.models import compiled
@@ -72,6 +76,20 @@ async def test_the_service_is_ready_on_a_tower_that_failed_to_compile(
     assert 'visenc_compile_state{cause="backend",state="eager"} 1.0' in metrics
     assert any("runs eagerly (backend)" in r.getMessage() for r in caplog.records)
     assert tower.compiled_blocks == 0  # uncompiled: the blocks never enter dynamo again
+
+
+def test_a_server_whose_warm_up_compiled_nothing_says_it_runs_eagerly(tmp_path: Path) -> None:
+    """``TORCHDYNAMO_DISABLE=1``: ``torch.compile`` leaves every block eager and reports no error.
+    The warm-up built no graph, so ``/readyz``, the metric and the log say eager, not compiled
+    (``tests/unit/test_warm_up.py``'s real server, without the variable, says compiled)."""
+    log = tmp_path / "serve.log"
+    with serve_subprocess("--compile", "on", env={"TORCHDYNAMO_DISABLE": "1"}, log=log) as (url, _):
+        detail = httpx.get(f"{url}/readyz", timeout=10).json()["compile"]
+        metrics = httpx.get(f"{url}/metrics", timeout=10).text
+    assert detail["state"] == "eager" and detail["cause"] == "backend", detail
+    assert "compiled no graph" in detail["detail"]
+    assert 'visenc_compile_state{cause="backend",state="eager"} 1.0' in metrics
+    assert "the tower runs eagerly (backend)" in log.read_text()
 
 
 def _png() -> str:

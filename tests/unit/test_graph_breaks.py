@@ -5,18 +5,23 @@ hook on every block; the hook reads a ``ContextVar``, which dynamo cannot trace,
 block breaks its graph on every forward. The tower runs the blocks itself and keeps the state it
 needs: its forward under ``torch.compile`` (inductor, on the CPU) breaks no graph, while
 transformers' own ``get_image_features`` on the same compiled blocks breaks at least once a block.
+Like transformers' selection, it keeps only the hidden states it selects: each block's input is
+freed once the next block has it (a state per block would be kept for the whole forward otherwise),
+and whichever state ``vision_feature_layer`` names, its rows equal transformers' own.
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 from PIL import Image
-from tests.support.tiny_families import save_family
+from tests.support.tiny_families import build_family, save_family
 from torch._dynamo.utils import counters
 
 from visenc.models import compiled
@@ -73,3 +78,50 @@ def test_transformers_own_path_breaks_each_block(checkpoint: Path, fresh_dynamo:
     with torch.inference_mode():
         tower.model.get_image_features(**inputs)
     assert _breaks() - breaks >= len(blocks)
+
+
+def test_only_the_selected_hidden_states_stay_alive(checkpoint: Path) -> None:
+    """When the last block runs, of the earlier blocks' inputs and outputs only its own input is
+    alive: ``vision_feature_layer=-1`` selects the last block's output alone."""
+    tower = load_tower(str(checkpoint), image_backend="pil")
+    vision = tower.model.vision_tower
+    assert tower.config.vision_feature_layer == -1 and len(vision.transformer.layers) >= 2
+    states: list[weakref.ref[torch.Tensor]] = []
+    alive: list[list[bool]] = []
+
+    def made(module: Any, args: Any, output: torch.Tensor) -> None:
+        states.append(weakref.ref(output))
+
+    def last_block(module: Any, args: Any) -> None:
+        alive.append([ref() is not None and ref() is not args[0] for ref in states])
+
+    hooks = [vision.ln_pre.register_forward_hook(made)]
+    hooks += [layer.register_forward_hook(made) for layer in vision.transformer.layers[:-1]]
+    hooks.append(vision.transformer.layers[-1].register_forward_pre_hook(last_block))
+    try:
+        tower.forward(_batch(tower))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert alive == [[False] * len(vision.transformer.layers)], alive
+
+
+@pytest.mark.parametrize("chosen", [-1, [0], [-2]], ids=["last", "blocks-input", "middle"])
+def test_each_selection_gives_transformers_rows(chosen: int | list[int], tmp_path: Path) -> None:
+    """Whichever hidden state ``vision_feature_layer`` names (the last block's output, the blocks'
+    input, a middle block's output; a list as the config allows it), the rows equal transformers'
+    own ``get_image_features`` on the same weights. (A list of more than one layer fails in
+    transformers' own projector, whose norm is one layer wide.)"""
+    model, proc = build_family("mistral3")
+    model.config.vision_feature_layer = chosen
+    model.save_pretrained(tmp_path)
+    proc.save_pretrained(tmp_path)
+    tower = load_tower(str(tmp_path), image_backend="pil")
+    prepared = _batch(tower)
+    for prep, rows in zip(prepared, tower.forward(prepared), strict=True):
+        inputs = tower.collate([prep.pixels])  # type: ignore[attr-defined]
+        with torch.inference_mode():
+            ref = model.model.get_image_features(**inputs, vision_feature_layer=chosen).pooler_output[0]
+        scale = ref.abs().max().item()
+        assert rows.shape == ref.shape and scale > 0
+        torch.testing.assert_close(rows, ref, atol=1e-5 * scale, rtol=0)

@@ -5,7 +5,9 @@ order, it ends holding nothing, and the scheduler's budget comes back to zero.
   jobs, each call repeated at will, never leave the total off what the jobs hold, and freeing every
   job leaves zero;
 - the scheduler: random interleavings of admit, decode (preprocessing runs), cancel, fail (the
-  preprocessing raises), take a batch and finish it, then the queue drained: zero every time.
+  preprocessing raises), take a batch and finish it, stop (``cancel_all``: whatever is not on the
+  device fails, preparations started or not yet run), then the queue drained: zero every time, and
+  every job finished or forwarded.
 
 Both are deterministic: the preprocessing pool runs inline (``InlinePool``), so preparations progress
 only at the steps that await them, and a failing case replays from its seed
@@ -22,7 +24,7 @@ from hypothesis import strategies as st
 from tests.support.stages import InlinePool, RecordedFailures, forwarded, settle
 
 from visenc.engine.coordination import LocalCoordination
-from visenc.engine.job import Job
+from visenc.engine.job import Job, JobState
 from visenc.engine.prepare import Inspected
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.staging import Line, Staging
@@ -88,7 +90,7 @@ class Flaky:
 
 
 OPS = st.lists(
-    st.tuples(st.sampled_from(["admit", "decode", "cancel", "fail", "take", "finish"]), st.integers(0, 7)),
+    st.tuples(st.sampled_from(["admit", "decode", "cancel", "fail", "take", "finish", "stop"]), st.integers(0, 7)),
     max_size=30,
 )
 
@@ -135,6 +137,8 @@ async def scenario(costs: list[tuple[int, int]], ops: list[tuple[str, int]]) -> 
                 batches.append(batch)
         elif op == "finish" and batches:
             forwarded(s, batches.pop(0))
+        elif op == "stop":
+            s.cancel_all(RuntimeError("stopped"))
     for batch in batches:  # the device finishes what it took
         forwarded(s, batch)
     for k in admitted:  # every waiter goes away
@@ -145,3 +149,4 @@ async def scenario(costs: list[tuple[int, int]], ops: list[tuple[str, int]]) -> 
         forwarded(s, batch)
     s.cancel_all(RuntimeError("stopped"))
     assert s.staged_tokens == 0
+    assert all(jobs[k].finished or jobs[k].state is JobState.FORWARDED for k in admitted)

@@ -26,6 +26,7 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
+import torch
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.api import running_app
@@ -36,13 +37,22 @@ from tests.support.waits import until
 from visenc import bootstrap
 from visenc.config import Settings
 from visenc.imaging.decode import decode
+from visenc.models import compiled
 from visenc.models.loading import load_tower
 
 STALL_S = 0.2
 
 
 @pytest.fixture
-def gate() -> Iterator[threading.Event]:
+def fresh_dynamo() -> Iterator[None]:
+    """Dynamo's caches empty before and after: the graphs built here are not another test's."""
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()  # waits for dynamo's lock: after ``gate`` has let the simulated compile end
+
+
+@pytest.fixture
+def gate(fresh_dynamo: None) -> Iterator[threading.Event]:
     """Opens the simulated compile at the end of the test whatever happens (it holds dynamo's lock)."""
     event = threading.Event()
     yield event
@@ -117,6 +127,23 @@ async def test_a_warm_up_past_its_limit_serves_eagerly(gate: threading.Event) ->
     rows = np.frombuffer(got.content, np.float32).reshape(h["num_tokens"], h["hidden_size"])
     want = eager.forward([eager.preprocess(decode(base64.b64decode(png), max_pixels=1 << 30))])[0].numpy()
     np.testing.assert_allclose(rows, want, atol=1e-6 * np.abs(want).max(), rtol=0)
+
+
+async def test_left_compiled_past_its_limit_the_worker_dies(
+    gate: threading.Event, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The control of the test above: the blocks left compiled after the warm-up is abandoned, the
+    probe's first call of a block waits for the compile lock the abandoned warm-up holds, stalls, and
+    the worker gives up (the process would exit and compile cold again: a crash loop)."""
+    monkeypatch.setattr(compiled, "uncompile_blocks", lambda model: None)
+    tower = _compiled_tower(gate)
+    settings = {"stall_timeout_s": 0.5, "warm_up_timeout_s": 0.5, "worker_restart_attempts": 1}
+    async with running_app(tower, **settings) as client:
+        app = client.app  # type: ignore[attr-defined]
+        await until(lambda: app.state.fatal is not None, 60, "the worker gave up")
+        assert "the probe forward ran longer than stall_timeout_s" in app.state.fatal, app.state.fatal
+        assert (await client.get("/readyz")).status_code == 503
+        gate.set()  # the abandoned compile ends; the stalled probe behind it with it
 
 
 def test_a_real_server_warming_longer_than_its_stall_timeout_does_not_exit(tmp_path: Path) -> None:

@@ -65,10 +65,13 @@ class Scheduler:
         self._batch_bytes = batch_bytes
         self._waiting: list[Job] = []
         self._ready: list[Job] = []
-        self._preparing: set[asyncio.Task[None]] = set()
+        #: each preparation's task and its job (a finished task leaves a loop turn later)
+        self._preparing: dict[asyncio.Task[None], Job] = {}
         #: tower-input tokens preprocessed or being preprocessed, not yet forwarded (``staging.py``)
         self.staging = Staging()
         self._changed = asyncio.Event()
+        #: why nothing more is encoded here, once ``cancel_all`` was called (``None`` until then)
+        self._closed: BaseException | None = None
 
     # --- state ---------------------------------------------------------------
     @property
@@ -92,7 +95,11 @@ class Scheduler:
 
     # --- intake ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Encode ``job`` here (``NEW`` or ``WATCHING``)."""
+        """Encode ``job`` here (``NEW`` or ``WATCHING``); after ``cancel_all`` (an image another replica
+        was to encode, taken over), failed at once with its error."""
+        if self._closed is not None:
+            self._outputs.fail([job], self._closed)
+            return
         job.queue()
         self._coordination.queued(job)
         self._waiting.append(job)
@@ -181,8 +188,8 @@ class Scheduler:
             return
         job.start_preparing(self.staging)
         task = spawn(self._prepare(job), "prepare", self._metrics)
-        self._preparing.add(task)
-        task.add_done_callback(self._preparing.discard)
+        self._preparing[task] = job
+        task.add_done_callback(self._preparing.pop)
 
     async def _prepare(self, job: Job) -> None:
         """Claim ``job``'s encode, then preprocess it here or hand it to the replica that has it; whatever
@@ -265,8 +272,12 @@ class Scheduler:
         return self.take_batch()
 
     def cancel_all(self, error: BaseException) -> None:
-        """Fail every job not yet on the device (shutdown, or a device that cannot be restarted)."""
-        self._outputs.fail(self._waiting + self._ready, error)
+        """Fail every job not yet on the device (shutdown, or a device that cannot be restarted) with
+        ``error``: queued, ready, and being prepared, whose preparations are then cancelled (one whose
+        task has not run yet never reaches its own failure path). Nothing is encoded here afterwards."""
+        self._closed = error
+        preparing = [job for task, job in self._preparing.items() if not task.done()]
+        self._outputs.fail([*self._waiting, *preparing, *self._ready], error)
         self._waiting.clear()
         self._ready.clear()
         for task in list(self._preparing):

@@ -40,7 +40,7 @@ PROBE_SIZE = (56, 56)
 
 
 class WorkerState(enum.Enum):
-    #: a compiled tower's first forwards (its graphs are built): misses wait, hits are answered
+    #: a compiled tower's first forwards (its graphs are built): misses get 503, hits are answered
     WARMING = "warming"
     HEALTHY = "healthy"
     RESTARTING = "restarting"
@@ -138,8 +138,8 @@ class DeviceWorker:
         ``warm_up_limit_s``, not ``stall_timeout_s``: a cold compile may take minutes, and a compile
         abandoned midway would hold dynamo's compile lock, on which any later compile waits. Past the
         limit, or if a warm-up forward raises, the tower runs eagerly (it never enters dynamo again)
-        and the device is probed as after a failed forward; if the backend failed to compile, eagerly
-        too, with no probe (the forwards ran)."""
+        and the device is probed as after a failed forward; if the backend failed to compile, or no
+        graph was built, eagerly too, with no probe (the forwards ran)."""
         started, limit = time.monotonic(), self.warm_up_limit_s()
         try:
             with compiled.backend_failures() as failures:
@@ -154,11 +154,11 @@ class DeviceWorker:
             await self._eager_after_warm_up(compiled.Status("eager", "warm_up_error", detail[:300]))
             return
         log.info("compiled tower warmed up in %.1f s", time.monotonic() - started)
-        if failures:
-            detail = f"the compiler backend failed on {len(failures)} frame(s); first: {failures[0]}"
-            self.tower.run_eagerly(compiled.Status("eager", "backend", detail))
+        status = compiled.after_warm_up(failures)
+        if status.state == "compiled":
+            self.tower.compiled_ready(status.graphs)
         else:
-            self.tower.compiled_ready(compiled.graphs())
+            self.tower.run_eagerly(status)
         self._report_compile()
         self.state, self.reason = WorkerState.HEALTHY, None
         self.metrics.worker_alive.set(1)

@@ -204,6 +204,20 @@ def _first_line(error: BaseException) -> str:
     return " ".join(lines[:2])[:300] or type(error).__name__
 
 
+def after_warm_up(failures: list[str]) -> Status:
+    """How a compiled tower runs once its warm-up ran with ``failures`` (``backend_failures``):
+    compiled, with the graphs built; eagerly if the backend failed, or if no graph was built at all
+    (dynamo disabled, e.g. ``TORCHDYNAMO_DISABLE=1``: every block then runs eagerly, unannounced)."""
+    if failures:
+        return Status(
+            "eager", "backend", f"the compiler backend failed on {len(failures)} frame(s); first: {failures[0]}"
+        )
+    built = graphs()
+    if built == 0:
+        return Status("eager", "backend", "the warm-up compiled no graph: dynamo ran the blocks eagerly (disabled?)")
+    return Status("compiled", graphs=built)
+
+
 def graphs() -> int:
     """Graphs compiled in this process so far."""
     from torch._dynamo.utils import counters

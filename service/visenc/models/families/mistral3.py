@@ -102,8 +102,9 @@ class Mistral3Tower(FamilyTower):
         """``Mistral3Model.get_image_features``, composed from transformers' own modules with every
         size kept on the host: Pixtral's forward slices each image by device sizes and builds
         ``cu_seqlens`` with a blocking copy, and ``get_image_features`` reads the row counts back.
-        Only the blocks up to the deepest selected hidden state run, and no output hook is
-        installed (a hook breaks each compiled block's graph)."""
+        Only the blocks up to the deepest selected hidden state run, only the selected states are
+        kept (as transformers' own selection keeps them), and no output hook is installed (a hook
+        breaks each compiled block's graph)."""
         vision: Any = self.model.vision_tower
         patch = int(vision.patch_size)
         sizes = [(int(h), int(w)) for h, w in inputs["image_sizes"].tolist()]  # a host tensor
@@ -114,10 +115,12 @@ class Mistral3Tower(FamilyTower):
         positions, attention = _packed_grids(grids, self.device)
         rotary = vision.patch_positional_embedding(hidden, positions)
         layers = self._feature_layers()
-        states = [hidden]
-        for layer in vision.transformer.layers[: max(layers)]:
-            states.append(layer(states[-1], None, position_embeddings=rotary, **attention))
-        selected = torch.cat([states[i] for i in layers], dim=-1)
+        kept = {0: hidden} if 0 in layers else {}  # only the selected states outlive the next block
+        for depth, layer in enumerate(vision.transformer.layers[: max(layers)], 1):
+            hidden = layer(hidden, None, position_embeddings=rotary, **attention)
+            if depth in layers:
+                kept[depth] = hidden
+        selected = torch.cat([kept[i] for i in layers], dim=-1)
         return self.model.multi_modal_projector(selected[0], sizes)  # type: ignore[no-any-return]
 
     def _feature_layers(self) -> list[int]:

@@ -17,6 +17,11 @@ Hit rates count look-ups after the first quarter of the trace (cyclic: after the
 policies are simulated on keys and sizes only; visenc's own class runs the trace.
 
     python bench/bench_eviction.py [--rounds 300] [--json]
+
+``--service`` runs the same policies through a real ``visenc serve`` and its callers instead
+(``_eviction_service.py``); ``--before PATH`` serves another source tree beside this one:
+
+    python bench/bench_eviction.py --service [--before /tmp/visenc-before] [--json]
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "service"))
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-from visenc.index.memory import MemoryCache
-from visenc.metrics import Metrics
+from visenc.index.memory import MemoryCache  # noqa: E402
+from visenc.metrics import Metrics  # noqa: E402
 
 MB = 1 << 20
 SIZES = [int(8.6 * MB), int(19.3 * MB), int(33.9 * MB)]
@@ -176,7 +182,21 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=300)
     p.add_argument("--json", action="store_true")
+    p.add_argument("--service", action="store_true", help="through a real visenc serve and its callers")
+    p.add_argument("--before", type=Path, help="(--service) also serve this source tree")
+    p.add_argument("--slots", type=int, default=16, help="(--service) L1 size, in 720p screenshots")
+    p.add_argument("--passes", type=int, default=5, help="(--service) cyclic passes")
+    p.add_argument("--only", help="(--service) only the workloads whose label matches this regular expression")
+    p.add_argument("--no-current", action="store_true", help="(--service) serve only the --before tree")
     args = p.parse_args()
+    if args.service:
+        import _eviction_service as service
+
+        trees = {**({"before": args.before} if args.before else {}), **({} if args.no_current else {"visenc": ROOT})}
+        table = service.main_service(trees, args.slots, args.passes, args.rounds // 10, args.only)
+        if args.json:
+            print(json.dumps(table))
+        return 0
     rows: dict[str, dict[str, float]] = {}
 
     def run(label: str, trace: Trace, max_bytes: int, skip: int) -> None:

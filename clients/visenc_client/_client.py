@@ -65,6 +65,31 @@ def timeouts(timeout: httpx.Timeout | float | None, connect_timeout: float | Non
 SharedMemory = bool | Literal["auto"]
 
 
+def lookup_flow(
+    http: httpx.Client | httpx.AsyncClient,
+    hashes: Sequence[str],
+    headers: dict[str, str],
+    known: SegmentHandles | None,
+    wait: bool,
+    include_rows: bool,
+    pin: bool,
+) -> p.AnyFlow[list[Handle]]:
+    """The look-up of ``hashes``: with ``pin``, images whose rows this client reads from a ``known``
+    segment with no request (so no read of theirs would reach the service to release a pin) are
+    looked up in a request of their own that pins nothing."""
+    parts: list[tuple[list[int], bool]] = [(list(range(len(hashes))), pin)]
+    if pin and known is not None and not include_rows:
+        free = {i for i, h in enumerate(hashes) if known.knows(h)}
+        owed = [i for i in range(len(hashes)) if i not in free]
+        parts = [(part, pinned) for part, pinned in ((sorted(free), False), (owed, True)) if part]
+    handles: dict[int, Handle] = {}
+    for part, pinned in parts:
+        asked = [hashes[i] for i in part]
+        got = yield from p.lookup_flow(http, asked, p.pinning(headers, pinned), wait=wait, include_rows=include_rows)
+        handles.update(zip(part, got))
+    return [handles[i] for i in range(len(hashes))]
+
+
 class _Base:
     def __init__(
         self,
@@ -177,23 +202,32 @@ class Client(_Base):
         wait: bool = True,
         hash_first: bool = True,
         include_rows: bool = False,
+        pin: bool = True,
     ) -> list[Handle]:
+        """``pin``: the service keeps each ready (or pending) image in its memory until this client reads
+        it (``fetch`` with the handle; ``Handle.lease``); false for a caller that will not read the rows
+        from this service (a hand-over): nothing is kept for it."""
+        headers = p.pinning(self.headers, pin)
         return self._drive(
             p.encode_flow(
-                self._http, images, wait=wait, hash_first=hash_first, headers=self.headers, include_rows=include_rows
+                self._http, images, wait=wait, hash_first=hash_first, headers=headers, include_rows=include_rows
             )
         )
 
-    def lookup(self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False) -> list[Handle]:
+    def lookup(
+        self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False, pin: bool = True
+    ) -> list[Handle]:
         """Where each image stands, by hash only (nothing is uploaded, nothing is encoded).
-        ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows."""
-        return self._drive(p.lookup_flow(self._http, hashes, self.headers, wait=wait, include_rows=include_rows))
+        ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows;
+        ``pin``: as ``encode``'s (an image this client reads from shared memory with no request is
+        not pinned)."""
+        return self._drive(lookup_flow(self._http, hashes, self.headers, self._segments, wait, include_rows, pin))
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:
             self._choose(self.model())
         if self.shared_memory:
-            return self.fetch_many([RowRange(image.hash if isinstance(image, Handle) else image, start, end)])[0]
+            return self.fetch_many([RowRange.of(image, start, end)])[0]
         return self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
@@ -336,24 +370,27 @@ class AsyncClient(_Base):
         wait: bool = True,
         hash_first: bool = True,
         include_rows: bool = False,
+        pin: bool = True,
     ) -> list[Handle]:
+        """As ``Client.encode``."""
+        headers = p.pinning(self.headers, pin)
         return await self._drive(
             p.encode_flow(
-                self._http, images, wait=wait, hash_first=hash_first, headers=self.headers, include_rows=include_rows
+                self._http, images, wait=wait, hash_first=hash_first, headers=headers, include_rows=include_rows
             )
         )
 
-    async def lookup(self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False) -> list[Handle]:
-        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded).
-        ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows."""
-        return await self._drive(p.lookup_flow(self._http, hashes, self.headers, wait=wait, include_rows=include_rows))
+    async def lookup(
+        self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False, pin: bool = True
+    ) -> list[Handle]:
+        """As ``Client.lookup``."""
+        return await self._drive(lookup_flow(self._http, hashes, self.headers, self._segments, wait, include_rows, pin))
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:
             self._choose(await self.model())
         if self.shared_memory:
-            h = image.hash if isinstance(image, Handle) else image
-            return (await self.fetch_many([RowRange(h, start, end)]))[0]
+            return (await self.fetch_many([RowRange.of(image, start, end)]))[0]
         return await self._drive(p.fetch_flow(self._http, image, start, end, self.headers))
 
     async def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:

@@ -31,6 +31,7 @@ from visenc_client._http import Head
 from visenc_client._types import Handle, ImageInput, RowRange, Video, image_hash, video_hash
 from visenc_client.format import (
     FRAME_PREFIX_BYTES,
+    LEASE_HEADER,
     MSGPACK,
     NUMPY_DTYPES,
     ROWS_MEDIA_TYPE,
@@ -291,7 +292,8 @@ def fetch_flow(
 ) -> AnyFlow[np.ndarray]:
     """Rows ``[start, end)`` of one image, read into a new array."""
     h = image.hash if isinstance(image, Handle) else image
-    params = {k: v for k, v in (("start", start), ("end", end)) if v is not None}
+    lease = image.lease if isinstance(image, Handle) else None
+    params = {k: v for k, v in (("start", start), ("end", end), ("lease", lease)) if v is not None}
     head = yield from send_streamed(client.build_request("GET", f"/v1/embeddings/{h}", params=params, headers=headers))
     if head.status_code >= 400:
         raise_for_status(head, (yield from read_all()))
@@ -316,8 +318,22 @@ def ranges_request(
     headers: dict[str, str] | None,
 ) -> httpx.Request:
     """A request for several ranges (``/v1/embeddings/fetch`` or ``/v1/embeddings/shm``)."""
-    payload = {"ranges": [{"hash": r.hash, "start": r.start, "end": r.end} for r in ranges], "wait": wait}
+    payload = {"ranges": [_range(r) for r in ranges], "wait": wait}
     return msgpack_request(client, path, payload, headers)
+
+
+def _range(r: RowRange) -> dict[str, Any]:
+    """A range on the wire; its lease only where it has one (a service before leases takes none)."""
+    out: dict[str, Any] = {"hash": r.hash, "start": r.start, "end": r.end}
+    if r.lease is not None:
+        out["lease"] = r.lease
+    return out
+
+
+def pinning(headers: dict[str, str] | None, pin: bool) -> dict[str, str]:
+    """``headers`` asking for a lease id on each ready or pending handle (``pin``), or for no pin at all:
+    a caller that will not read the rows from this service (a service before leases ignores the header)."""
+    return {**(headers or {}), LEASE_HEADER: "id" if pin else "none"}
 
 
 def fetch_many_flow(

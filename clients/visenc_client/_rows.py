@@ -80,7 +80,7 @@ def fetch_chunk_flow(
         if out is None and plan.hidden is None:
             raise ValueError("nothing to fetch and no hidden size known: pass out= or placements with handles")
         return destination(out, plan.rows, plan.hidden or 0, plan.dtype or "float32", plan.dense)[1]
-    ranges = [RowRange(p.hash, p.start, p.end) for p in plan.pieces]
+    ranges = [RowRange(p.hash, p.start, p.end, plan.leases.get(p.hash)) for p in plan.pieces]
     if shm is not None:
         views = yield from shm_fetch_flow(client, ranges, wait=wait, headers=headers, known=shm)
         hidden = views[0].shape[1]
@@ -159,4 +159,5 @@ def shm_fetch_flow(
         over_http = yield from fetch_many_flow(client, [ranges[i] for i in full], wait=wait, headers=headers)
         for i, array in zip(full, over_http):
             arrays[i] = array
+    known.spend(ranges)
     return arrays  # type: ignore[return-value]

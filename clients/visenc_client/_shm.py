@@ -136,6 +136,8 @@ class SegmentHandles:
     def __init__(self, max_images: int = 4096) -> None:
         self.max_images = max_images
         self._known: OrderedDict[str, _Known] = OrderedDict()
+        #: the leases this client's requests handed back (a read naming one needs no request)
+        self._spent: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
         #: ranges read over HTTP because the service's shared-memory budget was full
         self.http_fallbacks = 0
@@ -151,14 +153,31 @@ class SegmentHandles:
             while len(self._known) > self.max_images:
                 self._known.popitem(last=False)
 
+    def spend(self, ranges: Sequence[RowRange]) -> None:
+        """The leases ``ranges`` name were handed back (by the request that read them)."""
+        with self._lock:
+            for r in ranges:
+                if r.lease is not None:
+                    self._spent[(r.hash, r.lease)] = None
+            while len(self._spent) > self.max_images:
+                self._spent.popitem(last=False)
+
+    def knows(self, image_hash: str) -> bool:
+        """Whether this client reads the image's rows from a segment with no request now."""
+        with self._lock:
+            k = self._known.get(image_hash)
+        return k is not None and time.monotonic() < k.fresh_until
+
     def views(self, ranges: Sequence[RowRange]) -> list[np.ndarray] | None:
         """Every range as a view, with no request, if every image's segment is known, fresh and still
-        there, and every range lies in its image; else ``None`` (ask the service)."""
+        there, every range lies in its image and names no lease still to hand back (a pin the service
+        holds until a read reaches it); else ``None`` (ask the service)."""
         now, out = time.monotonic(), []
         for r in ranges:
             with self._lock:
                 k = self._known.get(r.hash)
-            if k is None or now >= k.fresh_until or not os.path.exists(os.path.join(k.directory, k.segment)):
+                owed = r.lease is not None and (r.hash, r.lease) not in self._spent
+            if owed or k is None or now >= k.fresh_until or not os.path.exists(os.path.join(k.directory, k.segment)):
                 return None
             maps = SegmentMaps(k.directory)
             row_bytes = k.hidden * k.dtype.itemsize

@@ -338,7 +338,7 @@ class RowSources:
         if handle.status != "ready":
             raise Absent(f"{handle.status}{f' ({handle.error})' if handle.error else ''}")
         check_handle(handle, want)
-        rows = handle.rows if handle.rows is not None else client.fetch(handle.hash)
+        rows = handle.rows if handle.rows is not None else client.fetch(handle)  # its lease goes with the read
         return checked_rows(torch_rows(rows, handle.dtype), want, self.served.hidden)
 
     def _from_index(self, wants: dict[str, Want]) -> Answers:

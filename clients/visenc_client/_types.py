@@ -26,8 +26,17 @@ class Video:
 
 @dataclass(frozen=True, slots=True)
 class RowRange:
-    """Token rows ``[start, end)`` of one image (``None``: from the first / to the last row)."""
+    """Token rows ``[start, end)`` of one image (``None``: from the first / to the last row); ``lease``:
+    the handle's, so that the read renews (or, reaching the last row, releases) its pin."""
 
     hash: str
     start: int | None = None
     end: int | None = None
+    lease: str | None = None
+
+    @classmethod
+    def of(cls, image: str | Handle, start: int | None = None, end: int | None = None) -> RowRange:
+        """The range of ``image``, a hash or a handle (whose lease it carries)."""
+        if isinstance(image, Handle):
+            return cls(image.hash, start, end, image.lease)
+        return cls(image, start, end)

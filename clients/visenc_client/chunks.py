@@ -8,8 +8,8 @@ only) or dense (one row per position); ``Client.fetch_chunk`` fetches a plan in 
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
 from visenc_client._types import Handle
 
@@ -101,6 +101,8 @@ class ChunkPlan:
     pieces: tuple[ChunkPiece, ...]
     hidden: int | None = None
     dtype: str | None = None
+    #: the lease of each hash a placement's handle carries (a video's: its tubes'), for the reads to name
+    leases: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 def _by_tube(piece: ChunkPiece, video: Handle | None) -> list[ChunkPiece]:
@@ -150,6 +152,9 @@ def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, de
             row += count
     videos = {p.hash: p.image for p in ordered if isinstance(p.image, Handle) and p.image.tubes}
     handles = [p.image for p in placements if isinstance(p.image, Handle) and p.image.hidden_size]
+    leases = {
+        h: p.image.lease for p in ordered if isinstance(p.image, Handle) and p.image.lease for h in _hashes(p.image)
+    }
     return ChunkPlan(
         start,
         end,
@@ -158,4 +163,10 @@ def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, de
         tuple(q for piece in pieces for q in _by_tube(piece, videos.get(piece.hash))),
         handles[0].hidden_size if handles else None,
         handles[0].dtype if handles else None,
+        leases,
     )
+
+
+def _hashes(handle: Handle) -> tuple[str, ...]:
+    """The hashes a handle's rows are read by: its own, or a video's tubes'."""
+    return handle.tubes or (handle.hash,)

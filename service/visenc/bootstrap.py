@@ -24,27 +24,40 @@ from visenc.index.redis_claims import RedisClaims
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.models.base import VisionTower
+from visenc.process_memory import MemorySplit, plan, with_staged
 
 log = logging.getLogger("visenc")
 
 
-#: the in-process index's share of the host's memory (or of the container's limit) when cache_bytes is unset
-CACHE_SHARE = 0.2
+def staged_bytes(tower: VisionTower, settings: Settings) -> int:
+    """The most host bytes of tower inputs the scheduler stages (its prefetch bound, plus the batch a
+    bumped image may start beyond it), in the tower's input bytes."""
+    from visenc.engine.budget import device_memory_budget, plan_budget
+
+    budget = plan_budget(
+        tower,
+        settings.memory_budget_bytes or device_memory_budget(tower.device, settings.memory_fraction),
+        max_batch_tokens=settings.max_batch_tokens,
+        prefetch_tokens=settings.prefetch_tokens,
+    )
+    return (budget.prefetch_tokens + budget.max_batch_tokens) * tower.input_bytes_per_token()
 
 
-def with_defaults(settings: Settings) -> Settings:
-    """``settings`` with the budgets that default to the host's memory filled in (``cache_bytes``)."""
-    if settings.cache_bytes is not None:
-        return settings
-    from visenc.engine.limits import usable_memory_bytes
-
-    return settings.model_copy(update={"cache_bytes": int(CACHE_SHARE * usable_memory_bytes())})
+def sized(settings: Settings, split: MemorySplit) -> Settings:
+    """``settings`` with the parts of the process budget filled in."""
+    update = {"cache_bytes": split.l1, "pin_overflow_bytes": split.overflow, "shm_max_bytes": split.shm or None}
+    return settings.model_copy(update=update)
 
 
 def build_index(settings: Settings, metrics: Metrics) -> tuple[Index, RedisClaims | None]:
     """The in-process cache; with ``redis_url``, in front of the shared Redis store, whose
     connection also carries the cross-replica claims."""
-    local = MemoryCache(settings.cache_bytes or 0, metrics, pin_lease_s=settings.ready_lease_s)
+    local = MemoryCache(
+        settings.cache_bytes or 0,
+        metrics,
+        overflow_bytes=settings.pin_overflow_bytes,
+        pin_lease_s=settings.ready_lease_s,
+    )
     if settings.redis_url is None:
         return Index(local), None
     from visenc.index.redis_conn import RedisConnection
@@ -111,13 +124,17 @@ def create_app(
 
     If the device worker cannot be restarted, ``app.state.fatal`` holds the reason and
     ``app.state.stop_server()`` (set by the CLI) is called so that the process exits non-zero."""
-    settings = with_defaults(settings or Settings())
+    settings = settings or Settings()
+    budget = plan(settings)  # the shared-memory pool starts before the tower is loaded: its part is known now
+    settings = settings.model_copy(update={"shm_max_bytes": budget.shm or None})
     metrics = Metrics()
 
     @asynccontextmanager
     async def engine(app: FastAPI) -> AsyncIterator[Engine]:
         loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
-        built_index, claims = index(settings, metrics)
+        split = with_staged(budget, settings, staged_bytes(loaded, settings))
+        log.info("%s", split.describe())
+        built_index, claims = index(sized(settings, split), metrics)
         core = Engine(loaded, built_index, settings, metrics, claim_store=claims)
         d = loaded.describe()
         metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"], str(d["hidden_size"])).set(1)
@@ -130,7 +147,7 @@ def create_app(
 
         await core.start(on_fatal=fatal)
         log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"], settings.redacted())
-        log.info("%s", capacity(loaded, settings.cache_bytes or 0))
+        log.info("%s", capacity(loaded, split.l1))
         try:
             yield core
         finally:

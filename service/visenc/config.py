@@ -67,11 +67,25 @@ class Settings(BaseSettings):
 
     # --- index --------------------------------------------------------------
     namespace: str = Field("default", pattern=NAMESPACE_PATTERN, description="Default key namespace (tenant).")
+    process_memory_bytes: int | None = Field(
+        None,
+        gt=0,
+        description="One memory budget for what this process keeps for the rows it serves: the in-process index "
+        "(L1), the pinned entries beyond it, the shared-memory segments and the staged tower inputs. Default: half "
+        "of the container's memory limit; without one, half of the host's memory over its GPU count (NVML, every "
+        "GPU of the host). Start-up logs the split.",
+    )
     cache_bytes: int | None = Field(
         None,
         ge=0,
-        description="Byte budget of the in-process index (L1); default: a fifth of the host's memory (or of the "
-        "container's limit). Start-up logs how many screenshots of the served model it holds.",
+        description="Byte budget of the in-process index (L1); default: what process_memory_bytes leaves after the "
+        "other parts. Start-up logs how many screenshots of the served model it holds.",
+    )
+    pin_overflow_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Bytes that entries pinned for their readers may hold beyond cache_bytes; past it the oldest "
+        "pins are cut (visenc_cache_pins_cut_total). Default: an eighth of process_memory_bytes, within it.",
     )
     ready_lease_s: float = Field(
         30.0,
@@ -217,7 +231,8 @@ class Settings(BaseSettings):
     shm_max_bytes: int | None = Field(
         None,
         gt=0,
-        description="Most bytes held in segments (default: cache_bytes, within shm_dir's free space); a range that "
+        description="Most bytes held in segments (default: a quarter of process_memory_bytes, within shm_dir's free "
+        "space); a range that "
         "does not fit (no lease expired) is answered 429 in its place and the client reads it over HTTP.",
     )
 

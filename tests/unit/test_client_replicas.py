@@ -123,6 +123,33 @@ def test_a_replica_that_fails_at_once_is_asked_again_at_once(visenc: dict[str, A
             sources.close()
 
 
+def pinned_bytes(url: str) -> int:
+    """The bytes the replica at ``url`` holds pinned for readers (``/readyz``)."""
+    index = httpx.get(f"{url}/readyz", timeout=30).json()["index"]
+    return int(index.get("memory", index)["pinned_bytes"])
+
+
+@pytest.mark.parametrize("transport", ["http", "shm"])
+def test_the_connectors_reads_leave_no_pin_after_a_dead_first_replica(visenc: dict[str, Any], transport: str) -> None:
+    """Rows inline (HTTP) or a look-up then a shared-memory read naming its lease: the replica that
+    answered holds no pin afterwards, waiting or not. The control: a look-up that pins and is never
+    read leaves one, until its read."""
+    assert pinned_bytes(visenc["url"]) == 0
+    sources = RowSources([refused(), visenc["url"]], served=served(visenc), transport=transport, **QUICK)
+    try:
+        for wait in (False, True):
+            assert_rows(visenc, sources.obtain(wants(visenc), wait=wait))
+            assert pinned_bytes(visenc["url"]) == 0
+    finally:
+        sources.close()
+    with Client(visenc["url"]) as vc:
+        handles = vc.lookup([h.hash for h in visenc["handles"]])
+        assert pinned_bytes(visenc["url"]) > 0
+        for h in handles:
+            vc.fetch(h)
+    assert pinned_bytes(visenc["url"]) == 0
+
+
 def test_rows_come_from_redis_when_no_replica_answers(visenc: dict[str, Any]) -> None:
     with Blackhole() as hole:
         sources = RowSources(

@@ -28,6 +28,8 @@ ENGINE_RANKS = {
     "claims": 2,
     "remote": 3,
     "coordination": 4,
+    # who L1 keeps an entry for, until its reader reads it: beside the stages, called by intake and core
+    "pins": 4,
     # the stages, in the order data flows; the in-flight map and the fetch path beside the worker
     "outputs": 5,
     "scheduler": 6,

@@ -151,7 +151,7 @@ def main() -> int:
         if args.grid_only:
             try:
                 with Client(args.visenc) as vc:
-                    grids = [list(h.grid_thw) for h in vc.lookup(hashes)]
+                    grids = [list(h.grid_thw) for h in vc.lookup(hashes, pin=False)]
             except VisencClientError:
                 from visenc.models.loading import load_tower
 

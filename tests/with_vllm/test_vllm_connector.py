@@ -17,6 +17,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import httpx
 import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
@@ -98,16 +99,25 @@ def test_a_visenc_serving_another_model_is_refused(checkpoints, tmp_path):
     assert code != 0 and "serves another model" in stderr
 
 
-def test_openai_server_behind_visenc_proxy(openai_pair):
+def test_openai_server_behind_visenc_proxy(openai_pair, right_visenc):
     """``vllm serve`` on the wrong copy, with the connector, behind ``visenc proxy`` (which tags the data:
     URL images with their hash and encodes them): the same answers as ``vllm serve`` on the right one.
-    (``--encode-first`` and ``wait_for_encoding``: images visenc never saw still come from it.)"""
+    (``--encode-first`` and ``wait_for_encoding``: images visenc never saw still come from it.) visenc
+    holds no pin afterwards: the proxy's hand-over asks for none, the connector reads what it pinned."""
     alone, proxied = openai_pair
+    wait_until(lambda: pinned_bytes(right_visenc) == 0, 60, "no pin held before (a lease lapses in 30 s)")
     fresh = [run_vllm.picture(333, 250, 7), run_vllm.picture(224, 224, 8)]  # never sent to visenc before
     for datas in [fresh, run_vllm.images()[0]]:
         want, got = chat(alone, datas), chat(proxied, datas)
         assert got["tokens"] == want["tokens"]
         assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= LOGPROB_ATOL
+        assert pinned_bytes(right_visenc) == 0
+
+
+def pinned_bytes(url: str) -> int:
+    """The bytes the visenc at ``url`` holds pinned for readers (``/readyz``)."""
+    index = httpx.get(f"{url}/readyz", timeout=10).json()["index"]
+    return int(index.get("memory", index)["pinned_bytes"])
 
 
 @pytest.mark.parametrize(

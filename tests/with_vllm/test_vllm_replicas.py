@@ -10,6 +10,8 @@ and never answers. Requests alternate between the healthy pair and the fault. Pe
 
 - tokens and logprobs equal vLLM alone's on the right checkpoint (no image encoded by vLLM);
 - the second replica served rows (its own ``visenc_bytes_served``) exactly when the first failed;
+- neither replica holds a pin afterwards: the connector's shared-memory read named the lease of the
+  replica that answered its look-up, and released it there;
 - vLLM's own stats (``/metrics``): the connector counted one hit, no miss or failure, and one
   unreachable source per faulty request; the time to first token (vLLM's histogram) of the faulty
   requests is at most ``CONNECT_TIMEOUT_S`` above the healthy ones' (medians, with a margin for a
@@ -96,13 +98,19 @@ def counters(stack: dict[str, Any]) -> dict[str, float]:
     return out
 
 
+def pinned_bytes(url: str) -> int:
+    """The bytes the replica at ``url`` holds pinned for readers (``/readyz``)."""
+    index = httpx.get(f"{url}/readyz", timeout=10).json()["index"]
+    return int(index.get("memory", index)["pinned_bytes"])
+
+
 def one_request(stack: dict[str, Any], mode: str) -> float:
     """A new image, held by both replicas, asked of vLLM with the first URL in ``mode``: its time to
     first token, after checking where its rows came from."""
     data = run_vllm.picture(300, 200, next(_seeds))
     for replica in stack["replicas"]:
         with Client(replica) as vc:
-            assert vc.encode([data])[0].status == "ready"
+            assert vc.encode([data], pin=False)[0].status == "ready"  # it reads nothing: no pin
     want = chat(stack["alone"], [data])
     stack["switch"].set(mode)
     before = counters(stack)
@@ -118,6 +126,7 @@ def one_request(stack: dict[str, Any], mode: str) -> float:
     said = f"{mode}: {before} -> {after}"
     assert (after["second_bytes"] > before["second_bytes"]) == faulty, said  # the second served iff the first failed
     assert (after["unreachable"] > before["unreachable"]) == faulty, said
+    assert [pinned_bytes(replica) for replica in stack["replicas"]] == [0, 0], said
     return after["ttft_sum"] - before["ttft_sum"]
 
 

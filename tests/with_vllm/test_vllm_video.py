@@ -30,7 +30,7 @@ pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
 from PIL import Image
 from tests.support.processes import serve_process
-from tests.support.waits import free_port
+from tests.support.waits import free_port, wait_until
 
 from visenc_client import Client, Video, image_hash, video_hash
 
@@ -39,7 +39,7 @@ sys.path.insert(0, str(HERE))
 import run_vllm  # noqa: E402
 import tiny_vlm  # noqa: E402
 from openai_servers import chat  # noqa: E402
-from test_vllm_connector import same  # noqa: E402
+from test_vllm_connector import pinned_bytes, same  # noqa: E402
 from vllm_forks import vllm_run, vllm_runs  # noqa: E402
 
 CLIPS = [(4, 120, 200), (5, 61, 97), (3, 20, 30), (6, 90, 300), (2, 448, 448)]
@@ -159,16 +159,19 @@ def test_the_proxy_takes_the_frames_vllm_takes():
 def test_openai_server_behind_visenc_proxy_for_videos(openai_pair, right_visenc):
     """``vllm serve`` on the wrong copy with the connector, behind ``visenc proxy --encode-first``
     (which tags the video parts with their video hash and hands them to visenc): the same answers as
-    ``vllm serve`` alone on the right checkpoint, for videos visenc never saw before."""
+    ``vllm serve`` alone on the right checkpoint, for videos visenc never saw before. visenc holds no
+    pin afterwards: the connector's read of the video released its tubes."""
     alone, proxied = openai_pair
+    wait_until(lambda: pinned_bytes(right_visenc) == 0, 60, "no pin held before (a lease lapses in 30 s)")
     for frames in run_vllm.videos()[:2]:
         clip = jpeg_frames(frames)
         with Client(right_visenc) as vc:  # never sent to visenc before
-            (h,) = vc.lookup([video_hash([image_hash(f) for f in clip])])
+            (h,) = vc.lookup([video_hash([image_hash(f) for f in clip])], pin=False)
             assert h.status == "missing"
         want, got = chat(alone, [], videos=[clip]), chat(proxied, [], videos=[clip])
         assert got["tokens"] == want["tokens"]
         assert max(abs(a - b) for a, b in zip(got["logprobs"], want["logprobs"])) <= 1e-3
+        assert pinned_bytes(right_visenc) == 0
         with Client(right_visenc) as vc:  # the rows did come from visenc: it holds the video
-            (h,) = vc.lookup([video_hash([image_hash(f) for f in clip])])
+            (h,) = vc.lookup([video_hash([image_hash(f) for f in clip])], pin=False)
             assert h.status == "ready"

@@ -37,6 +37,7 @@ from visenc_client.format.frame import (
 )
 from visenc_client.format.handle import (
     HANDLE_FIELDS,
+    LEASE_HEADER,
     REASONS,
     STATUSES,
     Handle,
@@ -68,6 +69,7 @@ __all__ = [
     "HASH_PATTERN",
     "JSON",
     "KINDS",
+    "LEASE_HEADER",
     "MAGIC",
     "MSGPACK",
     "MSGPACK_TYPES",

@@ -24,6 +24,13 @@ Reason = Literal[
 ]
 REASONS: tuple[str, ...] = get_args(Reason)
 
+#: the encode request header that says how its answers are kept for the caller (ready images, and
+#: pending ones it waits for or uploaded): ``id``, under a lease id each such handle carries and the
+#: caller's reads name; ``none``, not at all (a caller that will not read the rows from this service);
+#: absent, under pins the first read of an image's last row that names no lease releases (callers from
+#: before leases)
+LEASE_HEADER = "X-Visenc-Lease"
+
 
 @dataclass(frozen=True, slots=True)
 class Handle:
@@ -35,7 +42,9 @@ class Handle:
     even while pending, so a prompt can be laid out before the embeddings exist.
     ``rows`` (client side) holds the embedding itself (a read-only ``[num_tokens,
     hidden]`` array) when the encode asked for ``include_rows`` and the image was
-    ready; it travels beside the wire fields, not among them."""
+    ready; it travels beside the wire fields, not among them. ``lease``: the id of the pin that keeps a
+    ready (or pending) image in the service's memory until this caller reads it; a read that names it
+    releases the pin (``docs/api.md``)."""
 
     hash: str
     status: Status
@@ -49,6 +58,7 @@ class Handle:
     #: a video's tubes' hashes, in order (``grid_thw[0]`` of them, ``num_tokens / grid_thw[0]`` rows
     #: each); ``None`` for an image
     tubes: tuple[str, ...] | None = None
+    lease: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
         """The handle's wire fields (``error`` and ``reason`` only on an error; ``tubes`` null for an image)."""
@@ -64,6 +74,7 @@ class Handle:
             out["error"] = self.error
             out["reason"] = self.reason
         out["tubes"] = list(self.tubes) if self.tubes is not None else None
+        out["lease"] = self.lease
         return out
 
     @classmethod
@@ -83,6 +94,7 @@ class Handle:
             d.get("reason"),
             rows,
             tuple(str(t) for t in d["tubes"]) if d.get("tubes") is not None else None,
+            str(d["lease"]) if d.get("lease") is not None else None,
         )
 
 
@@ -97,4 +109,5 @@ HANDLE_FIELDS: tuple[str, ...] = (
     "error",
     "reason",
     "tubes",
+    "lease",
 )

@@ -7,9 +7,9 @@ from typing import Any
 from fastapi import Request
 
 from visenc.api.schemas import ErrorResponse
-from visenc.engine.interface import EngineAPI
+from visenc.engine.interface import EngineAPI, LeaseMode
 from visenc.errors import BadRequest, NotReady
-from visenc_client.format import JSON, MSGPACK, NAMESPACE_RULE, Entry, is_valid_namespace
+from visenc_client.format import JSON, LEASE_HEADER, MSGPACK, NAMESPACE_RULE, Entry, is_valid_namespace
 
 #: the error answers every /v1 route may give, for the OpenAPI document
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -52,6 +52,17 @@ def namespace_of(request: Request) -> str:
     if not is_valid_namespace(ns):
         raise BadRequest(f"X-Visenc-Namespace must be {NAMESPACE_RULE}")
     return ns
+
+
+def lease_mode(request: Request) -> LeaseMode:
+    """How the caller's ready answers are kept for it (``X-Visenc-Lease``: ``id`` or ``none``; absent:
+    pins that name no lease, for callers from before leases)."""
+    mode = request.headers.get(LEASE_HEADER)
+    if mode is None:
+        return "anonymous"
+    if mode not in ("id", "none"):
+        raise BadRequest(f"{LEASE_HEADER} must be 'id' or 'none'")
+    return "id" if mode == "id" else "none"
 
 
 def check_range(entry: Entry, start: int | None, end: int | None) -> tuple[int, int]:

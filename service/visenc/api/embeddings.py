@@ -35,6 +35,9 @@ async def get_embedding(
     image_hash: str,
     start: int | None = Query(None, ge=0, le=MAX_ROW, description="First token row."),
     end: int | None = Query(None, ge=0, le=MAX_ROW, description="One past the last token row."),
+    lease: str | None = Query(
+        None, max_length=64, description="The lease its handle carried: renewed, or released by a read to the last row."
+    ),
 ) -> Response:
     """Token rows ``[start, end)`` of one image as raw bytes, waiting while it is pending."""
     settings = request.app.state.settings
@@ -48,8 +51,7 @@ async def get_embedding(
     s, e = check_range(entry, start, end)
     view = entry.rows_view(s, e)
     request.app.state.metrics.bytes_served.labels("http").inc(len(view))
-    if e == entry.rows:
-        engine_of(request).served(image_hash, namespace_of(request))
+    engine_of(request).read(image_hash, namespace_of(request), lease, last=e == entry.rows)
     headers = {
         "X-Visenc-Shape": f"{e - s},{entry.hidden}",
         "X-Visenc-Dtype": entry.dtype,
@@ -68,6 +70,7 @@ class Resolved:
     entry: Entry
     start: int
     end: int
+    lease: str | None
 
 
 async def resolve_ranges(request: Request) -> list[Resolved | dict[str, Any]]:
@@ -99,10 +102,7 @@ async def resolve_ranges(request: Request) -> list[Resolved | dict[str, Any]]:
         try:
             if isinstance(f, BaseException):
                 raise f
-            resolved = Resolved(r.hash, f, *check_range(f, r.start, r.end))
-            out.append(resolved)
-            if resolved.end == f.rows:  # the caller reads up to the last row: its ready answer's pin goes
-                engine.served(r.hash, ns)
+            out.append(Resolved(r.hash, f, *check_range(f, r.start, r.end), r.lease))
         except VisencError as err:
             if not err.public:
                 raise
@@ -127,10 +127,12 @@ async def fetch(request: Request) -> Response:
     meta: list[dict[str, Any]] = []
     views: list[memoryview] = []
     offset = 0
+    engine, ns = engine_of(request), namespace_of(request)
     for r in await resolve_ranges(request):
         if isinstance(r, dict):
             meta.append(r)
             continue
+        engine.read(r.hash, ns, r.lease, last=r.end == r.entry.rows)  # to the last row: the pin goes
         view = r.entry.rows_view(r.start, r.end)
         shape = [r.end - r.start, r.entry.hidden]
         meta.append(

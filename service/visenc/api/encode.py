@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response, wants_msgpack
-from visenc.api.deps import ERRORS, body_schema, engine_of, namespace_of
+from visenc.api.deps import ERRORS, body_schema, engine_of, lease_mode, namespace_of
 from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import EncodeRequest, EncodeResponse
 from visenc.engine.interface import EncodeItem, Timing
@@ -43,7 +43,10 @@ async def encode(request: Request) -> Response:
     a ``reason`` code; the other items proceed.
 
     ``X-Visenc-Queue-Time`` / ``X-Visenc-Encode-Time`` (seconds) say how long the
-    images this response waited for queued and how long their forwards took."""
+    images this response waited for queued and how long their forwards took.
+
+    Each ready or pending image stays in this replica's memory until the caller reads it
+    (``X-Visenc-Lease``: ``id`` hands out the lease its reads name; ``none`` keeps nothing)."""
     settings = request.app.state.settings
     limit = f"request_timeout_s={settings.request_timeout_s}"
     deadline = asyncio.get_running_loop().time() + settings.request_timeout_s
@@ -56,11 +59,13 @@ async def encode(request: Request) -> Response:
     )
     inputs = [EncodeItem(it.hash, it.data, it.frames) for it in body.items]
     timing = Timing()
+    # rows inline are read by this answer: kept only until then, under a lease it releases itself
+    lease = "inline" if body.include_rows else lease_mode(request)
     # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
     # cancels the wait if the client goes away first
     handles = await guarded(
         request,
-        engine.encode(inputs, ns, wait=body.wait, timing=timing, timeout_s=remaining(deadline)),
+        engine.encode(inputs, ns, wait=body.wait, timing=timing, timeout_s=remaining(deadline), lease=lease),
         deadline + 1.0,
         f"the request was not answered within {limit}",
     )
@@ -84,15 +89,19 @@ async def encode(request: Request) -> Response:
 async def _ready_rows(
     request: Request, items: list[dict[str, Any]], limit: int
 ) -> list[tuple[dict[str, Any], memoryview]]:
-    """Each ready item with a view of its rows (read by this answer: its pin is released)."""
+    """Each ready item with a view of its rows (read by this answer, or refused: its pin goes either way)."""
     engine = engine_of(request)
     ns = namespace_of(request)
     ready = [it for it in items if it["status"] == "ready"]
-    entries = [await engine.lookup(it["hash"], ns) for it in ready]
-    total = sum(len(e.rows_view()) for e in entries)
-    if total > limit:
-        raise PayloadTooLarge(f"{total} bytes of rows exceed max_body_bytes={limit} inline; fetch them instead")
-    for it in ready:
-        engine.served(it["hash"], ns)
+    try:
+        entries = [await engine.lookup(it["hash"], ns) for it in ready]
+        total = sum(len(e.rows_view()) for e in entries)
+        if total > limit:
+            raise PayloadTooLarge(f"{total} bytes of rows exceed max_body_bytes={limit} inline; fetch them instead")
+    finally:
+        for it in items:
+            lease, it["lease"] = it.get("lease"), None
+            if it["status"] == "ready":
+                engine.read(it["hash"], ns, lease, last=True)
     request.app.state.metrics.bytes_served.labels("inline").inc(total)
     return [(it, entry.rows_view()) for it, entry in zip(ready, entries)]

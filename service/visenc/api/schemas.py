@@ -63,6 +63,11 @@ class HandleOut(_Wire):
         description="A video's tubes' hashes, in order: grid_thw[0] tubes of num_tokens / grid_thw[0] rows each, "
         "each fetchable on its own (null for an image).",
     )
+    lease: str | None = Field(
+        None,
+        description="With the request header X-Visenc-Lease: id, the lease that keeps this ready (or pending) "
+        "image in the replica's memory until the caller reads it: name it in the reads (docs/api.md).",
+    )
     rows: bytes | None = Field(None, description="The rows, when include_rows was asked (ready images only).")
 
 
@@ -75,6 +80,12 @@ class FetchRange(_Wire):
     hash: str = Field(..., description="Image hash, 64 lowercase hex digits.", pattern=HASH_PATTERN)
     start: int | None = Field(None, ge=0, le=MAX_ROW, description="First token row (default 0).")
     end: int | None = Field(None, ge=0, le=MAX_ROW, description="One past the last token row (default: all rows).")
+    lease: str | None = Field(
+        None,
+        max_length=64,
+        description="The lease the image's handle carried: this read renews its pin, or releases it when it "
+        "reaches the last row (a shared-memory export releases it at once). Unknown or spent: ignored.",
+    )
 
 
 class FetchRequest(_Wire):

@@ -39,15 +39,16 @@ def _room(directory: str) -> int | None:
 
 async def start_pool(settings: Settings, metrics: Metrics) -> SegmentPool | None:
     """The segment pool, or ``None`` when shared memory is off or ``shm_dir`` cannot hold segments
-    (said in the log: rows are then served over HTTP only). Its budget is ``shm_max_bytes``, by
-    default the L1 budget, within the free space of ``shm_dir`` (a container's ``/dev/shm`` may be small)."""
+    (said in the log: rows are then served over HTTP only). Its budget is ``shm_max_bytes`` (its part of
+    the process budget: ``process_memory.py``), within the free space of ``shm_dir`` (a container's
+    ``/dev/shm`` may be small)."""
     if not settings.shm_enabled:
         return None
     room = await asyncio.to_thread(_room, settings.shm_dir)
     if room is None:
         log.warning("shared memory is off: %s is not a writable directory", settings.shm_dir)
         return None
-    max_bytes = settings.shm_max_bytes or min(settings.cache_bytes or 0, room)
+    max_bytes = min(settings.shm_max_bytes or 0, room)
     if max_bytes <= 0:
         log.warning("shared memory is off: no room in %s", settings.shm_dir)
         return None
@@ -86,6 +87,8 @@ async def fetch_shm(request: Request) -> Response:
         except Overloaded as e:  # the budget is full: this range alone is refused (the client reads it over HTTP)
             items.append({"hash": r.hash, "status": e.status_code, "error": e.message})
             continue
+        # exported: the segment holds every row for its own lease, so the pin in L1 goes, whatever the range
+        engine.read(r.hash, ns, r.lease, last=True)
         nbytes = (r.end - r.start) * r.entry.row_bytes
         items.append(
             {

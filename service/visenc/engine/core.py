@@ -17,7 +17,7 @@ from visenc.engine.budget import device_memory_budget, plan_budget
 from visenc.engine.claims import Claims
 from visenc.engine.coordination import Coordination, LocalCoordination, SharedCoordination
 from visenc.engine.intake import Intake
-from visenc.engine.interface import EncodeItem, Handle, Timing
+from visenc.engine.interface import EncodeItem, Handle, LeaseMode, Timing
 from visenc.engine.outputs import Outputs
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
@@ -161,14 +161,15 @@ class Engine:
         wait: bool,
         timing: Timing | None = None,
         timeout_s: float | None = None,
+        lease: LeaseMode = "anonymous",
     ) -> list[Handle]:
-        return await self.intake.encode(items, namespace, wait=wait, timing=timing, timeout_s=timeout_s)
+        return await self.intake.encode(items, namespace, wait=wait, timing=timing, timeout_s=timeout_s, lease=lease)
 
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
         return await self.fetch.lookup(image_hash, namespace, timeout_s=timeout_s)
 
-    def served(self, image_hash: str, namespace: str) -> None:
-        self.intake.served(image_hash, namespace)
+    def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
+        self.intake.pins.read(image_hash, namespace, lease, last=last)
 
     def not_ready_reason(self) -> str | None:
         return self.intake.not_ready_reason()

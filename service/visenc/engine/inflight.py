@@ -11,9 +11,12 @@ import asyncio
 import itertools
 import time
 
-from visenc.engine.job import Job
+from visenc.engine.items import MISSING, Encodable, Item, Outcome, Pending
+from visenc.engine.job import Job, JobState, Place
 from visenc.engine.scheduler import Scheduler
+from visenc.index.memory import Lease
 from visenc.metrics import Metrics
+from visenc_client.format import Entry
 
 
 class InFlight:
@@ -46,9 +49,34 @@ class InFlight:
         self.metrics.inflight.set(len(self.jobs))
         return job
 
-    def leave(self, job: Job) -> None:
-        """One waiter is done with ``job``: the scheduler drops it if it is queued and nobody else wants it."""
-        if job.leave():
+    def join_or_start(
+        self, it: Item, order: tuple[int, int], placed: Entry | Place | None, reader: Lease | None
+    ) -> Outcome:
+        """The job in flight for an open item, joined, or a new one with its bytes, encoded here or followed
+        at the replica that encodes it (``placed``); missing without them. ``reader``: the lease its entry is
+        pinned for once stored."""
+        job = self.joinable(it.key)
+        if job is None:
+            if not isinstance(it.state, Encodable):
+                return MISSING
+            job = self.admit(it.key, it.hash, order)
+            job.join(reader)
+            job.give_bytes(it.state.source, it.state.inspected)
+            if placed is Place.ELSEWHERE:
+                self.scheduler.watch(job)  # another replica encodes it
+            else:
+                self.scheduler.submit(job)
+            return Pending(job)
+        self.metrics.singleflight_joins.inc()
+        job.join(reader)
+        if job.state is JobState.FOLLOWING and isinstance(it.state, Encodable):
+            job.give_bytes(it.state.source, it.state.inspected)  # a fetch's wait for another replica adopts the bytes
+        return Pending(job)
+
+    def leave(self, job: Job, reader: Lease | None = None) -> None:
+        """One waiter is done with ``job`` (``reader``: its lease, read nothing if the job has not ended): the
+        scheduler drops it if it is queued and nobody else wants it."""
+        if job.leave(reader):
             self.scheduler.drop(job)
 
     def _forget(self, job: Job) -> None:

@@ -21,17 +21,14 @@ from visenc.engine.coordination import Coordination
 from visenc.engine.entries import EntryCheck
 from visenc.engine.fetch import Fetch
 from visenc.engine.inflight import InFlight
-from visenc.engine.interface import EncodeItem, Handle, Timing
+from visenc.engine.interface import EncodeItem, Handle, LeaseMode, Timing
 from visenc.engine.items import (
-    MISSING,
     Encodable,
     Found,
     Frames,
     HashOnly,
     ImageRequest,
     Item,
-    Outcome,
-    Pending,
     Upload,
     VideoPending,
     handle_of,
@@ -41,12 +38,14 @@ from visenc.engine.items import (
     outcome_of,
     waves,
 )
-from visenc.engine.job import Job, JobState, Place
+from visenc.engine.job import Job, Place
+from visenc.engine.pins import Pins, Reader
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.videos import Videos
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import DeadlineExceeded, NotReady, Overloaded, PayloadTooLarge
+from visenc.index.memory import Lease
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc_client.format import Entry, entry_key
@@ -73,6 +72,7 @@ class Intake:
         self.flight = InFlight(scheduler, metrics)
         self.fetch = Fetch(index, self.entries, self.flight, scheduler, coordination, settings.fetch_timeout_s, metrics)
         self.videos = Videos(prep, pool, index, metrics)
+        self.pins = Pins(index, self.fingerprint)
         self.closing = False
 
     @property
@@ -103,8 +103,10 @@ class Intake:
         wait: bool,
         timing: Timing | None = None,
         timeout_s: float | None = None,
+        lease: LeaseMode = "anonymous",
     ) -> list[Handle]:
-        """Handles for ``items`` in order; with ``wait``, once every admitted image is (``timeout_s`` at most)."""
+        """Handles for ``items`` in order; with ``wait``, once every admitted image is (``timeout_s`` at most).
+        Each ready or pending image is kept in L1 for the caller under one lease (``pins.py``)."""
         if self.closing:
             raise NotReady("the service is shutting down")
         if len(items) > self.settings.max_items:
@@ -112,16 +114,16 @@ class Intake:
         asked = itemise(items)
         has_videos = any(isinstance(it.state, Frames) for it in asked)
         request = await self.videos.request(asked, namespace) if has_videos else ImageRequest(asked)
-        admitted = time.monotonic()
-        jobs = await self._take_all(request.work, namespace)
+        admitted, reader = time.monotonic(), Reader.new(lease, waits=wait)
+        jobs = await self._take_all(request.work, namespace, reader)
         request.started()
         if wait:
-            await self._wait(jobs, request.work, admitted, timing, timeout_s)
+            await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
             if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
                 await self.fetch.wait_videos(request.work, namespace, timeout_s)
-        return request.answer([self._handle(it) for it in request.work])
+        return request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
 
-    async def _take_all(self, work: list[Item], namespace: str) -> dict[int, Job]:
+    async def _take_all(self, work: list[Item], namespace: str, reader: Reader) -> dict[int, Job]:
         """Every item taken, wave after wave: the jobs the request joined, by item. One wave where the
         request may not fit: a 429 then comes before any of it starts."""
         order = self.flight.next_request()
@@ -129,16 +131,18 @@ class Intake:
         fits = self.scheduler.depth + uploads <= self.settings.max_queue_images
         try:
             for lo, hi in waves(work) if fits else [(0, len(work))]:
-                await self._take(work[lo:hi], lo, namespace, order)
+                await self._take(work[lo:hi], lo, namespace, (order, reader))
         except BaseException:
             for job in joined(work).values():  # a later wave was refused (429/503) or the client left
-                self.flight.leave(job)
+                self.flight.leave(job, reader.lease)
             raise
         self.metrics.queue_depth.set(self.scheduler.depth)
         return joined(work)
 
-    async def _take(self, part: list[Item], lo: int, namespace: str, order: int) -> None:
-        """Inspect, look up, admit and start (or join) ``part`` (items ``lo``...)."""
+    async def _take(self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader]) -> None:
+        """Inspect, look up, admit and start (or join) ``part`` (items ``lo``...) for request ``by``
+        (its arrival number and its reader)."""
+        order, reader = by
         await inspect(part, self.prep, self.pool)
         await self._lookup(part, namespace)
         placed = await self._place(part, self._admission(part))
@@ -146,10 +150,11 @@ class Intake:
             if it.open and (entry := self.entries.peek(it.key, it.hash)) is not None:
                 it.state = Found(entry)  # finished while we looked elsewhere
             match it.state:
-                case Found(entry):
-                    self._answer_ready(it.key, entry)
+                case Found(entry):  # answered ready: L1 keeps it until the caller reads it
+                    self.pins.hold(it.hash, namespace, entry, reader.lease)
                 case HashOnly() | Encodable():
-                    it.state = self._join_or_start(it, (order, i), placed)
+                    keep = reader.of_pending(uploaded=isinstance(it.state, Encodable))
+                    it.state = self.flight.join_or_start(it, (order, i), placed.get(it.key), keep)
 
     async def _lookup(self, items: list[Item], namespace: str) -> None:
         """Every tier, one round trip for the whole wave (images in flight are not looked up)."""
@@ -190,45 +195,22 @@ class Intake:
                     self.index.store_local(it.key, entry)
         return placed
 
-    def _join_or_start(self, it: Item, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Outcome:
-        """The job in flight for an open item, joined, or a new one with its bytes; missing without them."""
-        job = self.flight.joinable(it.key)
-        if job is None:
-            return Pending(self._start(it, it.state, order, placed)) if isinstance(it.state, Encodable) else MISSING
-        self.metrics.singleflight_joins.inc()
-        job.join()
-        if job.state is JobState.FOLLOWING and isinstance(it.state, Encodable):
-            job.give_bytes(it.state.source, it.state.inspected)  # a fetch's wait for another replica adopts the bytes
-        return Pending(job)
-
-    def _start(self, it: Item, given: Encodable, order: tuple[int, int], placed: dict[str, Entry | Place]) -> Job:
-        job = self.flight.admit(it.key, it.hash, order)
-        job.join()
-        job.give_bytes(given.source, given.inspected)
-        if placed.get(it.key) is Place.ELSEWHERE:
-            self.scheduler.watch(job)  # another replica encodes it
-        else:
-            self.scheduler.submit(job)
-        return job
-
     # --- answers ----------------------------------------------------------------------------------
-    def _answer_ready(self, key: str, entry: Entry) -> None:
-        """An item is answered ready: L1 keeps its entry until the caller reads it (``served``)."""
-        if self.index.peek(key) is entry:
-            self.index.pin(key)
-
-    def served(self, image_hash: str, namespace: str) -> None:
-        """A caller has read an image's rows to the last: the pin its ready answer took goes."""
-        self.index.unpin(entry_key(namespace, self.fingerprint, image_hash))
-
     def _handle(self, item: Item) -> Handle:
         return handle_of(item, self.tower.hidden_size, self.entries.dtype, self.tower.video)
 
     # --- waiting ------------------------------------------------------------------------------------
     async def _wait(
-        self, jobs: dict[int, Job], work: list[Item], admitted: float, timing: Timing | None, timeout_s: float | None
+        self,
+        jobs: dict[int, Job],
+        work: list[Item],
+        admitted: float,
+        timing: Timing | None,
+        timeout_s: float | None,
+        reader: Lease | None,
     ) -> None:
-        """Until every joined job is done (``request_timeout_s`` at most); each item takes its job's outcome."""
+        """Until every joined job is done (``request_timeout_s`` at most); each item takes its job's outcome.
+        A request that stops waiting first (deadline, client gone) takes its ``reader`` lease back."""
         if not jobs:
             return
         timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
@@ -239,7 +221,7 @@ class Intake:
                 raise DeadlineExceeded(f"{len(not_done)} images were not encoded within {limit}")
         finally:
             for job in jobs.values():  # also on cancellation (the client went away)
-                self.flight.leave(job)
+                self.flight.leave(job, reader)
         if timing is not None:
             ran = list(jobs.values())
             timing.queue_s = max((max(0.0, j.started_at - admitted) for j in ran if j.started_at), default=0.0)

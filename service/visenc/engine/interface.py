@@ -8,11 +8,17 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol
 
 from visenc_client.format import Entry, Handle
 
-__all__ = ["EncodeItem", "EngineAPI", "Handle", "Timing"]
+__all__ = ["EncodeItem", "EngineAPI", "Handle", "LeaseMode", "Timing"]
+
+#: how a request's answers are kept for its caller to read (``engine/pins.py``): ``id``, under a lease
+#: whose id the handles carry and the reads name; ``anonymous``, under one the reads name no id of
+#: (callers from before leases); ``inline``, until the answer itself has read the ready rows; ``none``,
+#: not at all (a caller that reads the rows elsewhere)
+LeaseMode = Literal["id", "none", "anonymous", "inline"]
 
 
 @dataclass(slots=True)
@@ -53,16 +59,20 @@ class EngineAPI(Protocol):
         wait: bool,
         timing: Timing | None = None,
         timeout_s: float | None = None,
+        lease: LeaseMode = "anonymous",
     ) -> list[Handle]:
-        """Handles for ``items`` in order (per-item errors inside); raises only for the whole request."""
+        """Handles for ``items`` in order (per-item errors inside); raises only for the whole request.
+        ``lease``: how each ready or pending image is kept for the caller to read (``engine/pins.py``);
+        with ``id`` those handles carry the lease id its reads name."""
         ...
 
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
         """The entry of an image, waiting (and raising its priority) while it is being encoded."""
         ...
 
-    def served(self, image_hash: str, namespace: str) -> None:
-        """A caller has read an image's rows to the last: the pin its ``ready`` answer took is dropped (``unpin``)."""
+    def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
+        """A caller has read rows of an image (``last``: to its last row), naming the lease its handle
+        carried (or none): that pin is released (``last``) or renewed."""
         ...
 
     def not_ready_reason(self) -> str | None:

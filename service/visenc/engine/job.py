@@ -15,6 +15,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from visenc.index.memory import Lease
 from visenc_client.format import Entry
 
 if TYPE_CHECKING:
@@ -96,6 +97,7 @@ class Job:
     seq: int = field(default_factory=lambda: next(_arrivals))
     _state: JobState = field(default=JobState.NEW, init=False)
     _interest: int = field(default=0, init=False)
+    _readers: dict[str, Lease] = field(default_factory=dict, init=False, repr=False)
     _urgent: bool = field(default=False, init=False)
     #: the image's bytes, or a video's tube (its frames, resized when the video was inspected)
     _data: Source | None = field(default=None, init=False, repr=False)
@@ -120,13 +122,28 @@ class Job:
         """A fetch waits on it."""
         return self._urgent
 
-    def join(self) -> None:
-        """One more waiter (a request, a fetch, or a ``wait=false`` caller) wants the result."""
-        self._interest += 1
+    @property
+    def readers(self) -> list[Lease]:
+        """The leases of the waiters that will read the entry from L1 once it is stored (pinned for them)."""
+        return list(self._readers.values())
 
-    def leave(self) -> bool:
-        """One waiter is done with it; whether nobody wants it any more (drop it, unless finished)."""
+    def has_reader(self, lease: Lease) -> bool:
+        """Whether the entry is pinned for ``lease`` once stored."""
+        return lease.id in self._readers
+
+    def join(self, reader: Lease | None = None) -> None:
+        """One more waiter (a request, a fetch, or a ``wait=false`` caller) wants the result; ``reader``:
+        its lease, when it will read the entry from L1 after the job ends (a fetch reads the result)."""
+        self._interest += 1
+        if reader is not None:
+            self._readers[reader.id] = reader
+
+    def leave(self, reader: Lease | None = None) -> bool:
+        """One waiter is done with it (before it ends, its ``reader`` lease will read nothing); whether
+        nobody wants it any more (drop it, unless finished)."""
         self._interest -= 1
+        if reader is not None and not self.finished:
+            self._readers.pop(reader.id, None)
         return self._interest <= 0 and not self.finished
 
     def bump(self) -> bool:

@@ -199,7 +199,7 @@ class Outputs:
     def _complete(self, job: Job, entry: Entry, *, remote: bool) -> None:
         if job.finished:  # failed meanwhile: its failure is answered
             return
-        self.index.store_local(job.key, entry, pins=max(1, job.interest))  # kept until its callers read it
+        self.index.store_local(job.key, entry, leases=job.readers)  # kept until its readers read it
         job.finish()
         job.future.set_result(entry)
         if remote:

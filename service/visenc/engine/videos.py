@@ -143,6 +143,7 @@ def fold(handles: list[Handle], spans: list[Span]) -> list[Handle]:
                 first.dtype,
                 video.grid_thw,
                 tubes=tuple(h.hash for h in tubes),
+                lease=first.lease if all(h.lease == first.lease for h in tubes) else None,
             )
         )
     return out

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from visenc.engine.interface import EncodeItem, EngineAPI
+from visenc.engine.interface import EncodeItem, EngineAPI, Handle
 from visenc.epd.delivery import Destinations, Pusher
 from visenc.epd.wire import embedding_data_frame
 from visenc.errors import VisencError
@@ -185,13 +185,24 @@ class EPD:
         known = [h for _, h in refs if h is not None]
         present: set[str] = set()
         if known:  # hash-first: an image any replica encoded costs no download, decode or forward
-            handles = await engine.encode([EncodeItem(hash=h) for h in known], ns, wait=False)
+            handles = await engine.encode([EncodeItem(hash=h) for h in known], ns, wait=False, lease="none")
             present = {h.hash for h in handles if h.status in ("ready", "pending")}
         items = await asyncio.gather(*(self._item(i, url, h, present) for i, (url, h) in enumerate(refs)))
         try:
-            handles = await engine.encode(items, ns, wait=True, timeout_s=self.settings.encode_timeout_s)
+            timeout_s = self.settings.encode_timeout_s
+            handles = await engine.encode(items, ns, wait=True, timeout_s=timeout_s, lease="id")
         except VisencError as e:
             raise EPDError(str(e), e.status_code) from e
+        try:
+            return await self._frames(engine, part, handles)
+        finally:  # read (or refused): the pins of the ready answers go
+            for h in handles:
+                if h.lease is not None:
+                    engine.read(h.hash, ns, h.lease, last=True)
+
+    async def _frames(self, engine: EngineAPI, part: EncodePart, handles: list[Handle]) -> list[bytes | memoryview]:
+        """Frames 0 and 1 of the part, from its images' handles (all must be ready)."""
+        ns = self.settings.namespace
         bad = [(i, h) for i, h in enumerate(handles) if h.status != "ready"]
         if bad:
             i, h = bad[0]
@@ -208,11 +219,7 @@ class EPD:
             shape=[rows, width],
         )
         views = [e.rows_view() for e in entries]
-        frames = [header, views[0] if len(views) == 1 else b"".join(views)]
-        for h in handles:  # read: the pins of the ready answers (hash-first and this one) are released
-            for _ in range(1 + (h.hash in present)):
-                engine.served(h.hash, ns)
-        return frames
+        return [header, views[0] if len(views) == 1 else b"".join(views)]
 
     async def _item(self, index: int, url: str, content_hash: str | None, present: set[str]) -> EncodeItem:
         """The engine's item for one image: its hash alone where visenc holds it (and it loads as

@@ -8,21 +8,34 @@ end until the bytes held fit ``max_bytes``. A new entry goes in at the most rece
 look-ups, and a saturating counter (``psel``) follows whichever hit more lately. Agent workloads,
 where recent screenshots come back, keep LRU's hit rate; a cyclic pass over more than the cache,
 where LRU evicts every entry before its reuse, keeps most of the cache resident under BIP
-(``bench/bench_eviction.py``: 0 and about 0.66 hits on a pass over 1.5x the cache).
+(``bench/bench_eviction.py``).
 
-**Pins.** An entry answered ``ready`` stays until its callers have read it (``unpin``, one per
-pin) or ``pin_lease_s`` ends, whatever the budget: unpinned entries are evicted first, and the
-cache holds more than ``max_bytes`` only while pinned entries alone do, up to ``PIN_LIMIT *
-max_bytes``; past that the oldest pins are cut (``visenc_cache_pins_cut``). A released entry was
-just read: it goes back in at the most recently used end (one whose lease lapsed, at the least).
+**What moves an entry.** A look-up by key (``lookup``: an image named in an encode request, or a
+read that no pin was taken for) is a reference: the entry goes to the most recently used end and
+the shadows learn from it. A read that a pin was taken for (``read`` naming that pin) is the second
+half of the look-up that took it and moves nothing: a reference counted twice would move every
+entry BIP put at the least recently used end to the other end as soon as its caller read it.
+``peek`` moves nothing either; ``get`` is a plain LRU get (a reference without the shadows).
 
-An entry larger than the whole budget is not stored. Bytes are those of the stored value
+**Pins.** An entry answered ``ready`` to a caller that will read it is pinned under a lease
+(``Lease``: an id, and whether the caller was handed it); it stays until that caller reads it to
+its last row (``read``, renewed by a partial read) or ``pin_lease_s`` passes, whatever the budget.
+A pinned entry keeps its place in the recency order (where DIP put it, or where a look-up moved
+it); eviction skips it; when its last pin goes (read, lapsed or cut) it stays where it is. So a
+pin delays an entry's eviction and never changes its rank. The cache holds more than ``max_bytes``
+only while pinned entries alone do, and never more than ``max_bytes + overflow_bytes``: past that
+the oldest pins are cut (``visenc_cache_pins_cut``). A pin that names no lease id (``named``
+false: a caller that does not hand leases back) is released by the first read of the entry's last
+row that names none.
+
+An entry larger than ``max_bytes`` is not stored. Bytes are those of the stored value
 (``Entry.nbytes``). Entries are immutable and shared by reference: serving one hands out views of
 its buffer, never copies. Only the event loop thread touches it: no lock.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -35,7 +48,7 @@ from visenc_client.format import Entry
 BIMODAL_EVERY = 32
 #: the policy counter saturates at plus or minus this many look-ups that one shadow hit and the other missed
 PSEL_MAX = 64
-#: pinned entries may hold up to this many times the budget (then the oldest pins are cut)
+#: pinned entries may hold up to this many times the budget when no ``overflow_bytes`` is given
 PIN_LIMIT = 2
 
 
@@ -68,10 +81,17 @@ class Shadow:
         return False
 
 
-@dataclass(slots=True)
-class _Pin:
-    count: int
-    until: float
+@dataclass(frozen=True, slots=True)
+class Lease:
+    """Who a pin is held for: ``id`` is unique per caller's request; ``named``: the caller was handed
+    the id and hands it back when it reads (else the first read naming no lease releases it)."""
+
+    id: str
+    named: bool = True
+
+    @classmethod
+    def new(cls, *, named: bool = True) -> Lease:
+        return cls(secrets.token_hex(8), named)
 
 
 class MemoryCache:
@@ -82,16 +102,19 @@ class MemoryCache:
         max_bytes: int,
         metrics: Metrics,
         *,
+        overflow_bytes: int | None = None,
         pin_lease_s: float = 30.0,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_bytes = max_bytes
+        #: what pinned entries may hold beyond ``max_bytes`` before the oldest pins are cut
+        self.overflow_bytes = (PIN_LIMIT - 1) * max_bytes if overflow_bytes is None else overflow_bytes
         self.pin_lease_s = pin_lease_s
         self.bytes = 0
         self.pinned_bytes = 0
-        self._entries: OrderedDict[str, Entry] = OrderedDict()  # evictable, least recently used first
-        self._pinned: dict[str, Entry] = {}
-        self._pins: OrderedDict[str, _Pin] = OrderedDict()  # by lease end
+        self._order: OrderedDict[str, Entry] = OrderedDict()  # every entry, least recently used first
+        self._pins: dict[str, dict[str, Lease]] = {}  # key -> its pins by lease id, oldest first
+        self._until: OrderedDict[tuple[str, str], float] = OrderedDict()  # (key, lease id) -> end, oldest first
         self._lru = Shadow(max_bytes, bimodal=False)
         self._bip = Shadow(max_bytes, bimodal=True)
         self._sizes: dict[str, int] = {}  # what the shadows store for a key (the size it was stored with)
@@ -101,22 +124,38 @@ class MemoryCache:
         self._clock = clock
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._pinned)
+        return len(self._order)
 
     def __contains__(self, key: str) -> bool:
-        return key in self._entries or key in self._pinned
+        return key in self._order
 
     @property
     def bimodal(self) -> bool:
         """Whether new entries go in at the least recently used end (BIP won lately)."""
         return self.psel < 0
 
+    def pins(self, key: str) -> int:
+        """How many callers ``key`` is pinned for now."""
+        return len(self._pins.get(key, ()))
+
+    def rank(self, key: str) -> int | None:
+        """``key``'s place in the recency order (0: evicted first), or ``None`` when not held. O(n)."""
+        for i, k in enumerate(self._order):
+            if k == key:
+                return i
+        return None
+
+    # --- look-ups ------------------------------------------------------------------------
+    def peek(self, key: str) -> Entry | None:
+        """The entry under ``key``, moving nothing."""
+        return self._order.get(key)
+
     def get(self, key: str) -> Entry | None:
-        entry = self._entries.get(key)
+        """The entry under ``key``, moved to the most recently used end (the shadows do not learn)."""
+        entry = self._order.get(key)
         if entry is not None:
-            self._entries.move_to_end(key)
-            return entry
-        return self._pinned.get(key)
+            self._order.move_to_end(key)
+        return entry
 
     def lookup(self, keys: Sequence[str]) -> list[Entry | None]:
         """``get`` for each key, counted as look-ups (the shadows learn from them)."""
@@ -136,8 +175,10 @@ class MemoryCache:
         if by_lru != by_bip:
             self.psel = max(-PSEL_MAX, min(PSEL_MAX, self.psel + (1 if by_lru else -1)))
 
-    def store(self, key: str, entry: Entry, *, pins: int = 0) -> None:
-        """Hold ``entry`` under ``key`` (in place of any older one); ``pins``: callers that will read it."""
+    # --- stores and pins -------------------------------------------------------------------
+    def store(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> None:
+        """Hold ``entry`` under ``key`` (in place of any older one, whose pins it keeps), pinned for
+        ``leases`` (and ``pins`` callers that name no lease): the callers that will read it."""
         if entry.nbytes > self.max_bytes:
             return
         if key not in self._sizes:
@@ -146,67 +187,104 @@ class MemoryCache:
             if len(self._sizes) > 8 * max(64, len(self)):  # forget sizes the shadows no longer hold
                 self._sizes = {k: n for k, n in self._sizes.items() if k in self._lru or k in self._bip}
         self._sizes[key] = entry.nbytes
-        self._drop(key)
-        self._entries[key] = entry
-        self.bytes += entry.nbytes
-        self._inserted += 1
-        if self.bimodal and self._inserted % BIMODAL_EVERY:
-            self._entries.move_to_end(key, last=False)
-        if pins:
-            self.pin(key, pins)
-        self._evict()
-
-    def pin(self, key: str, count: int = 1) -> None:
-        """``count`` more callers will read ``key``: keep it until they ``unpin`` it or the lease ends."""
-        entry = self._entries.pop(key, None)
-        if entry is not None:
-            self._pinned[key] = entry
-            self.pinned_bytes += entry.nbytes
-        elif key not in self._pinned:
-            return
-        pin = self._pins.pop(key, None) or _Pin(0, 0.0)
-        pin.count += count
-        pin.until = self._clock() + self.pin_lease_s
-        self._pins[key] = pin
-        self._evict()
-
-    def unpin(self, key: str) -> None:
-        """One caller has read ``key``."""
-        pin = self._pins.get(key)
-        if pin is not None:
-            pin.count -= 1
-            if pin.count <= 0:
-                self._unpin(key)
-                self._evict()
-
-    def _unpin(self, key: str, *, read: bool = True) -> None:
-        """Back among the evictable entries: most recently used when just read, least when its lease lapsed."""
-        del self._pins[key]
-        entry = self._pinned.pop(key)
-        self.pinned_bytes -= entry.nbytes
-        self._entries[key] = entry
-        if not read:
-            self._entries.move_to_end(key, last=False)
-
-    def _drop(self, key: str) -> None:
-        if key in self._pins:
-            self._unpin(key)
-        old = self._entries.pop(key, None)
+        old = self._order.pop(key, None)
         if old is not None:
             self.bytes -= old.nbytes
+            self.pinned_bytes -= old.nbytes if key in self._pins else 0
+        self._order[key] = entry
+        self.bytes += entry.nbytes
+        self.pinned_bytes += entry.nbytes if key in self._pins else 0
+        self._inserted += 1
+        if self.bimodal and self._inserted % BIMODAL_EVERY:
+            self._order.move_to_end(key, last=False)
+        for lease in [*leases, *(Lease.new(named=False) for _ in range(pins))]:
+            self._pin(key, lease)
+        self._evict()
 
+    def pin(self, key: str, count: int | Lease = 1) -> bool:
+        """Keep ``key`` for a caller that will read it: under ``count`` when it is a ``Lease``, else
+        under that many pins that name no lease. A lease already held on ``key`` is renewed (one pin a
+        lease). Moves nothing; ``False`` when nothing is held under ``key``."""
+        if key not in self._order:
+            return False
+        for lease in [count] if isinstance(count, Lease) else [Lease.new(named=False) for _ in range(count)]:
+            self._pin(key, lease)
+        self._evict()
+        return True
+
+    def _pin(self, key: str, lease: Lease) -> None:
+        pins = self._pins.get(key)
+        if pins is None:
+            pins = self._pins[key] = {}
+            self.pinned_bytes += self._order[key].nbytes
+        pins[lease.id] = lease
+        self._until[(key, lease.id)] = self._clock() + self.pin_lease_s
+        self._until.move_to_end((key, lease.id))
+
+    def read(self, key: str, lease: str | None, *, last: bool) -> None:
+        """A caller read ``key``'s rows (to the last row when ``last``). Naming a lease id: that pin
+        is released (``last``) or renewed, and nothing moves; an unknown, lapsed or released id is
+        ignored. Naming none: the oldest pin that names no lease is, likewise; where there is no such
+        pin the read is a look-up of its own (a reference)."""
+        pins = self._pins.get(key, {})
+        if lease is None:
+            lease = next((i for i, p in pins.items() if not p.named), None)
+            if lease is None:
+                if self.get(key) is not None:  # a reference (not counted as a look-up: it read, it did not ask)
+                    self._duel(key)
+                return
+        if lease not in pins:
+            return
+        if last:
+            self._unpin(key, lease)
+            self._evict()
+        else:
+            self._until[(key, lease)] = self._clock() + self.pin_lease_s
+            self._until.move_to_end((key, lease))
+
+    def unpin(self, key: str, lease: str | None = None) -> None:
+        """Drop one pin of ``key``: ``lease``'s, or the oldest that names no lease. Moves nothing."""
+        pins = self._pins.get(key, {})
+        if lease is None:
+            lease = next((i for i, p in pins.items() if not p.named), None)
+        if lease in pins:
+            self._unpin(key, lease)
+            self._evict()
+
+    def _unpin(self, key: str, lease: str) -> None:
+        """The pin goes; the entry stays where it is in the recency order."""
+        pins = self._pins[key]
+        del pins[lease]
+        del self._until[(key, lease)]
+        if not pins:
+            del self._pins[key]
+            self.pinned_bytes -= self._order[key].nbytes
+
+    # --- eviction ------------------------------------------------------------------------------
     def _evict(self) -> None:
         now, cut = self._clock(), 0
-        while self._pins:  # leases end in the order they were given
-            key, pin = next(iter(self._pins.items()))
-            if pin.until > now and self.pinned_bytes <= PIN_LIMIT * self.max_bytes:
+        while self._until:  # lapsed leases: the pin goes, the entry keeps its place
+            (key, lease), until = next(iter(self._until.items()))
+            if until > now:
                 break
-            cut += pin.until > now
-            self._unpin(key, read=False)
+            self._unpin(key, lease)
+        while self.pinned_bytes > self.max_bytes + self.overflow_bytes:  # the oldest pins are cut
+            (key, lease), _ = next(iter(self._until.items()))
+            self._unpin(key, lease)
+            cut += 1
         evicted = 0
-        while self.bytes > self.max_bytes and self._entries:
-            self.bytes -= self._entries.popitem(last=False)[1].nbytes
-            evicted += 1
+        if self.bytes > self.max_bytes:
+            victims = []
+            excess = self.bytes - self.max_bytes
+            for key, entry in self._order.items():  # least recently used first, pinned ones skipped
+                if excess <= 0:
+                    break
+                if key not in self._pins:
+                    victims.append(key)
+                    excess -= entry.nbytes
+            for key in victims:
+                self.bytes -= self._order.pop(key).nbytes
+            evicted = len(victims)
         if evicted:
             self._metrics.cache_evictions.labels(self.tier).inc(evicted)
         if cut:
@@ -214,7 +292,11 @@ class MemoryCache:
         self._report()
 
     def discard(self, key: str) -> None:
-        self._drop(key)
+        for lease in list(self._pins.get(key, ())):
+            self._unpin(key, lease)
+        old = self._order.pop(key, None)
+        if old is not None:
+            self.bytes -= old.nbytes
         self._report()
 
     def _report(self) -> None:
@@ -223,6 +305,9 @@ class MemoryCache:
         self._metrics.cache_pinned_bytes.set(self.pinned_bytes)
 
     def health(self) -> dict[str, object]:
+        """What it holds now: lapsed leases are dropped first (and the budget kept), so a replica that
+        stores nothing meanwhile still reports its pins as they are."""
+        self._evict()
         return {
             "tier": self.tier,
             "ok": True,
@@ -230,5 +315,6 @@ class MemoryCache:
             "bytes": self.bytes,
             "max_bytes": self.max_bytes,
             "pinned_bytes": self.pinned_bytes,
+            "overflow_bytes": self.overflow_bytes,
             "insertion": "bimodal" if self.bimodal else "lru",
         }

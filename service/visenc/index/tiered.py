@@ -1,12 +1,13 @@
 """The index the engine uses: the in-process LRU (L1), optionally in front of
 the shared Redis store (L2). One class, one interface, whatever is configured.
 
-* ``peek``: L1 only, synchronous, no I/O.
+* ``peek``: L1 only, synchronous, no I/O; not a reference (moves nothing in L1's recency order).
 * ``get_many``: L1 first, then *one* Redis round trip for all of the L1 misses
   together; an L2 hit is promoted into L1, so the next lookup of the image on
   this replica costs no I/O.
 * ``store_local``: L1 only (synchronous; ``peek`` sees it at once), pinned for the callers that
-  will read it; ``pin`` / ``unpin``: an entry answered ready is kept until read (``memory.py``).
+  will read it; ``pin`` / ``read`` / ``unpin``: an entry answered ready is kept until its caller
+  reads it, and keeps its rank meanwhile (``memory.py``).
 * ``write_through``: one atomic Redis ``SET ... EX`` when there is a shared
   store; a failure is counted, never raised (the entry still lives in L1).
 * ``health``: ``ok`` is false while Redis is skipped after a failure: the
@@ -20,7 +21,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from visenc.index.memory import MemoryCache
+from visenc.index.memory import Lease, MemoryCache
 from visenc.index.redis_store import RedisStore
 from visenc_client.format import Entry
 
@@ -31,7 +32,7 @@ class Index:
         self.remote = remote
 
     def peek(self, key: str) -> Entry | None:
-        return self.local.get(key)
+        return self.local.peek(key)
 
     async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
         found = self.local.lookup(keys)
@@ -40,22 +41,27 @@ class Index:
             for i, entry in zip(misses, await self.remote.get_many([keys[i] for i in misses])):
                 if entry is not None:
                     # promote, unless L1 got an entry meanwhile (keep the one already shared)
-                    current = self.local.get(keys[i])
+                    current = self.local.peek(keys[i])
                     if current is None:
                         self.local.store(keys[i], entry)
                     found[i] = current or entry
         return found
 
-    def store_local(self, key: str, entry: Entry, *, pins: int = 0) -> None:
-        self.local.store(key, entry, pins=pins)
+    def store_local(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> None:
+        self.local.store(key, entry, pins=pins, leases=leases)
 
-    def pin(self, key: str) -> None:
-        """A caller was told ``key`` is ready: keep it in L1 until it reads it (or the lease ends)."""
-        self.local.pin(key)
+    def pin(self, key: str, lease: Lease | None = None) -> bool:
+        """A caller was told ``key`` is ready: keep it in L1 until it reads it (or the lease ends);
+        ``False`` when L1 does not hold it."""
+        return self.local.pin(key, 1 if lease is None else lease)
 
-    def unpin(self, key: str) -> None:
-        """A caller has read ``key``'s rows."""
-        self.local.unpin(key)
+    def read(self, key: str, lease: str | None, *, last: bool) -> None:
+        """A caller read ``key``'s rows (to the last when ``last``): its pin is renewed or released."""
+        self.local.read(key, lease, last=last)
+
+    def unpin(self, key: str, lease: str | None = None) -> None:
+        """Drop a pin of ``key`` whose caller will not read it (``lease``, or one naming none)."""
+        self.local.unpin(key, lease)
 
     def discard(self, key: str) -> None:
         """Drop a key from L1 (an entry that failed its integrity check)."""

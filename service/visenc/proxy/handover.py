@@ -48,7 +48,8 @@ class Handover:
         """A hash-first encode of ``images`` (``wait=false``); a failure is logged and counted."""
         try:
             datas = [self.images.payload(i) for i in images]
-            await self.visenc.encode([d for d in datas if d is not None], wait=False)
+            # the proxy never reads the rows (the engine's connector looks them up itself): nothing is pinned
+            await self.visenc.encode([d for d in datas if d is not None], wait=False, pin=False)
         except VisencClientError as e:  # vLLM encodes the images itself
             self.encode_failures += 1
             log.warning("visenc encode of %d images failed (%s): vLLM encodes them", len(images), e)
@@ -71,7 +72,7 @@ class Handover:
             return hashes  # visenc failed to answer a moment ago: not asked again yet
         try:
             async with asyncio.timeout(self.settings.absent_timeout_s):
-                handles = await self.visenc.lookup(hashes)
+                handles = await self.visenc.lookup(hashes, pin=False)
         except Exception as e:  # too slow or failed: the images count as lacking (a lost hit at most)
             self._quiet_until = asyncio.get_running_loop().time() + QUIET_S
             log.warning("visenc did not say which images it lacks (%s): they count as lacking", type(e).__name__)

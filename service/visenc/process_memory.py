@@ -1,0 +1,108 @@
+"""One memory budget per process: how large it is, and how it is split.
+
+Everything visenc keeps in host memory for the rows it serves lives inside one budget
+(``process_memory_bytes``): the in-process index (L1), the pinned entries it may hold beyond L1
+(``overflow``: past it the oldest pins are cut), the shared-memory segments (tmpfs pages, charged to
+the container like any other), and the tower inputs staged for the device. The model, the runtime and
+the forward's working memory (``memory_budget_bytes``: the device's) are not in it.
+
+The default is ``PROCESS_SHARE`` of the memory the process may use: the container's limit where it
+has one (compose and k8s give every replica one), else the host's memory divided by its GPU count, as
+NVML counts them (every GPU of the host, whatever ``CUDA_VISIBLE_DEVICES`` says: a GPU host runs one
+visenc per GPU, each seeing one). No NVML or no GPU: one. The rule and its figures: ``docs/operations.md``.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+from visenc.config import Settings
+from visenc.engine.limits import CGROUP_ROOT, PROC_CGROUP, cgroup_memory_limit, host_memory_bytes
+
+log = logging.getLogger(__name__)
+
+#: the budget's share of the memory the process may use (the model, the runtime and the forwards use the rest)
+PROCESS_SHARE = 0.5
+#: shares of the budget: shared-memory segments, and pinned entries beyond L1
+SHM_SHARE = 0.25
+OVERFLOW_SHARE = 0.125
+
+
+def host_gpu_count() -> int:
+    """GPUs on this host, as NVML counts them (all of them, whatever ``CUDA_VISIBLE_DEVICES`` hides);
+    1 where there is no NVML or no GPU."""
+    try:
+        import pynvml
+    except ImportError:
+        return 1
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return 1
+    try:
+        return max(1, int(pynvml.nvmlDeviceGetCount()))
+    except pynvml.NVMLError:
+        return 1
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def default_budget(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> tuple[int, str]:
+    """The default budget in bytes, and how it was sized (for the log)."""
+    host, limit = host_memory_bytes(), cgroup_memory_limit(root, proc_cgroup)
+    if limit is not None and limit < host:
+        return int(PROCESS_SHARE * limit), f"{PROCESS_SHARE:g} of the container's limit, {_gib(limit)}"
+    gpus = host_gpu_count()
+    return int(PROCESS_SHARE * host / gpus), f"{PROCESS_SHARE:g} of the host's {_gib(host)} over its {gpus} GPU(s)"
+
+
+@dataclass(frozen=True, slots=True)
+class MemorySplit:
+    """The process budget and its parts (bytes); ``l1 + overflow + shm + staged <= total``."""
+
+    total: int
+    source: str
+    shm: int
+    overflow: int
+    staged: int = 0
+    l1: int = 0
+
+    def describe(self) -> str:
+        return (
+            f"memory budget {_gib(self.total)} ({self.source}): L1 {_gib(self.l1)}, pinned beyond L1 "
+            f"{_gib(self.overflow)}, shared memory {_gib(self.shm)}, staged inputs {_gib(self.staged)}"
+        )
+
+
+def plan(settings: Settings, root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) -> MemorySplit:
+    """The budget and the parts known before the tower is loaded (shared memory, pinned overflow);
+    ``with_staged`` fills in the rest. Raises ``ValueError`` where parts set explicitly exceed a budget
+    set explicitly."""
+    if settings.process_memory_bytes is not None:
+        total, source = settings.process_memory_bytes, "set"
+    else:
+        total, source = default_budget(root, proc_cgroup)
+    shm = 0 if not settings.shm_enabled else settings.shm_max_bytes or int(SHM_SHARE * total)
+    overflow = settings.pin_overflow_bytes if settings.pin_overflow_bytes is not None else int(OVERFLOW_SHARE * total)
+    return MemorySplit(total, source, shm, overflow)
+
+
+def with_staged(split: MemorySplit, settings: Settings, staged: int) -> MemorySplit:
+    """``split`` with the staged inputs' bound and L1: ``cache_bytes``, or what the other parts leave.
+    A pinned overflow left unset takes at most what L1 leaves."""
+    rest = split.total - split.shm - staged
+    l1 = settings.cache_bytes if settings.cache_bytes is not None else max(0, rest - split.overflow)
+    overflow = split.overflow if settings.pin_overflow_bytes is not None else max(0, min(split.overflow, rest - l1))
+    if l1 + overflow <= rest:
+        return MemorySplit(split.total, split.source, split.shm, overflow, staged, l1)
+    parts = f"L1 {_gib(l1)}, pinned beyond it {_gib(overflow)}, shared memory {_gib(split.shm)}, staged {_gib(staged)}"
+    if settings.process_memory_bytes is not None:
+        raise ValueError(f"{parts}: more than process_memory_bytes, {_gib(split.total)}")
+    log.warning("%s: more than the default memory budget %s; the budget is their sum", parts, _gib(split.total))
+    return MemorySplit(split.shm + staged + l1 + overflow, "the parts set", split.shm, overflow, staged, l1)
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"

@@ -24,8 +24,11 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
+import time
 from pathlib import Path
+from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
@@ -38,21 +41,37 @@ CHEAP_VISION = {**bench_gpu.TINY_VISION, "depth": 1, "fullatt_block_indexes": []
 CHEAP_VISION.update(intermediate_size=32, num_heads=1)
 
 
-def gate_table(path: Path, device: str, dtype: str, old: int, new: int) -> None:
-    """Each screen size's cost and staged line, and how many the gate admits at once under each bound."""
+def gate_table(prep: Any, workers: int, bounds: dict[str, int]) -> None:
+    """Each screen size's cost, staged line, one thread's decode + preprocess time, and how many the
+    gate admits at once under each bound; then each bound's preprocessing ceiling (Little's law on the
+    staging ledger: staged tokens on average = images/s x mean(line x seconds), at most the bound, or
+    one image's line when it runs alone), and the pool's (workers / mean seconds). An upper bound: it
+    leaves out the input a made image holds until its forward, and the host's other work."""
     import torch
 
-    from visenc.engine.prepare import ImagePrep
-    from visenc.models.loading import load_tower
-
-    tower = load_tower(str(path), device="cpu", dtype=dtype)  # the processor only: the costs charged
-    prep = ImagePrep(tower, max_image_bytes=1 << 30, max_image_pixels=1 << 30)
-    print(f"staging bound: before {old} tokens, now {new} ({device}, {torch.get_num_threads()} threads here)")
-    print("  screen     input tokens  staged line  made at once: before  now")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as one worker of the pool makes it
+    print("  screen     input tokens  staged line  ms (1 thread)  made at once: " + "  ".join(bounds))
+    lines, secs = [], []
     for i, (w, h) in enumerate(SCREENS):
-        _, shot = prep.inspect(c.jpeg(i, w, h), None)
-        line = shot.cost + shot.decode_cost  # type: ignore[union-attr]
-        print(f"  {w}x{h:<5}  {shot.cost:12d}  {line:11d}  {max(1, old // line):19d}  {max(1, new // line):3d}")  # type: ignore[union-attr]
+        data = c.jpeg(i, w, h)
+        _, shot = prep.inspect(data, None)
+        assert not isinstance(shot, Exception)
+        line = shot.cost + shot.decode_cost
+        t0 = time.perf_counter()
+        for _ in range(3):
+            prep.preprocess(data)
+        lines.append(line)
+        secs.append((time.perf_counter() - t0) / 3)
+        at_once = "  ".join(f"{min(workers, max(1, b // line)):>{len(k)}d}" for k, b in bounds.items())
+        print(f"  {w}x{h:<5}  {shot.cost:12d}  {line:11d}  {1e3 * secs[-1]:13.0f}  {'':13s} {at_once}")
+    torch.set_num_threads(threads)
+    token_s = statistics.mean(x * t for x, t in zip(lines, secs))
+    pool = workers / statistics.mean(secs)
+    for name, b in bounds.items():
+        print(
+            f"  preprocessing ceiling, {name}: {min(max(b, max(lines)) / token_s, pool):.1f} img/s ({workers} workers)"
+        )
 
 
 def main() -> int:
@@ -76,7 +95,17 @@ def main() -> int:
     tokens = Settings().max_batch_tokens
     workers = len(os.sched_getaffinity(0))
     old, new = 2 * tokens, (2 + workers) * tokens  # new: the plan's default, unless host memory caps it
-    gate_table(path, args.device, "bfloat16", old, new)
+    print(f"staging bound: before {old} tokens (two batches), now {new} (two plus one per worker)")
+    from visenc.engine.prepare import ImagePrep
+    from visenc.models.loading import load_tower
+
+    tower = load_tower(str(path), device="cpu", dtype="bfloat16")  # its processor: the costs charged
+    prep = ImagePrep(tower, max_image_bytes=1 << 30, max_image_pixels=1 << 30)
+    gate_table(prep, workers, {"before": old, "now": new})
+    sixteen = {"before": old, "now": (2 + 16) * tokens}
+    print("the same on 16 cores (as the GPU host of bench/RESULTS.md round 16), this host's core speed:")
+    gate_table(prep, 16, sixteen)
+    del tower, prep
     flags = ["--device", args.device, "--dtype", "bfloat16", "--compile", "on" if args.device == "cuda" else "off"]
     before = {"VISENC_PREFETCH_TOKENS": str(old)}
     now = {} if args.device == "cuda" else {"VISENC_PREFETCH_TOKENS": str(new)}

@@ -157,13 +157,19 @@ def visenc_sender(base: str, namespace: str, inline: bool = True) -> Send:
 
 
 def serve_rates(
-    model: str, configs: list[tuple[dict[str, str], list[str]]], images: list[bytes], rounds: int, concurrency: int = 8
+    model: str,
+    configs: list[tuple[dict[str, str], list[str]]],
+    images: list[bytes],
+    rounds: int,
+    concurrency: int = 8,
+    inline: bool = True,
 ) -> list[list[float]]:
     """Cold images/s of ``visenc serve`` under each (environment, flags) configuration, per round.
 
     Every server starts first (then warms up); each round measures each once, the order reversed
     every other round, with ``concurrency`` single-image clients and a fresh namespace, while the
-    others are paused (an idle server still polls and steals cycles from a small host)."""
+    others are paused (an idle server still polls and steals cycles from a small host). ``inline``: as
+    ``visenc_sender``'s."""
     with contextlib.ExitStack() as stack:
         servers = []
         for env, flags in configs:
@@ -171,7 +177,7 @@ def serve_rates(
             cmd = visenc_cmd(model, port, *flags)
             proc = stack.enter_context(server(cmd, f"http://127.0.0.1:{port}/readyz", {**service_env(), **env}))
             servers.append((proc, f"http://127.0.0.1:{port}"))
-            asyncio.run(clients_rate(images[:concurrency], visenc_sender(servers[-1][1], "warm"), concurrency))
+            asyncio.run(clients_rate(images[:concurrency], visenc_sender(servers[-1][1], "warm", inline), concurrency))
             pause(proc)
         rates: list[list[float]] = [[] for _ in configs]
         for r in range(rounds):
@@ -179,7 +185,8 @@ def serve_rates(
             for i in order:
                 proc, url = servers[i]
                 resume(proc)
-                rates[i].append(asyncio.run(clients_rate(images, visenc_sender(url, f"r{r}"), concurrency)))
+                send = visenc_sender(url, f"r{r}", inline)
+                rates[i].append(asyncio.run(clients_rate(images, send, concurrency)))
                 pause(proc)
     return rates
 

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 import torch
+from tests.support.images import jpeg_bytes
 
-from visenc.engine.budget import CPU_PACKED_BATCH_TOKENS, RESERVE, plan_budget
+from visenc.engine.budget import (
+    CPU_PACKED_BATCH_TOKENS,
+    HOST_STAGING_SHARE,
+    RESERVE,
+    STAGED_LINE_FACTOR,
+    plan_budget,
+)
+from visenc.engine.prepare import ImagePrep
 from visenc.models import memory
 from visenc.models.loading import load_tower
 
@@ -103,3 +111,32 @@ def test_cuda_plan_keeps_staged_inputs_out_of_device_memory(qwen, monkeypatch):
     plan = plan_budget(qwen, budget, max_batch_tokens=1 << 30)
     assert plan.max_batch_tokens == int((1 - RESERVE) * budget) // qwen.activation_bytes_per_token()
     assert plan.prefetch_tokens == 2 * plan.max_batch_tokens
+
+
+def test_cuda_staging_bound_grows_with_the_preprocessing_pool_within_host_memory(qwen, monkeypatch):
+    monkeypatch.setattr(qwen, "device", torch.device("cuda"))
+    big_host = 1 << 40
+    plan = plan_budget(qwen, 1 << 40, max_batch_tokens=16384, workers=16, host_memory_bytes=big_host)
+    assert plan.prefetch_tokens == (2 + 16) * plan.max_batch_tokens  # two batches ready, one per worker
+    line = STAGED_LINE_FACTOR * qwen.input_bytes_per_token()
+    small_host = 4096 * MiB
+    capped = plan_budget(qwen, 1 << 40, max_batch_tokens=16384, workers=16, host_memory_bytes=small_host)
+    assert 2 * 16384 < capped.prefetch_tokens == int(HOST_STAGING_SHARE * small_host) // line < plan.prefetch_tokens
+    tiny_host = 1 * MiB  # never below the two batches that keep the device fed
+    assert plan_budget(
+        qwen, 1 << 40, max_batch_tokens=16384, workers=16, host_memory_bytes=tiny_host
+    ).prefetch_tokens == (2 * 16384)
+
+
+def test_cuda_staging_bound_lets_the_pool_make_several_screenshots_at_once(qwen, monkeypatch):
+    """A 1080p screenshot's staged line (its input and its decode) exceeds a 16k-token batch: with two
+    batches as the bound, one is made at a time whatever the pool's width; one batch per worker lets
+    many be made at once (the gate admits a job while the staged total stays within the bound)."""
+    prep = ImagePrep(qwen, max_image_bytes=1 << 30, max_image_pixels=1 << 30)
+    _, shot = prep.inspect(jpeg_bytes(0, 1920, 1080), None)
+    line = shot.cost + shot.decode_cost
+    monkeypatch.setattr(qwen, "device", torch.device("cuda"))
+    two_batches = plan_budget(qwen, 1 << 40, max_batch_tokens=16384).prefetch_tokens
+    wide = plan_budget(qwen, 1 << 40, max_batch_tokens=16384, workers=16, host_memory_bytes=1 << 40).prefetch_tokens
+    assert two_batches // line == 1
+    assert wide // line >= 8

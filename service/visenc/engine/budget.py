@@ -25,6 +25,12 @@ RESERVE = 0.2
 #: than 1-4 (bench/bench_batching.py). Attention is per image, so nothing is lost.
 CPU_PACKED_BATCH_TOKENS = 4096
 
+#: share of host memory the staged inputs may take on CUDA (where they live on the host)
+HOST_STAGING_SHARE = 0.125
+#: a staged line's bytes per input byte at most: the input, plus its decode while it is made
+#: (``prepare.py``: a JPEG screenshot's decode charge is about 1.7 times its input)
+STAGED_LINE_FACTOR = 3
+
 
 @dataclass(frozen=True, slots=True)
 class BatchBudget:
@@ -55,12 +61,17 @@ def plan_budget(
     *,
     max_batch_tokens: int,
     prefetch_tokens: int | None = None,
+    workers: int = 0,
+    host_memory_bytes: int | None = None,
 ) -> BatchBudget:
     """Batch limits for ``tower`` under ``memory_bytes`` (see the module docstring).
 
     ``max_batch_tokens`` is a cap from the settings (the plan may lower it, never
     raise it; on CPU a packable tower is also capped at ``CPU_PACKED_BATCH_TOKENS``);
-    ``prefetch_tokens`` overrides the derived staging bound.
+    ``prefetch_tokens`` overrides the derived staging bound. On CUDA that bound is two batches ready
+    plus one batch for each of the ``workers`` preprocessing threads (so every one of them can make an
+    image while two batches wait), within ``HOST_STAGING_SHARE`` of ``host_memory_bytes`` (default:
+    this process's usable memory).
     """
     if memory_bytes <= 0:
         raise ValueError(f"memory budget must be positive, got {memory_bytes}")
@@ -72,5 +83,12 @@ def plan_budget(
         max_batch_tokens = min(max_batch_tokens, CPU_PACKED_BATCH_TOKENS)
     tokens = max(1, min(max_batch_tokens, usable // (act + 2 * inp)))
     batch_bytes = max(tokens * act, usable - 2 * tokens * inp)
-    prefetch = prefetch_tokens if prefetch_tokens is not None else tokens // 4 if staged_here else 2 * tokens
+    if prefetch_tokens is not None:
+        prefetch = prefetch_tokens
+    elif staged_here:
+        prefetch = tokens // 4
+    else:
+        host = usable_memory_bytes() if host_memory_bytes is None else host_memory_bytes
+        line = STAGED_LINE_FACTOR * max(1, tower.input_bytes_per_token())
+        prefetch = max(2 * tokens, min((2 + workers) * tokens, int(HOST_STAGING_SHARE * host) // line))
     return BatchBudget(memory_bytes, tokens, batch_bytes, max(1, prefetch))

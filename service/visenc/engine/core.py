@@ -59,6 +59,7 @@ class Engine:
             settings.memory_budget_bytes or device_memory_budget(tower.device, settings.memory_fraction),
             max_batch_tokens=settings.max_batch_tokens,
             prefetch_tokens=settings.prefetch_tokens,
+            workers=workers,
         )
         log.info("batch budget: %s", self.budget)
         self._build_stages(

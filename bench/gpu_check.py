@@ -13,12 +13,14 @@ The commands, in order (each one's whole output is kept under ``--out``, its tai
 1. ``bench/bench_gpu.py --profile --json``: a Qwen2.5-VL-7B-sized tower, transformers' own path vs
    visenc eager vs compiled vs compiled per-image, MFU, the top kernels of compiled 1080p;
 2. ``bench/bench_gpu_service.py --json``: ``visenc serve`` under 16 clients vs the bare compiled forward;
-3. the CUDA test cases (``-k cuda``: packed and compiled rows in bf16, no device sync in any packed
+3. ``bench/bench_staging.py --device cuda --tower 7b``: ``visenc serve`` under the staging bound of
+   before (two batches) and now (one more per preprocessing worker), side by side;
+4. the CUDA test cases (``-k cuda``: packed and compiled rows in bf16, no device sync in any packed
    family's forward).
 
 The targets: compiled >= 4x transformers' own path at 1080p, MFU >= 0.45 (compiled, 1080p x4),
 batched >= per-image (compiled, every batch of several images), service / bare forward >= 0.9.
-The compile caches of all three commands are one folder (``--out``), so the second compiles warm.
+The compile caches of all the commands are one folder (``--out``), so the second compiles warm.
 """
 
 from __future__ import annotations
@@ -58,12 +60,18 @@ def commands(smoke: bool) -> list[tuple[str, int, list[str]]]:
                 600,
                 [py, "bench/bench_gpu_service.py", *tiny, *"--images 8 --rounds 1 --json".split()],
             ),
+            ("bench_staging", 600, [py, "bench/bench_staging.py", *"--images 8 --rounds 1".split()]),
             ("tests", 600, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, "-k", "cuda"]),
         ]
     return [
-        ("bench_gpu", 240, [py, "bench/bench_gpu.py", "--rounds", "3", "--profile", "--json"]),
-        ("bench_gpu_service", 200, [py, "bench/bench_gpu_service.py", "--images", "48", "--rounds", "2", "--json"]),
-        ("tests", 120, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, "-k", "cuda"]),
+        ("bench_gpu", 180, [py, "bench/bench_gpu.py", "--rounds", "3", "--profile", "--json"]),
+        ("bench_gpu_service", 130, [py, "bench/bench_gpu_service.py", "--images", "48", "--rounds", "2", "--json"]),
+        (
+            "bench_staging",
+            160,
+            [py, "bench/bench_staging.py", *"--device cuda --tower 7b --images 48 --rounds 1".split()],
+        ),
+        ("tests", 80, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, "-k", "cuda"]),
     ]
 
 
@@ -141,7 +149,10 @@ def main() -> int:
     p.add_argument("--smoke", action="store_true", help="on a CPU: the same commands on tiny towers")
     p.add_argument("--out", type=Path, default=None, help="folder for the logs and compile caches (default: a new one)")
     p.add_argument(
-        "--only", nargs="*", default=None, help="run only these checks (bench_gpu, bench_gpu_service, tests)"
+        "--only",
+        nargs="*",
+        default=None,
+        help="run only these checks (bench_gpu, bench_gpu_service, bench_staging, tests)",
     )
     args = p.parse_args()
     out = args.out or Path(tempfile.mkdtemp(prefix="visenc-gpu-check-"))

@@ -29,18 +29,22 @@ from visenc.process_memory import MemorySplit, plan, with_staged
 log = logging.getLogger("visenc")
 
 
-def staged_bytes(tower: VisionTower, settings: Settings) -> int:
-    """The most host bytes of tower inputs the scheduler stages (its prefetch bound, plus the batch a
-    bumped image may start beyond it), in the tower's input bytes."""
+def staged(tower: VisionTower, settings: Settings, process_bytes: int) -> tuple[int, int]:
+    """(the scheduler's prefetch bound in tokens, the most host bytes of tower inputs it stages: that
+    bound plus the batch a bumped image may start beyond it). The bound is planned once, here, within
+    the process's memory budget, and the engine is given it (``prefetch_tokens``)."""
     from visenc.engine.budget import device_memory_budget, plan_budget
+    from visenc.engine.threads import default_preprocess_workers
 
     budget = plan_budget(
         tower,
         settings.memory_budget_bytes or device_memory_budget(tower.device, settings.memory_fraction),
         max_batch_tokens=settings.max_batch_tokens,
         prefetch_tokens=settings.prefetch_tokens,
+        workers=settings.preprocess_workers or default_preprocess_workers(tower.device),
+        process_memory_bytes=process_bytes,
     )
-    return (budget.prefetch_tokens + budget.max_batch_tokens) * tower.input_bytes_per_token()
+    return budget.prefetch_tokens, (budget.prefetch_tokens + budget.max_batch_tokens) * tower.input_bytes_per_token()
 
 
 def sized(settings: Settings, split: MemorySplit) -> Settings:
@@ -132,10 +136,12 @@ def create_app(
     @asynccontextmanager
     async def engine(app: FastAPI) -> AsyncIterator[Engine]:
         loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
-        split = with_staged(budget, settings, staged_bytes(loaded, settings))
+        prefetch_tokens, staged_bytes = staged(loaded, settings, budget.total)
+        split = with_staged(budget, settings, staged_bytes)
         log.info("%s", split.describe())
         built_index, claims = index(sized(settings, split), metrics)
-        core = Engine(loaded, built_index, settings, metrics, claim_store=claims)
+        planned = settings.model_copy(update={"prefetch_tokens": prefetch_tokens})
+        core = Engine(loaded, built_index, planned, metrics, claim_store=claims)
         d = loaded.describe()
         metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"], str(d["hidden_size"])).set(1)
 

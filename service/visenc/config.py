@@ -254,8 +254,8 @@ class Settings(BaseSettings):
         None,
         gt=0,
         description="Most tower-input tokens staged for the device: preprocessing, ready or in the forward "
-        "(default on CUDA: two batches plus one per preprocessing worker, within an eighth of host memory; "
-        "on a CPU a quarter of a batch, where preprocessing shares the cores).",
+        "(default on CUDA: two batches plus one per preprocessing worker, within an eighth of the process "
+        "memory budget; on a CPU a quarter of a batch, where preprocessing shares the cores).",
     )
     heap_keep_bytes: int = Field(
         1024 * MiB,

@@ -8,9 +8,9 @@ from tests.support.images import jpeg_bytes
 
 from visenc.engine.budget import (
     CPU_PACKED_BATCH_TOKENS,
-    HOST_STAGING_SHARE,
     RESERVE,
     STAGED_LINE_FACTOR,
+    STAGING_SHARE,
     plan_budget,
 )
 from visenc.engine.prepare import ImagePrep
@@ -113,18 +113,18 @@ def test_cuda_plan_keeps_staged_inputs_out_of_device_memory(qwen, monkeypatch):
     assert plan.prefetch_tokens == 2 * plan.max_batch_tokens
 
 
-def test_cuda_staging_bound_grows_with_the_preprocessing_pool_within_host_memory(qwen, monkeypatch):
+def test_cuda_staging_bound_grows_with_the_preprocessing_pool_within_the_process_budget(qwen, monkeypatch):
     monkeypatch.setattr(qwen, "device", torch.device("cuda"))
     big_host = 1 << 40
-    plan = plan_budget(qwen, 1 << 40, max_batch_tokens=16384, workers=16, host_memory_bytes=big_host)
+    plan = plan_budget(qwen, 1 << 40, max_batch_tokens=16384, workers=16, process_memory_bytes=big_host)
     assert plan.prefetch_tokens == (2 + 16) * plan.max_batch_tokens  # two batches ready, one per worker
     line = STAGED_LINE_FACTOR * qwen.input_bytes_per_token()
     small_host = 4096 * MiB
-    capped = plan_budget(qwen, 1 << 40, max_batch_tokens=16384, workers=16, host_memory_bytes=small_host)
-    assert 2 * 16384 < capped.prefetch_tokens == int(HOST_STAGING_SHARE * small_host) // line < plan.prefetch_tokens
+    capped = plan_budget(qwen, 1 << 40, max_batch_tokens=16384, workers=16, process_memory_bytes=small_host)
+    assert 2 * 16384 < capped.prefetch_tokens == int(STAGING_SHARE * small_host) // line < plan.prefetch_tokens
     tiny_host = 1 * MiB  # never below the two batches that keep the device fed
     assert plan_budget(
-        qwen, 1 << 40, max_batch_tokens=16384, workers=16, host_memory_bytes=tiny_host
+        qwen, 1 << 40, max_batch_tokens=16384, workers=16, process_memory_bytes=tiny_host
     ).prefetch_tokens == (2 * 16384)
 
 
@@ -137,6 +137,6 @@ def test_cuda_staging_bound_lets_the_pool_make_several_screenshots_at_once(qwen,
     line = shot.cost + shot.decode_cost
     monkeypatch.setattr(qwen, "device", torch.device("cuda"))
     two_batches = plan_budget(qwen, 1 << 40, max_batch_tokens=16384).prefetch_tokens
-    wide = plan_budget(qwen, 1 << 40, max_batch_tokens=16384, workers=16, host_memory_bytes=1 << 40).prefetch_tokens
+    wide = plan_budget(qwen, 1 << 40, max_batch_tokens=16384, workers=16, process_memory_bytes=1 << 40).prefetch_tokens
     assert two_batches // line == 1
     assert wide // line >= 8

@@ -10,10 +10,13 @@ import types
 from pathlib import Path
 
 import pytest
+import torch
+from tests.support.api import running_app
 
 from visenc import process_memory
-from visenc.bootstrap import staged_bytes
+from visenc.bootstrap import staged
 from visenc.config import Settings
+from visenc.engine.budget import STAGED_LINE_FACTOR, STAGING_SHARE
 from visenc.engine.limits import host_memory_bytes
 
 GiB = 1 << 30
@@ -109,4 +112,25 @@ def test_shared_memory_off_leaves_its_part_to_l1(tmp_path, monkeypatch):
 
 def test_staged_inputs_are_the_schedulers_bound(tiny_tower):
     settings = Settings(max_batch_tokens=1024, prefetch_tokens=512, memory_budget_bytes=GiB)
-    assert staged_bytes(tiny_tower, settings) == (512 + 1024) * tiny_tower.input_bytes_per_token()
+    assert staged(tiny_tower, settings, GiB) == (512, (512 + 1024) * tiny_tower.input_bytes_per_token())
+
+
+def test_on_cuda_the_staging_bound_fits_the_process_budget_not_the_host(tiny_tower, monkeypatch):
+    """One batch per preprocessing worker, within an eighth of this process's budget: eight processes
+    on a host never stage more than the host holds, whatever each one's pool."""
+    monkeypatch.setattr(tiny_tower, "device", torch.device("cuda"))
+    settings = Settings(max_batch_tokens=16384, memory_budget_bytes=GiB, preprocess_workers=64)
+    line = STAGED_LINE_FACTOR * tiny_tower.input_bytes_per_token()
+    roomy, _ = staged(tiny_tower, settings, 1 << 40)
+    small_budget = 256 * (1 << 20)
+    tight, tight_bytes = staged(tiny_tower, settings, small_budget)
+    assert tight == max(2 * 16384, int(STAGING_SHARE * small_budget) // line) < roomy == (2 + 64) * 16384
+    assert tight_bytes == (tight + 16384) * tiny_tower.input_bytes_per_token()
+
+
+async def test_the_engine_stages_within_the_bound_the_split_counts(tiny_tower):
+    """The bound is planned once, where the split is made, and handed to the engine as a setting."""
+    async with running_app(tiny_tower, process_memory_bytes=GiB, preprocess_workers=3) as client:
+        engine = client.app.state.engine  # type: ignore[attr-defined]
+        planned, _ = staged(tiny_tower, Settings(process_memory_bytes=GiB, preprocess_workers=3), GiB)
+        assert engine.settings.prefetch_tokens == engine.budget.prefetch_tokens == planned

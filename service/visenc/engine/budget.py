@@ -25,8 +25,8 @@ RESERVE = 0.2
 #: than 1-4 (bench/bench_batching.py). Attention is per image, so nothing is lost.
 CPU_PACKED_BATCH_TOKENS = 4096
 
-#: share of host memory the staged inputs may take on CUDA (where they live on the host)
-HOST_STAGING_SHARE = 0.125
+#: share of the process's memory budget the staged inputs may take on CUDA (where they live on the host)
+STAGING_SHARE = 0.125
 #: a staged line's bytes per input byte at most: the input, plus its decode while it is made
 #: (``prepare.py``: a JPEG screenshot's decode charge is about 1.7 times its input)
 STAGED_LINE_FACTOR = 3
@@ -62,7 +62,7 @@ def plan_budget(
     max_batch_tokens: int,
     prefetch_tokens: int | None = None,
     workers: int = 0,
-    host_memory_bytes: int | None = None,
+    process_memory_bytes: int | None = None,
 ) -> BatchBudget:
     """Batch limits for ``tower`` under ``memory_bytes`` (see the module docstring).
 
@@ -70,8 +70,8 @@ def plan_budget(
     raise it; on CPU a packable tower is also capped at ``CPU_PACKED_BATCH_TOKENS``);
     ``prefetch_tokens`` overrides the derived staging bound. On CUDA that bound is two batches ready
     plus one batch for each of the ``workers`` preprocessing threads (so every one of them can make an
-    image while two batches wait), within ``HOST_STAGING_SHARE`` of ``host_memory_bytes`` (default:
-    this process's usable memory).
+    image while two batches wait), within ``STAGING_SHARE`` of ``process_memory_bytes``, the
+    process's memory budget (``process_memory.py``; default: this process's usable memory).
     """
     if memory_bytes <= 0:
         raise ValueError(f"memory budget must be positive, got {memory_bytes}")
@@ -88,7 +88,7 @@ def plan_budget(
     elif staged_here:
         prefetch = tokens // 4
     else:
-        host = usable_memory_bytes() if host_memory_bytes is None else host_memory_bytes
+        host = usable_memory_bytes() if process_memory_bytes is None else process_memory_bytes
         line = STAGED_LINE_FACTOR * max(1, tower.input_bytes_per_token())
-        prefetch = max(2 * tokens, min((2 + workers) * tokens, int(HOST_STAGING_SHARE * host) // line))
+        prefetch = max(2 * tokens, min((2 + workers) * tokens, int(STAGING_SHARE * host) // line))
     return BatchBudget(memory_bytes, tokens, batch_bytes, max(1, prefetch))

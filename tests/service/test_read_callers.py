@@ -28,7 +28,7 @@ from tests.support.waits import until
 
 from visenc.models.base import Prepared
 from visenc.proxy import Proxy, ProxySettings, create_proxy_app
-from visenc_client import AsyncClient, ImagePlacement, RowRange
+from visenc_client import AsyncClient, ImagePlacement, RowRange, VisencClientError
 from visenc_client.format import LEASE_HEADER, image_hash
 
 NONE = {LEASE_HEADER: "none"}
@@ -233,5 +233,41 @@ async def test_look_ups_that_read_nothing_of_a_pending_image_pin_nothing(tiny_to
                 assert l1.pins(control.hash) == 1
                 await visenc.fetch(control)
                 assert l1.pins(control.hash) == 0
+    finally:
+        tower.gate.set()
+
+
+class Holding(FaultyTower):
+    """The tiny tower, whose forwards of an image of ``tokens`` rows wait until ``gate`` opens."""
+
+    def __init__(self, inner, tokens: int) -> None:
+        super().__init__(inner)
+        self.tokens = tokens
+        self.gate = threading.Event()
+
+    def forward(self, batch: Sequence[Prepared]):
+        if any(p.layout.num_tokens == self.tokens for p in batch):
+            assert self.gate.wait(60), "the gate never opened"
+        return super().forward(batch)
+
+
+async def test_a_request_that_fails_after_some_images_were_ready_leaves_no_pin(tiny_tower):
+    """A request answered ready for two images, one held already and one encoded meanwhile, whose
+    third image is not encoded within its deadline (504): its caller reads none of them, so nothing
+    is kept for it. The control: while the request waits, both are pinned for it."""
+    held, fresh, slow = png_bytes(80, 80, 60), png_bytes(81, 80, 60), png_bytes(82, 448, 448)
+    tower = Holding(tiny_tower, tiny_tower.layout(448, 448).num_tokens)
+    try:
+        async with running_app(tower, request_timeout_s=3.0, max_batch_images=1) as client:
+            l1 = L1(client)
+            async with AsyncClient("http://visenc", transport=httpx.ASGITransport(app=client.app)) as visenc:  # type: ignore[attr-defined]
+                await visenc.encode([held], pin=False)
+                asked = asyncio.create_task(visenc.encode([held, fresh, slow], hash_first=False))
+                await until(lambda: l1.pins(image_hash(fresh)) == 1, 30, "the fresh image stored, pinned")
+                assert l1.pins(image_hash(held)) == 1  # the control
+                with pytest.raises(VisencClientError, match="not encoded within"):
+                    await asked
+                tower.gate.set()
+            assert l1.pins(image_hash(held)) == 0 and l1.pins(image_hash(fresh)) == 0
     finally:
         tower.gate.set()

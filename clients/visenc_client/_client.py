@@ -24,6 +24,7 @@ the service at the first fetch whether it is on this host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,7 +34,7 @@ import httpx
 import numpy as np
 
 from visenc_client import _protocol as p
-from visenc_client._exceptions import TransportError, describe
+from visenc_client._exceptions import TransportError, VisencClientError, describe
 from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Connections, Head
 from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
 from visenc_client._shm import SegmentHandles, same_host
@@ -223,6 +224,12 @@ class Client(_Base):
         not pinned)."""
         return self._drive(lookup_flow(self._http, hashes, self.headers, self._segments, wait, include_rows, pin))
 
+    def hand_back(self, handles: Sequence[Handle]) -> None:
+        """Release what the service keeps for ready ``handles`` whose rows this client will not read
+        (their leases; one request). Best effort: a failure is ignored, and the leases lapse."""
+        with contextlib.suppress(VisencClientError):
+            self._drive(p.hand_back_flow(self._http, handles, self.headers))
+
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:
             self._choose(self.model())
@@ -385,6 +392,11 @@ class AsyncClient(_Base):
     ) -> list[Handle]:
         """As ``Client.lookup``."""
         return await self._drive(lookup_flow(self._http, hashes, self.headers, self._segments, wait, include_rows, pin))
+
+    async def hand_back(self, handles: Sequence[Handle]) -> None:
+        """As ``Client.hand_back``."""
+        with contextlib.suppress(VisencClientError):
+            await self._drive(p.hand_back_flow(self._http, handles, self.headers))
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:

@@ -110,3 +110,17 @@ def test_shared_memory_off_leaves_its_part_to_l1(tmp_path, monkeypatch):
 def test_staged_inputs_are_the_schedulers_bound(tiny_tower):
     settings = Settings(max_batch_tokens=1024, prefetch_tokens=512, memory_budget_bytes=GiB)
     assert staged_bytes(tiny_tower, settings) == (512 + 1024) * tiny_tower.input_bytes_per_token()
+
+
+def test_parts_set_beyond_a_budget_set_are_refused_before_the_model_loads(capsys):
+    """``visenc serve`` says so and exits 2 at once, as for any invalid setting (the staged inputs,
+    known once the tower is loaded, are checked then)."""
+    from visenc.cli import main
+
+    flags = ["--process-memory-bytes", str(GiB), "--cache-bytes", str(GiB), "--pin-overflow-bytes", str(GiB // 2)]
+    assert main(["serve", *flags, "--shm-enabled", "false"]) == 2
+    assert "process_memory_bytes" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="process_memory_bytes"):
+        Settings(process_memory_bytes=GiB, shm_max_bytes=GiB // 2, cache_bytes=GiB // 2 + 1)
+    Settings(process_memory_bytes=GiB, shm_max_bytes=GiB // 2, cache_bytes=GiB // 2)  # the control: they fit
+    Settings(process_memory_bytes=GiB, shm_max_bytes=2 * GiB, shm_enabled=False, cache_bytes=GiB)  # shm off

@@ -40,6 +40,7 @@ from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
 from visenc_client._shm import SegmentHandles, same_host
 from visenc_client._types import Handle, RowRange, Video
 from visenc_client.chunks import ImagePlacement, plan_chunk
+from visenc_client.format import LEASE_HEADER
 
 log = logging.getLogger("visenc_client")
 
@@ -106,7 +107,9 @@ class _Base:
         self._auto = shared_memory == "auto"
         #: where images' rows sit in the service's segments (reads them again with no request)
         self._segments = SegmentHandles() if self.shared_memory else None
-        self.headers: dict[str, str] = {}
+        #: this client hands leases back: its encodes ask for lease ids, and its reads that name none
+        #: (by hash alone) release no other caller's pin (a service before leases ignores the header)
+        self.headers: dict[str, str] = {LEASE_HEADER: "id"}
         if namespace is not None:
             self.headers["x-visenc-namespace"] = namespace
         if api_key is not None:

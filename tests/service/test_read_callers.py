@@ -273,3 +273,22 @@ async def test_a_request_that_fails_after_some_images_were_ready_leaves_no_pin(t
             assert l1.pins(image_hash(held)) == 0 and l1.pins(image_hash(fresh)) == 0
     finally:
         tower.gate.set()
+
+
+async def test_a_read_by_hash_from_the_client_library_leaves_an_older_callers_pin(app):
+    """A caller from before leases is answered ready (a pin that names no lease); the client library,
+    reading the same image by its hash alone, releases nothing of it: that pin goes with the older
+    caller's own read."""
+    client, l1, transport = app
+    data = png_bytes(90, 80, 60)
+    body = msgpack.packb({"items": [{"hash": image_hash(data), "data": data}]})
+    assert (await client.post("/v1/encode", content=body, headers=MSGPACK)).status_code == 200
+    assert l1.pins(image_hash(data)) == 1
+    for shared_memory in (False, True):
+        async with AsyncClient("http://visenc", transport=transport, shared_memory=shared_memory) as visenc:
+            await visenc.fetch(image_hash(data))
+            (rows,) = await visenc.fetch_many([RowRange(image_hash(data))])
+            assert rows.shape[0] > 0
+        assert l1.pins(image_hash(data)) == 1
+    assert (await client.get(f"/v1/embeddings/{image_hash(data)}")).status_code == 200
+    assert l1.pins(image_hash(data)) == 0

@@ -24,6 +24,7 @@ the service at the first fetch whether it is on this host.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -33,12 +34,13 @@ import httpx
 import numpy as np
 
 from visenc_client import _protocol as p
-from visenc_client._exceptions import TransportError, describe
+from visenc_client._exceptions import TransportError, VisencClientError, describe
 from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Connections, Head
 from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
 from visenc_client._shm import SegmentHandles, same_host
 from visenc_client._types import Handle, RowRange, Video
 from visenc_client.chunks import ImagePlacement, plan_chunk
+from visenc_client.format import LEASE_HEADER
 
 log = logging.getLogger("visenc_client")
 
@@ -105,7 +107,9 @@ class _Base:
         self._auto = shared_memory == "auto"
         #: where images' rows sit in the service's segments (reads them again with no request)
         self._segments = SegmentHandles() if self.shared_memory else None
-        self.headers: dict[str, str] = {}
+        #: this client hands leases back: its encodes ask for lease ids, and its reads that name none
+        #: (by hash alone) release no other caller's pin (a service before leases ignores the header)
+        self.headers: dict[str, str] = {LEASE_HEADER: "id"}
         if namespace is not None:
             self.headers["x-visenc-namespace"] = namespace
         if api_key is not None:
@@ -222,6 +226,12 @@ class Client(_Base):
         ``pin``: as ``encode``'s (an image this client reads from shared memory with no request is
         not pinned)."""
         return self._drive(lookup_flow(self._http, hashes, self.headers, self._segments, wait, include_rows, pin))
+
+    def hand_back(self, handles: Sequence[Handle]) -> None:
+        """Release what the service keeps for ready ``handles`` whose rows this client will not read
+        (their leases; one request). Best effort: a failure is ignored, and the leases lapse."""
+        with contextlib.suppress(VisencClientError):
+            self._drive(p.hand_back_flow(self._http, handles, self.headers))
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:
@@ -385,6 +395,11 @@ class AsyncClient(_Base):
     ) -> list[Handle]:
         """As ``Client.lookup``."""
         return await self._drive(lookup_flow(self._http, hashes, self.headers, self._segments, wait, include_rows, pin))
+
+    async def hand_back(self, handles: Sequence[Handle]) -> None:
+        """As ``Client.hand_back``."""
+        with contextlib.suppress(VisencClientError):
+            await self._drive(p.hand_back_flow(self._http, handles, self.headers))
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
         if self._auto:

@@ -26,7 +26,7 @@ import httpx
 import msgpack
 import numpy as np
 
-from visenc_client._exceptions import ProtocolError, error_for
+from visenc_client._exceptions import ProtocolError, VisencClientError, error_for
 from visenc_client._http import Head
 from visenc_client._types import Handle, ImageInput, RowRange, Video, image_hash, video_hash
 from visenc_client.format import (
@@ -250,10 +250,30 @@ def encode_flow(
     missing = [i for i, h in enumerate(handles) if h.status == "missing"]
     if missing:
         items = [uploads[i] for i in missing]
-        uploaded = yield from _ask(client, {"items": items, **options}, headers)
+        try:
+            uploaded = yield from _ask(client, {"items": items, **options}, headers)
+        except VisencClientError:  # answered with an error: the caller reads none of the look-up's answers
+            yield from hand_back_flow(client, handles, headers)
+            raise
         for i, h in zip(missing, uploaded):
             handles[i] = h
     return handles
+
+
+def hand_back_flow(
+    client: httpx.Client | httpx.AsyncClient, handles: Sequence[Handle], headers: dict[str, str] | None
+) -> AnyFlow[None]:
+    """Hand back the leases of ready ``handles`` whose rows will not be read: one request reading no
+    rows at the end of each image (a video: of each tube), which releases its pin. Best effort: an
+    error answer is ignored (the lease lapses)."""
+    ranges: list[RowRange] = []
+    for h in handles:
+        if h.lease is None or h.status != "ready" or h.rows is not None or not h.num_tokens:
+            continue
+        per = h.num_tokens // len(h.tubes) if h.tubes else h.num_tokens
+        ranges += [RowRange(t, per, per, h.lease) for t in h.tubes or (h.hash,)]
+    if ranges:
+        yield ranges_request(client, "/v1/embeddings/fetch", ranges, wait=False, headers=headers)
 
 
 def lookup_flow(

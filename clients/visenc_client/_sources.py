@@ -321,6 +321,7 @@ class RowSources:
             self._accept(replica, info)
         handles = client.lookup(list(wants), wait=wait, include_rows=not client.shared_memory)
         answers: Answers = {}
+        rejected: list[Handle] = []  # ready, pinned for this caller, and never read
         for (identifier, want), handle in zip(wants.items(), handles):
             try:
                 if handle.hash != identifier:  # rows of another image, whatever their shape: never taken
@@ -328,10 +329,12 @@ class RowSources:
                 answers[identifier] = self._rows_of(client, handle, want)
             except Absent as e:
                 answers[identifier] = e
+                rejected.append(handle)
             except TransportError:
                 raise  # it stopped answering (a shared-memory read's request): the next replica
             except VisencClientError as e:
                 answers[identifier] = Absent(str(e))
+        client.hand_back(rejected)  # what the replica keeps for them goes now, not when their leases lapse
         return answers
 
     def _rows_of(self, client: Client, handle: Handle, want: Want) -> torch.Tensor:

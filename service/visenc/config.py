@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Literal
 
-from pydantic import Field, SecretStr, field_validator
+from pydantic import Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from visenc_client.format import NAMESPACE_PATTERN
@@ -274,6 +274,19 @@ class Settings(BaseSettings):
         if v is not None and not v.get_secret_value().startswith(("redis://", "rediss://", "unix://")):
             raise ValueError("redis_url must start with redis://, rediss:// or unix://")
         return v
+
+    @model_validator(mode="after")
+    def _check_memory_parts(self) -> Settings:
+        """Parts of the process budget set explicitly fit a budget set explicitly (the staged inputs,
+        known once the tower is loaded, are checked then: ``process_memory.py``)."""
+        total = self.process_memory_bytes
+        shm = self.shm_max_bytes if self.shm_enabled else None
+        parts = {"cache_bytes": self.cache_bytes, "pin_overflow_bytes": self.pin_overflow_bytes, "shm_max_bytes": shm}
+        given = {k: v for k, v in parts.items() if v is not None}
+        if total is not None and sum(given.values()) > total:
+            said = " + ".join(f"{k}={v}" for k, v in given.items())
+            raise ValueError(f"{said} exceed process_memory_bytes={total}")
+        return self
 
     def redacted(self) -> dict[str, object]:
         """Settings safe to log: secrets masked (SecretStr prints as '**********')."""

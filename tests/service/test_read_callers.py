@@ -28,7 +28,7 @@ from tests.support.waits import until
 
 from visenc.models.base import Prepared
 from visenc.proxy import Proxy, ProxySettings, create_proxy_app
-from visenc_client import AsyncClient, ImagePlacement, RowRange
+from visenc_client import AsyncClient, ImagePlacement, RowRange, VisencClientError
 from visenc_client.format import LEASE_HEADER, image_hash
 
 NONE = {LEASE_HEADER: "none"}
@@ -235,3 +235,60 @@ async def test_look_ups_that_read_nothing_of_a_pending_image_pin_nothing(tiny_to
                 assert l1.pins(control.hash) == 0
     finally:
         tower.gate.set()
+
+
+class Holding(FaultyTower):
+    """The tiny tower, whose forwards of an image of ``tokens`` rows wait until ``gate`` opens."""
+
+    def __init__(self, inner, tokens: int) -> None:
+        super().__init__(inner)
+        self.tokens = tokens
+        self.gate = threading.Event()
+
+    def forward(self, batch: Sequence[Prepared]):
+        if any(p.layout.num_tokens == self.tokens for p in batch):
+            assert self.gate.wait(60), "the gate never opened"
+        return super().forward(batch)
+
+
+@pytest.mark.parametrize("hash_first", [False, True])
+async def test_a_request_that_fails_after_some_images_were_ready_leaves_no_pin(tiny_tower, hash_first):
+    """A request answered ready for two images, one held already and one encoded meanwhile, whose
+    third image is not encoded within its deadline (504): its caller reads none of them, so nothing
+    is kept for it. Hash-first, the held image was answered ready by the look-up before the upload
+    failed: the client hands that lease back. The control: while the request waits, both are pinned."""
+    held, fresh, slow = png_bytes(80, 80, 60), png_bytes(81, 80, 60), png_bytes(82, 448, 448)
+    tower = Holding(tiny_tower, tiny_tower.layout(448, 448).num_tokens)
+    try:
+        async with running_app(tower, request_timeout_s=3.0, max_batch_images=1) as client:
+            l1 = L1(client)
+            async with AsyncClient("http://visenc", transport=httpx.ASGITransport(app=client.app)) as visenc:  # type: ignore[attr-defined]
+                await visenc.encode([held], pin=False)
+                asked = asyncio.create_task(visenc.encode([held, fresh, slow], hash_first=hash_first))
+                await until(lambda: l1.pins(image_hash(fresh)) == 1, 30, "the fresh image stored, pinned")
+                assert l1.pins(image_hash(held)) == 1  # the control
+                with pytest.raises(VisencClientError, match="not encoded within"):
+                    await asked
+                tower.gate.set()
+            assert l1.pins(image_hash(held)) == 0 and l1.pins(image_hash(fresh)) == 0
+    finally:
+        tower.gate.set()
+
+
+async def test_a_read_by_hash_from_the_client_library_leaves_an_older_callers_pin(app):
+    """A caller from before leases is answered ready (a pin that names no lease); the client library,
+    reading the same image by its hash alone, releases nothing of it: that pin goes with the older
+    caller's own read."""
+    client, l1, transport = app
+    data = png_bytes(90, 80, 60)
+    body = msgpack.packb({"items": [{"hash": image_hash(data), "data": data}]})
+    assert (await client.post("/v1/encode", content=body, headers=MSGPACK)).status_code == 200
+    assert l1.pins(image_hash(data)) == 1
+    for shared_memory in (False, True):
+        async with AsyncClient("http://visenc", transport=transport, shared_memory=shared_memory) as visenc:
+            await visenc.fetch(image_hash(data))
+            (rows,) = await visenc.fetch_many([RowRange(image_hash(data))])
+            assert rows.shape[0] > 0
+        assert l1.pins(image_hash(data)) == 1
+    assert (await client.get(f"/v1/embeddings/{image_hash(data)}")).status_code == 200
+    assert l1.pins(image_hash(data)) == 0

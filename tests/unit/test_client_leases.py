@@ -110,3 +110,25 @@ def test_a_lease_stays_with_the_replica_that_gave_it_and_lapses_there(
         assert memory(replicas["second"])["pinned_bytes"] == 0
     wait_until(lambda: memory(replicas["first"])["pinned_bytes"] == 0, 30, "the first replica's lease lapses")
     assert memory(replicas["first"])["entries"] == held["entries"]  # the entries stay
+
+
+@pytest.mark.parametrize("transport", ["http", "shm"])
+def test_a_handle_the_connector_rejects_leaves_no_pin(replicas: dict[str, Any], transport: str) -> None:
+    """The connector looks an image up and finds its rows are not what the engine reads (another row
+    count): it reads nothing, and hands the lease back. The control: the rows it takes."""
+    url = replicas["second"]
+    with Client(url) as vc:
+        (h,) = vc.encode([png_bytes({"shm": 90, "http": 91}[transport], 96, 64)], pin=False)
+    info = replicas["info"]
+    served = Served(int(info["hidden_size"]), str(info["image_loader"]), str(info["fingerprint"]))
+    sources = RowSources([url], served=served, transport=transport, **QUICK)
+    try:
+        assert h.num_tokens is not None
+        (wrong,) = sources.obtain({h.hash: Want(h.num_tokens + 1, None)}, wait=True).values()
+        assert not isinstance(wrong, torch.Tensor) and "rows" in str(wrong)
+        assert memory(url)["pinned_bytes"] == 0
+        (right,) = sources.obtain({h.hash: Want(h.num_tokens, None)}, wait=True).values()
+        assert isinstance(right, torch.Tensor) and right.shape[0] == h.num_tokens
+        assert memory(url)["pinned_bytes"] == 0
+    finally:
+        sources.close()

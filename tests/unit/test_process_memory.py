@@ -134,3 +134,17 @@ async def test_the_engine_stages_within_the_bound_the_split_counts(tiny_tower):
         engine = client.app.state.engine  # type: ignore[attr-defined]
         planned, _ = staged(tiny_tower, Settings(process_memory_bytes=GiB, preprocess_workers=3), GiB)
         assert engine.settings.prefetch_tokens == engine.budget.prefetch_tokens == planned
+
+
+def test_parts_set_beyond_a_budget_set_are_refused_before_the_model_loads(capsys):
+    """``visenc serve`` says so and exits 2 at once, as for any invalid setting (the staged inputs,
+    known once the tower is loaded, are checked then)."""
+    from visenc.cli import main
+
+    flags = ["--process-memory-bytes", str(GiB), "--cache-bytes", str(GiB), "--pin-overflow-bytes", str(GiB // 2)]
+    assert main(["serve", *flags, "--shm-enabled", "false"]) == 2
+    assert "process_memory_bytes" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="process_memory_bytes"):
+        Settings(process_memory_bytes=GiB, shm_max_bytes=GiB // 2, cache_bytes=GiB // 2 + 1)
+    Settings(process_memory_bytes=GiB, shm_max_bytes=GiB // 2, cache_bytes=GiB // 2)  # the control: they fit
+    Settings(process_memory_bytes=GiB, shm_max_bytes=2 * GiB, shm_enabled=False, cache_bytes=GiB)  # shm off

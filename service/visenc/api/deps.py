@@ -65,6 +65,15 @@ def lease_mode(request: Request) -> LeaseMode:
     return "id" if mode == "id" else "none"
 
 
+def read_lease(request: Request, lease: str | None) -> str | None:
+    """The lease a read names: its own; ``""`` where it names none but its caller hands leases back
+    (``X-Visenc-Lease`` sent: it releases no pin that names none, another caller's); ``None`` from a
+    caller before leases."""
+    if lease is None and request.headers.get(LEASE_HEADER) is not None:
+        return ""
+    return lease
+
+
 def check_range(entry: Entry, start: int | None, end: int | None) -> tuple[int, int]:
     s = 0 if start is None else start
     e = entry.rows if end is None else end

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from visenc.api.codec import ROWS_MEDIA_TYPE, parse, rows_response
-from visenc.api.deps import ERRORS, body_schema, check_range, engine_of, namespace_of
+from visenc.api.deps import ERRORS, body_schema, check_range, engine_of, namespace_of, read_lease
 from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import MAX_ROW, FetchRequest
 from visenc.errors import PayloadTooLarge, VisencError
@@ -51,7 +51,7 @@ async def get_embedding(
     s, e = check_range(entry, start, end)
     view = entry.rows_view(s, e)
     request.app.state.metrics.bytes_served.labels("http").inc(len(view))
-    engine_of(request).read(image_hash, namespace_of(request), lease, last=e == entry.rows)
+    engine_of(request).read(image_hash, namespace_of(request), read_lease(request, lease), last=e == entry.rows)
     headers = {
         "X-Visenc-Shape": f"{e - s},{entry.hidden}",
         "X-Visenc-Dtype": entry.dtype,
@@ -102,7 +102,7 @@ async def resolve_ranges(request: Request) -> list[Resolved | dict[str, Any]]:
         try:
             if isinstance(f, BaseException):
                 raise f
-            out.append(Resolved(r.hash, f, *check_range(f, r.start, r.end), r.lease))
+            out.append(Resolved(r.hash, f, *check_range(f, r.start, r.end), read_lease(request, r.lease)))
         except VisencError as err:
             if not err.public:
                 raise

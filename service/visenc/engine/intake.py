@@ -115,12 +115,16 @@ class Intake:
         has_videos = any(isinstance(it.state, Frames) for it in asked)
         request = await self.videos.request(asked, namespace) if has_videos else ImageRequest(asked)
         admitted, reader = time.monotonic(), Reader.new(lease, waits=wait)
-        jobs = await self._take_all(request.work, namespace, reader)
-        request.started()
-        if wait:
-            await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
-            if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
-                await self.fetch.wait_videos(request.work, namespace, timeout_s)
+        try:
+            jobs = await self._take_all(request.work, namespace, reader)
+            request.started()
+            if wait:
+                await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
+                if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
+                    await self.fetch.wait_videos(request.work, namespace, timeout_s)
+        except BaseException:  # refused in a later wave, past the deadline, or the client went away
+            self.pins.drop(request.work, namespace, reader.lease)  # its caller reads none of it
+            raise
         return request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
 
     async def _take_all(self, work: list[Item], namespace: str, reader: Reader) -> dict[int, Job]:

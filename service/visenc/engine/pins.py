@@ -86,6 +86,17 @@ class Pins:
         for k in self._tubes(key, image_hash, namespace) or [key]:
             self.index.read(k, lease, last=last)
 
+    def drop(self, work: list[Item], namespace: str, lease: Lease | None) -> None:
+        """A request failed (refused, past its deadline, its client gone): its caller reads none of
+        ``work``, so every pin it holds for ``lease`` goes (a pending image is no longer pinned for it
+        once its job is left, ``InFlight.leave``)."""
+        if lease is None:
+            return
+        for it in work:
+            key = entry_key(namespace, self.fingerprint, it.hash)
+            for k in self._tubes(key, it.hash, namespace) or [key]:
+                self.index.unpin(k, lease.id)
+
     def _tubes(self, key: str, image_hash: str, namespace: str) -> list[str]:
         """The keys of a video's tubes where L1 holds the video's manifest under ``key``; else none."""
         manifest = self.index.peek(key)

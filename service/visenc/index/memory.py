@@ -224,11 +224,12 @@ class MemoryCache:
     def read(self, key: str, lease: str | None, *, last: bool) -> None:
         """A caller read ``key``'s rows (to the last row when ``last``). Naming a lease id: that pin
         is released (``last``) or renewed, and nothing moves; an unknown, lapsed or released id is
-        ignored. Naming none: the oldest pin that names no lease is, likewise; where there is no such
-        pin the read is a look-up of its own (a reference)."""
+        ignored. Naming none (``None``: a caller that does not hand leases back): the oldest pin that
+        names no lease is, likewise; where there is no such pin, or the caller hands leases back but
+        this read names none (``""``), the read is a look-up of its own (a reference)."""
         pins = self._pins.get(key, {})
-        if lease is None:
-            lease = next((i for i, p in pins.items() if not p.named), None)
+        if not lease:
+            lease = next((i for i, p in pins.items() if not p.named), None) if lease is None else None
             if lease is None:
                 if self.get(key) is not None:  # a reference (not counted as a look-up: it read, it did not ask)
                     self._duel(key)

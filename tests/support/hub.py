@@ -17,7 +17,8 @@ What it serves (derived from huggingface_hub's ``file_download``, ``hf_api`` and
   ``GatedRepo`` (resolve of a gated repo: 401 without a token, 403 with one that has no access),
   ``RevisionNotFound``, ``EntryNotFound`` (with ``X-Repo-Commit``), and 401 for an unknown token.
 
-Every request is recorded (``requests``): origin, method, file, byte range, body bytes sent.
+Every request is recorded (``requests``) before its answer goes out, so a caller holding an answer
+finds its record: origin, method, file, byte range, body bytes sent.
 ``cuts[file] = n`` drops the connection of the next ranged GET of ``file`` after ``n`` bytes;
 ``stalls[file] = n`` leaves every ranged GET of ``file`` from byte ``n`` on unanswered (a hub that
 accepts the connection and then hangs) until the hub stops, or until the stall is lifted (``del``):
@@ -181,17 +182,16 @@ class _Handler(BaseHTTPRequestHandler):
         for k, v in headers.items():
             self.send_header(k.replace("_", "-"), v)
         self.send_header("Content-Length", str(len(body)))
-        self.end_headers()
-        sent = 0
-        if self.command != "HEAD":
-            self.wfile.write(body)
-            sent = len(body)
+        sent = 0 if self.command == "HEAD" else len(body)
         byte_range = None
         if status == 206:
             start, _, end = headers["Content_Range"].split()[1].partition("/")[0].partition("-")
             byte_range = (int(start), int(end) + 1)
-        with self.hub.lock:
+        with self.hub.lock:  # recorded before the answer goes out: a caller that has it sees the record
             self.hub.requests.append(Request(self.origin, self.command, self.path, file, byte_range, sent, status))
+        self.end_headers()
+        if sent:
+            self.wfile.write(body)
 
     def refuse(self, status: int, code: str | None, message: str, **headers: str) -> None:
         extra = {"X_Error_Code": code} if code else {}
@@ -344,12 +344,12 @@ class _Handler(BaseHTTPRequestHandler):
             self.send_response(206)
             self.send_header("Content-Range", f"bytes {start}-{end - 1}/{blob.size}")
             self.send_header("Content-Length", str(len(data)))
+            with self.hub.lock:
+                self.hub.requests.append(Request(self.origin, "GET", self.path, file, (start, start + cut), cut, 206))
             self.end_headers()
             self.wfile.write(data[:cut])
             self.wfile.flush()
             self.connection.shutdown(socket.SHUT_RDWR)
             self.close_connection = True
-            with self.hub.lock:
-                self.hub.requests.append(Request(self.origin, "GET", self.path, file, (start, start + cut), cut, 206))
             return
         self.answer(206, data, file, Content_Range=f"bytes {start}-{end - 1}/{blob.size}", **headers)

@@ -112,8 +112,9 @@ def test_one_round_trip_per_chunk_for_the_overlapping_rows_only(server, worker_m
     expected = []
     for start in range(0, layout.num_positions, chunk):
         end = min(start + chunk, layout.num_positions)
-        ranges = [
+        ranges = [  # each read names the lease its handle carries, so that the read releases its pin
             {"hash": p.hash, "start": max(start, p.offset) - p.offset, "end": min(end, p.end) - p.offset}
+            | ({"lease": p.image.lease} if getattr(p.image, "lease", None) else {})
             for p in layout.placements
             if p.offset < end and p.end > start
         ]

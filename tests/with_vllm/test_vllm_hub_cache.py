@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import pytest
 from tests.support.hub import LoopbackHub
 from tests.support.hub_checkpoints import reshard
 from tests.support.images import png_bytes
@@ -18,6 +19,8 @@ from tests.support.processes import serve_subprocess
 from tests.with_vllm import tiny_vlm
 
 from visenc_client import Client
+
+pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
 IMAGES = [png_bytes(3, 150, 100)]
 

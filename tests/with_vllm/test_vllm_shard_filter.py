@@ -19,6 +19,8 @@ from tests.with_vllm import tiny_vlm
 
 import visenc.models.loading as loading
 
+pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
+
 
 def vllm_kept(folder: Path) -> list[str]:
     done = subprocess.run(

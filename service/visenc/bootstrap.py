@@ -97,6 +97,7 @@ def load_tower(settings: Settings) -> VisionTower:
         max_pixels=settings.max_pixels,
         image_loader=settings.image_loader,
         image_backend=settings.image_backend,
+        hub_wait_s=settings.hub_wait_s,
     )
     eager = compiled.why_eager(settings.compile, tower.device)
     if eager is None:

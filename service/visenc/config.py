@@ -36,6 +36,14 @@ class Settings(BaseSettings):
     revision: str | None = Field(
         None, description="Hub revision (branch, tag or commit) of a hub --model; default main. Same as @REVISION."
     )
+    hub_wait_s: float = Field(
+        300.0,
+        ge=0,
+        description="How long a start waits out a hub that says 'try later' (a 408, 429 or 5xx, a timeout, no "
+        "answer) where the cache does not hold what it needs: asked again with back-off, its Retry-After "
+        "honoured, a fetch resumed where it stopped; seconds, for the whole start. A cached revision is "
+        "served at once.",
+    )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA."
     )

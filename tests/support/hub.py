@@ -23,6 +23,8 @@ finds its record: origin, method, file, byte range, body bytes sent.
 ``stalls[file] = n`` leaves every ranged GET of ``file`` from byte ``n`` on unanswered (a hub that
 accepts the connection and then hangs) until the hub stops, or until the stall is lifted (``del``):
 then it is answered, if its client still waits.
+``busy`` (``Busy`` entries) answers "try later" (429, 503, ... with ``Retry-After``) to the next
+requests it matches, one each, as a rate-limited or overloaded hub does.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
-from tests.support.hub_repos import Blob, Repo, Request, blob_fields, entry, folder_entry, tree
+from tests.support.hub_repos import Blob, Busy, Repo, Request, blob_fields, entry, folder_entry, tree
 from tests.support.waits import free_port
 
 
@@ -59,6 +61,8 @@ class LoopbackHub:
         self.cuts: dict[str, int] = {}
         #: file → the byte from which its ranged GETs are never answered (recorded with status 0)
         self.stalls: dict[str, int] = {}
+        #: "try later" answers still to give, in order
+        self.busy: list[Busy] = []
         self.stopped = threading.Event()
         self.requests: list[Request] = []
         self.lock = threading.Lock()
@@ -193,6 +197,22 @@ class _Handler(BaseHTTPRequestHandler):
         if sent:
             self.wfile.write(body)
 
+    def try_later(self, file: str | None) -> bool:
+        """Whether this request got the first ``busy`` answer it matches (``file``: the file it asks for)."""
+        m = re.match(r"bytes=(\d+)-", self.headers.get("Range") or "")
+        start = int(m.group(1)) if m else None
+        with self.hub.lock:
+            for busy in self.hub.busy:
+                mine = busy.origin in (None, self.origin) and busy.file == file
+                if mine and (file is None or (start is not None and start >= busy.from_byte)):
+                    self.hub.busy.remove(busy)
+                    break
+            else:
+                return False
+        extra = {"Retry_After": busy.retry_after} if busy.retry_after is not None else {}
+        self.refuse(busy.status, None, "Too Many Requests" if busy.status == 429 else "Try again later", **extra)
+        return True
+
     def refuse(self, status: int, code: str | None, message: str, **headers: str) -> None:
         extra = {"X_Error_Code": code} if code else {}
         body = json.dumps({"error": message}).encode()
@@ -205,6 +225,8 @@ class _Handler(BaseHTTPRequestHandler):
         parts = urlsplit(self.path)
         path = unquote(parts.path)
         query = {k: v[-1] for k, v in parse_qs(parts.query).items()}
+        if path != "/api/agent-harnesses" and self.try_later(None):
+            return None
         if self.origin == "cdn":
             return self.cdn(path)
         if path == "/api/agent-harnesses":  # huggingface_hub's best-effort agent detection asks once
@@ -316,6 +338,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_file(blob, file, ETag=f'"{blob.sha256}"')
 
     def send_file(self, blob: Blob, file: str, **headers: str) -> None:
+        if self.try_later(file):
+            return None
         asked = self.headers.get("Range")
         if asked is None or not self.hub.ranges:
             accept = {"Accept_Ranges": "bytes"} if self.hub.ranges else {}

@@ -5,6 +5,7 @@ entries) as the Hugging Face Hub writes them."""
 from __future__ import annotations
 
 import hashlib
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,19 @@ class Request:
     byte_range: tuple[int, int] | None  # [start, end) of a 206
     sent: int  # body bytes
     status: int
+    at: float = field(default_factory=time.monotonic)  # when it was answered
+
+
+@dataclass
+class Busy:
+    """One "try later" answer (``status``, ``Retry-After``) to the next request of ``origin`` (either
+    where ``None``), or where ``file`` is set, to its next ranged GET of ``file`` from ``from_byte`` on."""
+
+    status: int = 429
+    retry_after: str | None = "1"
+    origin: str | None = None
+    file: str | None = None
+    from_byte: int = 0
 
 
 def blob_fields(b: Blob) -> dict[str, Any]:

@@ -206,7 +206,7 @@ def test_a_damaged_vision_file_is_never_read(damage: str, hub_env: Callable[[str
         hub.stop()
         try:
             with pytest.raises(ModelUnavailable, match=r"is unreachable.*vision file .* is damaged"):
-                load_tower("acme/q")
+                load_tower("acme/q", hub_wait_s=0)
         finally:
             hub.start()
         hub.reset()
@@ -234,7 +234,7 @@ def test_a_hub_that_stops_answering_ends_the_fetch(
         hub.stalls[SHARDS[0]] = min(s for s, _ in vision_ranges("qwen2_5_vl", folder)[SHARDS[0]])
         hub_env(hub.url)
         with pytest.raises(ModelUnavailable, match="is unreachable"):
-            load_tower("acme/q")
+            load_tower("acme/q", hub_wait_s=0)
         unanswered = [r for r in hub.served(SHARDS[0]) if r.status == 0]
     assert fetch.STALLED_TRIES * constants.DEFAULT_DOWNLOAD_TIMEOUT < 60
     assert len(unanswered) == fetch.STALLED_TRIES < fetch.PART_TRIES
@@ -348,7 +348,7 @@ def test_a_whole_vision_file_that_lacks_a_tensor_is_fetched_again(
         hub.stop()
         try:
             with pytest.raises(ModelUnavailable, match="lacks some of them"):
-                load_tower("acme/q")
+                load_tower("acme/q", hub_wait_s=0)
         finally:
             hub.start()
         assert load_tower("acme/q").fingerprint == want

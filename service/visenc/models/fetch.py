@@ -3,7 +3,9 @@
 Each shard's header is read with two ranged GETs (its 8-byte length, then the JSON), then only the
 wanted tensors' bytes, adjacent tensors in one range, large ranges cut into parts fetched side by side
 and written in place (``os.pwrite``). The file is written under a temporary name and renamed when
-complete: a reader sees a whole file or none. Reasoning: ``docs/internals.md``.
+complete: a reader sees a whole file or none. A fetch that stopped (a process killed, a hub gone)
+resumes at its last logged block, each kept block checked first (``resume.Partial``). Reasoning:
+``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -14,18 +16,18 @@ import logging
 import os
 import shutil
 import struct
-import sys
 import threading
 import time
-import uuid
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 from visenc.errors import ModelUnavailable
+from visenc.models.progress import Progress, size_text
+from visenc.models.resume import INCOMPLETE, RECORD_EVERY_S, Partial, block_bytes
 
 log = logging.getLogger("visenc")
 
@@ -39,14 +41,10 @@ RETRY_PAUSE_S = 1.0
 #: tries in a row that receive nothing (each waits ``HF_HUB_DOWNLOAD_TIMEOUT``) before the hub is
 #: taken as gone: a hub that hangs ends start-up within a minute, one that cuts transfers short is resumed
 STALLED_TRIES = 2
-#: how often progress lines are logged when stderr is not a terminal
-PROGRESS_EVERY_S = 5.0
 #: the vision file's metadata key for the sha256 of its data (every byte after the header)
 DATA_SHA256 = "data_sha256"
 #: bytes read at once when that checksum is computed
 CHECK_BYTES = 16 << 20
-#: the suffix of a vision file being written
-INCOMPLETE = ".incomplete"
 
 
 @dataclass(eq=False)
@@ -59,6 +57,7 @@ class RemoteFile:
     url: str
     headers: dict[str, str]
     size: int | None
+    etag: str | None = None
     _header: tuple[dict[str, Any], int] | None = None
 
     @classmethod
@@ -72,7 +71,7 @@ class RemoteFile:
         if _origin(meta.location) != _origin(url):  # a signed CDN URL: no token leaves the hub
             headers.pop("authorization", None)
         headers["Accept-Encoding"] = "identity"
-        return cls(filename, meta.location, headers, meta.size)
+        return cls(filename, meta.location, headers, meta.size, meta.etag)
 
     def read(self, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` (``copy``)."""
@@ -163,9 +162,11 @@ class Span:
 
 @dataclass
 class Fetched:
-    """What a fetch transferred: tensor bytes, header bytes, ranged requests, shards read."""
+    """What a fetch transferred: tensor bytes, header bytes, ranged requests, shards read; tensor
+    bytes kept from an earlier fetch."""
 
     tensor_bytes: int = 0
+    kept_bytes: int = 0
     header_bytes: int = 0
     requests: int = 0
     shards: int = 0
@@ -203,45 +204,72 @@ def parts(spans: list[Span], size: int = PART_BYTES) -> list[Span]:
 def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dict[str, str], label: str) -> Fetched:
     """Write ``dest``: a safetensors file of the ``wanted`` tensors of each remote shard (their
     names, dtypes and bytes as in the shard), with ``metadata`` and ``DATA_SHA256``, the checksum of
-    its data (``data_sha256``), which tells a later start that the file is whole."""
+    its data (``data_sha256``), which tells a later start that the file is whole. What an earlier
+    fetch of the same tensors left (``resume.Partial``) is checked and kept."""
     entries, spans = plan(wanted)
     placeholder = {**metadata, DATA_SHA256: "0" * 64}  # filled in once every byte is there
     body = json.dumps({"__metadata__": placeholder, **entries}, separators=(",", ":")).encode()
     body += b" " * (-len(body) % 8)  # the data starts 8-byte aligned, as safetensors writes it
+    head = struct.pack("<Q", len(body)) + body
     key = f'"{DATA_SHA256}":"'.encode()
     digest_at = 8 + body.index(key) + len(key)
-    pieces = parts(spans)
-    done = Fetched(
-        tensor_bytes=sum(s.end - s.start for s in spans),
-        header_bytes=sum(r.header()[1] for r in wanted),
-        requests=2 * len(wanted) + len(pieces),
-        shards=len(wanted),
-    )
+    total = sum(s.end - s.start for s in spans)
+    blocks = parts(spans, block_bytes(total))
     dest.parent.mkdir(parents=True, exist_ok=True)
-    if shutil.disk_usage(dest.parent).free < done.tensor_bytes + len(body):
-        raise ModelUnavailable(f"{dest.parent} has no room for {size_text(done.tensor_bytes)} of vision weights")
-    tmp = dest.with_name(f"{dest.name}.{uuid.uuid4().hex[:8]}{INCOMPLETE}")
-    try:
-        with tmp.open("wb") as f:
-            f.write(struct.pack("<Q", len(body)) + body)
-            f.truncate(8 + len(body) + done.tensor_bytes)
-        fd = os.open(tmp, os.O_RDWR)
-        try:
-            with Progress(done.tensor_bytes, label) as progress:
-                _fetch_parts(fd, 8 + len(body), pieces, progress.update)
-            os.pwrite(fd, data_sha256(fd, 8 + len(body), 8 + len(body) + done.tensor_bytes).encode(), digest_at)
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, dest)
-    finally:
-        tmp.unlink(missing_ok=True)
+    with Partial(dest, head, len(head) + total, identity(head, spans)) as partial:
+        kept = partial.kept([(b.dest, b.dest + b.end - b.start) for b in blocks])
+        missing = [b for b in blocks if (b.dest, b.dest + b.end - b.start) not in kept]
+        pieces = runs(missing, PART_BYTES)
+        done = Fetched(
+            tensor_bytes=sum(s.end - s.start for s in missing),
+            kept_bytes=sum(e - s for s, e in kept),
+            header_bytes=sum(r.header()[1] for r in wanted),
+            requests=2 * len(wanted) + len(pieces),
+            shards=len(wanted),
+        )
+        if done.kept_bytes:
+            log.info(
+                "%s: %s kept from an earlier fetch (checked), %s to fetch",
+                label,
+                *map(size_text, (done.kept_bytes, done.tensor_bytes)),
+            )
+        if shutil.disk_usage(dest.parent).free < done.tensor_bytes:
+            raise ModelUnavailable(f"{dest.parent} has no room for {size_text(done.tensor_bytes)} of vision weights")
+        with Progress(done.tensor_bytes, label) as progress:
+            _fetch_parts(partial, pieces, block_bytes(total), progress.update)
+        checksum = data_sha256(partial.fd, len(head), len(head) + total).encode()
+        partial.finish(dest, (digest_at, checksum))
     return done
 
 
+def identity(head: bytes, spans: list[Span]) -> str:
+    """What a partial file must have been written for to be resumed: the header, and each span's
+    source (name, ETag, size) and ranges."""
+    sources = [(s.source.name, s.source.etag, s.source.size, s.start, s.end, s.dest) for s in spans]
+    return hashlib.sha256(head + json.dumps(sources).encode()).hexdigest()
+
+
+def runs(blocks: list[Span], limit: int) -> list[Span]:
+    """Adjacent ``blocks`` (of one source, in order) joined into pieces of at most ``limit`` bytes."""
+    out: list[Span] = []
+    for b in blocks:
+        last = out[-1] if out else None
+        if (
+            last is not None
+            and last.source is b.source
+            and last.end == b.start
+            and last.dest + last.end - last.start == b.dest
+            and b.end - last.start <= limit
+        ):
+            out[-1] = Span(b.source, last.start, b.end, last.dest)
+        else:
+            out.append(b)
+    return out
+
+
 def leftovers(dest: Path) -> list[Path]:
-    """The temporary files of fetches of ``dest`` that never ended (a process killed midway): only
-    the holder of ``dest``'s lock may remove them, no other fetch being under way then."""
+    """The temporary files of fetches of ``dest`` named as earlier versions named them (a random
+    part each), which no fetch resumes: only the holder of ``dest``'s lock may remove them."""
     return sorted(dest.parent.glob(f"{dest.name}.*{INCOMPLETE}"))
 
 
@@ -253,73 +281,42 @@ def data_sha256(fd: int, start: int, end: int) -> str:
     return digest.hexdigest()
 
 
-def _fetch_parts(fd: int, base: int, pieces: list[Span], progress: Callable[[int], None]) -> None:
-    """Every part, ``PARALLEL_PARTS`` at a time; the first failure (or an exit) stops the others."""
+def _fetch_parts(partial: Partial, pieces: list[Span], block: int, progress: Callable[[int], None]) -> None:
+    """Every piece, ``PARALLEL_PARTS`` at a time, the blocks written logged every ``RECORD_EVERY_S``;
+    the first failure (or an exit) stops the others."""
     stop = threading.Event()
     pool = ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="visenc-fetch")
     try:
-        for future in [pool.submit(_fetch_part, fd, base, p, progress, stop) for p in pieces]:
-            future.result()
+        pending = {pool.submit(_fetch_part, partial, p, block, progress, stop) for p in pieces}
+        while pending:
+            finished, pending = wait(pending, timeout=RECORD_EVERY_S, return_when=FIRST_EXCEPTION)
+            partial.flush()
+            for future in finished:
+                future.result()
     finally:
         stop.set()
         pool.shutdown(wait=True, cancel_futures=True)
 
 
-def _fetch_part(fd: int, base: int, part: Span, progress: Callable[[int], None], stop: threading.Event) -> None:
-    """One part into the file at ``base + part.dest``."""
+def _fetch_part(
+    partial: Partial, piece: Span, block: int, progress: Callable[[int], None], stop: threading.Event
+) -> None:
+    """One piece (whole blocks) into the partial file at ``piece.dest``, each block recorded with its
+    sha256 as its last byte is written."""
+    start, digest = piece.start, hashlib.sha256()
 
     def write(at: int, chunk: bytes) -> None:
-        os.pwrite(fd, chunk, base + part.dest + at - part.start)
+        nonlocal start, digest
+        partial.write(piece.dest + at - piece.start, chunk)
         progress(len(chunk))
+        view = memoryview(chunk)
+        while view:
+            end = min(piece.end, start + block)
+            take = min(len(view), end - at)
+            digest.update(view[:take])
+            view, at = view[take:], at + take
+            if at == end:
+                partial.record(piece.dest + start - piece.start, piece.dest + end - piece.start, digest.hexdigest())
+                start, digest = end, hashlib.sha256()
 
-    part.source.copy(part.start, part.end, write, stop)
-
-
-class Progress:
-    """Bytes fetched: a progress bar on a terminal (huggingface_hub's tqdm, which
-    ``HF_HUB_DISABLE_PROGRESS_BARS`` turns off), a log line every ``PROGRESS_EVERY_S`` otherwise."""
-
-    def __init__(self, total: int, label: str) -> None:
-        from huggingface_hub.utils import are_progress_bars_disabled, tqdm
-
-        self.total, self.label, self.done = total, label, 0
-        self.lock = threading.Lock()
-        self.bar = None
-        if sys.stderr.isatty() and not are_progress_bars_disabled():
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc=label)
-        else:
-            log.info("%s: fetching %s", label, size_text(total))
-        self.logged = time.monotonic()
-
-    def update(self, n: int) -> None:
-        with self.lock:
-            self.done += n
-            if self.bar is not None:
-                self.bar.update(n)
-            elif time.monotonic() - self.logged >= PROGRESS_EVERY_S:
-                self.logged = time.monotonic()
-                log.info(
-                    "%s: %s of %s (%.0f%%)",
-                    self.label,
-                    size_text(self.done),
-                    size_text(self.total),
-                    100 * self.done / max(1, self.total),
-                )
-
-    def __enter__(self) -> Progress:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self.bar is not None:
-            self.bar.close()
-
-
-def size_text(n: float) -> str:
-    """``n`` bytes for a person: ``512 B``, ``1.3 GiB``."""
-    if n < 1024:
-        return f"{n:.0f} B"
-    for unit in ("KiB", "MiB"):
-        n /= 1024
-        if n < 1024:
-            return f"{n:.1f} {unit}"
-    return f"{n / 1024:.1f} GiB"
+    piece.source.copy(piece.start, piece.end, write, stop)

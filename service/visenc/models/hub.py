@@ -4,8 +4,9 @@ Config and processor files go through ``hf_hub_download`` into the hub cache's s
 (``HF_HUB_CACHE``); of the weights only the vision tensors' bytes are fetched, into one vision-only
 safetensors file per repository and commit under ``$HF_HOME/visenc``, which later starts read. Shards
 already in the hub cache (a checkpoint an engine downloaded) are read where they are. With the hub
-unreachable, or ``HF_HUB_OFFLINE`` set, the commit the revision last resolved to is served from the
-caches. Every failure is a one-line ``ModelUnavailable``. Reasoning: ``docs/internals.md``.
+unreachable or saying "try later" (408, 429, 5xx), or ``HF_HUB_OFFLINE`` set, the commit the revision
+last resolved to is served from the caches; what they lack is asked again within ``Patience``. Every
+failure is a one-line ``ModelUnavailable``. Reasoning: ``docs/internals.md``.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from visenc.models.fetch import (
     leftovers,
     size_text,
 )
-from visenc.models.hub_errors import Unreachable, first_line, hub_answers
+from visenc.models.hub_errors import Offline, Patience, Unreachable, first_line, hub_answers
 from visenc.models.weights import INDEX_FILE, SINGLE_FILE, Checkpoint, header, shard_map, tensor_names
 
 log = logging.getLogger("visenc")
@@ -48,6 +49,8 @@ CONFIG_FILES = (
     INDEX_FILE,
 )
 VISION_FILE = "vision.safetensors"
+#: how long a start waits out a hub that says "try later" (``Settings.hub_wait_s``)
+HUB_WAIT_S = 300.0
 
 
 def parse_spec(spec: str, revision: str | None) -> tuple[str, str | None] | None:
@@ -65,50 +68,66 @@ def parse_spec(spec: str, revision: str | None) -> tuple[str, str | None] | None
 class Snapshot:
     """A repository at one commit, its config files in the hub cache's snapshot ``folder``.
     ``files``: the repository's files (or, served from the cache, those cached); ``offline``: why
-    the hub was not asked, or ``None`` when it answered."""
+    the hub was not asked (``Offline``: it may not be) or did not answer, ``None`` when it answered."""
 
     repo_id: str
     revision: str
     commit: str
     folder: Path
     files: frozenset[str]
-    offline: str | None
+    offline: Unreachable | None
 
 
-def open_repo(repo_id: str, revision: str | None) -> Checkpoint:
+def open_repo(repo_id: str, revision: str | None, wait_s: float = HUB_WAIT_S) -> Checkpoint:
     """The checkpoint of ``repo_id`` at ``revision`` (default ``main``): its config files fetched
-    (or found in the cache), its weights fetched when ``Checkpoint.weights.files`` asks for them."""
-    snapshot = resolve(repo_id, revision)
+    (or found in the cache), its weights fetched when ``Checkpoint.weights.files`` asks for them;
+    a hub that says "try later" waited out for ``wait_s`` in all, where the caches cannot serve."""
+    patience = Patience(wait_s)
+    snapshot = resolve(repo_id, revision, patience)
     name = repo_id if revision is None else f"{repo_id}@{revision}"
-    return Checkpoint(name=name, folder=snapshot.folder, weights=HubWeights(snapshot))
+    return Checkpoint(name=name, folder=snapshot.folder, weights=HubWeights(snapshot, patience))
 
 
-def resolve(repo_id: str, pinned: str | None) -> Snapshot:
-    """Ask the hub what the revision (``pinned``, else ``main``) is and fetch the config files; from
-    the cache alone where the hub cannot be reached (no answer, or a 5xx) or ``HF_HUB_OFFLINE`` is set."""
+def resolve(repo_id: str, pinned: str | None, patience: Patience) -> Snapshot:
+    """The revision (``pinned``, else ``main``) as the hub resolves it, its config files fetched; from
+    the cache where the hub cannot be reached or says "try later" (asked again within ``patience``
+    where the cache does not hold the revision) or ``HF_HUB_OFFLINE`` is set."""
+    from huggingface_hub import constants
+
+    revision = pinned or "main"
+    while True:
+        try:
+            if constants.is_offline_mode():
+                raise Offline("HF_HUB_OFFLINE is set")
+            return ask_hub(repo_id, pinned)
+        except Unreachable as e:
+            cached = from_cache(repo_id, revision, e)
+            if cached is not None:
+                return cached
+            if not patience.after(e):
+                where = f"the hub cache ({constants.HF_HUB_CACHE}) does not hold {revision}"
+                waited = "" if isinstance(e, Offline) else f" ({patience.spent()})"
+                raise ModelUnavailable(f"{e}, and {where}{waited}") from e
+
+
+def ask_hub(repo_id: str, pinned: str | None) -> Snapshot:
+    """The revision resolved by the hub, its config files fetched (``Unreachable`` where it did not answer)."""
     from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
     revision = pinned or "main"
-    if constants.is_offline_mode():
-        return from_cache(repo_id, revision, "HF_HUB_OFFLINE is set")
     started, fetched = time.monotonic(), 0
-    try:
-        with hub_answers(revision):
-            api = HfApi()
-            info = api.model_info(repo_id, revision=pinned, timeout=constants.HF_HUB_ETAG_TIMEOUT)
-            try:  # the revision's commit, recorded in the cache's refs (what a start without the hub reads)
-                folder = Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
-            except RemoteEntryNotFoundError as e:
-                raise ModelUnavailable(
-                    f"the repository has no config.json at {revision}: not a transformers model"
-                ) from e
-            files = listing(api, repo_id, folder.name, info.siblings if info.sha == folder.name else None)
-            for name in CONFIG_FILES[1:]:
-                if name in files and not isinstance(try_to_load_from_cache(repo_id, name, revision=folder.name), str):
-                    fetched += Path(hf_hub_download(repo_id, name, revision=folder.name)).stat().st_size
-    except Unreachable as e:
-        return from_cache(repo_id, revision, str(e))
+    with hub_answers(revision):
+        api = HfApi()
+        info = api.model_info(repo_id, revision=pinned, timeout=constants.HF_HUB_ETAG_TIMEOUT)
+        try:  # the revision's commit, recorded in the cache's refs (what a start without the hub reads)
+            folder = Path(hf_hub_download(repo_id, "config.json", revision=revision)).parent
+        except RemoteEntryNotFoundError as e:
+            raise ModelUnavailable(f"the repository has no config.json at {revision}: not a transformers model") from e
+        files = listing(api, repo_id, folder.name, info.siblings if info.sha == folder.name else None)
+        for name in CONFIG_FILES[1:]:
+            if name in files and not isinstance(try_to_load_from_cache(repo_id, name, revision=folder.name), str):
+                fetched += Path(hf_hub_download(repo_id, name, revision=folder.name)).stat().st_size
     log.info(
         "%s@%s: commit %s; config files in %s (%s fetched in %.1f s)",
         repo_id,
@@ -132,13 +151,13 @@ def listing(api: Any, repo_id: str, commit: str, siblings: list[Any] | None) -> 
     return frozenset(f.path for f in tree if isinstance(f, RepoFile))
 
 
-def from_cache(repo_id: str, revision: str, why: str) -> Snapshot:
-    """The commit ``revision`` last resolved to, as the hub cache holds it."""
-    from huggingface_hub import constants, try_to_load_from_cache
+def from_cache(repo_id: str, revision: str, why: Unreachable) -> Snapshot | None:
+    """The commit ``revision`` last resolved to, as the hub cache holds it; ``None`` where it does not."""
+    from huggingface_hub import try_to_load_from_cache
 
     config = try_to_load_from_cache(repo_id, "config.json", revision=revision)
     if not isinstance(config, str):
-        raise ModelUnavailable(f"{why}, and the hub cache ({constants.HF_HUB_CACHE}) does not hold {revision}")
+        return None
     folder = Path(config).parent
     files = frozenset(str(p.relative_to(folder)) for p in folder.rglob("*") if p.is_file())
     log.warning("%s@%s: %s; serving commit %s from the cache (%s)", repo_id, revision, why, folder.name, folder)
@@ -151,6 +170,7 @@ class HubWeights:
     cache's shards if every needed one is there, else the wanted tensors' bytes, fetched."""
 
     snapshot: Snapshot
+    patience: Patience = field(default_factory=lambda: Patience(HUB_WAIT_S))
     _remote: dict[str, RemoteFile] = field(default_factory=dict)
     #: the vision file's header where it is whole, else ``None``, by the file's (inode, size, mtime)
     _checked: dict[tuple[int, int, int], dict[str, Any] | None] = field(default_factory=dict)
@@ -195,7 +215,7 @@ class HubWeights:
                 except RangesNotServed as e:
                     local = self._whole([SINGLE_FILE], e)[SINGLE_FILE]
             return {SINGLE_FILE: tensor_names(header(local))}
-        if s.offline:
+        if isinstance(s.offline, Offline):
             raise ModelUnavailable(f"{s.offline}, and the cache holds none of its weights")
         raise ModelUnavailable(f"the repository has no safetensors weights ({SINGLE_FILE} or {INDEX_FILE})")
 
@@ -205,30 +225,41 @@ class HubWeights:
         return self._remote[filename]
 
     def files(self, wanted: set[str]) -> dict[Path, list[str]]:
-        from huggingface_hub import try_to_load_from_cache
-
         s, vision = self.snapshot, self.vision_file
         if self._holds(wanted):
             log.info("%s: vision weights read from %s (nothing fetched)", s.repo_id, vision)
             return {vision: sorted(wanted)}
-        with hub_answers(s.revision):
-            shards = self.shards()
-        needed = {f: [n for n in names if n in wanted] for f, names in shards.items()}
+        while True:  # a hub that says "try later" is asked again: a fetch resumes where it stopped
+            try:
+                with hub_answers(s.revision):
+                    return self._fetched(wanted)
+            except Unreachable as e:
+                if not self.patience.after(e):
+                    state = "is damaged" if self.vision_header() is None else "lacks some of them"
+                    found = f" (its vision file {vision} {state})" if vision.exists() else ""
+                    waited = "" if isinstance(e, Offline) else f" ({self.patience.spent()})"
+                    raise ModelUnavailable(f"{e}, and its vision weights are not in the cache{found}{waited}") from e
+
+    def _fetched(self, wanted: set[str]) -> dict[Path, list[str]]:
+        """``files``' answer from the hub cache's shards, else fetched (``Unreachable`` as the hub says)."""
+        from huggingface_hub import try_to_load_from_cache
+
+        s = self.snapshot
+        needed = {f: [n for n in names if n in wanted] for f, names in self.shards().items()}
         needed = {f: names for f, names in needed.items() if names}
         cached = {f: try_to_load_from_cache(s.repo_id, f, revision=s.commit) for f in needed}
         if all(isinstance(p, str) for p in cached.values()):
             log.info("%s: vision weights read from the hub cache's %d shards (nothing fetched)", s.repo_id, len(needed))
             return {Path(str(cached[f])): names for f, names in needed.items()}
-        if s.offline:
-            state = "is damaged" if self.vision_header() is None else "lacks some of them"
-            found = f" (its vision file {vision} {state})" if vision.exists() else ""
-            raise ModelUnavailable(f"{s.offline}, and its vision weights are not in the cache{found}")
-        with hub_answers(s.revision):
-            try:
-                self._fetch(needed)
-            except RangesNotServed as e:
-                return {path: needed[f] for f, path in self._whole(list(needed), e).items()}
-        return {vision: sorted(wanted)}
+        if s.offline is not None:
+            if isinstance(s.offline, Offline):
+                raise Offline(str(s.offline))
+            log.info("%s: the cache lacks its vision weights: fetching them at commit %s", s.repo_id, s.commit)
+        try:
+            self._fetch(needed)
+        except RangesNotServed as e:
+            return {path: needed[f] for f, path in self._whole(list(needed), e).items()}
+        return {self.vision_file: sorted(wanted)}
 
     def _whole(self, filenames: list[str], why: RangesNotServed) -> dict[str, Path]:
         """``filenames`` downloaded whole into the hub cache (``hf_hub_download``), where the hub does
@@ -260,11 +291,8 @@ class HubWeights:
             try:
                 held.enter_context(WeakFileLock(lock, timeout=0.01))
             except TimeoutError:
-                log.info(
-                    "%s: another process is fetching its vision weights (it holds %s): waiting for it",
-                    self.snapshot.repo_id,
-                    lock,
-                )
+                who = self.snapshot.repo_id
+                log.info("%s: another process is fetching its vision weights (it holds %s): waiting for it", who, lock)
                 held.enter_context(WeakFileLock(lock))
             yield
 
@@ -280,19 +308,16 @@ class HubWeights:
                 log.info("%s: removing %s, left by a fetch that did not end", s.repo_id, stale)
                 stale.unlink(missing_ok=True)
             started = time.monotonic()
-            metadata = {
-                "format": "pt",
-                "repo": s.repo_id,
-                "commit": s.commit,
-                "checkpoint_names": json.dumps(self.names()),
-            }
+            metadata = {"format": "pt", "repo": s.repo_id, "commit": s.commit}
+            metadata["checkpoint_names"] = json.dumps(self.names())
             wanted = {self.remote(f): names for f, names in needed.items()}
             done = fetch_tensors(vision, wanted, metadata, f"{s.repo_id} vision weights")
         log.info(
-            "%s: fetched %s of vision weights (%d tensors from %d of %d shards; %s of shard headers; %d ranged "
+            "%s: fetched %s of vision weights%s (%d tensors from %d of %d shards; %s of shard headers; %d ranged "
             "requests) in %.1f s into %s",
             s.repo_id,
             size_text(done.tensor_bytes),
+            f" ({size_text(done.kept_bytes)} kept from an earlier fetch)" if done.kept_bytes else "",
             sum(len(v) for v in needed.values()),
             done.shards,
             len(self.shards()),  # known by now: no request

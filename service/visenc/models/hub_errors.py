@@ -1,23 +1,77 @@
 """What the hub (or the way to it) answered, as one ``ModelUnavailable`` line naming the cause:
-``hub_answers`` around every call to the hub. ``Unreachable``, no answer or a 5xx, is the one failure
-the caches may still serve (``models/hub.py``)."""
+``hub_answers`` around every call to the hub. ``Unreachable`` (no answer, a timeout, a 408, 429 or
+5xx: "try later") is the failure the caches may still serve, and that ``Patience`` waits out
+(``models/hub.py``)."""
 
 from __future__ import annotations
 
+import logging
+import random
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
+from email.utils import parsedate_to_datetime
+from typing import Any
 
 from visenc.errors import ModelUnavailable
 
+log = logging.getLogger("visenc")
+
+#: the answers that mean "try later", besides every 5xx
+TRY_LATER = (408, 429)
+#: the first pause before asking again where the hub gave no ``Retry-After``, and the longest
+FIRST_PAUSE_S = 1.0
+LONGEST_PAUSE_S = 30.0
+
 
 class Unreachable(ModelUnavailable):
-    """No answer from the hub (refused, reset, timed out) or a 5xx: the caches may still serve."""
+    """No answer from the hub (refused, reset, timed out) or a "try later" answer: the caches may
+    still serve, else ``Patience`` asks again. ``retry_after_s``: the wait the hub asked for."""
+
+    def __init__(self, message: str, retry_after_s: float | None = None) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
+class Offline(Unreachable):
+    """``HF_HUB_OFFLINE`` is set: the hub is never asked, so never asked again either."""
+
+
+@dataclass
+class Patience:
+    """How long one start waits out a hub that says "try later", all its hub calls together:
+    ``wait_s`` from its creation. Pauses honour the hub's ``Retry-After``, else double from
+    ``FIRST_PAUSE_S`` to ``LONGEST_PAUSE_S``, with jitter (replicas restarting together spread out)."""
+
+    wait_s: float
+    started: float = field(default_factory=time.monotonic)
+    pause_s: float = FIRST_PAUSE_S
+    tries: int = 1
+
+    def after(self, e: Unreachable) -> bool:
+        """Pause, then ``True`` (ask again); ``False`` at once where the pause would end past the limit."""
+        left = self.started + self.wait_s - time.monotonic()
+        pause = e.retry_after_s if e.retry_after_s is not None else self.pause_s * random.uniform(0.5, 1.0)
+        if isinstance(e, Offline) or pause > left:
+            return False
+        asked = f"the hub's Retry-After: {pause:.0f} s" if e.retry_after_s is not None else f"{pause:.1f} s"
+        log.warning("%s; asking again after %s (%.0f s left of hub_wait_s=%g)", e, asked, left, self.wait_s)
+        time.sleep(pause)
+        self.pause_s = min(2 * self.pause_s, LONGEST_PAUSE_S)
+        self.tries += 1
+        return True
+
+    def spent(self) -> str:
+        """How long it waited, for the line that ends a start."""
+        return f"asked {self.tries} times over {time.monotonic() - self.started:.0f} s, hub_wait_s={self.wait_s:g}"
 
 
 @contextmanager
 def hub_answers(revision: str) -> Iterator[None]:
     """What the hub (or the way to it) answered, as one ``ModelUnavailable`` line: ``Unreachable``
-    where it did not answer, a refusal (unknown or gated repository, unknown revision) otherwise."""
+    where it did not answer or said "try later", a refusal (unknown or gated repository, unknown
+    revision) otherwise."""
     import httpx2
     from huggingface_hub import constants
     from huggingface_hub.errors import (
@@ -46,19 +100,36 @@ def hub_answers(revision: str) -> Iterator[None]:
         raise ModelUnavailable(f"no such repository on {hub} ({hint})") from e
     except HfHubHTTPError as e:
         status = e.response.status_code if e.response is not None else 0
-        if status >= 500:
-            raise Unreachable(f"the hub {hub} answered {status}") from e
+        if status >= 500 or status in TRY_LATER:
+            raise Unreachable(f"the hub {hub} answered {status}", retry_after(e.response)) from e
         if status == 401 and get_token():  # refusals of a repository carry their own code (above)
             raise ModelUnavailable(f"the hub {hub} does not accept HF_TOKEN (401: not a valid token)") from e
         raise ModelUnavailable(f"the hub {hub} refused a request ({status}: {first_line(e)})") from e
     except LocalEntryNotFoundError as e:
+        cause = e.__cause__  # the HEAD's own failure, where hf_hub_download had one
+        response = getattr(cause, "response", None) if isinstance(cause, HfHubHTTPError) else None
+        if response is not None and (response.status_code >= 500 or response.status_code in TRY_LATER):
+            raise Unreachable(f"the hub {hub} answered {response.status_code}", retry_after(response)) from e
         raise Unreachable(f"the hub {hub} is unreachable") from e
     except OfflineModeIsEnabled as e:
-        raise Unreachable("HF_HUB_OFFLINE is set") from e
+        raise Offline("HF_HUB_OFFLINE is set") from e
     except httpx2.TransportError as e:
         raise Unreachable(f"the hub {hub} is unreachable ({first_line(e)})") from e
     except OSError as e:
         raise ModelUnavailable(f"cannot write the cache: {e}") from e
+
+
+def retry_after(response: Any) -> float | None:
+    """An answer's ``Retry-After`` in seconds (a number or an HTTP date), ``None`` without one."""
+    value = (response.headers.get("Retry-After") or "").strip() if response is not None else ""
+    if not value:
+        return None
+    if value.isdigit():
+        return float(value)
+    try:
+        return max(0.0, parsedate_to_datetime(value).timestamp() - time.time())
+    except (TypeError, ValueError):
+        return None
 
 
 def first_line(e: BaseException) -> str:

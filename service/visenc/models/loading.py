@@ -42,6 +42,7 @@ def load_tower(
     seed: int = 0,
     image_loader: str = "vllm",
     image_backend: str = "torchvision",
+    hub_wait_s: float = hub.HUB_WAIT_S,
 ) -> VisionTower:
     """Build a tower from a registry name (``REGISTRY``), a local checkpoint folder or a hub id
     (``ORG/NAME``, ``ORG/NAME@REVISION``; ``revision``: the hub revision where the name has none).
@@ -52,7 +53,8 @@ def load_tower(
     registry towers; ``image_loader``: whose loader's RGB conversion the tower's
     inputs follow (``imaging.decode.LOADERS``, part of the fingerprint);
     ``image_backend``: whose image-processor backend the pixels equal,
-    ``torchvision`` (the fast processors engines run) or ``pil``. Raises
+    ``torchvision`` (the fast processors engines run) or ``pil``; ``hub_wait_s``: how long a hub that
+    says "try later" is waited out where the cache cannot serve. Raises
     ``ModelUnavailable`` (a ``ValueError``) for unknown specs, hub failures,
     unsupported model types, or checkpoints without vision weights.
     """
@@ -64,7 +66,7 @@ def load_tower(
             spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed, backend=image_backend
         )
     else:
-        checkpoint = open_checkpoint(spec, revision)
+        checkpoint = open_checkpoint(spec, revision, hub_wait_s)
         folder = checkpoint.folder
         tower = _load_checkpoint(
             checkpoint, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, backend=image_backend
@@ -74,7 +76,7 @@ def load_tower(
     return tower
 
 
-def open_checkpoint(spec: str, revision: str | None = None) -> Checkpoint:
+def open_checkpoint(spec: str, revision: str | None = None, hub_wait_s: float = hub.HUB_WAIT_S) -> Checkpoint:
     """A local folder with a ``config.json`` (it wins over a hub id of the same spelling, as in vLLM),
     else a hub id."""
     path = Path(spec).expanduser()
@@ -88,7 +90,7 @@ def open_checkpoint(spec: str, revision: str | None = None) -> Checkpoint:
             f"unknown tower {spec!r}: neither a built-in name ({sorted(REGISTRY)}), a folder with config.json, "
             "nor a hub id ORG/NAME[@REVISION]"
         )
-    return hub.open_repo(*repo)
+    return hub.open_repo(*repo, hub_wait_s)
 
 
 #: where transformers' ``AutoVideoProcessor`` looks for a checkpoint's video processor settings

@@ -1,0 +1,136 @@
+"""A vision file being fetched, kept across processes: ``Partial``.
+
+The file is written in place under one name per destination (``vision.safetensors.incomplete``).
+Beside it, an append-only log (``.blocks``) names the fetch it belongs to (``identity``: the file's
+header, each source's ETag and size, the spans) and then, for each block whose bytes are written, its
+range and sha256, appended only once those bytes are synced to disk. A later fetch of the same plan
+keeps each logged block whose bytes still hash to what was logged, and fetches the rest; anything
+else (another plan, a file of another size or header, a torn log line) is fetched again.
+Reasoning: ``docs/internals.md``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import threading
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger("visenc")
+
+#: the largest block (a power of two: it divides ``fetch.PART_BYTES``), the smallest, and how many
+#: blocks a fetch is cut into at least
+BLOCK_BYTES = 4 << 20
+MIN_BLOCK_BYTES = 16 << 10
+BLOCKS_PER_FETCH = 64
+#: how often the blocks written meanwhile are logged (the data synced first): what a killed fetch loses
+RECORD_EVERY_S = 1.0
+#: the suffixes of a file being written, and of its block log
+INCOMPLETE = ".incomplete"
+BLOCKS = ".blocks"
+LOG_FORMAT = "visenc-blocks 1"
+
+
+def block_bytes(total: int) -> int:
+    """The block of a fetch of ``total`` bytes: a power of two from ``MIN_BLOCK_BYTES`` to
+    ``BLOCK_BYTES``, giving ``BLOCKS_PER_FETCH`` blocks or more where it can."""
+    n = max(1, total // BLOCKS_PER_FETCH)
+    return max(MIN_BLOCK_BYTES, min(BLOCK_BYTES, 1 << (n.bit_length() - 1)))
+
+
+class Partial:
+    """The partial file of ``dest``: ``head`` (the header) then ``size - len(head)`` data bytes,
+    block ``[start, end)`` of the data at ``len(head) + start``. Opened by ``open`` under ``dest``'s lock."""
+
+    def __init__(self, dest: Path, head: bytes, size: int, identity: str) -> None:
+        self.path = dest.with_name(dest.name + INCOMPLETE)
+        self.log_path = dest.with_name(dest.name + INCOMPLETE + BLOCKS)
+        self.head, self.size, self.title = head, size, f"{LOG_FORMAT} {identity}\n"
+        self.logged: dict[tuple[int, int], str] = {}
+        self.pending: list[tuple[int, int, str]] = []
+        self.lock = threading.Lock()
+        if not self._resumable():
+            self._start()
+        self.fd = os.open(self.path, os.O_RDWR)
+
+    def _resumable(self) -> bool:
+        try:
+            if self.path.stat().st_size != self.size:
+                return False
+            with self.path.open("rb") as f:
+                if f.read(len(self.head)) != self.head:
+                    return False
+            lines = self.log_path.read_text().splitlines(keepends=True)
+        except (FileNotFoundError, UnicodeDecodeError):
+            return False
+        if not lines or lines[0] != self.title:
+            return False
+        for line in lines[1:]:
+            parts = line.split()
+            if line.endswith("\n") and len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
+                self.logged[int(parts[0]), int(parts[1])] = parts[2]
+        return True
+
+    def _start(self) -> None:
+        with self.path.open("wb") as f:
+            f.write(self.head)
+            f.truncate(self.size)
+        with self.log_path.open("w") as f:
+            f.write(self.title)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def kept(self, blocks: list[tuple[int, int]]) -> set[tuple[int, int]]:
+        """The ``blocks`` (data ranges) logged, whose bytes still hash to what was logged."""
+        out = set()
+        for block in blocks:
+            digest = self.logged.get(block)
+            if digest is not None and self._digest(*block) == digest:
+                out.add(block)
+            elif digest is not None:
+                log.warning("%s: bytes %d-%d do not match their logged sha256: fetched again", self.path, *block)
+        return out
+
+    def _digest(self, start: int, end: int) -> str:
+        return hashlib.sha256(os.pread(self.fd, end - start, len(self.head) + start)).hexdigest()
+
+    def write(self, at: int, data: bytes) -> None:
+        """``data`` at data offset ``at``."""
+        os.pwrite(self.fd, data, len(self.head) + at)
+
+    def record(self, start: int, end: int, digest: str) -> None:
+        """Data block ``[start, end)``, written, hashes to ``digest`` (logged at the next ``flush``)."""
+        with self.lock:
+            self.pending.append((start, end, digest))
+
+    def flush(self) -> None:
+        """The data synced, then the blocks recorded since the last flush appended to the log."""
+        with self.lock:
+            pending, self.pending = self.pending, []
+        if not pending:
+            return
+        os.fdatasync(self.fd)
+        with self.log_path.open("a") as f:
+            f.writelines(f"{s} {e} {d}\n" for s, e, d in pending)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def finish(self, dest: Path, patch: tuple[int, bytes]) -> None:
+        """``patch`` (offset, bytes: the data's checksum) written, the file synced and renamed to ``dest``."""
+        with self.lock:
+            self.pending.clear()
+        os.pwrite(self.fd, patch[1], patch[0])
+        os.fsync(self.fd)
+        os.replace(self.path, dest)
+        self.log_path.unlink(missing_ok=True)
+
+    def __enter__(self) -> Partial:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, e: BaseException | None, tb: TracebackType | None) -> None:
+        try:
+            self.flush()
+        finally:
+            os.close(self.fd)

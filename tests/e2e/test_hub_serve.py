@@ -28,11 +28,13 @@ import numpy as np
 import pytest
 from tests.support.hub import LoopbackHub
 from tests.support.hub_checkpoints import SHARDS, hub_layout, safetensors_header, vision_ranges
+from tests.support.hub_repos import Busy
 from tests.support.images import png_bytes
 from tests.support.paths import ROOT
 from tests.support.processes import serve_subprocess, stop_process
 from tests.support.waits import free_port, wait_ready, wait_until
 
+from visenc.models.resume import BLOCKS, INCOMPLETE, block_bytes
 from visenc_client import Client
 
 TOKEN = "hf_loopback_token"
@@ -168,24 +170,48 @@ def first_vision_byte(folder: Path) -> int:
     return min(s for s, _ in vision_ranges("qwen2_5_vl", folder)[SHARDS[0]])
 
 
-def test_a_fetch_killed_midway_leaves_nothing_behind(
+def test_a_fetch_killed_midway_resumes_in_the_next_process(
     hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path
 ) -> None:
-    """A replica killed while it fetches (SIGKILL: no clean-up of its own) leaves its temporary file;
-    the next fetch, holding the lock, removes it, so crash loops do not fill the volume."""
-    home = tmp_path / "hf"
-    hub.stalls[SHARDS[0]] = first_vision_byte(folders["qwen2_5_vl"])  # the fetch hangs in the vision bytes
+    """A replica killed while it fetches (SIGKILL, as a failed startup probe ends it): the next one
+    checks the blocks the first logged and asks only for the bytes from its last whole block on."""
+    folder, home = folders["qwen2_5_vl"], tmp_path / "hf"
+    header = safetensors_header(folder / SHARDS[0])[1]
+    first = first_vision_byte(folder)
+    last = max(e for _, e in vision_ranges("qwen2_5_vl", folder)[SHARDS[0]])
+    block = block_bytes(last - first)
+    hub.reset()
+    hub.cuts[SHARDS[0]] = 3 * block + 100  # the connection drops mid-body, then the hub hangs
+    hub.stalls[SHARDS[0]] = first + 3 * block + 100
     try:
         with serving("acme/qwen2_5_vl", hub.env(home), tmp_path / "killed.log") as (_, proc):
-            wait_until(lambda: list(home.glob("visenc/*/*/*.incomplete")), 120, "a fetch under way")
+            logs = lambda: list(home.glob(f"visenc/*/*/*{INCOMPLETE}{BLOCKS}"))  # noqa: E731
+            wait_until(lambda: logs() and len(logs()[0].read_text().splitlines()) == 4, 120, "3 blocks logged")
             proc.kill()
             proc.wait()
     finally:
         del hub.stalls[SHARDS[0]]
-    assert len(list(home.glob("visenc/*/*/*.incomplete"))) == 1  # what the killed fetch left
+    hub.reset()
     served_rows("acme/qwen2_5_vl", hub.env(home), tmp_path / "next.log")
-    assert not list(home.glob("visenc/*/*/*.incomplete"))
-    assert "left by a fetch that did not end" in (tmp_path / "next.log").read_text()
+    got = [r.byte_range for r in hub.served(SHARDS[0], origin="cdn") if r.byte_range]
+    assert got == [(0, 8), (8, header), (first + 3 * block, last)]
+    assert not list(home.glob("visenc/*/*/*.incomplete*"))
+    assert "kept from an earlier fetch (checked)" in (tmp_path / "next.log").read_text()
+
+
+def test_a_rate_limited_hub_is_waited_out_or_the_cache_served(hub: LoopbackHub, tmp_path: Path) -> None:
+    """Replicas restarting together draw 429s: with nothing cached, the start asks again after each
+    Retry-After and serves; with the commit cached, it serves that at once."""
+    env, log = hub.env(tmp_path / "hf", VISENC_HUB_WAIT_S="60"), tmp_path / "first.log"
+    hub.busy = [Busy(429, "1"), Busy(503, "1", origin="cdn")]
+    served_rows("acme/qwen2_5_vl", env, log)
+    assert not hub.busy and log.read_text().count("asking again after the hub's Retry-After: 1 s") == 2
+    hub.reset()
+    hub.busy = [Busy(429, "600") for _ in range(20)]
+    served_rows("acme/qwen2_5_vl", env, tmp_path / "again.log")
+    assert [r.status for r in hub.served() if r.path != "/api/agent-harnesses"] == [429]
+    assert "answered 429; serving commit" in (tmp_path / "again.log").read_text()
+    hub.busy.clear()
 
 
 def test_replicas_sharing_a_cache_fetch_once(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path) -> None:
@@ -289,7 +315,7 @@ def test_each_failure_is_one_line(hub: LoopbackHub, folders: dict[str, Path], tm
     hub.reset()
     hub.stop()
     try:
-        line = cannot_serve("acme/qwen2_5_vl", hub.env(tmp_path / "empty"))
+        line = cannot_serve("acme/qwen2_5_vl", hub.env(tmp_path / "empty", VISENC_HUB_WAIT_S="0"))
     finally:
         hub.start()
     assert "is unreachable" in line and "does not hold main" in line
@@ -311,19 +337,22 @@ class _Failing(BaseHTTPRequestHandler):
 
 def test_a_hub_that_hangs_or_fails_ends_start_up_with_one_line(tmp_path: Path) -> None:
     """A hub that takes connections and never answers (a black-holed proxy: every request ends at its
-    timeout), or answers every request with a 5xx: one line, exit 4, within a minute (``cannot_serve``)."""
+    timeout), or answers every request with a 5xx, and nothing cached: asked again for ``hub_wait_s``,
+    then one line that says so, exit 4 (``cannot_serve``)."""
     with socket.socket() as hung:
         hung.bind(("127.0.0.1", 0))
         hung.listen(64)  # the kernel completes the handshakes; nothing ever reads or answers
-        env = LoopbackHub().env(tmp_path / "a", HF_ENDPOINT=f"http://127.0.0.1:{hung.getsockname()[1]}")
+        hung_hub = f"http://127.0.0.1:{hung.getsockname()[1]}"
+        env = LoopbackHub().env(tmp_path / "a", HF_ENDPOINT=hung_hub, VISENC_HUB_WAIT_S="0")
         line = cannot_serve("acme/anything", env)
     assert "is unreachable (timed out)" in line and "does not hold main" in line
     failing = ThreadingHTTPServer(("127.0.0.1", 0), _Failing)
     threading.Thread(target=failing.serve_forever, daemon=True).start()
     try:
-        env = LoopbackHub().env(tmp_path / "b", HF_ENDPOINT=f"http://127.0.0.1:{failing.server_address[1]}")
+        failing_hub = f"http://127.0.0.1:{failing.server_address[1]}"
+        env = LoopbackHub().env(tmp_path / "b", HF_ENDPOINT=failing_hub, VISENC_HUB_WAIT_S="3")
         line = cannot_serve("acme/anything", env)
     finally:
         failing.shutdown()
         failing.server_close()
-    assert "answered 503" in line and "does not hold main" in line
+    assert "answered 503" in line and "does not hold main" in line and "hub_wait_s=3)" in line

@@ -21,8 +21,6 @@ from tests.support.paths import ROOT
 from tests.support.processes import stop_process
 from tests.support.waits import free_port, wait_ready
 
-from visenc.models import compiled
-
 DEPLOY = ROOT / "deploy"
 
 
@@ -306,30 +304,6 @@ def test_compose_topology(compose):
     datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"
     assert "9090:9090" in services["prometheus"]["ports"]
-
-
-#: what the health check allows a large checkpoint to load in (deploy/k8s's startup probe allows as much)
-LOAD_S = 300
-
-
-def test_compose_health_check_outlasts_the_warm_up(compose):
-    """Prometheus and vLLM start once visenc is healthy (``/readyz``): a replica still loading and
-    warming up within its own limits is never counted unhealthy, or they would never start. The warm-up
-    limit is compose's own, else the default for a 32-block tower (Qwen2.5-VL's)."""
-    visenc = compose["services"]["visenc"]
-    grace = _seconds(visenc["healthcheck"]["start_period"])
-    setting = str(visenc["environment"].get("VISENC_WARM_UP_TIMEOUT_S", ""))
-    found = re.fullmatch(r"\$\{VISENC_WARM_UP_TIMEOUT_S:-(\d+)\}|(\d+)", setting)
-    warm_up = float(next(g for g in found.groups() if g)) if found else compiled.warm_up_limit_s(32)
-    assert grace >= LOAD_S + warm_up, (grace, warm_up)
-
-
-def _seconds(duration: str) -> float:
-    """A compose duration (``90s``, ``15m``, ``1h30m``) in seconds."""
-    units = {"h": 3600, "m": 60, "s": 1}
-    parts = re.findall(r"(\d+)([hms])", duration)
-    assert "".join(n + u for n, u in parts) == duration, duration
-    return float(sum(int(n) * units[u] for n, u in parts))
 
 
 def test_compose_vllm_profile(compose):

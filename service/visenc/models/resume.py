@@ -6,7 +6,7 @@ header, each source's ETag and size, the spans) and then, for each block whose b
 range and sha256, appended only once those bytes are synced to disk. A later fetch of the same plan
 keeps each logged block whose bytes still hash to what was logged, and fetches the rest; anything
 else (another plan, a file of another size or header, a torn log line) is fetched again.
-Reasoning: ``docs/internals.md``.
+Reasoning: ``docs/models.md`` ("A fetch that stops").
 """
 
 from __future__ import annotations

@@ -145,3 +145,24 @@ def test_a_stopped_hub_answers_nothing_until_started(hub: LoopbackHub, tmp_path:
     finally:
         hub.start()
     assert HfApi(endpoint=hub.url).model_info("acme/open").id == "acme/open"
+
+
+def test_busy_answers_try_later_once_each(hub: LoopbackHub) -> None:
+    """``busy`` entries: a 429 or 503 with ``Retry-After`` (as ``HfHubHTTPError``), each to the next
+    request it matches, a file's ranged GET only from its byte on; then the usual answers."""
+    from huggingface_hub.errors import HfHubHTTPError
+    from huggingface_hub.utils import get_session
+    from tests.support.hub_repos import Busy
+
+    api = HfApi(endpoint=hub.url)
+    url = get_hf_file_metadata(hf_hub_url("acme/open", "model.safetensors", endpoint=hub.url)).location
+    hub.busy = [Busy(429, "7"), Busy(503, None, origin="cdn", file="model.safetensors", from_byte=100)]
+    with pytest.raises(HfHubHTTPError) as e:
+        api.model_info("acme/open")
+    assert e.value.response.status_code == 429 and e.value.response.headers["Retry-After"] == "7"
+    assert api.model_info("acme/open").id == "acme/open"
+    assert get_session().get(url, headers={"Range": "bytes=0-9"}).status_code == 206
+    busy = get_session().get(url, headers={"Range": "bytes=100-109"})
+    assert busy.status_code == 503 and "Retry-After" not in busy.headers
+    assert get_session().get(url, headers={"Range": "bytes=100-109"}).status_code == 206
+    assert not hub.busy

@@ -57,6 +57,8 @@ class Patience:
             return False
         asked = f"the hub's Retry-After: {pause:.0f} s" if e.retry_after_s is not None else f"{pause:.1f} s"
         log.warning("%s; asking again after %s (%.0f s left of hub_wait_s=%g)", e, asked, left, self.wait_s)
+        if e.retry_after_s is not None:  # at least what the hub asked, replicas told the same spread out
+            pause = min(left, pause + random.uniform(0, 0.1) * max(pause, FIRST_PAUSE_S))
         time.sleep(pause)
         self.pause_s = min(2 * self.pause_s, LONGEST_PAUSE_S)
         self.tries += 1

@@ -130,7 +130,7 @@ class LocalRemote(RemoteFile):
             raise RuntimeError("killed")
 
 
-@pytest.mark.parametrize("change", ["none", "a kept block damaged", "another version of the shard"])
+@pytest.mark.parametrize("change", ["none", "a torn log line", "a kept block damaged", "another version of the shard"])
 def test_a_resumed_fetch_keeps_only_the_blocks_it_checked(
     change: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -149,6 +149,9 @@ def test_a_resumed_fetch_keeps_only_the_blocks_it_checked(
     partial = dest.with_name(dest.name + resume.INCOMPLETE)
     logged = partial.with_name(partial.name + resume.BLOCKS).read_text().splitlines()[1:]
     assert len(logged) == 10  # the blocks whole when it died
+    if change == "a torn log line":  # killed while it appended: the line is not whole
+        with partial.with_name(partial.name + resume.BLOCKS).open("a") as f:
+            f.write(f"{10 * block} {11 * block} 0f")
     if change == "a kept block damaged":
         raw = bytearray(partial.read_bytes())
         raw[len(raw) - (end - begin) + 4 * block + 7] ^= 1
@@ -158,7 +161,7 @@ def test_a_resumed_fetch_keeps_only_the_blocks_it_checked(
     assert dest.read_bytes() == clean.read_bytes()
     assert not partial.exists() and not list(dest.parent.glob("*.blocks"))
     tensor_asks = [a for a in again.asked if a[0] >= data]
-    if change == "none":
+    if change in ("none", "a torn log line"):
         assert tensor_asks == [(begin + 10 * block, end)] and done.kept_bytes == 10 * block
     elif change == "a kept block damaged":
         assert tensor_asks == [(begin + 4 * block, begin + 5 * block), (begin + 10 * block, end)]

@@ -71,6 +71,9 @@ class Partial:
             parts = line.split()
             if line.endswith("\n") and len(parts) == 3 and parts[0].isdigit() and parts[1].isdigit():
                 self.logged[int(parts[0]), int(parts[1])] = parts[2]
+        if not lines[-1].endswith("\n"):  # a line cut by a kill: the next ones start on their own
+            with self.log_path.open("a") as f:
+                f.write("\n")
         return True
 
     def _start(self) -> None:

@@ -13,12 +13,23 @@ from tests.support.processes import redis_process
 
 from visenc.models.base import VisionTower
 
+#: the most pixels ``small_tower`` resizes an image to
+SMALL_PIXELS = 64 * 64
+
 
 @pytest.fixture(scope="session")
 def tiny_tower() -> VisionTower:
     from visenc.models.loading import load_tower
 
     return load_tower("tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="session")
+def small_tower() -> VisionTower:
+    """The tiny tower resizing every image to at most 64x64 pixels: an L1 of a few of its images starts."""
+    from visenc.models.loading import load_tower
+
+    return load_tower("tiny-qwen2-vl", max_pixels=SMALL_PIXELS)
 
 
 @pytest.fixture

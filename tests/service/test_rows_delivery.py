@@ -38,9 +38,9 @@ def client(app: Any, **options: Any) -> AsyncClient:
     return AsyncClient("http://visenc", transport=httpx.ASGITransport(app=app), **options)
 
 
-async def test_one_request_over_the_cache_is_fetched_whole(tiny_tower: Any) -> None:
+async def test_one_request_over_the_cache_is_fetched_whole(small_tower: Any) -> None:
     pngs = images(900, 6)
-    async with running_app(tiny_tower, cache_bytes=4 * entry_bytes(tiny_tower)) as service:
+    async with running_app(small_tower, cache_bytes=4 * entry_bytes(small_tower)) as service:
         async with client(service.app) as vc:
             handles = await vc.encode(pngs)
             assert [h.status for h in handles] == ["ready"] * 6
@@ -50,9 +50,9 @@ async def test_one_request_over_the_cache_is_fetched_whole(tiny_tower: Any) -> N
             assert health["pinned_bytes"] == 0 and health["bytes"] <= health["max_bytes"]  # read: released
 
 
-async def test_without_pins_the_requests_own_images_evict_each_other(tiny_tower: Any) -> None:
+async def test_without_pins_the_requests_own_images_evict_each_other(small_tower: Any) -> None:
     pngs = images(920, 6)
-    async with running_app(tiny_tower, cache_bytes=4 * entry_bytes(tiny_tower), ready_lease_s=1e-9) as service:
+    async with running_app(small_tower, cache_bytes=4 * entry_bytes(small_tower), ready_lease_s=1e-9) as service:
         async with client(service.app) as vc:
             handles = await vc.encode(pngs)
             assert [h.status for h in handles] == ["ready"] * 6

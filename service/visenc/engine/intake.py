@@ -42,7 +42,7 @@ from visenc.engine.job import Job, Place
 from visenc.engine.pins import Pins, Reader
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
-from visenc.engine.videos import Videos
+from visenc.engine.videos import Joins, Videos
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import DeadlineExceeded, NotReady, Overloaded, PayloadTooLarge
 from visenc.index.memory import Lease
@@ -70,7 +70,10 @@ class Intake:
         # the parts intake shares with the fetch path, and its video side
         self.entries = EntryCheck(index, prep.tower, metrics)
         self.flight = InFlight(scheduler, metrics)
-        self.fetch = Fetch(index, self.entries, self.flight, scheduler, coordination, settings.fetch_timeout_s, metrics)
+        joins = Joins(settings.joined_rows_bytes or 0, metrics)
+        self.fetch = Fetch(
+            index, self.entries, self.flight, scheduler, coordination, settings.fetch_timeout_s, metrics, joins
+        )
         self.videos = Videos(prep, pool, index, metrics)
         self.pins = Pins(index, self.fingerprint)
         self.closing = False
@@ -117,13 +120,13 @@ class Intake:
         admitted, reader = time.monotonic(), Reader.new(lease, waits=wait)
         try:
             jobs = await self._take_all(request.work, namespace, reader)
-            request.started()
+            request.started(reader.of_pending(uploaded=True))
             if wait:
                 await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
                 if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
                     await self.fetch.wait_videos(request.work, namespace, timeout_s)
         except BaseException:  # refused in a later wave, past the deadline, or the client went away
-            self.pins.drop(request.work, namespace, reader.lease)  # its caller reads none of it
+            self.pins.drop(request.held, namespace, reader.lease)  # its caller reads none of it
             raise
         return request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
 

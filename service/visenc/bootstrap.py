@@ -51,14 +51,21 @@ def split_for(tower: VisionTower, settings: Settings, budget: MemorySplit) -> tu
     """(the prefetch bound in tokens, the whole split of ``budget``); ``BudgetTooSmall`` where its L1
     cannot hold the rows of one image of ``tower`` at its largest, naming the smallest setting that can."""
     prefetch_tokens, staged_bytes = staged(tower, settings, budget.total)
-    split = with_staged(budget, settings, staged_bytes)
     rows, need = largest_entry(tower, settings.max_image_pixels)
-    if split.l1 >= need:
-        return prefetch_tokens, split
-    which = f"cache_bytes={split.l1}"
+    try:
+        split = with_staged(budget, settings, staged_bytes)
+    except ValueError:
+        if settings.cache_bytes is not None:
+            raise
+        l1 = 0  # the other parts alone exceed the budget
+    else:
+        if split.l1 >= need:
+            return prefetch_tokens, split
+        l1 = split.l1
+    which = f"cache_bytes={l1}"
     smallest = f"--cache-bytes {need}"
     if settings.cache_bytes is None:
-        which = f"{split.l1} bytes, what process_memory_bytes={split.total} leaves after its other parts"
+        which = f"{l1} bytes, what process_memory_bytes={budget.total} leaves after its other parts"
         smallest = f"--process-memory-bytes {smallest_budget(tower, settings, need)} (or --cache-bytes {need})"
     raise BudgetTooSmall(
         f"L1 ({which}) cannot hold one image of {tower.name} at its largest ({rows} rows, {need} bytes); "

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import math
 import os
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
@@ -137,3 +138,25 @@ async def test_redis_misses_are_read_in_batches_bounded_in_bytes(tiny_tower: Vis
         assert calls == math.ceil(len(pngs) / 3)  # batches of 3 keys: 3 of the largest entries fit
         assert (await index_health(reader))["memory"]["entries"] == len(pngs)  # each batch went into L1
     np.testing.assert_array_equal([it["num_tokens"] for it in found], [it["num_tokens"] for it in written])
+
+
+async def test_a_request_of_hashes_holds_at_most_l1_and_one_batch(tiny_tower: VisionTower, redis_url: str) -> None:
+    """40 entries of 257 KiB in Redis looked up in one request through an L1 of 2 MB and batches of 3.9
+    MB: the request holds what L1 keeps and one batch, not all 10 MB (traced Python allocations)."""
+    _, largest = largest_entry(tiny_tower, Settings().max_image_pixels)
+    pngs = [png_bytes(3400 + i, 448, 448) for i in range(40)]
+    async with running_app(tiny_tower, redis_url=redis_url) as writer:
+        written = await encode(writer, [{"data": d} for d in pngs], lease="none")
+    total = sum(256 + it["num_tokens"] * it["hidden_size"] * 4 for it in written)
+    limits = {"cache_bytes": 2_000_000, "pin_overflow_bytes": 0, "redis_batch_bytes": 3 * largest + 1}
+    async with running_app(tiny_tower, redis_url=redis_url, **limits) as reader:
+        tracemalloc.start()
+        try:
+            found = await encode(reader, [{"hash": it["hash"]} for it in written])
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert [it["status"] for it in found] == ["ready"] * len(pngs)
+        assert peak < limits["cache_bytes"] + 2 * limits["redis_batch_bytes"] < total, (peak, total)
+        for it in found:  # every one readable: from L1, or from Redis
+            assert (await reader.get(f"/v1/embeddings/{it['hash']}")).status_code == 200

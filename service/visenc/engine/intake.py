@@ -12,6 +12,7 @@ a tier is checked first (``entries.py``); fetching by hash is the fetch path's (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -169,15 +170,20 @@ class Intake:
         for it in live:
             it.key = entry_key(namespace, self.fingerprint, it.hash)
         todo = [it for it in live if self.flight.joinable(it.key) is None]
-        if not todo:
-            return
-        for it, got in zip(todo, await self.index.get_many([it.key for it in todo])):
-            # a hash alone may be a video's: its key then holds the video's manifest
-            match self.entries.checked(it.key, it.hash, got, video=isinstance(it.state, HashOnly)):
-                case Entry(kind="video") as manifest:  # ready when every tube is, pending while one is encoded
-                    it.state = await self.fetch.video_outcome(manifest, it.hash, namespace)
-                case Entry() as entry:
-                    it.state = Found(entry)
+        step = self.index.batch_keys
+        for lo in range(0, len(todo), step):  # one batch of Redis reads at a time (``redis_batch_bytes``)
+            for it, got in zip(
+                todo[lo : lo + step], await self.index.get_many([it.key for it in todo[lo : lo + step]])
+            ):
+                # a hash alone may be a video's: its key then holds the video's manifest
+                match self.entries.checked(it.key, it.hash, got, video=isinstance(it.state, HashOnly)):
+                    case Entry(kind="video") as manifest:  # ready when every tube is, pending while one is encoded
+                        it.state = await self.fetch.video_outcome(manifest, it.hash, namespace)
+                    case Entry() as entry:
+                        it.state = Found(entry)
+            for it in todo[: lo + step]:  # what L1 let go (Redis still holds it) is answered from its fields
+                if isinstance(it.state, Found) and self.index.peek(it.key) is not it.state.entry:
+                    it.state = Found(dataclasses.replace(it.state.entry, blob=b""))
 
     def _admission(self, items: list[Item]) -> set[str]:
         """Keys this wave would queue; 503 / 429 when it cannot."""

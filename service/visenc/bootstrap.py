@@ -181,14 +181,15 @@ def create_app(
     ``app.state.stop_server()`` (set by the CLI) is called so that the process exits non-zero."""
     settings = settings or Settings()
     budget = plan(settings)  # the shared-memory pool starts before the tower is loaded: its part is known now
+    asked = settings  # as set: the smallest budget named on a refusal splits like it
+    sizing = split_for(tower, asked, budget) if tower is not None else None
     settings = settings.model_copy(update={"shm_max_bytes": budget.shm or None})
     metrics = Metrics()
-    sizing = split_for(tower, settings, budget) if tower is not None else None
 
     @asynccontextmanager
     async def engine(app: FastAPI) -> AsyncIterator[Engine]:
         loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
-        prefetch_tokens, split = sizing or split_for(loaded, settings, budget)
+        prefetch_tokens, split = sizing or split_for(loaded, asked, budget)
         log.info("%s", split.describe())
         parts = sized(settings, split)
         built_index, claims = index(parts, metrics)

@@ -70,18 +70,20 @@ async def test_a_video_answered_ready_stays_readable_while_pinned(tiny_tower: Vi
         assert (await index_health(service))["pinned_bytes"] == 0  # read to its last row: tubes and manifest
 
 
-async def test_an_l1_smaller_than_one_image_is_refused_naming_the_smallest(tiny_tower: VisionTower) -> None:
+async def test_an_l1_smaller_than_one_image_is_refused_naming_the_smallest(
+    tiny_tower: VisionTower, tmp_path: Path
+) -> None:
     rows, need = largest_entry(tiny_tower, Settings().max_image_pixels)
     with pytest.raises(BudgetTooSmall, match=f"the smallest that works: --cache-bytes {need}$"):
         create_app(Settings(cache_bytes=10_000), tower=tiny_tower)
     with pytest.raises(BudgetTooSmall, match=r"--process-memory-bytes \d+") as refused:
-        create_app(Settings(process_memory_bytes=2 * need, shm_enabled=False), tower=tiny_tower)
+        create_app(Settings(process_memory_bytes=2 * need, shm_dir=str(tmp_path)), tower=tiny_tower)
     smallest = int(refused.value.args[0].split("--process-memory-bytes ")[1].split()[0])
     with pytest.raises(BudgetTooSmall):
-        create_app(Settings(process_memory_bytes=smallest - 1, shm_enabled=False), tower=tiny_tower)
+        create_app(Settings(process_memory_bytes=smallest - 1, shm_dir=str(tmp_path)), tower=tiny_tower)
     sizes = [(round(math.sqrt(2e6 * a)), round(math.sqrt(2e6 / a))) for a in ASPECTS]
     largest = next(s for s in sizes if tiny_tower.layout(*s).num_tokens == rows)  # resized to the most rows
-    async with running_app(tiny_tower, process_memory_bytes=smallest, shm_enabled=False) as service:
+    async with running_app(tiny_tower, process_memory_bytes=smallest, shm_dir=str(tmp_path)) as service:
         (it,) = await encode(service, [{"data": png_bytes(3200, *largest)}])
         assert it["status"] == "ready" and it["num_tokens"] == rows
         r = await service.get(f"/v1/embeddings/{it['hash']}", params={"lease": it["lease"]})

@@ -26,7 +26,8 @@ def tiny_tower() -> VisionTower:
 
 @pytest.fixture(scope="session")
 def small_tower() -> VisionTower:
-    """The tiny tower resizing every image to at most 64x64 pixels: an L1 of a few of its images starts."""
+    """The tiny tower resizing images to at most 64x64 pixels (its video tubes keep the video processor's
+    size): an L1 that holds its largest image, and not one tube."""
     from visenc.models.loading import load_tower
 
     return load_tower("tiny-qwen2-vl", max_pixels=SMALL_PIXELS)

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 from visenc.config import Settings
 from visenc.engine.limits import CGROUP_ROOT, PROC_CGROUP, cgroup_memory_limit, host_memory_bytes
+from visenc.errors import VisencError
 from visenc_client.format import DATA_OFFSET
 
 if TYPE_CHECKING:
@@ -35,8 +36,12 @@ PROCESS_SHARE = 0.5
 SHM_SHARE = 0.25
 OVERFLOW_SHARE = 0.125
 JOIN_SHARE = 0.0625
-#: width:height of the images ``largest_entry`` sizes at the most pixels a decoded image may have
-ASPECTS = (1.0, 4 / 3, 3 / 4, 16 / 9, 9 / 16, 2.0, 0.5, 4.0, 0.25, 8.0, 0.125)
+#: width:height of the images ``largest_entry`` sizes: 4**-4 ... 4**4, 33 of them
+ASPECTS = tuple(4 ** (i / 4 - 4) for i in range(33))
+#: their areas: the most pixels a decoded image may have, halved 16 times
+AREA_STEPS = 17
+#: rows added to the largest layout found, for sizes between those tried (a resize's rounding): 1/64
+ROWS_MARGIN = 64
 
 
 class BudgetTooSmall(ValueError):
@@ -125,15 +130,19 @@ def with_staged(split: MemorySplit, settings: Settings, staged: int) -> MemorySp
 
 
 def largest_entry(tower: VisionTower, max_image_pixels: int) -> tuple[int, int]:
-    """(rows, stored bytes) of the largest image entry ``tower`` makes: its layout at the most pixels a
-    decoded image may have, at every aspect of ``ASPECTS`` (a layout a tower refuses is skipped)."""
+    """(rows, stored bytes) of the largest image entry ``tower`` makes: the most rows of its layouts at
+    ``ASPECTS`` x ``AREA_STEPS`` sizes up to the most pixels a decoded image may have (a size the tower
+    refuses is skipped), plus ``ROWS_MARGIN``."""
     rows = 0
     for aspect in ASPECTS:
-        width = max(1, round(math.sqrt(max_image_pixels * aspect)))
-        try:
-            rows = max(rows, tower.layout(width, max(1, max_image_pixels // width)).num_tokens)
-        except ValueError:
-            continue
+        for step in range(AREA_STEPS):
+            area = max_image_pixels / 2**step
+            width = max(1, round(math.sqrt(area * aspect)))
+            try:
+                rows = max(rows, tower.layout(width, max(1, int(area // width))).num_tokens)
+            except (ValueError, VisencError):
+                continue
+    rows += -(-rows // ROWS_MARGIN)
     return rows, DATA_OFFSET + rows * tower.hidden_size * tower.dtype.itemsize
 
 

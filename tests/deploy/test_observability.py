@@ -66,14 +66,14 @@ class FailingTower:
 
 
 @pytest.fixture(scope="module")
-def exposition(small_tower) -> Iterator[dict[str, set[str]]]:
+def exposition(tiny_tower) -> Iterator[dict[str, set[str]]]:
     """Sample name → label names, scraped from the real app after exercising every labelled metric."""
     import asyncio
 
-    tower = FailingTower(small_tower)
-    images = [png_bytes(700 + i, 64, 64) for i in range(5)]
-    layout = small_tower.layout(64, 64)
-    entry_bytes = layout.num_tokens * small_tower.hidden_size * 4
+    tower = FailingTower(tiny_tower)
+    images = [png_bytes(700 + i, 896, 1120) for i in range(5)]  # the tower's largest: L1 must hold one
+    layout = tiny_tower.layout(896, 1120)
+    entry_bytes = layout.num_tokens * tiny_tower.hidden_size * 4
 
     async def go() -> str:
         # an L1 budget of ~2 entries so that 5 images evict

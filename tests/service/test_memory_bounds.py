@@ -30,7 +30,7 @@ from tests.support.waits import metric
 from visenc.bootstrap import create_app
 from visenc.config import Settings
 from visenc.models.base import VisionTower
-from visenc.process_memory import ASPECTS, BudgetTooSmall, largest_entry
+from visenc.process_memory import BudgetTooSmall, largest_entry
 from visenc_client.format import LEASE_HEADER
 
 W, H = 120, 90
@@ -81,11 +81,12 @@ async def test_an_l1_smaller_than_one_image_is_refused_naming_the_smallest(
     smallest = int(refused.value.args[0].split("--process-memory-bytes ")[1].split()[0])
     with pytest.raises(BudgetTooSmall):
         create_app(Settings(process_memory_bytes=smallest - 1, shm_dir=str(tmp_path)), tower=tiny_tower)
-    sizes = [(round(math.sqrt(2e6 * a)), round(math.sqrt(2e6 / a))) for a in ASPECTS]
-    largest = next(s for s in sizes if tiny_tower.layout(*s).num_tokens == rows)  # resized to the most rows
+    # the most rows of this tower: an image aligned to its patches right at its resize ceiling
+    most = tiny_tower.layout(896, 1120).num_tokens
+    assert most == 1280 <= rows
     async with running_app(tiny_tower, process_memory_bytes=smallest, shm_dir=str(tmp_path)) as service:
-        (it,) = await encode(service, [{"data": png_bytes(3200, *largest)}])
-        assert it["status"] == "ready" and it["num_tokens"] == rows
+        (it,) = await encode(service, [{"data": png_bytes(3200, 896, 1120)}])
+        assert it["status"] == "ready" and it["num_tokens"] == most
         r = await service.get(f"/v1/embeddings/{it['hash']}", params={"lease": it["lease"]})
         assert r.status_code == 200, r.text
 

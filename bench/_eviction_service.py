@@ -44,6 +44,8 @@ import httpx
 from visenc_client.format import DATA_OFFSET, LEASE_HEADER, image_hash
 
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080)}
+#: the resize ceiling of the served tower: twice 1080p, so every size above keeps its rows
+MAX_PIXELS = 2 * 1920 * 1080
 #: how often a shm caller reads a segment it already knows, after its first read
 SHM_REREADS = 2
 
@@ -71,6 +73,7 @@ class Service:
         port = c.free_port()
         env = {"PYTHONPATH": os.pathsep.join([str(tree / "service"), str(tree / "clients")])}
         flags = ("--dtype", "bfloat16", "--cache-bytes", str(cache_bytes), "--ready-lease-s", str(lease_s))
+        flags += ("--max-pixels", str(MAX_PIXELS))  # an L1 of a few screenshots holds the largest image
         stack.enter_context(
             c.server(c.visenc_cmd(str(checkpoint), port, *flags), f"http://127.0.0.1:{port}/readyz", env)
         )

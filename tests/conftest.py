@@ -13,12 +13,24 @@ from tests.support.processes import redis_process
 
 from visenc.models.base import VisionTower
 
+#: the most pixels ``small_tower`` resizes an image to
+SMALL_PIXELS = 64 * 64
+
 
 @pytest.fixture(scope="session")
 def tiny_tower() -> VisionTower:
     from visenc.models.loading import load_tower
 
     return load_tower("tiny-qwen2-vl")
+
+
+@pytest.fixture(scope="session")
+def small_tower() -> VisionTower:
+    """The tiny tower resizing images to at most 64x64 pixels (its video tubes keep the video processor's
+    size): an L1 that holds its largest image, and not one tube."""
+    from visenc.models.loading import load_tower
+
+    return load_tower("tiny-qwen2-vl", max_pixels=SMALL_PIXELS)
 
 
 @pytest.fixture

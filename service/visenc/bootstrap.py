@@ -24,7 +24,7 @@ from visenc.index.redis_claims import RedisClaims
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.models.base import VisionTower
-from visenc.process_memory import MemorySplit, plan, with_staged
+from visenc.process_memory import BudgetTooSmall, MemorySplit, largest_entry, plan, with_staged
 
 log = logging.getLogger("visenc")
 
@@ -47,9 +47,59 @@ def staged(tower: VisionTower, settings: Settings, process_bytes: int) -> tuple[
     return budget.prefetch_tokens, (budget.prefetch_tokens + budget.max_batch_tokens) * tower.input_bytes_per_token()
 
 
+def split_for(tower: VisionTower, settings: Settings, budget: MemorySplit) -> tuple[int, MemorySplit]:
+    """(the prefetch bound in tokens, the whole split of ``budget``); ``BudgetTooSmall`` where its L1
+    cannot hold the rows of one image of ``tower`` at its largest, naming the smallest setting that can."""
+    prefetch_tokens, staged_bytes = staged(tower, settings, budget.total)
+    rows, need = largest_entry(tower, settings.max_image_pixels)
+    try:
+        split = with_staged(budget, settings, staged_bytes)
+    except ValueError:
+        if settings.cache_bytes is not None:
+            raise
+        l1 = 0  # the other parts alone exceed the budget
+    else:
+        if split.l1 >= need:
+            return prefetch_tokens, split
+        l1 = split.l1
+    which = f"cache_bytes={l1}"
+    smallest = f"--cache-bytes {need}"
+    if settings.cache_bytes is None:
+        which = f"{l1} bytes, what process_memory_bytes={budget.total} leaves after its other parts"
+        smallest = f"--process-memory-bytes {smallest_budget(tower, settings, need)} (or --cache-bytes {need})"
+    raise BudgetTooSmall(
+        f"L1 ({which}) cannot hold one image of {tower.name} at its largest ({rows} rows, {need} bytes); "
+        f"the smallest that works: {smallest}"
+    )
+
+
+def smallest_budget(tower: VisionTower, settings: Settings, need: int) -> int:
+    """The smallest ``process_memory_bytes`` whose split leaves L1 ``need`` bytes (the other parts unchanged)."""
+
+    def l1(total: int) -> int:
+        s = settings.model_copy(update={"process_memory_bytes": total})
+        try:
+            return with_staged(plan(s), s, staged(tower, s, total)[1]).l1
+        except ValueError:
+            return -1
+
+    lo, hi = need, 2 * need
+    while l1(hi) < need and hi < 1 << 50:
+        lo, hi = hi, 2 * hi
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if l1(mid) >= need else (mid + 1, hi)
+    return lo
+
+
 def sized(settings: Settings, split: MemorySplit) -> Settings:
     """``settings`` with the parts of the process budget filled in."""
-    update = {"cache_bytes": split.l1, "pin_overflow_bytes": split.overflow, "shm_max_bytes": split.shm or None}
+    update = {
+        "cache_bytes": split.l1,
+        "pin_overflow_bytes": split.overflow,
+        "shm_max_bytes": split.shm or None,
+        "joined_rows_bytes": split.joined,
+    }
     return settings.model_copy(update=update)
 
 
@@ -125,23 +175,27 @@ def create_app(
     index: Callable[[Settings, Metrics], tuple[Index, RedisClaims | None]] = build_index,
 ) -> FastAPI:
     """Build the service. ``tower`` may be passed in (tests share one loaded tower, or wrap it);
-    ``index`` builds the index (tests wrap it).
+    ``index`` builds the index (tests wrap it). With ``tower`` given, a budget too small for one of its
+    images raises ``BudgetTooSmall`` here, before anything starts.
 
     If the device worker cannot be restarted, ``app.state.fatal`` holds the reason and
     ``app.state.stop_server()`` (set by the CLI) is called so that the process exits non-zero."""
     settings = settings or Settings()
     budget = plan(settings)  # the shared-memory pool starts before the tower is loaded: its part is known now
+    asked = settings  # as set: the smallest budget named on a refusal splits like it
+    sizing = split_for(tower, asked, budget) if tower is not None else None
     settings = settings.model_copy(update={"shm_max_bytes": budget.shm or None})
     metrics = Metrics()
 
     @asynccontextmanager
     async def engine(app: FastAPI) -> AsyncIterator[Engine]:
         loaded = tower if tower is not None else await asyncio.to_thread(load_tower, settings)
-        prefetch_tokens, staged_bytes = staged(loaded, settings, budget.total)
-        split = with_staged(budget, settings, staged_bytes)
+        prefetch_tokens, split = sizing or split_for(loaded, asked, budget)
         log.info("%s", split.describe())
-        built_index, claims = index(sized(settings, split), metrics)
-        planned = settings.model_copy(update={"prefetch_tokens": prefetch_tokens})
+        parts = sized(settings, split)
+        built_index, claims = index(parts, metrics)
+        built_index.batch_by(largest_entry(loaded, settings.max_image_pixels)[1], settings.redis_batch_bytes)
+        planned = parts.model_copy(update={"prefetch_tokens": prefetch_tokens})
         core = Engine(loaded, built_index, planned, metrics, claim_store=claims)
         d = loaded.describe()
         metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"], str(d["hidden_size"])).set(1)

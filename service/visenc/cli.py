@@ -130,7 +130,11 @@ def serve(settings: Settings) -> int:
     # finish, runs the lifespan shutdown) and then re-raises the signal to the handler that
     # was installed before it; with this one, a graceful stop exits 0 instead of dying by it.
     signal.signal(signal.SIGTERM, _stopped)
-    app = create_app(settings, tower=tower)
+    try:
+        app = create_app(settings, tower=tower)
+    except ValueError as e:  # the memory budget's parts, known once the tower is: one line, as for any setting
+        print(f"visenc: invalid settings: {e}", file=sys.stderr)
+        return 2
     server = uvicorn.Server(
         uvicorn.Config(
             app,

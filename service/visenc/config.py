@@ -95,6 +95,13 @@ class Settings(BaseSettings):
         description="Bytes that entries pinned for their readers may hold beyond cache_bytes; past it the oldest "
         "pins are cut (visenc_cache_pins_cut_total). Default: an eighth of process_memory_bytes, within it.",
     )
+    joined_rows_bytes: int | None = Field(
+        None,
+        ge=0,
+        description="Bytes of video rows joined from their tubes for reads by the video's hash, kept for the reads "
+        "that follow (one copy a video, least recently read dropped first); a video whose rows exceed it is "
+        "refused with 413 (read its tubes). Default: a sixteenth of process_memory_bytes, within it.",
+    )
     ready_lease_s: float = Field(
         30.0,
         gt=0,
@@ -105,6 +112,13 @@ class Settings(BaseSettings):
         None, description="redis:// or rediss:// URL of the shared index (L2); unset = in-process only."
     )
     cache_ttl_s: int = Field(7 * 86400, gt=0, description="TTL of Redis entries, seconds.")
+    redis_batch_bytes: int = Field(
+        64 * MiB,
+        gt=0,
+        description="Most bytes of entries one Redis read brings in: the misses of a request are read in batches "
+        "of as many keys as entries of the served model's largest image fit (at least one), each batch "
+        "stored in L1 before the next is read.",
+    )
 
     # --- shared index (Redis) ------------------------------------------------
     redis_mode: Literal["standalone", "cluster"] = Field(
@@ -289,7 +303,12 @@ class Settings(BaseSettings):
         known once the tower is loaded, are checked then: ``process_memory.py``)."""
         total = self.process_memory_bytes
         shm = self.shm_max_bytes if self.shm_enabled else None
-        parts = {"cache_bytes": self.cache_bytes, "pin_overflow_bytes": self.pin_overflow_bytes, "shm_max_bytes": shm}
+        parts = {
+            "cache_bytes": self.cache_bytes,
+            "pin_overflow_bytes": self.pin_overflow_bytes,
+            "shm_max_bytes": shm,
+            "joined_rows_bytes": self.joined_rows_bytes,
+        }
         given = {k: v for k, v in parts.items() if v is not None}
         if total is not None and sum(given.values()) > total:
             said = " + ".join(f"{k}={v}" for k, v in given.items())

@@ -247,6 +247,9 @@ class Metrics:
         )
         self.shm_segments = Gauge("visenc_shm_segments", "Shared-memory segments held (leased to clients).", registry=r)
         self.shm_bytes = Gauge("visenc_shm_bytes", "Bytes held in shared-memory segments.", registry=r)
+        self.joined_bytes = Gauge(
+            "visenc_joined_rows_bytes", "Bytes of video rows joined from their tubes, kept for reads.", registry=r
+        )
 
     def _tasks(self, r: CollectorRegistry) -> None:
         self.background_failures = Counter(

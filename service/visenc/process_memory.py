@@ -15,11 +15,18 @@ visenc per GPU, each seeing one). No NVML or no GPU: one. The rule and its figur
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from visenc.config import Settings
 from visenc.engine.limits import CGROUP_ROOT, PROC_CGROUP, cgroup_memory_limit, host_memory_bytes
+from visenc.errors import VisencError
+from visenc_client.format import DATA_OFFSET
+
+if TYPE_CHECKING:
+    from visenc.models.base import VisionTower
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +35,17 @@ PROCESS_SHARE = 0.5
 #: shares of the budget: shared-memory segments, and pinned entries beyond L1
 SHM_SHARE = 0.25
 OVERFLOW_SHARE = 0.125
+JOIN_SHARE = 0.0625
+#: width:height of the images ``largest_entry`` sizes: 4**-4 ... 4**4, 33 of them
+ASPECTS = tuple(4 ** (i / 4 - 4) for i in range(33))
+#: their areas: the most pixels a decoded image may have, halved 16 times
+AREA_STEPS = 17
+#: rows added to the largest layout found, for sizes between those tried (a resize's rounding): 1/64
+ROWS_MARGIN = 64
+
+
+class BudgetTooSmall(ValueError):
+    """L1 cannot hold the rows of one image of the served model: ``visenc serve`` exits 2 with this line."""
 
 
 def host_gpu_count() -> int:
@@ -68,11 +86,13 @@ class MemorySplit:
     overflow: int
     staged: int = 0
     l1: int = 0
+    joined: int = 0
 
     def describe(self) -> str:
         return (
             f"memory budget {_gib(self.total)} ({self.source}): L1 {_gib(self.l1)}, pinned beyond L1 "
-            f"{_gib(self.overflow)}, shared memory {_gib(self.shm)}, staged inputs {_gib(self.staged)}"
+            f"{_gib(self.overflow)}, shared memory {_gib(self.shm)}, staged inputs {_gib(self.staged)}, "
+            f"joined video rows {_gib(self.joined)}"
         )
 
 
@@ -86,22 +106,44 @@ def plan(settings: Settings, root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_
         total, source = default_budget(root, proc_cgroup)
     shm = 0 if not settings.shm_enabled else settings.shm_max_bytes or int(SHM_SHARE * total)
     overflow = settings.pin_overflow_bytes if settings.pin_overflow_bytes is not None else int(OVERFLOW_SHARE * total)
-    return MemorySplit(total, source, shm, overflow)
+    joined = settings.joined_rows_bytes if settings.joined_rows_bytes is not None else int(JOIN_SHARE * total)
+    return MemorySplit(total, source, shm, overflow, joined=joined)
 
 
 def with_staged(split: MemorySplit, settings: Settings, staged: int) -> MemorySplit:
     """``split`` with the staged inputs' bound and L1: ``cache_bytes``, or what the other parts leave.
     A pinned overflow left unset takes at most what L1 leaves."""
-    rest = split.total - split.shm - staged
+    rest = split.total - split.shm - staged - split.joined
     l1 = settings.cache_bytes if settings.cache_bytes is not None else max(0, rest - split.overflow)
     overflow = split.overflow if settings.pin_overflow_bytes is not None else max(0, min(split.overflow, rest - l1))
     if l1 + overflow <= rest:
-        return MemorySplit(split.total, split.source, split.shm, overflow, staged, l1)
-    parts = f"L1 {_gib(l1)}, pinned beyond it {_gib(overflow)}, shared memory {_gib(split.shm)}, staged {_gib(staged)}"
+        return MemorySplit(split.total, split.source, split.shm, overflow, staged, l1, split.joined)
+    parts = (
+        f"L1 {_gib(l1)}, pinned beyond it {_gib(overflow)}, shared memory {_gib(split.shm)}, staged {_gib(staged)}, "
+        f"joined video rows {_gib(split.joined)}"
+    )
     if settings.process_memory_bytes is not None:
         raise ValueError(f"{parts}: more than process_memory_bytes, {_gib(split.total)}")
     log.warning("%s: more than the default memory budget %s; the budget is their sum", parts, _gib(split.total))
-    return MemorySplit(split.shm + staged + l1 + overflow, "the parts set", split.shm, overflow, staged, l1)
+    total = split.shm + staged + l1 + overflow + split.joined
+    return MemorySplit(total, "the parts set", split.shm, overflow, staged, l1, split.joined)
+
+
+def largest_entry(tower: VisionTower, max_image_pixels: int) -> tuple[int, int]:
+    """(rows, stored bytes) of the largest image entry ``tower`` makes: the most rows of its layouts at
+    ``ASPECTS`` x ``AREA_STEPS`` sizes up to the most pixels a decoded image may have (a size the tower
+    refuses is skipped), plus ``ROWS_MARGIN``."""
+    rows = 0
+    for aspect in ASPECTS:
+        for step in range(AREA_STEPS):
+            area = max_image_pixels / 2**step
+            width = max(1, round(math.sqrt(area * aspect)))
+            try:
+                rows = max(rows, tower.layout(width, max(1, int(area // width))).num_tokens)
+            except (ValueError, VisencError):
+                continue
+    rows += -(-rows // ROWS_MARGIN)
+    return rows, DATA_OFFSET + rows * tower.hidden_size * tower.dtype.itemsize
 
 
 def _gib(n: int) -> str:

@@ -71,8 +71,8 @@ def exposition(tiny_tower) -> Iterator[dict[str, set[str]]]:
     import asyncio
 
     tower = FailingTower(tiny_tower)
-    images = [png_bytes(700 + i, 64, 64) for i in range(5)]
-    layout = tiny_tower.layout(64, 64)
+    images = [png_bytes(700 + i, 896, 1120) for i in range(5)]  # the tower's largest: L1 must hold one
+    layout = tiny_tower.layout(896, 1120)
     entry_bytes = layout.num_tokens * tiny_tower.hidden_size * 4
 
     async def go() -> str:

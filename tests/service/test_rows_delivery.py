@@ -24,14 +24,16 @@ from visenc_client import AsyncClient, RowRange, image_hash
 from visenc_client._shm import same_host
 
 SIZE = (64, 64)
+#: the tower's largest image (its most rows): an L1 of a few of them starts
+LARGE = (896, 1120)
 
 
-def images(seed: int, n: int) -> list[bytes]:
-    return [png_bytes(seed + i, *SIZE) for i in range(n)]
+def images(seed: int, n: int, size: tuple[int, int] = SIZE) -> list[bytes]:
+    return [png_bytes(seed + i, *size) for i in range(n)]
 
 
-def entry_bytes(tower: Any) -> int:
-    return tower.layout(*SIZE).num_tokens * tower.hidden_size * 4 + 256
+def entry_bytes(tower: Any, size: tuple[int, int] = SIZE) -> int:
+    return tower.layout(*size).num_tokens * tower.hidden_size * 4 + 256
 
 
 def client(app: Any, **options: Any) -> AsyncClient:
@@ -39,8 +41,8 @@ def client(app: Any, **options: Any) -> AsyncClient:
 
 
 async def test_one_request_over_the_cache_is_fetched_whole(tiny_tower: Any) -> None:
-    pngs = images(900, 6)
-    async with running_app(tiny_tower, cache_bytes=4 * entry_bytes(tiny_tower)) as service:
+    pngs = images(900, 6, LARGE)
+    async with running_app(tiny_tower, cache_bytes=4 * entry_bytes(tiny_tower, LARGE)) as service:
         async with client(service.app) as vc:
             handles = await vc.encode(pngs)
             assert [h.status for h in handles] == ["ready"] * 6
@@ -51,8 +53,8 @@ async def test_one_request_over_the_cache_is_fetched_whole(tiny_tower: Any) -> N
 
 
 async def test_without_pins_the_requests_own_images_evict_each_other(tiny_tower: Any) -> None:
-    pngs = images(920, 6)
-    async with running_app(tiny_tower, cache_bytes=4 * entry_bytes(tiny_tower), ready_lease_s=1e-9) as service:
+    pngs = images(920, 6, LARGE)
+    async with running_app(tiny_tower, cache_bytes=4 * entry_bytes(tiny_tower, LARGE), ready_lease_s=1e-9) as service:
         async with client(service.app) as vc:
             handles = await vc.encode(pngs)
             assert [h.status for h in handles] == ["ready"] * 6

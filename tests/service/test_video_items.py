@@ -222,7 +222,7 @@ async def test_a_request_of_images_never_touches_video_code(service, monkeypatch
         (fetch_path.Fetch, "video_rows"),
         (fetch_path.Fetch, "wait_videos"),
         (fetch_path, "tube_hashes"),
-        (fetch_path, "join_rows"),
+        (videos.Joins, "rows"),
     ]:
         monkeypatch.setattr(owner, name, wire(name))
     datas = [png_bytes(1500 + i, 64 + 28 * i, 64) for i in range(3)]

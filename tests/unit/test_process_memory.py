@@ -71,8 +71,9 @@ def test_an_8_gpu_host_without_a_cgroup_limit_gives_each_process_an_eighth(tmp_p
     assert split.total == int(process_memory.PROCESS_SHARE * host_memory_bytes() / 8)
     assert "8 GPU" in split.source
     done = process_memory.with_staged(split, Settings(), staged=64 << 20)
-    assert done.l1 + done.overflow + done.shm + done.staged == done.total
+    assert done.l1 + done.overflow + done.shm + done.staged + done.joined == done.total
     assert done.shm == int(process_memory.SHM_SHARE * done.total)
+    assert done.joined == int(process_memory.JOIN_SHARE * done.total)
     assert done.overflow == int(process_memory.OVERFLOW_SHARE * done.total)
     # eight processes, one per GPU, together stay within the host's memory
     assert 8 * done.total <= host_memory_bytes()
@@ -99,7 +100,7 @@ def test_the_setting_overrides_and_parts_set_must_fit(tmp_path, monkeypatch):
     # without a budget set, parts set beyond the default raise it to their sum
     big = Settings(cache_bytes=host_memory_bytes())
     grown = process_memory.with_staged(process_memory.plan(big, root, proc), big, staged=0)
-    assert grown.total == grown.l1 + grown.shm + grown.overflow + grown.staged
+    assert grown.total == grown.l1 + grown.shm + grown.overflow + grown.staged + grown.joined
 
 
 def test_shared_memory_off_leaves_its_part_to_l1(tmp_path, monkeypatch):
@@ -107,7 +108,7 @@ def test_shared_memory_off_leaves_its_part_to_l1(tmp_path, monkeypatch):
     root, proc = no_cgroup(tmp_path)
     settings = Settings(process_memory_bytes=GiB, shm_enabled=False)
     split = process_memory.with_staged(process_memory.plan(settings, root, proc), settings, staged=0)
-    assert split.shm == 0 and split.l1 == GiB - split.overflow
+    assert split.shm == 0 and split.l1 == GiB - split.overflow - split.joined
 
 
 def test_staged_inputs_are_the_schedulers_bound(tiny_tower):

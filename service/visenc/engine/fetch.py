@@ -18,11 +18,11 @@ from functools import partial
 from visenc.engine.coordination import Coordination
 from visenc.engine.entries import EntryCheck
 from visenc.engine.inflight import InFlight
-from visenc.engine.items import MISSING, Found, Item, Missing, VideoPending
+from visenc.engine.items import MISSING, Failed, Found, Item, Missing, VideoPending
 from visenc.engine.job import Job
 from visenc.engine.scheduler import Scheduler
-from visenc.engine.videos import join_rows, tube_hashes
-from visenc.errors import DeadlineExceeded, InvalidHash, NotFound
+from visenc.engine.videos import Joins, tube_hashes
+from visenc.errors import DeadlineExceeded, InvalidHash, NotFound, PayloadTooLarge
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc_client.format import Entry, entry_key, is_valid_hash
@@ -66,6 +66,7 @@ class Fetch:
         coordination: Coordination,
         fetch_timeout_s: float,
         metrics: Metrics,
+        joins: Joins,
     ) -> None:
         self.index = index
         self.entries = entries
@@ -74,6 +75,7 @@ class Fetch:
         self.coordination = coordination
         self.fetch_timeout_s = fetch_timeout_s
         self.metrics = metrics
+        self.joins = joins
         self.fingerprint = entries.fingerprint
 
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
@@ -94,7 +96,7 @@ class Fetch:
         evicted one), joined in order."""
         tubes = tube_hashes(manifest, video)
         entries = await asyncio.gather(*(self.lookup(t, namespace, timeout_s=timeout_s) for t in tubes))
-        return join_rows(manifest, video, entries)
+        return self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, entries)
 
     async def wait_videos(self, items: list[Item], namespace: str, timeout_s: float | None) -> None:
         """Each item that is a video asked by its hash whose tubes are being encoded (here or at another
@@ -105,8 +107,12 @@ class Fetch:
                     it.state = Found(await self.video_rows(it.state.manifest, it.hash, namespace, timeout_s))
                 except NotFound:
                     it.state = MISSING
+                except PayloadTooLarge as e:
+                    it.state = Failed(e)
 
-    async def video_outcome(self, manifest: Entry, video: str, namespace: str) -> Found | VideoPending | Missing:
+    async def video_outcome(
+        self, manifest: Entry, video: str, namespace: str
+    ) -> Found | VideoPending | Missing | Failed:
         """Where a video asked by its hash stands, without waiting or following anything: ready (its rows)
         once every tube is stored, missing while one is in no tier nor being encoded, else pending."""
         try:
@@ -118,7 +124,10 @@ class Fetch:
         )
         stored = [f.entry for f in found if isinstance(f, Stored)]
         if len(stored) == len(found):
-            return Found(join_rows(manifest, video, stored))
+            try:
+                return Found(self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, stored))
+            except PayloadTooLarge as e:
+                return Failed(e)
         return MISSING if any(isinstance(f, Absent) for f in found) else VideoPending(manifest)
 
     # --- where an image is -------------------------------------------------------------------

@@ -12,6 +12,7 @@ a tier is checked first (``entries.py``); fetching by hash is the fetch path's (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import time
 from collections.abc import Sequence
 from concurrent.futures import Executor
@@ -42,7 +43,7 @@ from visenc.engine.job import Job, Place
 from visenc.engine.pins import Pins, Reader
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
-from visenc.engine.videos import Videos
+from visenc.engine.videos import Joins, Videos
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import DeadlineExceeded, NotReady, Overloaded, PayloadTooLarge
 from visenc.index.memory import Lease
@@ -70,7 +71,10 @@ class Intake:
         # the parts intake shares with the fetch path, and its video side
         self.entries = EntryCheck(index, prep.tower, metrics)
         self.flight = InFlight(scheduler, metrics)
-        self.fetch = Fetch(index, self.entries, self.flight, scheduler, coordination, settings.fetch_timeout_s, metrics)
+        joins = Joins(settings.joined_rows_bytes or 0, metrics)
+        self.fetch = Fetch(
+            index, self.entries, self.flight, scheduler, coordination, settings.fetch_timeout_s, metrics, joins
+        )
         self.videos = Videos(prep, pool, index, metrics)
         self.pins = Pins(index, self.fingerprint)
         self.closing = False
@@ -117,13 +121,13 @@ class Intake:
         admitted, reader = time.monotonic(), Reader.new(lease, waits=wait)
         try:
             jobs = await self._take_all(request.work, namespace, reader)
-            request.started()
+            request.started(reader.of_pending(uploaded=True))
             if wait:
                 await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
                 if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
                     await self.fetch.wait_videos(request.work, namespace, timeout_s)
         except BaseException:  # refused in a later wave, past the deadline, or the client went away
-            self.pins.drop(request.work, namespace, reader.lease)  # its caller reads none of it
+            self.pins.drop(request.held, namespace, reader.lease)  # its caller reads none of it
             raise
         return request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
 
@@ -166,15 +170,20 @@ class Intake:
         for it in live:
             it.key = entry_key(namespace, self.fingerprint, it.hash)
         todo = [it for it in live if self.flight.joinable(it.key) is None]
-        if not todo:
-            return
-        for it, got in zip(todo, await self.index.get_many([it.key for it in todo])):
-            # a hash alone may be a video's: its key then holds the video's manifest
-            match self.entries.checked(it.key, it.hash, got, video=isinstance(it.state, HashOnly)):
-                case Entry(kind="video") as manifest:  # ready when every tube is, pending while one is encoded
-                    it.state = await self.fetch.video_outcome(manifest, it.hash, namespace)
-                case Entry() as entry:
-                    it.state = Found(entry)
+        step = self.index.batch_keys
+        for lo in range(0, len(todo), step):  # one batch of Redis reads at a time (``redis_batch_bytes``)
+            for it, got in zip(
+                todo[lo : lo + step], await self.index.get_many([it.key for it in todo[lo : lo + step]])
+            ):
+                # a hash alone may be a video's: its key then holds the video's manifest
+                match self.entries.checked(it.key, it.hash, got, video=isinstance(it.state, HashOnly)):
+                    case Entry(kind="video") as manifest:  # ready when every tube is, pending while one is encoded
+                        it.state = await self.fetch.video_outcome(manifest, it.hash, namespace)
+                    case Entry() as entry:
+                        it.state = Found(entry)
+            for it in todo[: lo + step]:  # what L1 let go (Redis still holds it) is answered from its fields
+                if isinstance(it.state, Found) and self.index.peek(it.key) is not it.state.entry:
+                    it.state = Found(dataclasses.replace(it.state.entry, blob=b""))
 
     def _admission(self, items: list[Item]) -> set[str]:
         """Keys this wave would queue; 503 / 429 when it cannot."""

@@ -32,6 +32,7 @@ from visenc.engine.job import Job
 from visenc.engine.prepare import ImagePrep, Inspected, Source, Video
 from visenc.errors import EncodeFailed, InvalidHash, InvalidVideo, NotReady, VisencError
 from visenc.imaging.video import VideoPreprocess
+from visenc.index.memory import Lease
 from visenc_client.format import Entry, is_valid_hash
 
 HASH_RULE = "'hash' must be 64 lowercase hex digits (SHA-256 of the bytes)"
@@ -207,7 +208,12 @@ class ImageRequest:
     def __init__(self, items: list[Item]) -> None:
         self.work = items
 
-    def started(self) -> None:
+    @property
+    def held(self) -> list[Item]:
+        """What the request's lease may pin."""
+        return self.work
+
+    def started(self, lease: Lease | None) -> None:
         """Every item is taken (found, joined or started)."""
 
     def answer(self, handles: list[Handle]) -> list[Handle]:

@@ -19,7 +19,7 @@ import torch
 
 from visenc.engine.coordination import Coordination
 from visenc.engine.job import Job
-from visenc.errors import Cancelled, EncodeFailed, VisencError
+from visenc.errors import Cancelled, EncodeFailed, PayloadTooLarge, VisencError
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.tasks import spawn, stop_task
@@ -199,7 +199,11 @@ class Outputs:
     def _complete(self, job: Job, entry: Entry, *, remote: bool) -> None:
         if job.finished:  # failed meanwhile: its failure is answered
             return
-        self.index.store_local(job.key, entry, leases=job.readers)  # kept until its readers read it
+        if not self.index.store_local(job.key, entry, leases=job.readers):  # kept until its readers read it
+            job.fail()  # never answered ready: nothing could read it (start-up sizes L1 for images)
+            limit = f"cache_bytes={self.index.local.max_bytes}"
+            self._fail_now(job, PayloadTooLarge(f"rows of {entry.nbytes} bytes exceed the in-process index, {limit}"))
+            return
         job.finish()
         job.future.set_result(entry)
         if remote:

@@ -9,7 +9,8 @@ pinned at once; one answered ``pending`` is pinned when stored, and only for a r
 for it or gave its bytes to read them later (``Reader``): a look-up by hash that does not wait, or
 one whose rows come inline, is told where the image stands and reads nothing of a pending one. A
 handle carries the lease id only where its image is pinned (or will be) for it. A video is pinned,
-and read, as its tubes (the rows L1 holds). Every read names its lease (``read``): a read to the last
+and read, as its manifest and its tubes (the rows L1 holds): a video answered ready stays readable
+by its hash while pinned. Every read names its lease (``read``): a read to the last
 row releases the pin, a partial one renews it; the read itself moves nothing in L1's recency order
 unless it names no lease and finds no pin to release (a look-up of its own). The reasoning:
 ``docs/internals.md``.
@@ -77,13 +78,13 @@ class Pins:
         if self.index.peek(key) is entry:
             self.index.pin(key, lease)
             return
-        for tube in self._tubes(key, image_hash, namespace):
-            self.index.pin(tube, lease)
+        for k in self._video(key, image_hash, namespace):
+            self.index.pin(k, lease)
 
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
         """A caller read rows of an image (``last``: to its last row) naming ``lease`` (or none)."""
         key = entry_key(namespace, self.fingerprint, image_hash)
-        for k in self._tubes(key, image_hash, namespace) or [key]:
+        for k in self._video(key, image_hash, namespace) or [key]:
             self.index.read(k, lease, last=last)
 
     def drop(self, work: list[Item], namespace: str, lease: Lease | None) -> None:
@@ -94,15 +95,16 @@ class Pins:
             return
         for it in work:
             key = entry_key(namespace, self.fingerprint, it.hash)
-            for k in self._tubes(key, it.hash, namespace) or [key]:
+            for k in self._video(key, it.hash, namespace) or [key]:
                 self.index.unpin(k, lease.id)
 
-    def _tubes(self, key: str, image_hash: str, namespace: str) -> list[str]:
-        """The keys of a video's tubes where L1 holds the video's manifest under ``key``; else none."""
+    def _video(self, key: str, image_hash: str, namespace: str) -> list[str]:
+        """The keys of a video's tubes, then ``key`` itself, where L1 holds the video's manifest under
+        ``key``; else none."""
         manifest = self.index.peek(key)
         if manifest is None or manifest.kind != "video":
             return []
         try:
-            return [entry_key(namespace, self.fingerprint, t) for t in tube_hashes(manifest, image_hash)]
+            return [entry_key(namespace, self.fingerprint, t) for t in tube_hashes(manifest, image_hash)] + [key]
         except NotFound:
             return []

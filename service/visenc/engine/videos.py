@@ -15,13 +15,14 @@ step normalises and patchifies.
 stretch is whose); ``fold`` turns the flat handles back into one handle per item, a video's from
 its tubes' (ready when all are; the first failed tube's error otherwise). A video's manifest (its
 tubes' hashes in order, ``visenc_client.format.pack_manifest``) is stored under the video's own
-key once its tubes are taken, so a later look-up by that hash alone finds its tubes (``tube_hashes``,
-``join_rows``: the fetch path, ``fetch.py``).
+key once its tubes are taken, pinned for the request's lease with its tubes (``pins.py``), so a later
+look-up by that hash alone finds its tubes (``tube_hashes``; ``Joins``: the fetch path, ``fetch.py``).
 """
 
 from __future__ import annotations
 
 import asyncio
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
@@ -29,11 +30,13 @@ from dataclasses import dataclass
 from visenc.engine.interface import Handle
 from visenc.engine.items import Encodable, Failed, Frames, Item, Tubes
 from visenc.engine.prepare import ImagePrep, Video
-from visenc.errors import NotFound, VisencError
+from visenc.errors import NotFound, PayloadTooLarge, VisencError
+from visenc.index.memory import Lease
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.tasks import spawn
 from visenc_client.format import (
+    DATA_OFFSET,
     CorruptEntry,
     Entry,
     Status,
@@ -64,12 +67,13 @@ class Videos:
         """``items`` with each video inspected (in the pool) and taken apart into its tubes."""
         await inspect_videos(items, self.prep, self.pool)
         work, spans = expand(items)
-        return VideoRequest(work, spans, lambda: self._store_manifests(spans, work, namespace))
+        return VideoRequest(work, spans, lambda lease: self._store_manifests(spans, work, namespace, lease))
 
-    def _store_manifests(self, spans: list[Span], work: list[Item], namespace: str) -> None:
-        """Each video's manifest under its own key: found by the video's hash from now on."""
+    def _store_manifests(self, spans: list[Span], work: list[Item], namespace: str, lease: Lease | None) -> None:
+        """Each video's manifest under its own key, pinned for ``lease`` (its tubes' reader): found by the
+        video's hash from now on, and kept in L1 while its tubes are kept for that reader."""
         for key, manifest in manifests(spans, work, namespace, self.prep.tower.fingerprint):
-            self.index.store_local(key, manifest)
+            self.index.store_local(key, manifest, leases=() if lease is None else (lease,))
             spawn(self.index.write_through(key, manifest), "manifest-write", self.metrics)
 
 
@@ -77,12 +81,17 @@ class VideoRequest:
     """A request with videos: intake takes its images and the videos' tubes (``work``); once they are
     taken the manifests are stored, and the answer folds each video's tubes into one handle."""
 
-    def __init__(self, work: list[Item], spans: list[Span], store_manifests: Callable[[], None]) -> None:
+    def __init__(self, work: list[Item], spans: list[Span], store_manifests: Callable[[Lease | None], None]) -> None:
         self.work, self._spans, self._store_manifests = work, spans, store_manifests
 
-    def started(self) -> None:
-        """Every image and tube is taken: the videos' manifests are stored."""
-        self._store_manifests()
+    @property
+    def held(self) -> list[Item]:
+        """What the request's lease may pin: its images and tubes, and its videos (their manifests)."""
+        return self.work + [s.item for s in self._spans if s.video is not None]
+
+    def started(self, lease: Lease | None) -> None:
+        """Every image and tube is taken: the videos' manifests are stored, pinned for ``lease``."""
+        self._store_manifests(lease)
 
     def answer(self, handles: list[Handle]) -> list[Handle]:
         return fold(handles, self._spans)
@@ -174,3 +183,41 @@ def join_rows(manifest: Entry, video: str, tubes: Sequence[Entry]) -> Entry:
     first = tubes[0]
     rows = [e.array() for e in tubes]  # views of the stored values: joined in one copy
     return pack_entry(rows, dtype=first.dtype, grid_thw=manifest.grid_thw, fingerprint=first.fingerprint, hash=video)
+
+
+class Joins:
+    """Videos' rows joined for reads by the video's hash, at most ``max_bytes`` of them: one copy a video,
+    served to every read while its tubes are the same entries (so a shared-memory segment of it is
+    reused), the least recently read dropped first."""
+
+    def __init__(self, max_bytes: int, metrics: Metrics) -> None:
+        self.max_bytes, self.bytes, self._metrics = max_bytes, 0, metrics
+        self._held: OrderedDict[str, tuple[tuple[int, ...], Entry]] = OrderedDict()
+
+    def rows(self, key: str, manifest: Entry, video: str, tubes: Sequence[Entry]) -> Entry:
+        """The video's rows; ``PayloadTooLarge`` when they alone exceed ``max_bytes`` (its tubes are read
+        one by one instead)."""
+        source = tuple(id(t) for t in tubes)
+        held = self._held.get(key)
+        if held is not None and held[0] == source:
+            self._held.move_to_end(key)
+            return held[1]
+        nbytes = DATA_OFFSET + sum(t.rows for t in tubes) * tubes[0].row_bytes
+        if nbytes > self.max_bytes:
+            raise PayloadTooLarge(
+                f"the rows of video {video} ({nbytes} bytes) exceed joined_rows_bytes={self.max_bytes}; read its tubes"
+            )
+        self._drop(key)
+        while self.bytes + nbytes > self.max_bytes:
+            self._drop(next(iter(self._held)))
+        entry = join_rows(manifest, video, tubes)
+        self._held[key] = (source, entry)
+        self.bytes += entry.nbytes
+        self._metrics.joined_bytes.set(self.bytes)
+        return entry
+
+    def _drop(self, key: str) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            self.bytes -= held[1].nbytes
+            self._metrics.joined_bytes.set(self.bytes)

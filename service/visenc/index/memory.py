@@ -28,7 +28,8 @@ the oldest pins are cut (``visenc_cache_pins_cut``). A pin that names no lease i
 false: a caller that does not hand leases back) is released by the first read of the entry's last
 row that names none.
 
-An entry larger than ``max_bytes`` is not stored. Bytes are those of the stored value
+An entry larger than ``max_bytes`` is not stored (``store`` says so: its image is then not answered ready;
+start-up refuses an L1 smaller than one image's largest entry). Bytes are those of the stored value
 (``Entry.nbytes``). Entries are immutable and shared by reference: serving one hands out views of
 its buffer, never copies. Only the event loop thread touches it: no lock.
 """
@@ -176,11 +177,12 @@ class MemoryCache:
             self.psel = max(-PSEL_MAX, min(PSEL_MAX, self.psel + (1 if by_lru else -1)))
 
     # --- stores and pins -------------------------------------------------------------------
-    def store(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> None:
+    def store(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> bool:
         """Hold ``entry`` under ``key`` (in place of any older one, whose pins it keeps), pinned for
-        ``leases`` (and ``pins`` callers that name no lease): the callers that will read it."""
+        ``leases`` (and ``pins`` callers that name no lease): the callers that will read it. ``False``
+        (nothing held) for an entry larger than ``max_bytes``."""
         if entry.nbytes > self.max_bytes:
-            return
+            return False
         if key not in self._sizes:
             self._lru.access(key, entry.nbytes)
             self._bip.access(key, entry.nbytes)
@@ -200,6 +202,7 @@ class MemoryCache:
         for lease in [*leases, *(Lease.new(named=False) for _ in range(pins))]:
             self._pin(key, lease)
         self._evict()
+        return True
 
     def pin(self, key: str, count: int | Lease = 1) -> bool:
         """Keep ``key`` for a caller that will read it: under ``count`` when it is a ``Lease``, else

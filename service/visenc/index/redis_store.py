@@ -10,8 +10,9 @@ one ``GETRANGE``. Contracts:
 * **Nothing wrong is served.** A value read back is checked against its header
   and against the key it was read under (fingerprint, image hash, length):
   a corrupt, truncated or mismatched value is a miss, counted as ``corrupt``.
-* **One round trip per lookup.** ``get_many`` is one ``MGET`` (standalone) or one
-  ``MGET`` per slot, pipelined to every node at once (cluster).
+* **One round trip per batch.** ``get_many`` is one ``MGET`` (standalone) or one
+  ``MGET`` per slot, pipelined to every node at once (cluster); the index asks it for
+  batches bounded in bytes (``tiered.py``).
 * Outages: see ``redis_conn.py``; a lookup then misses and a write is dropped.
 """
 

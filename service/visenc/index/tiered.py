@@ -2,9 +2,10 @@
 the shared Redis store (L2). One class, one interface, whatever is configured.
 
 * ``peek``: L1 only, synchronous, no I/O; not a reference (moves nothing in L1's recency order).
-* ``get_many``: L1 first, then *one* Redis round trip for all of the L1 misses
-  together; an L2 hit is promoted into L1, so the next lookup of the image on
-  this replica costs no I/O.
+* ``get_many``: L1 first, then the L1 misses from Redis in batches of at most
+  ``batch_keys`` keys (``batch_by``: as many of the model's largest entries as
+  ``redis_batch_bytes`` holds), one round trip each; each batch's hits are promoted
+  into L1 before the next batch is read, so the next lookup costs no I/O.
 * ``store_local``: L1 only (synchronous; ``peek`` sees it at once), pinned for the callers that
   will read it; ``pin`` / ``read`` / ``unpin``: an entry answered ready is kept until its caller
   reads it, and keeps its rank meanwhile (``memory.py``).
@@ -27,9 +28,14 @@ from visenc_client.format import Entry
 
 
 class Index:
-    def __init__(self, local: MemoryCache, remote: RedisStore | None = None) -> None:
+    def __init__(self, local: MemoryCache, remote: RedisStore | None = None, *, batch_keys: int = 64) -> None:
         self.local = local
         self.remote = remote
+        self.batch_keys = batch_keys
+
+    def batch_by(self, entry_bytes: int, batch_bytes: int) -> None:
+        """Read Redis misses in batches of ``batch_bytes`` at most, each entry ``entry_bytes`` at most."""
+        self.batch_keys = max(1, batch_bytes // max(1, entry_bytes))
 
     def peek(self, key: str) -> Entry | None:
         return self.local.peek(key)
@@ -37,8 +43,11 @@ class Index:
     async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
         found = self.local.lookup(keys)
         misses = [i for i, e in enumerate(found) if e is None]
-        if misses and self.remote is not None:
-            for i, entry in zip(misses, await self.remote.get_many([keys[i] for i in misses])):
+        if self.remote is None:
+            return found
+        for lo in range(0, len(misses), self.batch_keys):
+            batch = misses[lo : lo + self.batch_keys]
+            for i, entry in zip(batch, await self.remote.get_many([keys[i] for i in batch])):
                 if entry is not None:
                     # promote, unless L1 got an entry meanwhile (keep the one already shared)
                     current = self.local.peek(keys[i])
@@ -47,8 +56,9 @@ class Index:
                     found[i] = current or entry
         return found
 
-    def store_local(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> None:
-        self.local.store(key, entry, pins=pins, leases=leases)
+    def store_local(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> bool:
+        """Hold ``entry`` in L1; ``False`` when it is larger than L1."""
+        return self.local.store(key, entry, pins=pins, leases=leases)
 
     def pin(self, key: str, lease: Lease | None = None) -> bool:
         """A caller was told ``key`` is ready: keep it in L1 until it reads it (or the lease ends);

@@ -31,6 +31,7 @@ from visenc_client._backoff import BACKOFF_FIRST_S, COSTLY_S, Backoff
 from visenc_client._client import Client
 from visenc_client._exceptions import TransportError, VisencClientError
 from visenc_client._types import Handle
+from visenc_client._weights import EngineWeights
 from visenc_client.format import words_tensor
 
 log = logging.getLogger("visenc_client.vllm")
@@ -87,11 +88,13 @@ class Replica:
 @dataclass(frozen=True)
 class Served:
     """What a connector expects of the visenc it reads: ``hidden`` (row width), ``loader`` (the image
-    loader, ``vllm-0.32``), ``fingerprint`` (``None``: any)."""
+    loader, ``vllm-0.32``), ``fingerprint`` (``None``: any), ``weights`` (the engine's own, which a replica
+    must serve: ``_weights.EngineWeights``; ``None``: not compared)."""
 
     hidden: int
     loader: str
     fingerprint: str | None = None
+    weights: EngineWeights | None = None
 
     def refusal(self, url: str, served: dict[str, Any]) -> str | None:
         """Why the visenc at ``url``, which answered ``served`` (its ``/v1/model``), cannot be used."""
@@ -110,6 +113,11 @@ class Served:
         if self.fingerprint is not None and served.get("fingerprint") != self.fingerprint:
             return f"visenc at {url} serves fingerprint {served.get('fingerprint')}, expected {self.fingerprint}"
         return None
+
+    def weights_refusal(self, url: str, served: dict[str, Any]) -> str | None:
+        """Why the visenc at ``url`` serves other weights than the engine's (never asked then; the engine
+        encodes what it would have given)."""
+        return None if self.weights is None else self.weights.refusal(url, served)
 
 
 def _costly(e: VisencClientError, started: float) -> bool:
@@ -200,9 +208,19 @@ class RowSources:
             refusal = self.served.refusal(replica.url, info)
             if refusal is not None:
                 raise ValueError(f"VisencConnector: {refusal}")
-            self._accept(replica, info)
+            self._check(replica, info)
         if not any(r.checked for r in self.replicas):
             log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")
+
+    def _check(self, replica: Replica, info: dict[str, Any]) -> bool:
+        """Accept a replica that answered ``info`` unless it serves other weights (then never asked)."""
+        refusal = self.served.weights_refusal(replica.url, info)
+        if refusal is None:
+            self._accept(replica, info)
+            return True
+        replica.refused = refusal
+        log.error("VisencConnector: %s; it is not asked (vLLM encodes what it would have given)", refusal)
+        return False
 
     def _accept(self, replica: Replica, info: dict[str, Any]) -> None:
         with self._lock:
@@ -273,7 +291,7 @@ class RowSources:
 
     def _from_replica(self, replica: Replica, wants: dict[str, Want], *, wait: bool) -> Answers:
         if replica.refused is not None:
-            return {i: Absent("not asked: it serves another model") for i in wants}
+            return {i: Absent("not asked: it serves another model or other weights") for i in wants}
         skipped = self._skip(replica.url, wants)
         if skipped is not None:
             return skipped
@@ -318,7 +336,8 @@ class RowSources:
                 replica.refused = refusal
                 log.error("VisencConnector: %s; it is not asked again", refusal)
                 return {i: Absent(refusal) for i in wants}
-            self._accept(replica, info)
+            if not self._check(replica, info):
+                return {i: Absent(str(replica.refused)) for i in wants}
         handles = client.lookup(list(wants), wait=wait, include_rows=not client.shared_memory)
         answers: Answers = {}
         rejected: list[Handle] = []  # ready, pinned for this caller, and never read

@@ -72,7 +72,10 @@ class Replica:
     url: str
     waiting: Client
     prompt: Client
-    #: its model was checked (and, for ``transport: auto``, the transport chosen)
+    #: ``transport: auto``: whether it shares this host's memory is decided at each check
+    auto: bool = False
+    #: its model was checked (and, for ``transport: auto``, the transport chosen); undone when it stops
+    #: answering or a shared-memory read fails (it may answer again from another host)
     checked: bool = False
     #: why it is never asked (it serves another model); ``None`` while it may be
     refused: str | None = None
@@ -162,8 +165,11 @@ class RowSources:
         namespace: str | None = None,
         api_key: str | None = None,
         redis_url: str | None = None,
+        redis_mode: str = "standalone",
         backoff_s: float = BACKOFF_FIRST_S,
     ) -> None:
+        if redis_mode not in ("standalone", "cluster"):
+            raise ValueError(f"redis_mode must be 'standalone' or 'cluster', not {redis_mode!r}")
         shared: Any = {"auto": "auto", "http": False, "shm": True}[transport]
 
         def client(url: str, read_s: float) -> Client:
@@ -176,10 +182,12 @@ class RowSources:
                 api_key=api_key,
             )
 
-        self.replicas = [Replica(u, client(u, timeout_s), client(u, answer_timeout_s)) for u in urls]
+        self.replicas = [Replica(u, client(u, timeout_s), client(u, answer_timeout_s), shared == "auto") for u in urls]
+        self.timeout_s = timeout_s
         self.served = served
         self.backoff = Backoff(backoff_s)
         self._redis_url, self._namespace = redis_url, namespace or "default"
+        self._redis_cluster = redis_mode == "cluster"  # as the service's redis_mode
         # the index holds ready rows only, so a read there never waits for an encode: each is bounded
         # as a look-up that does not wait is
         self._redis_options: dict[str, Any] = {
@@ -209,7 +217,7 @@ class RowSources:
             if refusal is not None:
                 raise ValueError(f"VisencConnector: {refusal}")
             self._check(replica, info)
-        if not any(r.checked for r in self.replicas):
+        if not any(r.checked or r.refused for r in self.replicas):
             log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")
 
     def _check(self, replica: Replica, info: dict[str, Any]) -> bool:
@@ -225,7 +233,7 @@ class RowSources:
     def _accept(self, replica: Replica, info: dict[str, Any]) -> None:
         with self._lock:
             for client in (replica.waiting, replica.prompt):
-                if client._auto:
+                if replica.auto:
                     client._choose(info)
             replica.checked = True
             if self._index is None and self._redis_url:
@@ -255,7 +263,9 @@ class RowSources:
         # its timeout twice)
         retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
         options: dict[str, Any] = {**self._redis_options, "retry": retry}
-        self._index = RedisRows.from_url(self._redis_url, fingerprint=fingerprint, namespace=self._namespace, **options)
+        self._index = RedisRows.from_url(
+            self._redis_url, fingerprint=fingerprint, namespace=self._namespace, cluster=self._redis_cluster, **options
+        )
 
     # --- reading rows -----------------------------------------------------------------------
     def obtain(self, wants: dict[str, Want], wait: bool) -> Answers:
@@ -300,7 +310,10 @@ class RowSources:
         try:
             return self._ask(replica, wants, wait)
         except TransportError as e:
+            if wait and e.timed_out and not e.connecting:  # it took the request: a slow wait, not a dead replica
+                return {i: Absent(f"not ready within timeout_s ({self.timeout_s} s)") for i in wants}
             failure = e
+            replica.checked = False  # checked again when it answers, wherever from
             return {i: Absent(e.reason) for i in wants}
         except VisencClientError as e:  # it answered, with an error
             return {i: Absent(str(e)) for i in wants}
@@ -353,6 +366,7 @@ class RowSources:
                 raise  # it stopped answering (a shared-memory read's request): the next replica
             except VisencClientError as e:
                 answers[identifier] = Absent(str(e))
+                replica.checked = not client.shared_memory  # its segments may be on another host now
         client.hand_back(rejected)  # what the replica keeps for them goes now, not when their leases lapse
         return answers
 

@@ -186,6 +186,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             namespace=option("namespace", None),
             api_key=option("api_key", None),
             redis_url=option("redis_url", None),
+            redis_mode=option("redis_mode", "standalone"),
             backoff_s=float(option("backoff_s", 1.0)),
         )
         self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))

@@ -31,7 +31,7 @@ from visenc_client._backoff import BACKOFF_FIRST_S, COSTLY_S, Backoff
 from visenc_client._client import Client
 from visenc_client._exceptions import TransportError, VisencClientError
 from visenc_client._types import Handle
-from visenc_client._weights import EngineWeights
+from visenc_client._weights import Served
 from visenc_client.format import words_tensor
 
 log = logging.getLogger("visenc_client.vllm")
@@ -86,41 +86,6 @@ class Replica:
     def close(self) -> None:
         self.waiting.close()
         self.prompt.close()
-
-
-@dataclass(frozen=True)
-class Served:
-    """What a connector expects of the visenc it reads: ``hidden`` (row width), ``loader`` (the image
-    loader, ``vllm-0.32``), ``fingerprint`` (``None``: any), ``weights`` (the engine's own, which a replica
-    must serve: ``_weights.EngineWeights``; ``None``: not compared)."""
-
-    hidden: int
-    loader: str
-    fingerprint: str | None = None
-    weights: EngineWeights | None = None
-
-    def refusal(self, url: str, served: dict[str, Any]) -> str | None:
-        """Why the visenc at ``url``, which answered ``served`` (its ``/v1/model``), cannot be used."""
-        hidden = int(served.get("hidden_size", -1))
-        if hidden != self.hidden:
-            return (
-                f"visenc at {url} serves {served.get('name')!r} with rows of width {hidden}, but this model's "
-                f"image embeddings are {self.hidden} wide: it serves another model"
-            )
-        if str(served.get("image_loader")) != self.loader:
-            return (
-                f"visenc at {url} loads images as {served.get('image_loader')!r}, but this is {self.loader}: "
-                "serve visenc with --image-loader vllm, in a release that follows this vLLM "
-                "(EXIF orientation and transparency would give other rows)"
-            )
-        if self.fingerprint is not None and served.get("fingerprint") != self.fingerprint:
-            return f"visenc at {url} serves fingerprint {served.get('fingerprint')}, expected {self.fingerprint}"
-        return None
-
-    def weights_refusal(self, url: str, served: dict[str, Any]) -> str | None:
-        """Why the visenc at ``url`` serves other weights than the engine's (never asked then; the engine
-        encodes what it would have given)."""
-        return None if self.weights is None else self.weights.refusal(url, served)
 
 
 def _costly(e: VisencClientError, started: float) -> bool:

@@ -35,7 +35,7 @@ import numpy as np
 
 from visenc_client import _protocol as p
 from visenc_client._exceptions import TransportError, VisencClientError, describe
-from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Connections, Head
+from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Connections, Head, resolving_transport
 from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
 from visenc_client._shm import SegmentHandles, same_host
 from visenc_client._types import Handle, RowRange, Video
@@ -161,7 +161,7 @@ class Client(_Base):
     ) -> None:
         t = timeouts(timeout, connect_timeout)
         super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None)
-        self._http = httpx.Client(base_url=base_url, timeout=t, transport=transport)
+        self._http = httpx.Client(base_url=base_url, timeout=t, transport=transport or resolving_transport())
 
     def _open(self, request: httpx.Request) -> tuple[Head, Body | ChunkBody]:
         if self._conns is not None:
@@ -190,7 +190,7 @@ class Client(_Base):
                         url = step.url
                         reply = self._http.send(step)
                 except httpx.TransportError as e:
-                    raise TransportError(describe(e), str(url)) from e
+                    raise TransportError(describe(e), str(url), connecting=_connecting(e)) from e
                 step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
@@ -365,7 +365,7 @@ class AsyncClient(_Base):
                         url = step.url
                         reply = await self._http.send(step)
                 except httpx.TransportError as e:
-                    raise TransportError(describe(e), str(url)) from e
+                    raise TransportError(describe(e), str(url), connecting=_connecting(e)) from e
                 step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
@@ -472,6 +472,10 @@ class AsyncClient(_Base):
 
     async def __aexit__(self, *exc: object) -> None:
         await self.aclose()
+
+
+def _connecting(e: httpx.TransportError) -> bool:
+    return isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
 
 
 async def _close(body: Body | AsyncChunkBody | None) -> None:

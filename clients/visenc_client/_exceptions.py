@@ -23,13 +23,15 @@ class VisencClientError(Exception):
 
 
 class TransportError(VisencClientError):
-    """``url``: what was asked (a request's URL, a Redis server, a shared-memory segment)."""
+    """``url``: what was asked (a request's URL, a Redis server, a shared-memory segment); ``connecting``:
+    it failed before the server took the request (a name, a connect), not while it was answering."""
 
-    def __init__(self, message: str, url: str | None = None) -> None:
+    def __init__(self, message: str, url: str | None = None, *, connecting: bool = False) -> None:
         super().__init__(f"{url}: {message}" if url else message)
         self.url = url
         #: what happened, without the URL
         self.reason = message
+        self.connecting = connecting
 
     @property
     def timed_out(self) -> bool:

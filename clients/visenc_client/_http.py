@@ -8,6 +8,9 @@ the socket directly (one copy, the kernel's). So the flows that move rows stream
 through ``Connections`` whenever the client talks to a real server; httpx keeps every other
 request, and every request of a client given a custom httpx transport (an in-process app, a mock).
 
+A connect, the name look-up included, takes at most the connect timeout (``create_connection``): a
+name server that does not answer costs the connect timeout, not the resolver's own (seconds, retried).
+
 Thread-safe: a call takes an idle connection (or opens one) and gives it back once its body is
 read to the end; a connection whose body was not read to the end is closed. Every failure of the
 network (refused, reset, a name that does not resolve, a connect or a read past its timeout, a body
@@ -18,12 +21,15 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import ipaddress
 import socket
 import threading
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
+import httpcore
 import httpx
 
 from visenc_client._exceptions import ProtocolError, TransportError, describe
@@ -36,6 +42,58 @@ KEEP_IDLE_S = 4.0
 STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 #: guards each ``Body``'s one hand-back of its connection (held for a few instructions)
 _HAND_BACK = threading.Lock()
+
+
+def resolve(host: str, port: int, timeout_s: float | None) -> list[tuple]:
+    """``getaddrinfo`` for a TCP connect, within ``timeout_s`` (``TimeoutError`` past it: the look-up goes
+    on in a daemon thread, its answer dropped). An address literal needs no look-up."""
+    try:
+        ipaddress.ip_address(host.strip("[]"))
+        return socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
+    except ValueError:
+        pass
+    if timeout_s is None:
+        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    box: dict[str, object] = {}
+    done = threading.Event()
+
+    def look_up() -> None:
+        try:
+            box["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+        except OSError as e:
+            box["error"] = e
+        done.set()
+
+    threading.Thread(target=look_up, name="visenc-resolve", daemon=True).start()
+    if not done.wait(timeout_s):
+        raise TimeoutError(f"the name {host} was not resolved within {timeout_s} s")
+    if "error" in box:
+        raise box["error"]  # type: ignore[misc]
+    return box["infos"]  # type: ignore[return-value]
+
+
+def create_connection(
+    address: tuple[str, int], timeout: float | None = None, source_address: tuple[str, int] | None = None
+) -> socket.socket:
+    """``socket.create_connection`` whose ``timeout`` bounds the name look-up and the connects together."""
+    timeout = timeout if isinstance(timeout, int | float) else None  # http.client's "no timeout given"
+    deadline = None if timeout is None else time.monotonic() + timeout
+    error: OSError = OSError(f"no address for {address[0]}")
+    for family, kind, proto, _, addr in resolve(*address, timeout):
+        left = None if deadline is None else deadline - time.monotonic()
+        if left is not None and left <= 0:
+            raise TimeoutError(f"connect to {address[0]} timed out")
+        sock = socket.socket(family, kind, proto)
+        try:
+            sock.settimeout(left)
+            if source_address is not None:
+                sock.bind(source_address)
+            sock.connect(addr)
+            return sock
+        except OSError as e:
+            sock.close()
+            error = e
+    raise error
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +152,43 @@ class Body:
         return chunk
 
 
+class ResolvingBackend(httpcore.SyncBackend):
+    """httpcore's blocking network, its name look-ups within the connect timeout (``resolve``)."""
+
+    def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.NetworkStream:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            infos = resolve(host, port, timeout)
+        except TimeoutError as e:
+            raise httpcore.ConnectTimeout(str(e)) from e
+        except OSError as e:
+            raise httpcore.ConnectError(describe(e)) from e
+        error: Exception = httpcore.ConnectError(f"no address for {host}")
+        for info in infos:
+            left = None if deadline is None else max(1e-3, deadline - time.monotonic())
+            try:
+                return super().connect_tcp(str(info[4][0]), port, left, local_address, socket_options)
+            except httpcore.ConnectError as e:
+                error = e
+        raise error
+
+
+def resolving_transport() -> httpx.HTTPTransport:
+    """httpx's own transport, on ``ResolvingBackend`` (httpx names no resolver option: its pool's is set)."""
+    transport = httpx.HTTPTransport()
+    pool = getattr(transport, "_pool", None)
+    if hasattr(pool, "_network_backend"):
+        pool._network_backend = ResolvingBackend()  # type: ignore[union-attr]
+    return transport
+
+
 class Connections:
     """Keep-alive ``http.client`` connections to one server (``base_url``). ``connect_s`` bounds
     connecting (TCP and TLS); ``read_s`` each wait for the server's next bytes (``None``: no bound)."""
@@ -121,6 +216,7 @@ class Connections:
     def _connect(self) -> http.client.HTTPConnection:
         kind = http.client.HTTPSConnection if self._https else http.client.HTTPConnection
         conn = kind(self._host, self._port, timeout=self._connect_s)
+        conn._create_connection = create_connection  # type: ignore[attr-defined]
         try:
             conn.connect()
             assert conn.sock is not None
@@ -155,7 +251,7 @@ class Connections:
                 try:
                     conn = self._connect()
                 except ERRORS as e:
-                    raise TransportError(f"connect: {describe(e)}", url) from e
+                    raise TransportError(f"connect: {describe(e)}", url, connecting=True) from e
             try:
                 conn.request(request.method, target, body=request.content or None, headers=headers)
                 response = conn.getresponse()

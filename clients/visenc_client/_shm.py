@@ -28,36 +28,100 @@ _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else None)
 
 
-class _MapCache:
-    """Process-wide LRU of segment mappings, bounded in mapped bytes; thread-safe."""
+@dataclass(slots=True)
+class _Mapped:
+    map: mmap.mmap
+    populated: set[tuple[int, int]]
+    file: tuple[int, int]  #: (st_dev, st_ino) of the file it maps
 
-    def __init__(self, max_bytes: int) -> None:
-        self.max_bytes = max_bytes
-        self._maps: OrderedDict[str, tuple[mmap.mmap, set[tuple[int, int]]]] = OrderedDict()
+
+def _file(path: str) -> tuple[int, int] | None:
+    """(st_dev, st_ino) of ``path``; ``None`` once it is unlinked."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    return st.st_dev, st.st_ino
+
+
+class _MapCache:
+    """Process-wide LRU of segment mappings, thread-safe, bounded in mapped bytes (``max_bytes``:
+    ``VISENC_SHM_MAP_CACHE_BYTES``). A segment the service has unlinked (its lease reaped) is dropped, so
+    its tmpfs pages go once no array views it: at each use of it, and by a sweep of every map each
+    ``sweep_s`` (``VISENC_SHM_MAP_SWEEP_S``) while any is kept."""
+
+    def __init__(self, max_bytes: int, sweep_s: float) -> None:
+        self.max_bytes, self.sweep_s = max_bytes, sweep_s
+        self._maps: OrderedDict[str, _Mapped] = OrderedDict()
         self._bytes = 0
         self._lock = threading.Lock()
+        self._sweeper: threading.Thread | None = None
 
-    def get(self, path: str) -> tuple[mmap.mmap, set[tuple[int, int]]] | None:
+    def get(self, path: str) -> _Mapped | None:
         with self._lock:
             found = self._maps.get(path)
-            if found is not None:
-                self._maps.move_to_end(path)
+            if found is None:
+                return None
+            if _file(path) != found.file:  # unlinked (or another file by now)
+                self._drop(path)
+                return None
+            self._maps.move_to_end(path)
             return found
 
-    def put(self, path: str, mapped: mmap.mmap) -> tuple[mmap.mmap, set[tuple[int, int]]]:
-        entry: tuple[mmap.mmap, set[tuple[int, int]]] = (mapped, set())
+    def put(self, path: str, mapped: mmap.mmap, file: tuple[int, int]) -> _Mapped:
+        """Keep ``mapped`` (of ``file`` at ``path``), or the map of it another thread kept meanwhile."""
+        entry = _Mapped(mapped, set(), file)
         with self._lock:
+            kept = self._maps.get(path)
+            if kept is not None and kept.file == file:
+                return kept
+            if kept is not None:
+                self._drop(path)
             if len(mapped) > self.max_bytes:
                 return entry  # too big to keep: used for this call only
             self._maps[path] = entry
             self._bytes += len(mapped)
             while self._bytes > self.max_bytes:
-                _, (old, _) = self._maps.popitem(last=False)
-                self._bytes -= len(old)  # unmapped once no array views it
-            return entry
+                self._drop(next(iter(self._maps)))
+            self._start_sweeper()
+        return entry
+
+    def _drop(self, path: str) -> None:
+        self._bytes -= len(self._maps.pop(path).map)  # unmapped once no array views it
+
+    def sweep(self) -> None:
+        """Drop the maps of unlinked segments."""
+        with self._lock:
+            kept = list(self._maps.items())
+        gone = [(path, entry) for path, entry in kept if _file(path) != entry.file]
+        with self._lock:
+            for path, entry in gone:
+                if self._maps.get(path) is entry:
+                    self._drop(path)
+
+    def _start_sweeper(self) -> None:
+        if self.sweep_s > 0 and (self._sweeper is None or not self._sweeper.is_alive()):  # dead in a forked child
+            self._sweeper = threading.Thread(target=self._sweep_while_kept, name="visenc-shm-sweep", daemon=True)
+            self._sweeper.start()
+
+    def _sweep_while_kept(self) -> None:
+        while True:
+            time.sleep(self.sweep_s)
+            self.sweep()
+            with self._lock:
+                if not self._maps:
+                    self._sweeper = None
+                    return
+
+    @property
+    def mapped_bytes(self) -> int:
+        with self._lock:
+            return self._bytes
 
 
-_CACHE = _MapCache(int(os.environ.get("VISENC_SHM_MAP_CACHE_BYTES", 1 << 30)))
+_CACHE = _MapCache(
+    int(os.environ.get("VISENC_SHM_MAP_CACHE_BYTES", 1 << 30)), float(os.environ.get("VISENC_SHM_MAP_SWEEP_S", 1.0))
+)
 
 
 class SegmentMaps:
@@ -66,7 +130,7 @@ class SegmentMaps:
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
-    def _map(self, name: str) -> tuple[mmap.mmap, set[tuple[int, int]]]:
+    def _map(self, name: str) -> _Mapped:
         if not _NAME.fullmatch(name) or name in (".", ".."):
             raise ProtocolError(f"bad shared-memory segment name {name!r}")
         path = os.path.join(self.directory, name)
@@ -81,17 +145,17 @@ class SegmentMaps:
         except OSError as e:  # shared memory is this read's transport
             raise TransportError(f"cannot open the segment: {describe(e)}", path) from e
         try:
-            size = os.fstat(fd).st_size
-            mapped = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            st = os.fstat(fd)
+            mapped = mmap.mmap(fd, st.st_size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except (OSError, ValueError) as e:  # ValueError: an empty file
             raise TransportError(f"cannot map the segment: {describe(e)}", path) from e
         finally:
             os.close(fd)
-        return _CACHE.put(path, mapped)
+        return _CACHE.put(path, mapped, (st.st_dev, st.st_ino))
 
     def nbytes(self, name: str) -> int:
         """The size of segment ``name`` (mapped, once)."""
-        return len(self._map(name)[0])
+        return len(self._map(name).map)
 
     def view(self, name: str, offset: int, nbytes: int, dtype: np.dtype, rows: int, hidden: int) -> np.ndarray:
         """Rows as a read-only ``[rows, hidden]`` array over the mapping (no copy)."""
@@ -99,7 +163,8 @@ class SegmentMaps:
             raise ProtocolError(f"segment range of {nbytes} bytes does not hold [{rows}, {hidden}] {dtype}")
         if nbytes == 0:
             return np.empty((rows, hidden), dtype)
-        mapped, populated = self._map(name)
+        found = self._map(name)
+        mapped, populated = found.map, found.populated
         if offset < 0 or offset + nbytes > len(mapped):
             raise ProtocolError(f"range {offset}+{nbytes} is outside segment {name} ({len(mapped)} bytes)")
         if (offset, nbytes) not in populated:

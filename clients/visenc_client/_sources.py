@@ -31,6 +31,7 @@ from visenc_client._backoff import BACKOFF_FIRST_S, COSTLY_S, Backoff
 from visenc_client._client import Client
 from visenc_client._exceptions import TransportError, VisencClientError
 from visenc_client._types import Handle
+from visenc_client._weights import Served
 from visenc_client.format import words_tensor
 
 log = logging.getLogger("visenc_client.vllm")
@@ -71,7 +72,10 @@ class Replica:
     url: str
     waiting: Client
     prompt: Client
-    #: its model was checked (and, for ``transport: auto``, the transport chosen)
+    #: ``transport: auto``: whether it shares this host's memory is decided at each check
+    auto: bool = False
+    #: its model was checked (and, for ``transport: auto``, the transport chosen); undone when it stops
+    #: answering or a shared-memory read fails (it may answer again from another host)
     checked: bool = False
     #: why it is never asked (it serves another model); ``None`` while it may be
     refused: str | None = None
@@ -82,34 +86,6 @@ class Replica:
     def close(self) -> None:
         self.waiting.close()
         self.prompt.close()
-
-
-@dataclass(frozen=True)
-class Served:
-    """What a connector expects of the visenc it reads: ``hidden`` (row width), ``loader`` (the image
-    loader, ``vllm-0.32``), ``fingerprint`` (``None``: any)."""
-
-    hidden: int
-    loader: str
-    fingerprint: str | None = None
-
-    def refusal(self, url: str, served: dict[str, Any]) -> str | None:
-        """Why the visenc at ``url``, which answered ``served`` (its ``/v1/model``), cannot be used."""
-        hidden = int(served.get("hidden_size", -1))
-        if hidden != self.hidden:
-            return (
-                f"visenc at {url} serves {served.get('name')!r} with rows of width {hidden}, but this model's "
-                f"image embeddings are {self.hidden} wide: it serves another model"
-            )
-        if str(served.get("image_loader")) != self.loader:
-            return (
-                f"visenc at {url} loads images as {served.get('image_loader')!r}, but this is {self.loader}: "
-                "serve visenc with --image-loader vllm, in a release that follows this vLLM "
-                "(EXIF orientation and transparency would give other rows)"
-            )
-        if self.fingerprint is not None and served.get("fingerprint") != self.fingerprint:
-            return f"visenc at {url} serves fingerprint {served.get('fingerprint')}, expected {self.fingerprint}"
-        return None
 
 
 def _costly(e: VisencClientError, started: float) -> bool:
@@ -154,8 +130,11 @@ class RowSources:
         namespace: str | None = None,
         api_key: str | None = None,
         redis_url: str | None = None,
+        redis_mode: str = "standalone",
         backoff_s: float = BACKOFF_FIRST_S,
     ) -> None:
+        if redis_mode not in ("standalone", "cluster"):
+            raise ValueError(f"redis_mode must be 'standalone' or 'cluster', not {redis_mode!r}")
         shared: Any = {"auto": "auto", "http": False, "shm": True}[transport]
 
         def client(url: str, read_s: float) -> Client:
@@ -168,10 +147,12 @@ class RowSources:
                 api_key=api_key,
             )
 
-        self.replicas = [Replica(u, client(u, timeout_s), client(u, answer_timeout_s)) for u in urls]
+        self.replicas = [Replica(u, client(u, timeout_s), client(u, answer_timeout_s), shared == "auto") for u in urls]
+        self.timeout_s = timeout_s
         self.served = served
         self.backoff = Backoff(backoff_s)
         self._redis_url, self._namespace = redis_url, namespace or "default"
+        self._redis_cluster = redis_mode == "cluster"  # as the service's redis_mode
         # the index holds ready rows only, so a read there never waits for an encode: each is bounded
         # as a look-up that does not wait is
         self._redis_options: dict[str, Any] = {
@@ -200,14 +181,24 @@ class RowSources:
             refusal = self.served.refusal(replica.url, info)
             if refusal is not None:
                 raise ValueError(f"VisencConnector: {refusal}")
-            self._accept(replica, info)
-        if not any(r.checked for r in self.replicas):
+            self._check(replica, info)
+        if not any(r.checked or r.refused for r in self.replicas):
             log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")
+
+    def _check(self, replica: Replica, info: dict[str, Any]) -> bool:
+        """Accept a replica that answered ``info`` unless it serves other weights (then never asked)."""
+        refusal = self.served.weights_refusal(replica.url, info)
+        if refusal is None:
+            self._accept(replica, info)
+            return True
+        replica.refused = refusal
+        log.error("VisencConnector: %s; it is not asked (vLLM encodes what it would have given)", refusal)
+        return False
 
     def _accept(self, replica: Replica, info: dict[str, Any]) -> None:
         with self._lock:
             for client in (replica.waiting, replica.prompt):
-                if client._auto:
+                if replica.auto:
                     client._choose(info)
             replica.checked = True
             if self._index is None and self._redis_url:
@@ -237,7 +228,9 @@ class RowSources:
         # its timeout twice)
         retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
         options: dict[str, Any] = {**self._redis_options, "retry": retry}
-        self._index = RedisRows.from_url(self._redis_url, fingerprint=fingerprint, namespace=self._namespace, **options)
+        self._index = RedisRows.from_url(
+            self._redis_url, fingerprint=fingerprint, namespace=self._namespace, cluster=self._redis_cluster, **options
+        )
 
     # --- reading rows -----------------------------------------------------------------------
     def obtain(self, wants: dict[str, Want], wait: bool) -> Answers:
@@ -273,7 +266,7 @@ class RowSources:
 
     def _from_replica(self, replica: Replica, wants: dict[str, Want], *, wait: bool) -> Answers:
         if replica.refused is not None:
-            return {i: Absent("not asked: it serves another model") for i in wants}
+            return {i: Absent("not asked: it serves another model or other weights") for i in wants}
         skipped = self._skip(replica.url, wants)
         if skipped is not None:
             return skipped
@@ -282,7 +275,10 @@ class RowSources:
         try:
             return self._ask(replica, wants, wait)
         except TransportError as e:
+            if wait and e.timed_out and not e.connecting:  # it took the request: a slow wait, not a dead replica
+                return {i: Absent(f"not ready within timeout_s ({self.timeout_s} s)") for i in wants}
             failure = e
+            replica.checked = False  # checked again when it answers, wherever from
             return {i: Absent(e.reason) for i in wants}
         except VisencClientError as e:  # it answered, with an error
             return {i: Absent(str(e)) for i in wants}
@@ -318,7 +314,8 @@ class RowSources:
                 replica.refused = refusal
                 log.error("VisencConnector: %s; it is not asked again", refusal)
                 return {i: Absent(refusal) for i in wants}
-            self._accept(replica, info)
+            if not self._check(replica, info):
+                return {i: Absent(str(replica.refused)) for i in wants}
         handles = client.lookup(list(wants), wait=wait, include_rows=not client.shared_memory)
         answers: Answers = {}
         rejected: list[Handle] = []  # ready, pinned for this caller, and never read
@@ -334,6 +331,7 @@ class RowSources:
                 raise  # it stopped answering (a shared-memory read's request): the next replica
             except VisencClientError as e:
                 answers[identifier] = Absent(str(e))
+                replica.checked = not client.shared_memory  # its segments may be on another host now
         client.hand_back(rejected)  # what the replica keeps for them goes now, not when their leases lapse
         return answers
 

@@ -26,6 +26,7 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
 
 from visenc_client._sources import Absent, Mismatch, RowSources, Served, Want
 from visenc_client._vllm_stats import Reporter, VisencPromMetrics, VisencStats, counts
+from visenc_client._weights import ACCEPT_OPTION, EngineWeights, checkpoint_folder
 from visenc_client.format import ABSENT_KEY, is_valid_hash
 
 if TYPE_CHECKING:
@@ -157,6 +158,10 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self._hidden = encoder_output_width(model)
         self._dtype: torch.dtype = model.dtype
         self._device = torch.device(vllm_config.device_config.device)
+        self._model = str(model.model)
+        load = getattr(vllm_config, "load_config", None)
+        #: where vLLM reads its checkpoint: the model (a folder or a hub id), its revision, a download dir
+        self._checkpoint = (self._model, model.revision, getattr(load, "download_dir", None))
         if role == ECConnectorRole.SCHEDULER:
             self._start_scheduler_side(vllm_config.ec_transfer_config)
 
@@ -170,9 +175,10 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         transport = option("transport", "auto")
         if transport not in ("auto", "http", "shm"):
             raise ValueError(f"VisencConnector: transport must be 'auto', 'http' or 'shm', not {transport!r}")
+        weights = EngineWeights(self._model, checkpoint_folder(*self._checkpoint), bool(option(ACCEPT_OPTION, False)))
         self._sources = RowSources(
             self.urls,
-            served=Served(self._hidden, f"vllm-{_vllm_minor()}", option("expected_fingerprint", None)),
+            served=Served(self._hidden, f"vllm-{_vllm_minor()}", option("expected_fingerprint", None), weights),
             timeout_s=float(option("timeout_s", 10.0)),
             connect_timeout_s=float(option("connect_timeout_s", 1.0)),
             answer_timeout_s=float(option("answer_timeout_s", 2.0)),
@@ -180,6 +186,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             namespace=option("namespace", None),
             api_key=option("api_key", None),
             redis_url=option("redis_url", None),
+            redis_mode=option("redis_mode", "standalone"),
             backoff_s=float(option("backoff_s", 1.0)),
         )
         self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))

@@ -109,7 +109,7 @@ def alone_and_behind_proxy(right: Path, wrong: Path, visenc: str, *, videos: int
 
     ports = [free_port() for _ in range(3)]
     alone = openai_server(right, ports[0], videos=videos)
-    config = connector_config(visenc, wait_for_encoding=True)
+    config = connector_config(visenc, wait_for_encoding=True, accept_other_weights=True)
     behind = openai_server(wrong, ports[1], "--ec-transfer-config", config, videos=videos)
     upstream = f"http://127.0.0.1:{ports[1]}"
     command = ["-m", "visenc", "proxy", "--port", str(ports[2]), "--upstream", upstream, "--visenc", visenc]

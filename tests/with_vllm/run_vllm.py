@@ -3,7 +3,8 @@
     python tests/with_vllm/run_vllm.py MODEL [--visenc URL] [--grid-only] [--in-process] [--video] [--control]
 
 ``--visenc URL``: vLLM as an ``ec_consumer`` with ``visenc_client.vllm.VisencConnector``; every
-image carries its visenc hash as its uuid (the images must already be encoded by visenc).
+image carries its visenc hash as its uuid (the images must already be encoded by visenc); the
+connector accepts visenc's weights whatever they are (``accept_other_weights``: the tests run a wrong copy).
 ``--grid-only``: the images are sent as their ``image_grid_thw`` (taken from visenc, or from the
 tower's layout where visenc cannot be reached), no pixels; then one more prompt with pixels.
 ``--video``: the prompts are videos instead (``videos()``: frames already sampled, as arrays), each
@@ -131,7 +132,7 @@ def main() -> int:
             ec_connector="VisencConnector",
             ec_connector_module_path="visenc_client.vllm",
             ec_role="ec_consumer",
-            ec_connector_extra_config={"url": args.visenc},
+            ec_connector_extra_config={"url": args.visenc, "accept_other_weights": True},
         )
     llm = LLM(
         model=args.model,

@@ -183,6 +183,7 @@ def _scheduler_side(monkeypatch, obtain, defer_timeout_s=0.5):
     connector = object.__new__(VisencConnector)
     connector.stats = ConnectorStats()
     connector._hidden = 4
+    connector._model, connector._checkpoint = "m", ("m", None, None)
     options = {"url": f"http://127.0.0.1:{free_port()}", "defer_timeout_s": defer_timeout_s}
     connector._start_scheduler_side(SimpleNamespace(get_from_extra_config=lambda k, d=None: options.get(k, d)))
     monkeypatch.setattr(connector, "_obtain", obtain)

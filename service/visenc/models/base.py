@@ -88,6 +88,8 @@ class VisionTower(ABC):
     video_rule: ClassVar[Rule | None] = None
     #: the video processor settings (set by ``models.loading.load_tower`` where ``video_rule`` is)
     video: VideoPreprocess | None = None
+    #: a checkpoint's vision tensors and their identity (``{"identity", "tensors"}``; ``None``: built in)
+    weights: dict[str, Any] | None = None
 
     @abstractmethod
     def layout(self, width: int, height: int) -> TokenLayout: ...
@@ -234,4 +236,5 @@ class VisionTower(ABC):
             "image_loader": LOADERS[self.image_loader].label,
             "image_backend": self.image_backend,
             "row_layout": self.row_layout(),
+            "weights": self.weights,
         }

@@ -30,6 +30,7 @@ from visenc.models.qwen2vl import ARCHITECTURES, QwenPreprocess, QwenVisionTower
 from visenc.models.registry import REGISTRY, build_registered
 from visenc.models.vlm import FamilyTower, load_processor, vision_only
 from visenc.models.weights import Checkpoint, LocalWeights, Weights, vision_renames
+from visenc_client.checkpoint import weights_identity
 
 
 def load_tower(
@@ -71,6 +72,7 @@ def load_tower(
         tower = _load_checkpoint(
             checkpoint, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, backend=image_backend
         )
+        tower.weights = _weights_of(checkpoint, tower.model)
     tower.image_loader = image_loader
     tower.video = video_settings(tower, folder)
     return tower
@@ -191,6 +193,13 @@ def _load_family(
         device=device,
         backend=backend,
     )
+
+
+def _weights_of(checkpoint: Checkpoint, model: torch.nn.Module) -> dict[str, Any]:
+    """The vision tensors' checkpoint names and their identity (``visenc_client.checkpoint``)."""
+    names = set(vision_renames(model, checkpoint.weights.names()))
+    where = {n: f for f, found in checkpoint.weights.files(names).items() for n in found}
+    return {"identity": weights_identity(where), "tensors": sorted(where)}
 
 
 def _read_json(path: Path) -> dict[str, Any]:

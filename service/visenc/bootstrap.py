@@ -193,7 +193,9 @@ def create_app(
                 stop()
 
         await core.start(on_fatal=fatal)
-        shown = {**settings.redacted(), "revision": resolved_revision(settings)}
+        applied = {"process_memory_bytes": split.total, "revision": resolved_revision(settings)}
+        applied |= {"max_batch_tokens": core.budget.max_batch_tokens, "prefetch_tokens": core.budget.prefetch_tokens}
+        shown = {**sized(settings, split).redacted(), **applied}  # each figure as applied
         log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"], shown)
         log.info("%s", capacity(loaded, split.l1))
         try:

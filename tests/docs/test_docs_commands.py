@@ -222,3 +222,9 @@ def test_curl_blocks_run_against_a_live_service(doc, script, live):
     assert shown is not None, f"{doc}: no output shown after {script!r}"
     missing = [line for line in shown.splitlines() if line not in printed]
     assert missing == [], f"{doc}: shown but not printed: {missing}; printed: {printed}"
+
+
+def test_no_snippet_needs_this_repository_on_its_path():
+    """A reader runs a snippet from anywhere: none imports the repository's test helpers."""
+    snippets = [c for _, c in blocks("python")] + [c for _, c in COMMANDS if c.startswith("python-heredoc")]
+    assert [c for c in snippets if re.search(r"^\s*(from|import) tests\b", c, re.M)] == []

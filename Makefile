@@ -11,11 +11,23 @@ PYTEST_ARGS ?=
 
 .PHONY: run test lint install install-test system-deps bench clean
 
+# torch's build for this host (README, "GPU hosts"): CUDA where `nvidia-smi -L` lists a GPU, else CPU;
+# TORCH_BUILD=cpu or cuda overrides. Only torch comes from PyTorch's index (--no-deps): its own
+# dependencies come with the project's, from the usual index. A local CPU wheel pip is pointed to
+# (find-links) is the same release and is taken as well.
+TORCH_VERSION := 2.13.0
+TORCH_BUILD ?= $(shell nvidia-smi -L >/dev/null 2>&1 && echo cuda || echo cpu)
+TORCH_INDEX_cpu := https://download.pytorch.org/whl/cpu
+TORCH_INDEX_cuda := https://download.pytorch.org/whl/cu128
+TORCH_WHY_cpu := no GPU: nvidia-smi is absent or lists none
+TORCH_WHY_cuda := nvidia-smi lists a GPU
+
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
-	# CPU build of torch first (see README for a CUDA host); the project pins the same version.
-	$(BIN)/pip install -q torch==2.13.0
+	$(if $(TORCH_INDEX_$(TORCH_BUILD)),,$(error TORCH_BUILD is cpu or cuda, not "$(TORCH_BUILD)"))
+	@echo "torch $(TORCH_VERSION): the $(TORCH_BUILD) build ($(or $(TORCH_WHY_$(TORCH_BUILD)),TORCH_BUILD=$(TORCH_BUILD)))"
+	$(BIN)/pip install -q --no-deps torch==$(TORCH_VERSION) --extra-index-url $(TORCH_INDEX_$(TORCH_BUILD))
 
 $(VENV)/.runtime: $(BIN)/python pyproject.toml
 	$(BIN)/pip install -q -e .

@@ -380,6 +380,30 @@ def summary(run: Run) -> str:
     return "\n".join(lines) + "\n"
 
 
+def brief(run: Run) -> str:
+    """The run in a few lines for the terminal: one row per HTTP request kind and one for the time to the
+    first chunk, then the images and failures (``report.md`` has the rest)."""
+    rows = [
+        (f"{r['Type']} {r['Name']}", r["Request Count"], r["Failure Count"], r["50%"], r["95%"], r["Requests/s"])
+        for r in [*run.entries(HTTP_TYPES), *run.entries(["TTFC"])]
+    ]
+    head = ("request", "count", "failures", "median ms", "p95 ms", "per s")
+    cells = [
+        head,
+        *((name, n, fail, _ms(p50), _ms(p95), f"{_num(rate):.2f}") for name, n, fail, p50, p95, rate in rows),
+    ]
+    width = [max(len(c[i]) for c in cells) for i in range(len(head))]
+    lines = ["  ".join(c[i].ljust(width[i]) if i == 0 else c[i].rjust(width[i]) for i in range(len(c))) for c in cells]
+    lines.insert(1, "  ".join("-" * w for w in width))
+    images = {r["Name"]: int(r["Request Count"]) for r in run.entries(["images"])}
+    hit, miss = images.get("hit", 0), images.get("miss", 0)
+    failures = sum(int(r["Failure Count"]) for r in run.stats if r["Name"] != "Aggregated")
+    tail = f"{failures} failures" + (
+        f"; hash-first hit ratio {hit / (hit + miss):.1%} of {hit + miss} images" if hit + miss else ""
+    )
+    return "\n".join([*lines, tail])
+
+
 def _last_delta(values: list[float]) -> float:
     return values[-1] - values[0] if len(values) > 1 else 0.0
 

@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:  # run as `python loadtest/runner.py`: make `loadt
     sys.path.insert(0, str(ROOT))
 
 from loadtest.payloads import DEFAULT_STAGES, parse_stages, parse_timespan  # noqa: E402 - after the path fix
-from loadtest.report import render  # noqa: E402
+from loadtest.report import Run, brief, render  # noqa: E402
 from tests.support.waits import free_port, wait_ready  # noqa: E402
 
 SCRAPED = (
@@ -238,8 +238,9 @@ def main(argv: list[str]) -> int:
         print((args.out / "locust.log").read_text()[-3000:], file=sys.stderr)
         print(f"Locust wrote no stats (exit code {rc})", file=sys.stderr)
         return 1
-    for path in render(args.out):
-        print(path)
+    paths = render(args.out)
+    print(f"{args.out}: report.md, {len(paths) - 1} plots, Locust's CSVs, metrics.csv, run.json\n")
+    print(brief(Run(args.out)))
     return 0 if rc == 0 else 1
 
 

@@ -8,7 +8,12 @@ Example::
         h = vc.encode([png_bytes], wait=False)[0]   # pending handle, num_tokens known
         first = vc.fetch(h, 0, 16)                    # waits until encoded
         rows = vc.fetch_chunk([ImagePlacement.of(h, offset=7)], 0, 512)  # one prefill chunk's rows
+
+Extras are imported where used: ``RedisRows`` needs ``visenc-client[redis]``, ``visenc_client.vllm``
+needs vLLM (``visenc-client[vllm]``); without them ``import visenc_client`` still works.
 """
+
+from typing import TYPE_CHECKING, Any
 
 from visenc_client._client import AsyncClient, Client
 from visenc_client._exceptions import (
@@ -24,10 +29,31 @@ from visenc_client._exceptions import (
     UnavailableError,
     VisencClientError,
 )
-from visenc_client._redis import AsyncRedisRows, RedisRows, RowsInfo
 from visenc_client._types import Handle, RowRange, Video, image_hash, video_hash
 from visenc_client.chunks import ChunkPiece, ChunkPlan, ImagePlacement, plan_chunk
 from visenc_client.prefill import PromptLayout, VisencPrefill, expand_placeholders
+
+if TYPE_CHECKING:
+    from visenc_client._redis import AsyncRedisRows, RedisRows, RowsInfo
+
+#: names imported on first use, and the extra that brings what they need
+_EXTRAS = {"AsyncRedisRows": "redis", "RedisRows": "redis", "RowsInfo": "redis"}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _EXTRAS:
+        raise AttributeError(f"module 'visenc_client' has no attribute {name!r}")
+    try:
+        from visenc_client import _redis
+    except ModuleNotFoundError as e:
+        extra = _EXTRAS[name]
+        raise ModuleNotFoundError(
+            f"visenc_client.{name} needs the '{extra}' extra ({e.name} is not installed): "
+            f"pip install 'visenc-client[{extra}]'",
+            name=e.name,
+        ) from None
+    return getattr(_redis, name)
+
 
 __all__ = [
     "APIError",

@@ -12,18 +12,21 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from pathlib import Path
 
 from fastapi import FastAPI
 
 from visenc import heap
 from visenc.api.app import create_api
 from visenc.config import Settings
+from visenc.engine.budget import BatchBudget
 from visenc.engine.core import Engine
 from visenc.index.memory import MemoryCache
 from visenc.index.redis_claims import RedisClaims
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.models.base import VisionTower
+from visenc.preflight import EXIT_NO_DEVICE, StartError
 from visenc.process_memory import BudgetTooSmall, MemorySplit, largest_entry, plan, with_staged
 
 log = logging.getLogger("visenc")
@@ -134,6 +137,9 @@ def load_tower(settings: Settings) -> VisionTower:
     device = settings.device
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
+    elif device.startswith("cuda") and not torch.cuda.is_available():
+        build = "a CPU build" if torch.version.cuda is None else f"CUDA {torch.version.cuda}, which finds no GPU"
+        raise StartError(EXIT_NO_DEVICE, f"--device {device}: this torch is {build}; serve with --device cpu")
     dtype = settings.dtype
     if dtype == "auto":
         dtype = "bfloat16" if device.startswith("cuda") else "float32"
@@ -168,6 +174,40 @@ def capacity(tower: VisionTower, cache_bytes: int, size: tuple[int, int] = (1920
     )
 
 
+def forwards(tower: VisionTower, settings: Settings, budget: BatchBudget) -> str:
+    """The batch limits as the scheduler applies them, and the working memory a full batch takes."""
+    tokens, act = budget.max_batch_tokens, tower.activation_bytes_per_token()
+    lowered = (
+        "" if tokens == settings.max_batch_tokens else f", lowered from max_batch_tokens {settings.max_batch_tokens}"
+    )
+    full = min(budget.max_batch_bytes, tokens * act)
+    return (
+        f"forwards: at most {tokens} tokens and {settings.max_batch_images} images a batch{lowered}; a full batch's "
+        f"activations about {full / 2**30:.2f} GiB, on the {tower.device.type} beside the process memory budget, "
+        f"within a forward bound of {budget.max_batch_bytes / 2**30:.2f} GiB ("
+        + ("memory_budget_bytes" if settings.memory_budget_bytes else f"memory_fraction {settings.memory_fraction:g}")
+        + f": {budget.memory_bytes / 2**30:.2f} GiB, less a reserve)"
+    )
+
+
+def resolved_revision(settings: Settings) -> str | None:
+    """The hub revision served and the commit the hub cache records for it; ``None`` for a built-in tower
+    or a local folder."""
+    from visenc.models import hub
+    from visenc.preflight import BUILT_IN
+
+    if settings.model in BUILT_IN or (Path(settings.model).expanduser() / "config.json").is_file():
+        return None
+    repo = hub.parse_spec(settings.model, settings.revision)
+    if repo is None:
+        return None
+    from huggingface_hub import constants
+
+    revision = repo[1] or "main"
+    ref = Path(constants.HF_HUB_CACHE) / f"models--{repo[0].replace('/', '--')}" / "refs" / revision
+    return f"{revision} (commit {ref.read_text().strip()})" if ref.is_file() else revision
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -197,6 +237,7 @@ def create_app(
         built_index.batch_by(largest_entry(loaded, settings.max_image_pixels)[1], settings.redis_batch_bytes)
         planned = parts.model_copy(update={"prefetch_tokens": prefetch_tokens})
         core = Engine(loaded, built_index, planned, metrics, claim_store=claims)
+        log.info("%s", forwards(loaded, settings, core.budget))
         d = loaded.describe()
         metrics.model_info.labels(d["name"], d["fingerprint"], d["dtype"], d["device"], str(d["hidden_size"])).set(1)
 
@@ -207,7 +248,10 @@ def create_app(
                 stop()
 
         await core.start(on_fatal=fatal)
-        log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"], settings.redacted())
+        applied = {"process_memory_bytes": split.total, "revision": resolved_revision(settings)}
+        applied |= {"max_batch_tokens": core.budget.max_batch_tokens, "prefetch_tokens": core.budget.prefetch_tokens}
+        shown = {**sized(settings, split).redacted(), **applied}  # each figure as applied
+        log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"], shown)
         log.info("%s", capacity(loaded, split.l1))
         try:
             yield core

@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import signal
+import socket
 import sys
 import types
 import typing
@@ -14,14 +16,52 @@ from typing import Any
 from pydantic import ValidationError
 from pydantic_settings import BaseSettings
 
+from visenc import preflight
 from visenc.config import Settings
 from visenc.errors import ModelUnavailable
+from visenc.preflight import (
+    EXIT_DEVICE_FAILED,
+    EXIT_MODEL_UNAVAILABLE,
+    EXIT_USAGE,
+    StartError,
+)
 from visenc.proxy.settings import ProxySettings
 
-#: exit status when the device worker failed and could not be restarted
-EXIT_DEVICE_FAILED = 3
-#: exit status when the model cannot be served (``ModelUnavailable``: one line says why)
-EXIT_MODEL_UNAVAILABLE = 4
+__all__ = ["EXIT_DEVICE_FAILED", "EXIT_MODEL_UNAVAILABLE", "build_parser", "main"]
+
+#: the ``visenc serve --help`` group of each setting
+GROUPS: dict[str, tuple[str, ...]] = {
+    "model": (
+        "model", "served_model_name", "revision", "download_dir", "hf_token", "trust_remote_code", "dtype",
+        "device", "max_pixels", "image_backend", "image_loader", "compile", "torch_threads",
+    ),
+    "server": (
+        "host", "port", "uds", "api_key", "api_keys", "api_keys_file", "shm_enabled", "shm_dir", "shm_lease_s",
+        "shm_max_bytes", "sglang_namespace", "sglang_url_prefixes", "sglang_register_timeout_s", "shutdown_timeout_s",
+    ),
+    "engine": (
+        "max_batch_tokens", "max_batch_images", "max_wait_ms", "preprocess_workers", "max_queue_images",
+        "memory_budget_bytes", "memory_fraction", "prefetch_tokens", "heap_keep_bytes", "heap_idle_s",
+        "stall_timeout_s", "warm_up_timeout_s", "worker_restart_attempts",
+    ),
+    "index": (
+        "namespace", "process_memory_bytes", "cache_bytes", "pin_overflow_bytes", "ready_lease_s", "redis_url",
+        "redis_mode", "cache_ttl_s", "redis_timeout_s", "redis_retry_s", "claim_ttl_ms", "claim_poll_ms",
+        "claim_wait_s",
+    ),
+    "limits": (
+        "request_timeout_s", "fetch_timeout_s", "max_body_bytes", "max_items", "max_image_bytes", "max_image_pixels",
+        "max_video_frames", "max_video_pixels",
+    ),
+    "observability": ("log_level",),
+}  # fmt: skip
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose refusals are one line (``EXIT_USAGE``), not a usage dump."""
+
+    def error(self, message: str) -> typing.NoReturn:
+        self.exit(EXIT_USAGE, f"{self.prog}: {message} (--help lists the options)\n")
 
 
 def _flag_type(annotation: Any) -> tuple[Any, list[str] | None]:
@@ -37,10 +77,21 @@ def _flag_type(annotation: Any) -> tuple[Any, list[str] | None]:
     return str, None
 
 
-def add_flags(parser: argparse.ArgumentParser, model: type[BaseSettings]) -> None:
-    """One ``--flag-name`` per field of ``model``, named and described by the field, its variable in the
-    help. A list field is a repeated flag (its variable holds a JSON list); a bool flag alone means true."""
+def _shown(name: str, value: Any) -> str:
+    if value is None or value == []:
+        return "unset"
+    if name.endswith("_bytes") and isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
+        return f"{value >> 30}GiB" if value % (1 << 30) == 0 else f"{value >> 20}MiB"
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def add_flags(parser: argparse.ArgumentParser, model: type[BaseSettings], groups: dict[str, tuple[str, ...]]) -> None:
+    """One ``--flag-name`` per field of ``model``, in its group, described by the field, with its default and
+    its variable. A list field is a repeated flag (its variable holds a JSON list); a bool flag alone means
+    true; a ``*_bytes`` field takes sizes such as 2GiB or 512MB."""
     prefix = str(model.model_config.get("env_prefix", ""))
+    sections = {name: parser.add_argument_group(f"{name} options") for name in groups}
+    group_of = {field: sections[name] for name, fields in groups.items() for field in fields}
     for name, field in model.model_fields.items():
         env = f"{prefix}{name}".upper()
         flag: dict[str, Any]
@@ -48,32 +99,36 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseSettings]) -> Non
             flag = {"action": "append"}
         elif field.annotation is bool:
             flag = {"nargs": "?", "const": "true", "choices": ["true", "false"]}
+        elif name.endswith("_bytes"):
+            flag = {"metavar": "SIZE"}
         else:
             kind, choices = _flag_type(field.annotation)
             flag = {"type": kind, "choices": choices}
-        required = " (required)" if field.is_required() else ""
-        parser.add_argument(
+        default = (
+            "required"
+            if field.is_required()
+            else f"default: {_shown(name, field.get_default(call_default_factory=True))}"
+        )
+        group_of.get(name, parser).add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             default=argparse.SUPPRESS,
-            help=f"{field.description}{required} [env {env}]",
+            help=f"{field.description} ({default}; env {env})".replace("%", "%%"),
             **flag,
         )
 
 
+USAGE = "%(prog)s [options]  (each option is also a variable, named in its help)"
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="visenc", description="Vision-encoder service for multimodal LLMs.")
+    parser = _Parser(prog="visenc", description="Vision-encoder service for multimodal LLMs.")
     sub = parser.add_subparsers(dest="command", required=True)
-    serve = sub.add_parser(
-        "serve", help="Run the HTTP service.", formatter_class=argparse.ArgumentDefaultsHelpFormatter
-    )
-    add_flags(serve, Settings)
-    proxy = sub.add_parser(
-        "proxy",
-        help="Run the OpenAI-compatible front for vLLM replicas that use visenc (images tagged with their hash).",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
-    )
-    add_flags(proxy, ProxySettings)
+    serve = sub.add_parser("serve", help="Run the HTTP service.", description="Run the HTTP service.", usage=USAGE)
+    add_flags(serve, Settings, GROUPS)
+    about = "Run the OpenAI-compatible front for vLLM replicas that use visenc (images tagged with their hash)."
+    proxy = sub.add_parser("proxy", help=about, description=about, usage=USAGE)
+    add_flags(proxy, ProxySettings, {"proxy": tuple(ProxySettings.model_fields)})
     return parser
 
 
@@ -94,33 +149,78 @@ def _cause(e: Exception) -> str:
     return f"{type(e).__name__}: {lines[0]}" if lines else type(e).__name__
 
 
+def invalid(e: ValidationError, model: type[BaseSettings]) -> str:
+    """One line for a settings validation error: the flag and variable, the value (not a secret's), why."""
+    err = e.errors()[0]
+    more = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+    why = str(err["msg"]).removeprefix("Value error, ")
+    if not err["loc"]:
+        return f"invalid settings: {why}{more}"
+    name = str(err["loc"][0])
+    field = model.model_fields.get(name)
+    secret = field is not None and "SecretStr" in str(field.annotation)
+    value = "" if secret or err["type"] == "missing" else f"={err['input']}"
+    env = f"{model.model_config.get('env_prefix', '')}{name}".upper()
+    return f"invalid --{name.replace('_', '-')}{value} ({env}): {why}{more}"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = vars(build_parser().parse_args(argv))
     command = args.pop("command")
+    model: type[BaseSettings] = ProxySettings if command == "proxy" else Settings
+    known = {f"VISENC_{n}".upper() for n in Settings.model_fields} | {"VISENC_API_KEY"}
+    known |= {f"VISENC_PROXY_{n}".upper() for n in ProxySettings.model_fields}
+    for line in preflight.unknown_variables(os.environ, known, "VISENC_PROXY_" if model is Settings else "\0"):
+        print(line, file=sys.stderr)
     try:
-        settings = (ProxySettings if command == "proxy" else Settings)(**args)
+        settings = model(**args)
     except ValidationError as e:
-        print(f"visenc: invalid settings:\n{e}", file=sys.stderr)
-        return 2
+        print(f"visenc {command}: {invalid(e, model)}", file=sys.stderr)
+        return EXIT_USAGE
     if isinstance(settings, ProxySettings):
         return run_proxy(settings)
+    assert isinstance(settings, Settings)
     return serve(settings)
 
 
+def prepare(settings: Settings) -> socket.socket:
+    """Every check that needs no model, then the hub settings into the environment huggingface_hub reads;
+    the listening socket. Raises ``StartError``."""
+    preflight.check_device(settings.device)
+    preflight.check_paths(settings)
+    preflight.check_model(settings.model)
+    sock = preflight.listen(settings)
+    if settings.download_dir is not None:
+        os.environ["HF_HUB_CACHE"] = str(settings.download_dir)
+    if settings.hf_token is not None:
+        os.environ["HF_TOKEN"] = settings.hf_token.get_secret_value()
+    return sock
+
+
 def serve(settings: Settings) -> int:
-    """Run the service until it is stopped: 0 after a graceful stop, ``EXIT_MODEL_UNAVAILABLE`` (one
-    line on stderr) when the model cannot be served, ``EXIT_DEVICE_FAILED`` when the device worker
-    could not be restarted (so that a supervisor restarts the process)."""
+    """Run the service until it is stopped: 0 after a graceful stop; a misuse found before the model loads,
+    the model that cannot be served, the device worker that could not be restarted: one line on stderr
+    and the exit status of its kind (``visenc.preflight``)."""
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    if settings.log_level != "debug":  # huggingface_hub's client logs every request it makes at info
+        logging.getLogger("httpx2").setLevel(logging.WARNING)
+    try:
+        sock = prepare(settings)
+    except StartError as e:
+        print(f"visenc: {e}", file=sys.stderr)
+        return e.code
+    if settings.trust_remote_code:
+        logging.getLogger("visenc").info("--trust-remote-code changes nothing: visenc runs no repository code")
     import uvicorn
 
     from visenc.bootstrap import create_app, load_tower
 
-    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    if settings.log_level != "debug":  # huggingface_hub's client logs every request it makes at info
-        logging.getLogger("httpx2").setLevel(logging.WARNING)
     signal.signal(signal.SIGTERM, _stop_loading)
     try:
         tower = load_tower(settings)  # before the server listens, as it always did; a download included
+    except StartError as e:
+        print(f"visenc: {e}", file=sys.stderr)
+        return e.code
     except Exception as e:  # every cause ends start-up with one line; --log-level debug adds the traceback
         logging.getLogger("visenc").debug("cannot serve %s", settings.model, exc_info=True)
         pinned = f" (revision {settings.revision})" if settings.revision else ""
@@ -132,24 +232,21 @@ def serve(settings: Settings) -> int:
     signal.signal(signal.SIGTERM, _stopped)
     try:
         app = create_app(settings, tower=tower)
-    except ValueError as e:  # the memory budget's parts, known once the tower is: one line, as for any setting
+    except ValueError as e:  # the memory budget's parts, known once the tower is
         print(f"visenc: invalid settings: {e}", file=sys.stderr)
-        return 2
-    server = uvicorn.Server(
-        uvicorn.Config(
-            app,
-            host=settings.host,
-            port=settings.port,
-            log_level=settings.log_level,
-            timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
-        )
+        return EXIT_USAGE
+    config = uvicorn.Config(
+        app, log_level=settings.log_level, timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s))
     )
+    server = uvicorn.Server(config)
 
     def stop_server() -> None:
         server.should_exit = True
 
     app.state.stop_server = stop_server
-    server.run()
+    where = f"unix:{settings.uds}" if settings.uds else "http://{}:{}".format(*sock.getsockname()[:2])
+    logging.getLogger("visenc").info("listening on %s", where)
+    server.run(sockets=[sock])
     if app.state.fatal:
         logging.getLogger("visenc").critical("exiting: %s", app.state.fatal)
         return EXIT_DEVICE_FAILED

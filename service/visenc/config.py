@@ -7,15 +7,34 @@ Secrets (the Redis URL's password, API keys) are ``SecretStr`` and never logged.
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from visenc_client.format import NAMESPACE_PATTERN
 
 MiB = 1 << 20
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10, "mi": 1 << 20}
+_UNITS |= {"gi": 1 << 30, "ti": 1 << 40}
+_SIZE = re.compile(r"(-?\d+(?:\.\d+)?)\s*([kmgt]i?)?b?", re.I)
+
+
+def parse_bytes(value: object) -> object:
+    """A byte size: an integer, or a number with a unit: KB, MB, GB, TB (powers of 1000) or KiB, MiB,
+    GiB, TiB (powers of 1024); 'k', 'M', 'Gi', ... alone too. Anything else is left to fail as an int."""
+    if not isinstance(value, str):
+        return value
+    m = _SIZE.fullmatch(value.strip())
+    if m is None:
+        raise ValueError(f"{value!r} is not a byte size (e.g. 2GiB, 512MB, 1073741824)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
+
+
+#: bytes: an int, or '2GiB', '512MB', ...
+Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 
 class Settings(BaseSettings):
@@ -24,6 +43,7 @@ class Settings(BaseSettings):
     # --- server -------------------------------------------------------------
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0: any free port).")
+    uds: Path | None = Field(None, description="Unix domain socket to listen on instead of host:port.")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     # --- model --------------------------------------------------------------
@@ -34,7 +54,22 @@ class Settings(BaseSettings):
         "HF_ENDPOINT, HF_HUB_OFFLINE); only its vision weights are read, and from a hub only they are fetched.",
     )
     revision: str | None = Field(
-        None, description="Hub revision (branch, tag or commit) of a hub --model; default main. Same as @REVISION."
+        None,
+        description="Hub revision (branch, tag or commit) of a hub --model; unset: the repository's default "
+        "branch (main). Same as @REVISION. Start-up logs the commit it resolved to.",
+    )
+    served_model_name: str | None = Field(
+        None, description="Name /v1/model and the start-up log give the model (default: --model)."
+    )
+    download_dir: Path | None = Field(
+        None,
+        description="Hub cache folder the vision weights are fetched into (default: HF_HUB_CACHE, or HF_HOME/hub).",
+    )
+    hf_token: SecretStr | None = Field(None, description="Hub token for gated or private models (default: HF_TOKEN).")
+    trust_remote_code: bool = Field(
+        False,
+        description="Accepted for vLLM/TEI command lines and changes nothing: visenc never runs code from a model "
+        "repository (its towers are transformers' own classes, the weights are read as safetensors).",
     )
     hub_wait_s: float = Field(
         300.0,
@@ -47,7 +82,10 @@ class Settings(BaseSettings):
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA."
     )
-    device: str = Field("auto", description="torch device (cpu, cuda, cuda:1); auto = cuda if available.")
+    device: str = Field(
+        "auto",
+        description="torch device: cpu, cuda, cuda:N; auto = cuda if available.",
+    )
     max_pixels: int | None = Field(
         None, gt=0, description="Override the tower's max pixels after resize (variable-resolution towers)."
     )
@@ -75,7 +113,7 @@ class Settings(BaseSettings):
 
     # --- index --------------------------------------------------------------
     namespace: str = Field("default", pattern=NAMESPACE_PATTERN, description="Default key namespace (tenant).")
-    process_memory_bytes: int | None = Field(
+    process_memory_bytes: Bytes | None = Field(
         None,
         gt=0,
         description="One memory budget for what this process keeps for the rows it serves: the in-process index "
@@ -83,13 +121,13 @@ class Settings(BaseSettings):
         "of the container's memory limit; without one, half of the host's memory over its GPU count (NVML, every "
         "GPU of the host). Start-up logs the split.",
     )
-    cache_bytes: int | None = Field(
+    cache_bytes: Bytes | None = Field(
         None,
         ge=0,
         description="Byte budget of the in-process index (L1); default: what process_memory_bytes leaves after the "
         "other parts. Start-up logs how many screenshots of the served model it holds.",
     )
-    pin_overflow_bytes: int | None = Field(
+    pin_overflow_bytes: Bytes | None = Field(
         None,
         ge=0,
         description="Bytes that entries pinned for their readers may hold beyond cache_bytes; past it the oldest "
@@ -176,9 +214,9 @@ class Settings(BaseSettings):
     # --- limits and deadlines ----------------------------------------------
     request_timeout_s: float = Field(120.0, gt=0, description="Deadline of an encode request with wait.")
     fetch_timeout_s: float = Field(60.0, gt=0, description="How long a fetch waits for a pending image.")
-    max_body_bytes: int = Field(256 * MiB, gt=0, description="Largest request body.")
+    max_body_bytes: Bytes = Field(256 * MiB, gt=0, description="Largest request body.")
     max_items: int = Field(512, gt=0, description="Most items in one encode or fetch request.")
-    max_image_bytes: int = Field(64 * MiB, gt=0, description="Largest single encoded image.")
+    max_image_bytes: Bytes = Field(64 * MiB, gt=0, description="Largest single encoded image.")
     max_image_pixels: int = Field(
         64_000_000, gt=0, description="Most pixels of a decoded image (decompression-bomb guard)."
     )
@@ -203,6 +241,11 @@ class Settings(BaseSettings):
         description="Longest a compiled tower's warm-up (its graphs' compile, before readiness) may take; "
         "stall_timeout_s does not apply to it and the worker is not restarted while it warms. Past it the "
         "tower serves eagerly. Default: scaled to the tower, 300 s + 20 s per compiled block.",
+    )
+    api_key: SecretStr | None = Field(
+        None,
+        description="One API key (16 characters or more) for the default namespace, as vLLM's and TEI's --api-key: "
+        "every /v1 request then needs 'Authorization: Bearer <key>'. Several keys and tenants: api_keys.",
     )
     api_keys: SecretStr | None = Field(
         None,
@@ -250,7 +293,7 @@ class Settings(BaseSettings):
     shm_lease_s: float = Field(
         30.0, gt=0, description="A segment stays openable at least this long after the last handle naming it."
     )
-    shm_max_bytes: int | None = Field(
+    shm_max_bytes: Bytes | None = Field(
         None,
         gt=0,
         description="Most bytes held in segments (default: a quarter of process_memory_bytes, within shm_dir's free "
@@ -259,7 +302,7 @@ class Settings(BaseSettings):
     )
 
     # --- throughput -----------------------------------------------------------
-    memory_budget_bytes: int | None = Field(
+    memory_budget_bytes: Bytes | None = Field(
         None,
         gt=0,
         description="Working memory of the batches: forward activations (estimated from the tower's config) "
@@ -279,7 +322,7 @@ class Settings(BaseSettings):
         "(default on CUDA: two batches plus one per preprocessing worker, within an eighth of the process "
         "memory budget; on a CPU a quarter of a batch, where preprocessing shares the cores).",
     )
-    heap_keep_bytes: int = Field(
+    heap_keep_bytes: Bytes = Field(
         1024 * MiB,
         ge=0,
         description="Freed C-heap memory (glibc) kept for the next forward's activations instead of going back "
@@ -289,6 +332,13 @@ class Settings(BaseSettings):
     heap_idle_s: float = Field(
         2.0, gt=0, description="Device idle time after which the freed C-heap memory goes back to the kernel."
     )
+
+    @field_validator("device")
+    @classmethod
+    def _check_device(cls, v: str) -> str:
+        if not re.fullmatch(r"auto|cpu|cuda(:\d+)?", v):
+            raise ValueError("the device is auto, cpu, cuda or cuda:N")
+        return v
 
     @field_validator("redis_url")
     @classmethod

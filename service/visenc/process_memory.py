@@ -51,18 +51,23 @@ class BudgetTooSmall(ValueError):
 def host_gpu_count() -> int:
     """GPUs on this host, as NVML counts them (all of them, whatever ``CUDA_VISIBLE_DEVICES`` hides);
     1 where there is no NVML or no GPU."""
+    return max(1, host_gpus())
+
+
+def host_gpus() -> int:
+    """GPUs on this host as NVML counts them; 0 where there is no NVML or no GPU."""
     try:
         import pynvml
     except ImportError:
-        return 1
+        return 0
     try:
         pynvml.nvmlInit()
     except pynvml.NVMLError:
-        return 1
+        return 0
     try:
-        return max(1, int(pynvml.nvmlDeviceGetCount()))
+        return int(pynvml.nvmlDeviceGetCount())
     except pynvml.NVMLError:
-        return 1
+        return 0
     finally:
         pynvml.nvmlShutdown()
 
@@ -72,8 +77,9 @@ def default_budget(root: Path = CGROUP_ROOT, proc_cgroup: Path = PROC_CGROUP) ->
     host, limit = host_memory_bytes(), cgroup_memory_limit(root, proc_cgroup)
     if limit is not None and limit < host:
         return int(PROCESS_SHARE * limit), f"{PROCESS_SHARE:g} of the container's limit, {_gib(limit)}"
-    gpus = host_gpu_count()
-    return int(PROCESS_SHARE * host / gpus), f"{PROCESS_SHARE:g} of the host's {_gib(host)} over its {gpus} GPU(s)"
+    gpus = host_gpus()
+    over = f"over its {gpus} GPUs" if gpus > 1 else ("no GPU" if gpus == 0 else "1 GPU")
+    return int(PROCESS_SHARE * host / max(1, gpus)), f"{PROCESS_SHARE:g} of the host's {_gib(host)}, {over}"
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +95,11 @@ class MemorySplit:
     joined: int = 0
 
     def describe(self) -> str:
+        parts = self.l1 + self.overflow + self.shm + self.staged + self.joined
         return (
-            f"memory budget {_gib(self.total)} ({self.source}): L1 {_gib(self.l1)}, pinned beyond L1 "
-            f"{_gib(self.overflow)}, shared memory {_gib(self.shm)}, staged inputs {_gib(self.staged)}, "
-            f"joined video rows {_gib(self.joined)}"
+            f"process memory budget {_gib(self.total)} ({self.source}): L1 {_gib(self.l1)} + pinned beyond L1 "
+            f"{_gib(self.overflow)} + shared memory {_gib(self.shm)} + staged inputs {_gib(self.staged)} "
+            f"+ joined video rows {_gib(self.joined)} = {_gib(parts)}"
         )
 
 

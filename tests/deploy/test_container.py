@@ -282,6 +282,12 @@ def test_compose_files_exist(compose):
             assert set(build.get("args", {})) <= set(parse_dockerfile(context / "Dockerfile")[0])
 
 
+def redis_conf() -> dict[str, str]:
+    """deploy/redis/redis.conf's directives."""
+    lines = (DEPLOY / "redis" / "redis.conf").read_text().splitlines()
+    return dict(line.split(" ", 1) for line in lines if line.strip() and not line.startswith("#"))
+
+
 def test_compose_topology(compose):
     services = compose["services"]
     assert {"visenc", "redis", "prometheus", "grafana"} <= set(services)
@@ -289,17 +295,26 @@ def test_compose_topology(compose):
         assert svc["healthcheck"]["test"], name
     visenc = services["visenc"]
     assert visenc["deploy"]["replicas"] == 2
-    assert visenc["environment"]["VISENC_REDIS_URL"] == "redis://redis:6379/0"  # both share one Redis
+    # both share one Redis, with the password of the secret Redis runs with
+    assert visenc["environment"]["VISENC_REDIS_URL"].startswith("redis://:${VISENC_REDIS_PASSWORD:?")
+    assert visenc["environment"]["VISENC_REDIS_URL"].endswith("}@redis:6379/0")
     assert visenc["healthcheck"]["test"][0] == "CMD"
     assert any("/readyz" in part for part in visenc["healthcheck"]["test"])
     # start order: redis → visenc → prometheus → grafana, each waiting for the previous one's health
     for svc, dep in (("visenc", "redis"), ("prometheus", "visenc"), ("grafana", "prometheus")):
         assert services[svc]["depends_on"][dep]["condition"] == "service_healthy"
-    # Redis is an LRU cache: bounded, allkeys-lru, nothing persisted
-    command = services["redis"]["command"]
-    flags = dict(zip(command[1::2], command[2::2]))
-    assert flags["--maxmemory-policy"] == "allkeys-lru"
-    assert flags["--maxmemory"] and flags["--save"] == "" and flags["--appendonly"] == "no"
+    # Redis is an LRU cache: bounded, allkeys-lru, nothing persisted, from the shipped redis.conf
+    redis = services["redis"]
+    conf = "/usr/local/etc/redis/redis.conf"
+    assert f"./redis/redis.conf:{conf}:ro" in redis["volumes"]
+    assert f'exec redis-server {conf} --requirepass "$$(cat /run/secrets/redis_password)"' in redis["entrypoint"][2]
+    assert redis["secrets"] == ["redis_password"] and "redis_password" in redis["healthcheck"]["test"][1]
+    assert compose["secrets"]["redis_password"] == {"environment": "VISENC_REDIS_PASSWORD"}
+    assert redis["command"][0] == "--maxmemory"
+    settings = redis_conf()
+    assert settings["maxmemory-policy"] == "allkeys-lru" and settings["save"] == '""'
+    assert settings["appendonly"] == "no" and settings["lazyfree-lazy-eviction"] == "yes"
+    assert settings["client-output-buffer-limit"] == "normal 0 0 0" and settings["protected-mode"] == "yes"
     # Grafana gets the datasource Prometheus answers on
     datasource = yaml.safe_load((DEPLOY / "grafana/provisioning/datasources/prometheus.yml").read_text())
     assert datasource["datasources"][0]["url"] == "http://prometheus:9090"

@@ -95,12 +95,32 @@ def test_redis_url_secret_points_at_the_redis_service(docs):
     ref = {e["name"]: e for e in c["env"]}["VISENC_REDIS_URL"]["valueFrom"]["secretKeyRef"]
     secret = docs[("Secret", ref["name"])]
     url = secret["stringData"][ref["key"]]
-    host, port = url.removeprefix("redis://").split("/")[0].split(":")
+    password = secret["stringData"]["password"]
+    assert url.startswith(f"redis://:{password}@")  # visenc's URL carries the password Redis runs with
+    host, port = url.split("@")[1].split("/")[0].split(":")
     svc = docs[("Service", host)]
     assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
-    (redis,) = docs[("Deployment", "visenc-redis")]["spec"]["template"]["spec"]["containers"]
+    spec = docs[("Deployment", "visenc-redis")]["spec"]["template"]["spec"]
+    (redis,) = spec["containers"]
+    assert redis["command"] == ["redis-server", "/usr/local/etc/redis/redis.conf"]
     flags = dict(zip(redis["args"][::2], redis["args"][1::2]))
-    assert flags["--maxmemory-policy"] == "allkeys-lru" and flags["--save"] == ""
+    assert flags["--requirepass"] == "$(REDIS_PASSWORD)" and flags["--maxmemory"]
+    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
+    assert env["REDIS_PASSWORD"] == {"name": ref["name"], "key": "password"}
+    assert "REDIS_PASSWORD" in " ".join(redis["readinessProbe"]["exec"]["command"])
+    (mount,) = redis["volumeMounts"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert mount["mountPath"] == "/usr/local/etc/redis"
+    conf = docs[("ConfigMap", volume["configMap"]["name"])]["data"]["redis.conf"]
+    assert conf == (ROOT / "deploy" / "redis" / "redis.conf").read_text()  # the shipped file, unchanged
+
+
+def test_visenc_pods_have_a_sized_dev_shm(docs):
+    spec = docs[("Deployment", "visenc")]["spec"]["template"]["spec"]
+    (c,) = spec["containers"]
+    (mount,) = [m for m in c["volumeMounts"] if m["mountPath"] == "/dev/shm"]
+    (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
+    assert volume["emptyDir"]["medium"] == "Memory" and volume["emptyDir"]["sizeLimit"] == "1Gi"
 
 
 def test_service_monitor_scrapes_the_visenc_service(docs):

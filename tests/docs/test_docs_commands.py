@@ -9,7 +9,10 @@ snippets, so a doc that drifts from the code fails here:
 * ``docker`` / ``kubectl``: the files they name exist (no engine or cluster here);
 * Python snippets (and ``python - <<PY`` heredocs): run for real against a live
   ``visenc serve`` (and a real Redis), with the free names a snippet leaves to
-  the reader (``images``, ``png``, ...) given test values.
+  the reader (``images``, ``png``, ...) given test values; where a ``text`` block
+  follows one that prints, it prints exactly that;
+* a bash block with ``curl``: run by bash as written against the live service; every
+  line of the ``text`` block after it is a line of its output.
 """
 
 from __future__ import annotations
@@ -40,10 +43,21 @@ def blocks(lang: str) -> list[tuple[str, str]]:
     return out
 
 
+def shown_output(doc: str, code: str) -> str | None:
+    """The ``text`` block that comes next after ``code`` in ``doc``, if no other block comes between."""
+    text = next(d for d in DOCS if d.name == doc).read_text()
+    rest = text[text.index(code) + len(code) :].split("```", 1)[1]
+    m = re.match(r"\n*[^`]*?```text\n(.*?)```", rest, re.S)
+    return m.group(1) if m else None
+
+
 def commands() -> list[tuple[str, str]]:
     """Shell commands of every bash block; a ``python - <<'PY'`` heredoc comes as one command."""
     out = []
     for doc, text in blocks("bash"):
+        if "curl " in text:
+            out.append((doc, "bash-script\n" + text))
+            continue
         lines = iter(text.splitlines())
         for line in lines:
             line = re.sub(r"\s+#.*$", "", line).strip().rstrip("&").strip()
@@ -138,6 +152,9 @@ def test_every_command_is_checked_somewhere():
         "kubectl",
         "pip install",
         "python-heredoc",
+        "bash-script",
+        "vllm serve",  # these two: tests/with_vllm/test_vllm_docs_commands.py, with vLLM's parser
+        ".venv-vllm/bin/python -m vllm.",
     )
     unchecked = [c for _, c in COMMANDS if not c.startswith(checked)]
     assert unchecked == []
@@ -147,11 +164,13 @@ def test_every_command_is_checked_somewhere():
 def live(redis_url, tmp_path_factory):
     folder = tmp_path_factory.mktemp("docs")
     (folder / "screenshot.png").write_bytes(png_bytes(1, 320, 200))
+    (folder / "docs").mkdir()
+    (folder / "docs" / "screenshot.png").write_bytes((ROOT / "docs" / "screenshot.png").read_bytes())
     with serve_process("--max-wait-ms", "1", "--redis-url", redis_url) as url:
         yield url, folder
 
 
-def _run_snippet(code: str, live, redis_url: str) -> None:
+def _run_snippet(code: str, live, redis_url: str) -> str:
     url, folder = live
     code = re.sub(r"http://(127\.0\.0\.1|localhost|visenc):8000", url, code)
     code = re.sub(r"redis://:PASSWORD@cache:6379/0", redis_url, code)
@@ -171,6 +190,7 @@ def _run_snippet(code: str, live, redis_url: str) -> None:
         env={"PYTHONPATH": f"{ROOT}:{ROOT / 'service'}:{ROOT / 'clients'}", "PATH": "/usr/bin:/bin"},
     )
     assert r.returncode == 0, f"{code}\n{r.stderr[-3000:]}"
+    return r.stdout
 
 
 @pytest.mark.parametrize(
@@ -178,6 +198,33 @@ def _run_snippet(code: str, live, redis_url: str) -> None:
     [*blocks("python"), *((d, c.split("\n", 1)[1]) for d, c in COMMANDS if c.startswith("python-heredoc"))],
 )
 def test_python_snippets_run_against_a_live_service(doc, code, live, redis_url):
+    shown = shown_output(doc, code) if "print(" in code else None
     if "hidden" in code and "hidden =" not in code:
         code = "hidden = 256\n" + code  # the served tower's row width (the default tower's)
-    _run_snippet(code, live, redis_url)
+    printed = _run_snippet(code, live, redis_url)
+    if shown is not None:
+        assert printed == shown, f"{doc}: the snippet printed {printed!r}, the doc shows {shown!r}"
+
+
+@pytest.mark.parametrize(("doc", "script"), [(d, c.split("\n", 1)[1]) for d, c in COMMANDS if c.startswith("bash-")])
+def test_curl_blocks_run_against_a_live_service(doc, script, live):
+    url, folder = live
+    r = subprocess.run(
+        ["bash", "-euo", "pipefail", "-c", script.replace("http://127.0.0.1:8000", url)],
+        cwd=folder,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode == 0, f"{script}\n{r.stderr[-2000:]}"
+    printed = [line.rstrip("\r") for line in r.stdout.splitlines()]
+    shown = shown_output(doc, script)
+    assert shown is not None, f"{doc}: no output shown after {script!r}"
+    missing = [line for line in shown.splitlines() if line not in printed]
+    assert missing == [], f"{doc}: shown but not printed: {missing}; printed: {printed}"
+
+
+def test_no_snippet_needs_this_repository_on_its_path():
+    """A reader runs a snippet from anywhere: none imports the repository's test helpers."""
+    snippets = [c for _, c in blocks("python")] + [c for _, c in COMMANDS if c.startswith("python-heredoc")]
+    assert [c for c in snippets if re.search(r"^\s*(from|import) tests\b", c, re.M)] == []

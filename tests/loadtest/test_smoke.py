@@ -80,6 +80,12 @@ def test_agent_run_against_a_server_it_starts(tmp_path: Path) -> None:
     assert_report(out)
     metrics = (out / "metrics.csv").read_text()
     assert "visenc_cache_lookups_total" in metrics and "visenc_encoded_images_total" in metrics
+    # it ends with a short table: a row per request kind as Locust counted it, then failures and hits
+    table = proc.stdout.strip().splitlines()[-(len([r for r in rows if r["Type"] in ("GET", "POST", "TTFC")]) + 3) :]
+    assert table[0].split() == ["request", "count", "failures", "median", "ms", "p95", "ms", "per", "s"]
+    hashes = next(line for line in table if line.startswith("POST /v1/encode [hashes]"))
+    assert hashes.split()[3] == str(count[("POST", "/v1/encode [hashes]")])
+    assert table[-1].startswith("0 failures; hash-first hit ratio")
 
 
 @pytest.fixture(scope="module")

@@ -38,7 +38,7 @@ def openai_server(
         [
             sys.executable,
             "-m",
-            "vllm.entrypoints.openai.api_server",
+            "vllm.entrypoints.launchers.api_server.entry",  # what `vllm serve` runs (docs/integration-vllm.md)
             "--model",
             str(model),
             "--host",

@@ -49,6 +49,8 @@ def _parse(text: str, where: str, separator: str) -> list[tuple[str, str]]:
 def load_api_keys(settings: Settings) -> dict[bytes, str]:
     """SHA-256 digest of each key → its tenant (empty: auth off). Raises ``ApiKeyError``."""
     pairs: list[tuple[str, str]] = []
+    if settings.api_key is not None:
+        pairs += _parse(f"{settings.api_key.get_secret_value()}:{settings.namespace}", "api_key", "\x00")
     if settings.api_keys is not None:
         pairs += _parse(settings.api_keys.get_secret_value(), "api_keys", ",")
     if settings.api_keys_file is not None:

@@ -18,6 +18,8 @@ async def model_info(request: Request) -> Response:
     """The served tower: name, fingerprint, hidden size, dtype, device; ``shm``: where a client on this
     host finds the shared-memory probe (absent when shared memory is off)."""
     info = engine_of(request).describe()
+    settings = request.app.state.settings
+    info["served_model_name"] = settings.served_model_name or settings.model
     pool = getattr(request.app.state, "shm", None)
     if pool is not None:
         info["shm"] = pool.describe()

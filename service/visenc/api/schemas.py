@@ -104,6 +104,7 @@ class ErrorResponse(_Wire):
 
 class ModelInfo(BaseModel):
     name: str
+    served_model_name: str = Field(..., description="--served-model-name, else --model.")
     fingerprint: str = Field(..., description="Goes into every index key.")
     hidden_size: int
     dtype: str

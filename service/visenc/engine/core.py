@@ -61,7 +61,7 @@ class Engine:
             prefetch_tokens=settings.prefetch_tokens,
             workers=workers,
         )
-        log.info("batch budget: %s", self.budget)
+        log.debug("batch budget: %s", self.budget)  # bootstrap logs it as applied
         self._build_stages(
             ImagePrep(
                 tower,

@@ -1,0 +1,155 @@
+"""What ``visenc serve`` checks before it imports torch or loads a model, so that a misuse ends start-up
+at once with one line and an exit status of its own (the table: ``docs/operations.md``, "Exit status")."""
+
+from __future__ import annotations
+
+import difflib
+import os
+import socket
+import stat
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+
+from visenc.config import Settings
+
+#: exit status of a flag or value the parser refuses, or a setting that does not validate
+EXIT_USAGE = 2
+#: exit status when the device worker failed and could not be restarted
+EXIT_DEVICE_FAILED = 3
+#: exit status when the model cannot be served (``ModelUnavailable``: one line says why)
+EXIT_MODEL_UNAVAILABLE = 4
+#: exit status when the device asked for is not on this host (``--device cuda`` without a CUDA GPU)
+EXIT_NO_DEVICE = 5
+#: exit status when the address cannot be listened on (in use, no permission, no such interface)
+EXIT_CANNOT_LISTEN = 6
+#: exit status when a file or folder a setting names cannot be read or written
+EXIT_BAD_PATH = 7
+
+#: the built-in towers (``visenc.models.registry.REGISTRY``, which imports torch; a test keeps them equal)
+BUILT_IN = ("tiny-clip", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-siglip")
+#: ``VISENC_*`` variables that are no setting of the service but are read elsewhere (the client, compose)
+OTHER_VARIABLES = frozenset(
+    {"VISENC_SHM_MAP_CACHE_BYTES", "VISENC_BASE", "VISENC_MEMORY_LIMIT", "VISENC_SHM_SIZE", "VISENC_REDIS_MAXMEMORY"}
+)
+
+
+class StartError(Exception):
+    """Start-up cannot go on: ``str(e)`` is the line to print, ``code`` the exit status."""
+
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def unknown_variables(environ: Mapping[str, str], known: Iterable[str], ignored_prefix: str) -> list[str]:
+    """One warning line per ``VISENC_*`` variable that names no setting, with the nearest one that does."""
+    known = set(known) | OTHER_VARIABLES
+    out = []
+    for name in sorted(environ):
+        if name.startswith("VISENC_") and name not in known and not name.startswith(ignored_prefix):
+            near = difflib.get_close_matches(name, sorted(known), n=1)
+            hint = f" (did you mean {near[0]}?)" if near else ""
+            out.append(f"visenc: warning: {name} is not a setting and is ignored{hint}")
+    return out
+
+
+def check_device(device: str) -> None:
+    """``cuda`` / ``cuda:N`` only where NVML finds that GPU (torch's own check follows at load)."""
+    if not device.startswith("cuda"):
+        return
+    index = int(device.partition(":")[2] or 0)
+    count = _nvml_gpus()
+    if count <= index:
+        found = "no CUDA GPU" if count == 0 else f"{count} CUDA GPU(s)"
+        raise StartError(EXIT_NO_DEVICE, f"--device {device}: this host has {found} (NVML); serve with --device cpu")
+
+
+def _nvml_gpus() -> int:
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+    except Exception:  # no NVML library, no driver: no GPU to use
+        return 0
+    try:
+        return int(pynvml.nvmlDeviceGetCount())
+    except pynvml.NVMLError:
+        return 0
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def check_model(spec: str) -> None:
+    """A local folder must have a ``config.json``; anything that is neither a built-in name, a folder nor a
+    hub id ``ORG/NAME[@REVISION]`` is refused here (a hub id is checked against the hub at load)."""
+    from visenc.models.hub import REPO_ID
+
+    path = Path(spec).expanduser()
+    if spec in BUILT_IN or (path / "config.json").is_file():
+        return
+    if path.is_dir():
+        raise StartError(EXIT_MODEL_UNAVAILABLE, f"cannot serve {spec}: the folder has no config.json")
+    if REPO_ID.match(spec.partition("@")[0]) and not spec.startswith(("/", ".", "~")):
+        return
+    raise StartError(
+        EXIT_MODEL_UNAVAILABLE,
+        f"cannot serve {spec}: no such folder, and neither a built-in name ({', '.join(BUILT_IN)}) "
+        "nor a hub id ORG/NAME[@REVISION]",
+    )
+
+
+def check_paths(settings: Settings) -> None:
+    """The API keys parse (their file is read), and the download folder can be written."""
+    from visenc.api.auth import ApiKeyError, load_api_keys
+
+    try:
+        load_api_keys(settings)
+    except ApiKeyError as e:
+        raise StartError(EXIT_BAD_PATH if isinstance(e.__cause__, OSError) else EXIT_USAGE, str(e)) from e
+    folder = settings.download_dir
+    if folder is not None:
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+        except OSError as e:
+            raise StartError(EXIT_BAD_PATH, f"--download-dir {folder}: {e.strerror}") from e
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise StartError(EXIT_BAD_PATH, f"--download-dir {folder}: not writable")
+
+
+def listen(settings: Settings) -> socket.socket:
+    """The listening socket, bound now, before the model loads: ``uds`` or ``host:port``."""
+    try:
+        if settings.uds is not None:
+            return _unix_socket(settings.uds)
+        family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((settings.host, settings.port))
+        except OSError:
+            sock.close()
+            raise
+    except OSError as e:
+        where = settings.uds or f"{settings.host}:{settings.port}"
+        raise StartError(EXIT_CANNOT_LISTEN, f"cannot listen on {where}: {e.strerror or e}") from e
+    sock.set_inheritable(True)
+    return sock
+
+
+def _unix_socket(path: Path) -> socket.socket:
+    """A socket bound at ``path``; a socket file left by a process that is gone is replaced."""
+    if path.exists():
+        if not stat.S_ISSOCK(path.stat().st_mode):
+            raise OSError(17, "a file that is not a socket is in the way")
+        probe = socket.socket(socket.AF_UNIX)
+        try:
+            probe.connect(str(path))
+        except ConnectionRefusedError:
+            path.unlink()  # stale: nothing listens there
+        else:
+            raise OSError(98, "another process listens there")
+        finally:
+            probe.close()
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.bind(str(path))
+    return sock

@@ -1,0 +1,143 @@
+"""``visenc serve`` misused: one line on stderr, an exit status of its own (``visenc.preflight``, listed in
+docs/operations.md), found before torch is imported; byte sizes with units; flags in groups with their
+defaults; an unknown ``VISENC_*`` variable warned about."""
+
+from __future__ import annotations
+
+import re
+import socket
+import subprocess
+import sys
+
+import pytest
+from tests.support.paths import ROOT
+
+from visenc import preflight
+from visenc.cli import GROUPS, build_parser
+from visenc.config import Settings
+
+ENV = {"PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'clients'}", "PATH": "/usr/bin:/bin"}
+#: runs ``visenc serve ARGV``, then says whether torch was imported on the way
+PROBE = "import sys\nfrom visenc.cli import main\nrc = main(sys.argv[1:])\nprint('torch' in sys.modules)\nsys.exit(rc)"
+
+
+def serve(*argv: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-c", PROBE, "serve", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**ENV, **(env or {})},
+    )
+
+
+def refused(r: subprocess.CompletedProcess[str]) -> str:
+    """The one line a refused start printed (it printed nothing else and imported no torch)."""
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert r.stdout.strip() in ("", "False"), "torch was imported before the refusal"
+    return lines[0]
+
+
+@pytest.fixture
+def busy_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        yield s.getsockname()[1]
+
+
+@pytest.mark.parametrize(
+    ("argv", "code", "said"),
+    [
+        (["--process-memory-bytes", "-1"], preflight.EXIT_USAGE, "invalid --process-memory-bytes=-1"),
+        (["--process-memory-bytes", "2XB"], preflight.EXIT_USAGE, "'2XB' is not a byte size"),
+        (["--port", "abc"], preflight.EXIT_USAGE, "argument --port: invalid int value"),
+        (["--bogus"], preflight.EXIT_USAGE, "unrecognized arguments: --bogus"),
+        (["--device", "tpu"], preflight.EXIT_USAGE, "the device is auto, cpu, cuda or cuda:N"),
+        (["--api-key", "short"], preflight.EXIT_USAGE, "keys must be at least 16 characters"),
+        (["--model", "./no-such-folder"], preflight.EXIT_MODEL_UNAVAILABLE, "cannot serve ./no-such-folder: no such"),
+        (["--model", "not a model"], preflight.EXIT_MODEL_UNAVAILABLE, "neither a built-in name"),
+        (["--model", "/"], preflight.EXIT_MODEL_UNAVAILABLE, "the folder has no config.json"),
+        (["--api-keys-file", "/no/such/file"], preflight.EXIT_BAD_PATH, "No such file or directory"),
+        (["--download-dir", "/proc/no/such"], preflight.EXIT_BAD_PATH, "--download-dir /proc/no/such"),
+        (["--uds", "/no/such/dir/visenc.sock"], preflight.EXIT_CANNOT_LISTEN, "cannot listen on /no/such/dir"),
+    ],
+)
+def test_a_misuse_is_one_line_with_its_own_status(argv, code, said):
+    r = serve("--port", "1", *argv) if "--port" not in argv else serve(*argv)
+    assert r.returncode == code, r.stderr
+    assert said in refused(r)
+
+
+def test_a_busy_port_is_refused_before_the_model_loads(busy_port):
+    r = serve("--port", str(busy_port))
+    assert r.returncode == preflight.EXIT_CANNOT_LISTEN
+    assert refused(r) == f"visenc: cannot listen on 127.0.0.1:{busy_port}: Address already in use"
+
+
+def test_cuda_on_a_host_without_one_is_refused_at_once():
+    if preflight._nvml_gpus() > 0:
+        pytest.skip("this host has a CUDA GPU")
+    r = serve("--device", "cuda", "--port", "1")
+    assert r.returncode == preflight.EXIT_NO_DEVICE
+    assert refused(r).startswith("visenc: --device cuda: this host has no CUDA GPU")
+
+
+def test_cuda_where_torch_has_none_is_refused_before_the_model_loads():
+    import torch
+
+    from visenc.bootstrap import load_tower
+
+    if torch.cuda.is_available():
+        pytest.skip("this torch sees a CUDA GPU")
+    with pytest.raises(preflight.StartError, match="this torch is") as e:
+        load_tower(Settings(device="cuda:0"))
+    assert e.value.code == preflight.EXIT_NO_DEVICE
+
+
+def test_the_exit_statuses_differ_and_the_docs_list_each():
+    codes = {n: v for n, v in vars(preflight).items() if n.startswith("EXIT_")}
+    assert len(set(codes.values())) == len(codes)
+    table = (ROOT / "docs" / "operations.md").read_text()
+    for name, code in codes.items():
+        assert re.search(rf"^\| {code} \| `{name}` \|", table, re.M), f"docs/operations.md lists no {name}"
+
+
+def test_an_unknown_variable_is_warned_about_and_a_misspelt_one_named():
+    r = serve("--max-batch-tokens", "0", env={"VISENC_MODLE": "x", "VISENC_PROXY_UPSTREAM": '["http://a"]'})
+    warning, error = r.stderr.strip().splitlines()
+    assert warning == "visenc: warning: VISENC_MODLE is not a setting and is ignored (did you mean VISENC_MODEL?)"
+    assert error.startswith("visenc serve: invalid --max-batch-tokens=0")
+
+
+@pytest.mark.parametrize(
+    ("given", "n"),
+    [("2GiB", 2 << 30), ("512MB", 512_000_000), ("1073741824", 1 << 30), (1 << 20, 1 << 20), ("1.5k", 1500)],
+)
+def test_byte_sizes_take_units(given, n, monkeypatch):
+    assert Settings(process_memory_bytes=given).process_memory_bytes == n
+    monkeypatch.setenv("VISENC_MAX_BODY_BYTES", str(given))
+    assert Settings().max_body_bytes == n
+    args = vars(build_parser().parse_args(["serve", "--cache-bytes", str(given)]))
+    args.pop("command")
+    assert Settings(**args).cache_bytes == n
+
+
+def test_every_setting_is_in_one_group_and_shows_its_default(capsys):
+    grouped = [name for names in GROUPS.values() for name in names]
+    assert sorted(grouped) == sorted(Settings.model_fields)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["serve", "--help"])
+    text = capsys.readouterr().out
+    assert [g for g in GROUPS if f"\n{g} options:\n" not in text] == []
+    helps = [" ".join(h.split()) for h in re.split(r"\n  (?=--)", text)[1:]]
+    assert len(helps) == len(Settings.model_fields)
+    assert [h.split()[0] for h in helps if "(default: " not in h and "(required" not in h] == []
+    assert "(default: 256MiB; env VISENC_MAX_BODY_BYTES)" in " ".join(text.split())
+
+
+def test_the_built_in_names_are_the_registry():
+    from visenc.models.registry import REGISTRY
+
+    assert preflight.BUILT_IN == tuple(sorted(REGISTRY))

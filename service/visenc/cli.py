@@ -32,12 +32,13 @@ __all__ = ["EXIT_DEVICE_FAILED", "EXIT_MODEL_UNAVAILABLE", "build_parser", "main
 #: the ``visenc serve --help`` group of each setting
 GROUPS: dict[str, tuple[str, ...]] = {
     "model": (
-        "model", "served_model_name", "revision", "download_dir", "hf_token", "trust_remote_code", "dtype",
-        "device", "max_pixels", "image_backend", "image_loader", "compile", "torch_threads",
+        "model", "served_model_name", "revision", "download_dir", "hf_token", "hub_wait_s", "trust_remote_code",
+        "dtype", "device", "max_pixels", "image_backend", "image_loader", "compile", "torch_threads",
     ),
     "server": (
         "host", "port", "uds", "api_key", "api_keys", "api_keys_file", "shm_enabled", "shm_dir", "shm_lease_s",
-        "shm_max_bytes", "sglang_namespace", "sglang_url_prefixes", "sglang_register_timeout_s", "shutdown_timeout_s",
+        "shm_max_bytes", "joined_rows_bytes", "sglang_namespace", "sglang_url_prefixes", "sglang_register_timeout_s",
+        "shutdown_timeout_s",
     ),
     "engine": (
         "max_batch_tokens", "max_batch_images", "max_wait_ms", "preprocess_workers", "max_queue_images",
@@ -46,8 +47,8 @@ GROUPS: dict[str, tuple[str, ...]] = {
     ),
     "index": (
         "namespace", "process_memory_bytes", "cache_bytes", "pin_overflow_bytes", "ready_lease_s", "redis_url",
-        "redis_mode", "cache_ttl_s", "redis_timeout_s", "redis_retry_s", "claim_ttl_ms", "claim_poll_ms",
-        "claim_wait_s",
+        "redis_mode", "redis_batch_bytes", "cache_ttl_s", "redis_timeout_s", "redis_retry_s", "claim_ttl_ms",
+        "claim_poll_ms", "claim_wait_s",
     ),
     "limits": (
         "request_timeout_s", "fetch_timeout_s", "max_body_bytes", "max_items", "max_image_bytes", "max_image_pixels",

@@ -67,25 +67,15 @@ class Settings(BaseSettings):
     )
     hf_token: SecretStr | None = Field(None, description="Hub token for gated or private models (default: HF_TOKEN).")
     trust_remote_code: bool = Field(
-        False,
-        description="Accepted for vLLM/TEI command lines and changes nothing: visenc never runs code from a model "
-        "repository (its towers are transformers' own classes, the weights are read as safetensors).",
+        False, description="Accepted for vLLM/TEI command lines; changes nothing: visenc runs no repository code."
     )
     hub_wait_s: float = Field(
-        300.0,
-        ge=0,
-        description="How long a start waits out a hub that says 'try later' (a 408, 429 or 5xx, a timeout, no "
-        "answer) where the cache does not hold what it needs: asked again with back-off, its Retry-After "
-        "honoured, a fetch resumed where it stopped; seconds, for the whole start. A cached revision is "
-        "served at once.",
+        300.0, ge=0, description="Seconds a start waits out a hub that says 'try later' (408, 429, 5xx, no answer)."
     )
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = Field(
         "auto", description="Compute dtype; auto = float32 on CPU, bfloat16 on CUDA."
     )
-    device: str = Field(
-        "auto",
-        description="torch device: cpu, cuda, cuda:N; auto = cuda if available.",
-    )
+    device: str = Field("auto", description="torch device: cpu, cuda, cuda:N; auto = cuda if available.")
     max_pixels: int | None = Field(
         None, gt=0, description="Override the tower's max pixels after resize (variable-resolution towers)."
     )
@@ -105,11 +95,7 @@ class Settings(BaseSettings):
         description="Compile the tower's blocks with torch.compile (dynamic shapes) at start-up; readiness waits "
         "for it, so no request pays for it. auto: on for CUDA, off on a CPU.",
     )
-    torch_threads: int | None = Field(
-        None,
-        gt=0,
-        description="torch intra-op threads (default: CPU: every core; CUDA: 1).",
-    )
+    torch_threads: int | None = Field(None, gt=0, description="torch intra-op threads (default: CPU: all; CUDA: 1).")
 
     # --- index --------------------------------------------------------------
     namespace: str = Field("default", pattern=NAMESPACE_PATTERN, description="Default key namespace (tenant).")

@@ -13,6 +13,7 @@ as one with a host sync inside does), ``timeline``. Rows: ``docs/internals.md``.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import json
 import math
@@ -79,15 +80,18 @@ class SimEvent:
 
 
 class SimDevice:
-    """The simulated stream: work runs in queue order, each item after the one before it ends."""
+    """The simulated stream: work runs in queue order, each item after the one before it ends. An item is
+    completed (its outputs written) by whichever comes first at its end: the stream's thread, or a thread
+    waiting for it, which then runs at once, as one woken by a CUDA event does."""
 
     def __init__(self, timeline: str | None = None) -> None:
-        self._work: queue.SimpleQueue[tuple[int, float, Span, Callable[[], None]]] = queue.SimpleQueue()
-        self._done = threading.Condition()
-        self._queued_seq = 0
-        self._done_seq = 0
-        self._free_at = 0.0
+        self._work: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._completing = threading.Lock()
+        self._pending: collections.deque[tuple[int, Span, Callable[[], None]]] = collections.deque()
+        self._ends: dict[int, float] = {}
+        self._queued_seq = 0
+        self._free_at = 0.0
         self.spans: list[Span] = []
         self._timeline = open(timeline, "a", buffering=1) if timeline else None
         threading.Thread(target=self._run, name="visenc-sim-device", daemon=True).start()
@@ -100,8 +104,9 @@ class SimDevice:
             start = max(now, self._free_at)
             self._free_at = start + seconds
             self._queued_seq += 1
-            span = Span(launched, now, start, self._free_at, images, tokens)
-            self._work.put((self._queued_seq, self._free_at, span, fill))
+            self._ends[self._queued_seq] = self._free_at
+            self._pending.append((self._queued_seq, Span(launched, now, start, self._free_at, images, tokens), fill))
+        self._work.put(self._queued_seq)
 
     def event(self) -> SimEvent:
         with self._lock:
@@ -112,22 +117,28 @@ class SimDevice:
         self.event().synchronize()
 
     def wait_for(self, seq: int) -> None:
-        with self._done:
-            self._done.wait_for(lambda: self._done_seq >= seq)
+        with self._lock:
+            end = self._ends.get(seq, 0.0)
+        delay = end - time.monotonic()
+        if delay > 0:
+            time.sleep(delay)  # the device works: the GIL is free
+        self._complete(seq)
+
+    def _complete(self, seq: int) -> None:
+        """Write the outputs of every item up to ``seq``, in order (each once)."""
+        with self._completing:
+            while self._pending and self._pending[0][0] <= seq:
+                done, span, fill = self._pending.popleft()
+                fill()
+                self.spans.append(span)
+                if self._timeline is not None:
+                    self._timeline.write(json.dumps(asdict(span)) + "\n")
+                with self._lock:
+                    del self._ends[done]
 
     def _run(self) -> None:
         while True:
-            seq, end, span, fill = self._work.get()
-            delay = end - time.monotonic()
-            if delay > 0:
-                time.sleep(delay)  # the device works: the GIL is free
-            fill()
-            self.spans.append(span)
-            if self._timeline is not None:
-                self._timeline.write(json.dumps(asdict(span)) + "\n")
-            with self._done:
-                self._done_seq = seq
-                self._done.notify_all()
+            self.wait_for(self._work.get())
 
 
 def stats(spans: Sequence[Span]) -> dict[str, float]:

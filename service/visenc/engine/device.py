@@ -95,8 +95,7 @@ class DeviceLoop:
         """Take batches and forward them until retired (``None``) or a batch fails (its ``Failure``)."""
         worked_at: float | None = None
         while generation == self._generation:
-            while len(self._launched) > LAUNCHED_AHEAD:  # the device has the next forward queued meanwhile
-                self._launched.popleft().synchronize()
+            self._wait_launched()
             batch = self.ready.take(self.max_wait_s, TAKE_TIMEOUT_S)
             if not batch:
                 if worked_at is not None and time.monotonic() - worked_at >= self.heap_idle_s:
@@ -118,6 +117,16 @@ class DeviceLoop:
                 self._post(self.ready.dispatch)  # the batch's inputs are freed: preprocess more
             worked_at = time.monotonic()
         return None
+
+    def _wait_launched(self) -> None:
+        """Wait until at most ``LAUNCHED_AHEAD`` forwards are unfinished (the device has the next one
+        queued meanwhile); a wait that never ends is a stall, as a forward's is."""
+        if len(self._launched) <= LAUNCHED_AHEAD:
+            return
+        self.busy_since = time.monotonic()
+        while len(self._launched) > LAUNCHED_AHEAD:
+            self._launched.popleft().synchronize()
+        self.busy_since = None
 
     def _run_batch(self, batch: list[Job]) -> None:
         """Forward ``batch`` in the tower's groups (each split on out-of-memory), each group's rows

@@ -108,6 +108,15 @@ class DeviceWorker:
         log.log(logging.INFO if eager_by_choice else logging.WARNING, "%s", status.sentence())
 
     @property
+    def heap_idle_s(self) -> float:
+        """Idle seconds after which the forwards' freed memory goes back to the system."""
+        return self.device.heap_idle_s
+
+    @heap_idle_s.setter
+    def heap_idle_s(self, seconds: float) -> None:
+        self.device.heap_idle_s = seconds
+
+    @property
     def busy_since(self) -> float | None:
         """Monotonic start of the batch in progress (``None`` between batches)."""
         return self.device.busy_since

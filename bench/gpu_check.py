@@ -71,7 +71,7 @@ def commands(smoke: bool) -> list[tuple[str, int, list[str]]]:
         ]
     return [
         ("bench_gpu", 170, [py, "bench/bench_gpu.py", "--rounds", "3", "--profile", "--json"]),
-        ("bench_gpu_service", 200, [py, "bench/bench_gpu_service.py", *"--images 48 --rounds 2 --json".split()]),
+        ("bench_gpu_service", 220, [py, "bench/bench_gpu_service.py", *"--images 128 --rounds 2 --json".split()]),
         (
             "bench_staging",
             160,

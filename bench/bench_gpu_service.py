@@ -1,19 +1,19 @@
-"""``visenc serve`` on a GPU with a Qwen2.5-VL-7B-sized checkpoint: cold images/s of 16 clients
-sending distinct screenshots, against the bare compiled forward of the same images on the same
-device, and the clients' latency percentiles.
+"""``visenc serve`` on a GPU with a Qwen2.5-VL-7B-sized checkpoint under prefill-like clients, against the
+bare compiled forward of the same images on the same device: cold and hits, 16 and 64 clients.
 
 The checkpoint (seeded random bf16 weights, Qwen2.5-VL-7B's vision config, ``bench_gpu.py``) is
 written once to ``--checkpoint``. Screenshots are JPEGs from 720p to 1440p, all distinct. Each
 round: the bare loop (the same images preprocessed beforehand, then forwarded in batches of up to
-``max_batch_tokens`` patches, as the service's scheduler forms them, through a compiled and warmed
-tower in this process), then the service under 16 clients (each one image per ``/v1/encode`` with
-``wait``, in a fresh namespace: every image cold). The service runs with its defaults (compiled,
-warmed before it is ready).
+``max_batch_tokens`` patches, in order, through a compiled and warmed tower in this process, the server
+paused), then for each client count a cold pass and a hits pass. A client does what a prefill worker
+does: ``AsyncClient.encode(wait=True)`` of one image (hash first), then ``fetch`` of its rows over HTTP;
+the cold pass runs in a fresh namespace (every image cold), the hits pass sends the same images again.
+The service runs with its defaults (compiled, warmed before it is ready).
 
 Prints "no CUDA device" and exits 0 where there is none, unless ``--device cpu`` (with ``--tower
 tiny``: a smoke run of this script's own code).
 
-    python bench/bench_gpu_service.py [--images 96] [--rounds 3] [--clients 16]
+    python bench/bench_gpu_service.py [--images 96] [--rounds 3] [--clients 16 64]
 """
 
 from __future__ import annotations
@@ -58,53 +58,69 @@ def bare_rate(tower: Any, prepared: list[Any], max_batch_tokens: int) -> float:
     return len(prepared) / (time.perf_counter() - t0)
 
 
-async def service_round(url: str, images: list[bytes], clients: int, namespace: str) -> tuple[float, list[float]]:
-    """(images/s, each request's seconds) of ``clients`` concurrent single-image cold encodes."""
-    send = c.visenc_sender(url, namespace, inline=False)
+async def prefill_round(url: str, images: list[bytes], clients: int, namespace: str) -> tuple[float, list[float]]:
+    """(images/s, each image's seconds) of ``clients`` prefill-like workers: encode with wait, then fetch
+    the rows over HTTP, one image at a time each."""
+    from visenc_client import AsyncClient
+
+    todo = list(reversed(images))
     latencies: list[float] = []
 
-    async def timed(client: Any, data: bytes) -> None:
-        t0 = time.perf_counter()
-        await send(client, data)
-        latencies.append(time.perf_counter() - t0)
+    async def worker() -> None:
+        async with AsyncClient(url, namespace=namespace, timeout=300) as vc:
+            while todo:
+                data, t0 = todo.pop(), time.perf_counter()
+                (handle,) = await vc.encode([data], wait=True)
+                await vc.fetch(handle, 0, handle.num_tokens)
+                latencies.append(time.perf_counter() - t0)
 
-    rate = await c.clients_rate(images, timed, clients)
-    return rate, latencies
+    t0 = time.perf_counter()
+    await asyncio.gather(*(worker() for _ in range(clients)))
+    return len(images) / (time.perf_counter() - t0), latencies
 
 
-def measure(
-    proc: Any,
-    port: int,
-    tower: Any,
-    prepared: list[Any],
-    images: list[bytes],
-    args: Any,
-    bare: list[float],
-    served: list[float],
-    latencies: list[float],
-) -> Any:
-    """Rounds of the served rate, each beside the bare forward with the server paused; the served
-    tower's compile status."""
+def measure(proc: Any, port: int, tower: Any, prepared: list[Any], images: list[bytes], args: Any) -> dict[str, Any]:
+    """Rounds of the bare forward (the server paused), then each client count's cold and hits passes."""
     url = f"http://127.0.0.1:{port}"
     with urllib.request.urlopen(f"{url}/readyz", timeout=10) as r:
         served_compile = json.loads(r.read())["compile"]
-    print(f"served tower: {served_compile}")  # eager here would make the ratio below meaningless
-    asyncio.run(service_round(url, images[: args.clients], args.clients, "warm"))
+    print(f"served tower: {served_compile}", flush=True)  # eager here would make the ratios below meaningless
+    asyncio.run(prefill_round(url, images[: max(args.clients)], max(args.clients), "warm"))
+    bare: list[float] = []
+    runs: dict[str, dict[str, list[float]]] = {
+        f"{n} clients": {"cold": [], "hits": [], "lat": []} for n in args.clients
+    }
     for r in range(args.rounds):
         c.pause(proc)
         bare.append(bare_rate(tower, prepared, args.max_batch_tokens))
         c.resume(proc)
-        rate, lat = asyncio.run(service_round(url, images, args.clients, f"round{r}"))
-        served.append(rate)
-        latencies += lat
-    return served_compile
+        for n in args.clients:
+            run = runs[f"{n} clients"]
+            cold, latencies = asyncio.run(prefill_round(url, images, n, f"round{r}-{n}"))
+            hits, _ = asyncio.run(prefill_round(url, images, n, f"round{r}-{n}"))  # the same images again
+            run["cold"].append(cold)
+            run["hits"].append(hits)
+            run["lat"] += latencies
+            print(f"round {r}: bare {bare[-1]:.2f} img/s; {n} clients cold {cold:.2f}, hits {hits:.2f}", flush=True)
+    passes = {}
+    for label, run in runs.items():
+        lat = sorted(run["lat"])
+        passes[label] = {
+            "cold_img_s": statistics.median(run["cold"]),
+            "hits_img_s": statistics.median(run["hits"]),
+            "ratio": statistics.median(cold / b for cold, b in zip(run["cold"], bare)),
+            "hits_over_cold": statistics.median(h / cold for h, cold in zip(run["hits"], run["cold"])),
+            "p50_s": lat[len(lat) // 2],
+            "p95_s": lat[int(0.95 * (len(lat) - 1))],
+        }
+    return {"bare_img_s": bare, "passes": passes, "served_compile": served_compile}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=96)
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--clients", type=int, default=16)
+    p.add_argument("--clients", type=int, nargs="+", default=[16, 64])
     p.add_argument("--checkpoint", type=Path, default=Path("/tmp/visenc-bench-qwen2.5-vl-7b-vision"))
     p.add_argument("--device", default="cuda")
     p.add_argument("--tower", choices=["7b", "tiny"], default="7b")
@@ -134,29 +150,27 @@ def main() -> int:
     bare_rate(tower, prepared, args.max_batch_tokens)  # every batch shape once
     port = c.free_port()
     flags = ["--device", args.device, "--dtype", dtype, "--compile", "on"]
-    bare: list[float] = []
-    served: list[float] = []
-    latencies: list[float] = []
     log = path.with_name(f"{path.name}-serve.log")  # the server's own output, printed if it never answers
     try:
         with c.server(
             c.visenc_cmd(str(path), port, *flags), f"http://127.0.0.1:{port}/readyz", c.service_env(), log
         ) as proc:
-            served_compile = measure(proc, port, tower, prepared, images, args, bare, served, latencies)
+            found = measure(proc, port, tower, prepared, images, args)
     except RuntimeError:
         print("".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:]), file=sys.stderr)
         raise
-    ratios = [s / b for s, b in zip(served, bare)]
-    latencies.sort()
-    p50, p95 = (latencies[int(q * (len(latencies) - 1))] for q in (0.5, 0.95))
     name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"{name}, {args.images} distinct screenshots 720p-1440p, {args.clients} clients, {args.rounds} rounds")
-    print(f"  bare compiled forward: {statistics.median(bare):.2f} img/s")
-    print(f"  visenc serve, cold:    {statistics.median(served):.2f} img/s  (p50 {p50:.3f} s, p95 {p95:.3f} s)")
-    print(f"  service / bare forward: {c.spread(ratios)}")
+    print(f"{name}, {args.images} distinct screenshots 720p-1440p, {args.rounds} rounds, prefill-like clients")
+    print(f"  bare compiled forward: {statistics.median(found['bare_img_s']):.2f} img/s")
+    for label, f in found["passes"].items():
+        print(
+            f"  {label}: cold {f['cold_img_s']:.2f} img/s (p50 {f['p50_s']:.3f} s, p95 {f['p95_s']:.3f} s), "
+            f"service / bare forward {f['ratio']:.3f}; hits {f['hits_img_s']:.2f} img/s, "
+            f"{f['hits_over_cold']:.1f}x cold"
+        )
     if args.json:
-        report = {"bare_img_s": bare, "served_img_s": served, "ratio": statistics.median(ratios), "p50_s": p50}
-        print(json.dumps({**report, "p95_s": p95, "device": name, "served_compile": served_compile}))
+        first = found["passes"][f"{args.clients[0]} clients"]
+        print(json.dumps({**found, "ratio": first["ratio"], "device": name}))
     return 0
 
 

@@ -18,14 +18,14 @@ from tests.support.waits import metric, until, wait_until
 @contextlib.contextmanager
 def held_device(encoder, monkeypatch):
     """The device takes no batch until the returned event is set (images queue up, already admitted)."""
-    gate = asyncio.Event()
-    real = encoder.scheduler.next_batch
+    gate = threading.Event()
+    real = encoder.scheduler.take
 
-    async def held(*a, **kw):
-        await gate.wait()
-        return await real(*a, **kw)
+    def held(*a, **kw):  # on the device thread, which takes its batches itself
+        gate.wait()
+        return real(*a, **kw)
 
-    monkeypatch.setattr(encoder.scheduler, "next_batch", held)
+    monkeypatch.setattr(encoder.scheduler, "take", held)
     try:
         yield gate
     finally:

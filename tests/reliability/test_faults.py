@@ -232,16 +232,16 @@ async def test_a_crash_of_the_worker_loop_itself_fails_its_batch_and_restarts(ti
     at once, the worker restarts, and the next request is served."""
     async with running_app(tiny_tower) as client:
         engine = client.app.state.engine
-        real = engine.worker._run_batch
+        real = engine.worker.device._run_batch
         calls = {"n": 0}
 
-        async def crashing(batch):
+        def crashing(batch):  # on the device thread
             calls["n"] += 1
             if calls["n"] == 1:
                 raise KeyError("a bug in the loop")
-            await real(batch)
+            real(batch)
 
-        monkeypatch.setattr(engine.worker, "_run_batch", crashing)
+        monkeypatch.setattr(engine.worker.device, "_run_batch", crashing)
         t0 = time.monotonic()
         r = await encode_json(client, [{"data": png_bytes(770, 28, 28)}])
         assert r.status_code == 503 and "KeyError" in r.json()["error"]["message"]

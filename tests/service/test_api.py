@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
+import threading
 
 import msgpack
 import numpy as np
@@ -179,14 +180,14 @@ async def test_cancelled_waiters_drop_queued_work(tiny_tower, monkeypatch):
     """A waiting request that goes away leaves no job, future or in-flight entry behind."""
     async with running_app(tiny_tower) as client:
         encoder = client.app.state.engine  # type: ignore[attr-defined]
-        gate = asyncio.Event()
-        real = encoder.scheduler.next_batch
+        gate = threading.Event()
+        real = encoder.scheduler.take
 
-        async def held(*a, **kw):
-            await gate.wait()
-            return await real(*a, **kw)
+        def held(*a, **kw):  # on the device thread, which takes its batches itself
+            gate.wait()
+            return real(*a, **kw)
 
-        monkeypatch.setattr(encoder.scheduler, "next_batch", held)
+        monkeypatch.setattr(encoder.scheduler, "take", held)
         tasks = [asyncio.create_task(encode_json(client, [{"data": png_bytes(40 + i, 64, 64)}])) for i in range(4)]
         await until(lambda: len(encoder.intake.inflight) == 4, what="4 images admitted")
         assert len(encoder.intake.inflight) == 4

@@ -33,6 +33,7 @@ ENGINE_RANKS = {
     # the stages, in the order data flows; the in-flight map and the fetch path beside the worker
     "outputs": 5,
     "scheduler": 6,
+    "device": 6,
     "worker": 7,
     "inflight": 7,
     "fetch": 8,

@@ -8,6 +8,7 @@ The only stage that finishes a job. Its one task stores an entry in L1 before it
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -34,7 +35,8 @@ class Forwarded:
 
     batch: list[Job]
     outputs: list[torch.Tensor]
-    #: CUDA event recorded on the worker's stream behind the forward (``None`` on CPU)
+    #: event recorded behind the forward: CUDA's on the worker's stream, or the tower's own
+    #: (``VisionTower.record_event``; ``None`` where the forward's outputs are ready when it returns)
     event: Any = None
 
 
@@ -75,19 +77,22 @@ class Outputs:
         self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
         self._queue: asyncio.Queue[_Done | _Failed] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
-        self._copies: set[asyncio.Future[Any]] = set()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: copies in progress (added on the device thread, discarded on the output thread)
+        self._copies: set[concurrent.futures.Future[list[Entry]]] = set()
         self._writes: set[asyncio.Task[None]] = set()
         #: called on the loop with (batch, seconds) after each batch's outputs are materialised
         self.on_materialised: Callable[[list[Job], float], None] | None = None
 
     # --- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
+        self._loop = asyncio.get_running_loop()
         self._task = spawn(self._run(), "outputs", self.metrics)
 
     async def stop(self, timeout_s: float) -> None:
         """Finish the copies in progress (up to ``timeout_s``), answer everything queued, stop."""
-        if self._copies:
-            await asyncio.wait(self._copies, timeout=timeout_s)
+        if copies := list(self._copies):
+            await asyncio.to_thread(concurrent.futures.wait, copies, timeout_s)
         await self._drain()
         await stop_task(self._task)
         if self._writes:
@@ -99,31 +104,38 @@ class Outputs:
         """Write-throughs (and the unclaims after them) still in progress."""
         return len(self._writes)
 
-    # --- what the other stages hand in (event loop thread) ---------------------------
+    # --- what the other stages hand in --------------------------------------------
     def submit(self, forwarded: Forwarded) -> None:
-        """A forward finished: copy and pack its outputs on the output thread, then answer."""
-        loop = asyncio.get_running_loop()
-        t0 = time.perf_counter()
-        copy = loop.run_in_executor(self._thread, self._materialise, forwarded)
+        """A forward was launched (any thread: the device thread hands it in itself): copy and pack its
+        outputs on the output thread, then answer on the loop."""
+        assert self._loop is not None, "outputs are submitted after start"
+        loop, t0 = self._loop, time.perf_counter()
+        copy = self._thread.submit(self._materialise, forwarded)
         self._copies.add(copy)
 
-        def landed(fut: asyncio.Future[list[Entry]]) -> None:
+        def copied(fut: concurrent.futures.Future[list[Entry]]) -> None:
             self._copies.discard(fut)
-            if fut.cancelled():
-                self.fail(forwarded.batch, EncodeFailed("encoding was cancelled"))
-                return
-            error = fut.exception()
-            if error is not None:
-                log.error("copying out a forward of %d images failed", len(forwarded.batch), exc_info=error)
-                self.metrics.encode_failures.labels("output").inc(len(forwarded.batch))
-                self.fail(forwarded.batch, EncodeFailed(f"encoding failed: {type(error).__name__}"))
-                return
-            if self.on_materialised is not None:
-                self.on_materialised(forwarded.batch, time.perf_counter() - t0)
-            self.metrics.output_seconds.observe(time.perf_counter() - t0)
-            self._queue.put_nowait(_Done(forwarded.batch, fut.result()))
+            try:
+                loop.call_soon_threadsafe(self._landed, forwarded, fut, t0)
+            except RuntimeError:  # the event loop is closed: nobody is left to answer
+                pass
 
-        copy.add_done_callback(landed)
+        copy.add_done_callback(copied)
+
+    def _landed(self, forwarded: Forwarded, fut: concurrent.futures.Future[list[Entry]], t0: float) -> None:
+        if fut.cancelled():
+            self.fail(forwarded.batch, EncodeFailed("encoding was cancelled"))
+            return
+        error = fut.exception()
+        if error is not None:
+            log.error("copying out a forward of %d images failed", len(forwarded.batch), exc_info=error)
+            self.metrics.encode_failures.labels("output").inc(len(forwarded.batch))
+            self.fail(forwarded.batch, EncodeFailed(f"encoding failed: {type(error).__name__}"))
+            return
+        if self.on_materialised is not None:
+            self.on_materialised(forwarded.batch, time.perf_counter() - t0)
+        self.metrics.output_seconds.observe(time.perf_counter() - t0)
+        self._queue.put_nowait(_Done(forwarded.batch, fut.result()))
 
     def fail(self, jobs: Sequence[Job], error: BaseException) -> None:
         """Fail ``jobs`` (any stage, any reason): marked failed now, answered by the output task."""
@@ -166,6 +178,8 @@ class Outputs:
 
     def _to_host(self, outputs: list[torch.Tensor], event: Any) -> list[torch.Tensor]:
         if self._stream is None:
+            if event is not None:  # a tower whose forward returns before its outputs are made
+                event.synchronize()
             return [o.contiguous() for o in outputs]
         with torch.cuda.stream(self._stream):
             if event is not None:

@@ -5,14 +5,16 @@ by ``prefetch_tokens`` of staged input (``staging.py``): that gate is the backpr
 line is its own, closed by the job's own transitions; the scheduler only reads the total, and dispatches
 again (``dispatch``) wherever a job may have given staging back. A batch is the head job and the ready
 jobs behind it of its bucket (any bucket, for a packable tower) up to the batch limits, stopping at the
-first that does not fit, so a request's images run in prompt order. The policy, and why:
-``docs/internals.md``.
+first that does not fit, so a request's images run in prompt order. The ready jobs are the one thing the
+device thread touches: it takes its batches itself (``take``), under the ready lock, never waiting on the
+event loop. The policy, and why: ``docs/internals.md``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -64,12 +66,15 @@ class Scheduler:
         self.max_batch_bytes = max_batch_bytes
         self._batch_bytes = batch_bytes
         self._waiting: list[Job] = []
+        #: preprocessed, not yet taken; written only under ``_lock`` (the device thread takes from it)
         self._ready: list[Job] = []
+        self._lock = threading.Condition()
         #: each preparation's task and its job (a finished task leaves a loop turn later)
         self._preparing: dict[asyncio.Task[None], Job] = {}
+        #: preparations started and not ended (read by the device thread: a plain count)
+        self._preparations = 0
         #: tower-input tokens preprocessed or being preprocessed, not yet forwarded (``staging.py``)
         self.staging = Staging()
-        self._changed = asyncio.Event()
         #: why nothing more is encoded here, once ``cancel_all`` was called (``None`` until then)
         self._closed: BaseException | None = None
 
@@ -142,7 +147,6 @@ class Scheduler:
         if job in self._waiting and self._fits(job, self.prefetch_tokens + self.max_batch_tokens):
             self._waiting.remove(job)
             self._start(job)
-        self._changed.set()
 
     def _fits(self, job: Job, bound: int) -> bool:
         """Whether staging ``job`` keeps the staged tokens within ``bound``. A job also fits when
@@ -160,10 +164,17 @@ class Scheduler:
         if job in self._waiting:
             self._waiting.remove(job)
             self._drop_if_unwanted(job)
-        elif job in self._ready:
-            self._ready.remove(job)
+        elif self._unready(job):
             self._drop_if_unwanted(job)
             self.dispatch()
+
+    def _unready(self, job: Job) -> bool:
+        """Take ``job`` out of the ready jobs if the device has not taken it; whether it was there."""
+        with self._lock:
+            if job not in self._ready:
+                return False
+            self._ready.remove(job)
+            return True
 
     def _drop_if_unwanted(self, job: Job) -> bool:
         """Fail ``job`` if nobody wants it (its staging line closes with it); whether it did."""
@@ -189,7 +200,12 @@ class Scheduler:
         job.start_preparing(self.staging)
         task = spawn(self._prepare(job), "prepare", self._metrics)
         self._preparing[task] = job
-        task.add_done_callback(self._preparing.pop)
+        self._preparations += 1
+        task.add_done_callback(self._prepared)
+
+    def _prepared(self, task: asyncio.Task[None]) -> None:
+        self._preparing.pop(task)
+        self._preparations -= 1
 
     async def _prepare(self, job: Job) -> None:
         """Claim ``job``'s encode, then preprocess it here or hand it to the replica that has it; whatever
@@ -220,21 +236,48 @@ class Scheduler:
         if self._drop_if_unwanted(job):  # every waiter left while it was preprocessed
             return
         job.prepared(tower_input)  # the decoded image is gone, its input stays staged
-        self._ready.append(job)
-        self._changed.set()
+        with self._lock:
+            self._ready.append(job)
+            self._lock.notify()
 
     # --- batches -----------------------------------------------------------------
     def take_batch(self) -> list[Job]:
-        """The next batch by priority and bucket (empty if nothing is ready)."""
-        self._ready = kept = [job for job in self._ready if not self._drop_if_unwanted(job)]
-        if not kept:
-            self.dispatch()
+        """On the event loop: the next batch (empty if nothing is ready); unwanted ready jobs are dropped."""
+        with self._lock:
+            unwanted = [job for job in self._ready if job.interest <= 0]
+            self._ready = [job for job in self._ready if job.interest > 0]
+            batch = self._form_batch()
+        for job in unwanted:
+            self._drop_if_unwanted(job)
+        self.dispatch()  # with nothing left ahead of the device, its next input starts now
+        return batch
+
+    def take(self, max_wait_s: float, timeout_s: float) -> list[Job]:
+        """On the device thread: wait up to ``timeout_s`` for ready work and take the next batch (empty if
+        none came); then ``dispatch`` must run on the loop. If the device was idle, the batch gets up to
+        ``max_wait_s`` to fill while preparations are in flight; work that piled up during the previous
+        forward is taken at once: a busy device never waits for stragglers, nor for the event loop."""
+        with self._lock:
+            idle = not self._wanted()
+            if idle and not self._lock.wait_for(self._wanted, timeout_s):
+                return []
+            if idle and max_wait_s > 0 and self._preparations:
+                self._lock.wait_for(lambda: len(self._ready) >= self.max_batch_images, max_wait_s)
+            return self._form_batch()
+
+    def _wanted(self) -> bool:
+        return any(job.interest > 0 for job in self._ready)
+
+    def _form_batch(self) -> list[Job]:
+        """The next batch by priority and bucket, taken out of the ready jobs (under ``_lock``). A job
+        nobody wants is left for the loop to drop (``drop``, ``take_batch``)."""
+        ready = sorted((job for job in self._ready if job.interest > 0), key=lambda j: j.priority)
+        if not ready:
             return []
-        self._ready.sort(key=lambda j: j.priority)
-        head = self._ready[0]
+        head = ready[0]
         batch, tokens = [head], head.cost
         layouts = [head.shape]
-        for job in self._ready[1:]:
+        for job in ready[1:]:
             if len(batch) >= self.max_batch_images or (head.urgent and not job.urgent):
                 break  # sorted by priority: the urgent jobs come first
             if not self.packable and job.shape.bucket != head.shape.bucket:
@@ -252,24 +295,7 @@ class Scheduler:
         self._ready = [j for j in self._ready if id(j) not in taken]
         for job in batch:
             job.run()
-        self.dispatch()  # with nothing left ahead of the device, its next input starts now
         return batch
-
-    async def next_batch(self, max_wait_s: float, timeout_s: float | None = None) -> list[Job]:
-        """Wait for ready work; if the device was idle, give a batch ``max_wait_s`` to fill.
-
-        When work was already ready (it piled up during the previous forward) the
-        batch is taken at once: a busy device never waits for stragglers."""
-        idle = not self._ready
-        while not self._ready:
-            self._changed.clear()
-            try:
-                await asyncio.wait_for(self._changed.wait(), timeout_s)
-            except asyncio.TimeoutError:
-                return []
-        if idle and max_wait_s > 0 and len(self._ready) < self.max_batch_images and self._preparing:
-            await asyncio.sleep(max_wait_s)
-        return self.take_batch()
 
     def cancel_all(self, error: BaseException) -> None:
         """Fail every job not yet on the device (shutdown, or a device that cannot be restarted) with
@@ -277,8 +303,9 @@ class Scheduler:
         task has not run yet never reaches its own failure path). Nothing is encoded here afterwards."""
         self._closed = error
         preparing = [job for task, job in self._preparing.items() if not task.done()]
-        self._outputs.fail([*self._waiting, *preparing, *self._ready], error)
+        with self._lock:
+            ready, self._ready = self._ready, []
+        self._outputs.fail([*self._waiting, *preparing, *ready], error)
         self._waiting.clear()
-        self._ready.clear()
         for task in list(self._preparing):
             task.cancel()

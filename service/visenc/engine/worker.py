@@ -1,4 +1,5 @@
-"""The device worker: one loop per device, the forward alone on one daemon thread, the event loop never blocked.
+"""The device worker: one loop per device on one daemon thread, which feeds itself (``device.py``); the event
+loop hands work in, takes results out, and watches for stalls, and is never blocked.
 
 While batch N runs, the pool preprocesses batch N+1 and the outputs stage copies out batch N-1. A compiled
 tower is warmed up before readiness, within a time limit of its own (past it, the tower serves eagerly);
@@ -14,22 +15,20 @@ import contextlib
 import enum
 import logging
 import time
-from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable
 from typing import Any
 
-import torch
 from PIL import Image
 
-from visenc import heap
-from visenc.engine.job import Job, JobState
-from visenc.engine.outputs import Forwarded, Outputs
+from visenc.engine.device import DeviceLoop, Failure
+from visenc.engine.job import Job
+from visenc.engine.outputs import Outputs
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.threads import DaemonThread
-from visenc.errors import NotReady, OutOfMemory
+from visenc.errors import NotReady
 from visenc.metrics import Metrics
 from visenc.models import compiled
-from visenc.models.base import Prepared, VisionTower
+from visenc.models.base import VisionTower
 from visenc.tasks import spawn
 
 log = logging.getLogger(__name__)
@@ -69,20 +68,17 @@ class DeviceWorker:
         self.max_wait_s = max_wait_s
         self.stall_timeout_s = stall_timeout_s
         self.restart_attempts = restart_attempts
-        self.heap_idle_s = heap_idle_s
         #: the warm-up's time limit (``None``: scaled to the tower, ``compiled.warm_up_limit_s``)
         self.warm_up_timeout_s = warm_up_timeout_s
-        #: monotonic end of the last batch; ``None`` once the heap was given back after it
-        self._worked_at: float | None = None
-        self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
+        #: what runs on the device thread: it takes its batches itself
+        self.device = DeviceLoop(tower, scheduler, outputs, metrics=metrics, max_wait_s=max_wait_s)
+        self.device.heap_idle_s = heap_idle_s
         self._thread = _device_thread()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.state = WorkerState.HEALTHY
         #: why the worker is not healthy (``None`` while it is)
         self.reason: str | None = None
-        #: monotonic start of the forward in progress (``None`` between forwards)
-        self.busy_since: float | None = None
         #: called once, on the event loop, when the device cannot be restarted
         self.on_fatal: Callable[[str], None] | None = None
 
@@ -112,12 +108,27 @@ class DeviceWorker:
         log.log(logging.INFO if eager_by_choice else logging.WARNING, "%s", status.sentence())
 
     @property
+    def heap_idle_s(self) -> float:
+        """Idle seconds after which the forwards' freed memory goes back to the system."""
+        return self.device.heap_idle_s
+
+    @heap_idle_s.setter
+    def heap_idle_s(self, seconds: float) -> None:
+        self.device.heap_idle_s = seconds
+
+    @property
+    def busy_since(self) -> float | None:
+        """Monotonic start of the batch in progress (``None`` between batches)."""
+        return self.device.busy_since
+
+    @property
     def healthy(self) -> bool:
         return self.state is WorkerState.HEALTHY and self._task is not None and not self._task.done()
 
     async def stop(self, timeout_s: float) -> None:
         """Let the forward in progress finish (up to ``timeout_s``), then stop; never hangs."""
         self._stopping = True
+        self.device.retire()
         deadline = time.monotonic() + timeout_s
         if self._task is not None and not self._task.done():
             await asyncio.wait({self._task}, timeout=timeout_s)
@@ -169,7 +180,7 @@ class DeviceWorker:
         await self._failed([], status.detail)
 
     def _warm_forwards(self) -> None:
-        with self._on_stream():
+        with self.device.on_stream():
             self.tower.warm_up()
 
     async def _device_call(self, fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
@@ -188,95 +199,49 @@ class DeviceWorker:
         if self.state is WorkerState.WARMING:
             await self._warm_up()
         while not self._stopping and self.state is not WorkerState.DEAD:
-            batch: list[Job] = []
-            try:
-                batch = await self.scheduler.next_batch(self.max_wait_s, timeout_s=0.25)
-                if batch:
-                    await self._run_batch(batch)
-                    self._worked_at = time.monotonic()
-                elif self._worked_at is not None and time.monotonic() - self._worked_at >= self.heap_idle_s:
-                    self._worked_at = None  # idle: the forwards' freed memory goes back to the system
-                    await asyncio.get_running_loop().run_in_executor(self._thread, heap.give_back)
-            except asyncio.CancelledError:
-                self.outputs.fail(batch, NotReady("the service is shutting down"))
-                raise
-            except Exception as e:  # a bug in the loop itself: same as a failed forward
-                log.exception("device worker loop failed")
-                await self._failed(batch, f"the device worker failed: {type(e).__name__}")
+            failure = await self._feed()
+            if failure is not None:
+                await self._failed(failure.batch, failure.reason)
                 self.scheduler.dispatch()  # the failed batch's inputs are freed
 
-    async def _run_batch(self, batch: list[Job]) -> None:
-        """Forward ``batch`` in the tower's groups (each split on out-of-memory) and hand each finished
-        piece to the outputs as soon as it is done."""
-        self.busy_since = time.monotonic()
-        for job in batch:
-            self.metrics.queue_wait_seconds.observe(self.busy_since - job.admitted_at)
+    async def _feed(self) -> Failure | None:
+        """The device thread feeds itself until stopped or a batch fails; meanwhile the loop watches
+        that no forward runs past ``stall_timeout_s`` (past it, the thread is abandoned)."""
+        loop = asyncio.get_running_loop()
+        run = loop.run_in_executor(self._thread, self.device.run, self.device.bind(loop))
+        watch_s = min(0.25, self.stall_timeout_s / 4)
         try:
-            for group in self.tower.forward_groups([j.input for j in batch]):
-                await self._forward_fitting([batch[i] for i in group])  # each group's rows go on at once
-        except _Stalled:
-            self.metrics.worker_stalls.inc()
-            self.metrics.encode_failures.labels("stall").inc(sum(not j.finished for j in batch))
-            reason = f"the device worker stalled: a forward ran longer than stall_timeout_s={self.stall_timeout_s}"
-            await self._failed(_not_forwarded(batch), reason)
-        except Exception as error:
-            log.error("forward of %d images failed", len(batch), exc_info=error)
-            self.metrics.encode_failures.labels("forward").inc(len(_not_forwarded(batch)))
-            await self._failed(_not_forwarded(batch), f"the device worker failed: {type(error).__name__}")
-        finally:
-            self.busy_since = None
-            self.scheduler.dispatch()  # the batch's inputs are freed, forwarded or failed: preprocess more
+            while True:
+                done, _ = await asyncio.wait({run}, timeout=watch_s)
+                if done:
+                    failure = run.result() if run.exception() is None else self._loop_failed(run.exception())
+                    if failure is not None:
+                        self.metrics.encode_failures.labels("forward").inc(len(failure.batch))
+                    return failure
+                since = self.device.busy_since
+                if since is not None and time.monotonic() - since > self.stall_timeout_s:
+                    return self._stalled(run)
+        except asyncio.CancelledError:
+            self.device.retire()
+            self.outputs.fail(self.device.not_forwarded(), NotReady("the service is shutting down"))
+            raise
 
-    async def _forward_fitting(self, jobs: list[Job]) -> None:
-        """One forward of ``jobs``; if it runs out of memory, the halves in turn, down to one image.
-        An image that does not fit even alone fails with ``OutOfMemory`` (a per-item error)."""
-        started = time.monotonic()
-        try:
-            outputs, event = await self._call([j.input for j in jobs])
-        except Exception as error:
-            if not is_out_of_memory(error):
-                raise
-            self.metrics.oom_splits.inc()
-            if self.tower.device.type == "cuda":
-                torch.cuda.empty_cache()
-            if len(jobs) == 1:
-                log.warning("image %s does not fit in device memory alone: %r", jobs[0].image_hash, error)
-                self.outputs.fail(
-                    jobs, OutOfMemory(f"the image does not fit in the device's memory alone ({type(error).__name__})")
-                )
-                self.scheduler.dispatch()
-                return
-            log.info("forward of %d images ran out of memory; splitting it in two", len(jobs))
-            half = len(jobs) // 2
-            await self._forward_fitting(jobs[:half])
-            await self._forward_fitting(jobs[half:])
-            return
-        elapsed = time.monotonic() - started
-        self.metrics.forward_seconds.observe(elapsed)
-        self.metrics.forwards.inc()
-        self.metrics.batch_images.observe(len(jobs))
-        self.metrics.batch_tokens.observe(sum(j.cost for j in jobs))
-        for job in jobs:
-            job.forwarded(started, elapsed)  # its staged input is given back now, not at the batch's end
-        self.outputs.submit(Forwarded(jobs, outputs, event))
-        self.scheduler.dispatch()  # the images behind it are preprocessed as the device works through the batch
+    def _loop_failed(self, error: BaseException | None) -> Failure:
+        """A bug in the device loop itself: the same as a failed forward."""
+        log.error("device worker loop failed", exc_info=error)
+        return Failure(self.device.not_forwarded(), f"the device worker failed: {type(error).__name__}", error)
 
-    async def _call(self, prepared: list[Prepared]) -> tuple[list[torch.Tensor], Any]:
-        """The forward on the device thread (``_device_call``)."""
-        return await self._device_call(lambda: self._forward(prepared))  # type: ignore[no-any-return]
-
-    def _on_stream(self) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
-
-    def _forward(self, prepared: Sequence[Prepared]) -> tuple[list[torch.Tensor], Any]:
-        """Device thread: the forward alone, and an event behind it on CUDA."""
-        with self._on_stream():
-            outputs = self.tower.forward(prepared)
-            event = None
-            if self._stream is not None:
-                event = torch.cuda.Event()
-                event.record(self._stream)
-        return outputs, event
+    def _stalled(self, run: asyncio.Future[Any]) -> Failure:
+        """A forward ran past ``stall_timeout_s``: its thread is abandoned, a fresh one takes its place."""
+        self.device.retire()
+        run.add_done_callback(_drop_result)  # the late result of a stalled call is not used
+        self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the call
+        self._thread = _device_thread()
+        batch = self.device.not_forwarded()
+        self.metrics.worker_stalls.inc()
+        self.metrics.encode_failures.labels("stall").inc(len(batch))
+        reason = f"the device worker stalled: a forward ran longer than stall_timeout_s={self.stall_timeout_s}"
+        return Failure(batch, reason)
 
     # --- failure and restart ----------------------------------------------------------
     async def _failed(self, batch: list[Job], reason: str) -> None:
@@ -314,27 +279,15 @@ class DeviceWorker:
 
     def _probe_forward(self, image: Image.Image) -> None:
         prepared = self.tower.preprocess(image)
-        (out,), event = self._forward([prepared])
+        (out,), event = self.device.forward([prepared])
         if event is not None:
             event.synchronize()
         if out.shape[0] != prepared.layout.num_tokens:
             raise RuntimeError(f"probe produced {out.shape[0]} rows, expected {prepared.layout.num_tokens}")
 
 
-def _not_forwarded(batch: list[Job]) -> list[Job]:
-    return [j for j in batch if j.state is JobState.RUNNING]
-
-
 class _Stalled(Exception):
     """A device call ran past its time limit (``stall_timeout_s``; the warm-up has its own)."""
-
-
-def is_out_of_memory(error: BaseException) -> bool:
-    """A device or host allocation failure (CUDA OOM, a CPU allocator refusal, ``MemoryError``)."""
-    if isinstance(error, torch.OutOfMemoryError | MemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
 
 
 def _drop_result(fut: asyncio.Future[Any]) -> None:

@@ -140,6 +140,12 @@ class VisionTower(ABC):
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
 
+    def record_event(self) -> Any:
+        """Off CUDA: an event behind the forward just launched, whose ``synchronize()`` waits until its
+        outputs are made, or ``None`` where ``forward`` returns them made (every CPU tower; on CUDA the
+        worker records CUDA's own event)."""
+        return None
+
     def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
         """The device calls ``forward`` would cut ``batch`` into anyway, as index lists in order
         (default: one). The device worker makes them one by one and hands each one's rows on at

@@ -21,7 +21,7 @@ from transformers import AutoConfig, CLIPVisionModelWithProjection, SiglipVision
 
 from visenc.errors import ModelUnavailable
 from visenc.imaging.video import VideoPreprocess, video_config, video_rule
-from visenc.models import hub
+from visenc.models import hub, sim
 from visenc.models.base import VisionTower
 from visenc.models.building import build_empty, resolve_dtype, set_attention
 from visenc.models.clip import FixedPreprocess, FixedResolutionTower
@@ -62,7 +62,9 @@ def load_tower(
     torch_dtype = resolve_dtype(dtype)
     torch_device = torch.device(device)
     folder = None
-    if spec in REGISTRY:
+    if spec.startswith(sim.PREFIX):
+        tower: VisionTower = sim.load(spec)  # a simulated device, for timing the engine's loop
+    elif spec in REGISTRY:
         tower = build_registered(
             spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed, backend=image_backend
         )

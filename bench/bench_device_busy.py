@@ -1,0 +1,128 @@
+"""Busy share of the simulated device (``models/sim.py``) under the service and prefill-like clients.
+
+The service (``visenc serve``'s app, ``_sim_serve.py``) runs on a simulated device: 1 ms of launch (Python,
+GIL held) a forward and 100 us of device time a token (GIL released); 512x512 JPEGs of 1024 tokens (102 ms of
+device time each, against a few ms of host work: decode, preprocess, three requests). The forward either
+returns at once (``sync=0``, a CUDA launch) or once its device work is done (``sync=1``, a forward with a
+host sync inside). Each client does what a prefill worker does: ``AsyncClient.encode(wait=True)`` of one
+image, then ``fetch`` of its rows over HTTP; every image is distinct. Each round, for each tree (this one,
+and ``--before PATH``'s) and each loop (quiet, and kept busy ``--hog-ms`` of every 40 ms by a task in the
+server's process), a fresh server runs one pass. The device's busy share is read from its timeline while
+every client is still sending (from the first forward to the last image sent), with what the idle time
+went to: ``late`` (the host reached the next launch after the device drained: between forwards, or nothing
+was ready), ``launch`` (the launch itself, not hidden), and the images a forward.
+
+    python bench/bench_device_busy.py [--before /tmp/visenc-before] [--rounds 3] [--clients 16 64]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
+
+import _common as c  # noqa: E402
+
+from visenc.models.sim import Span, stats  # noqa: E402
+from visenc_client import AsyncClient  # noqa: E402
+
+SPEC = "sim:launch_ms=1,token_us={token_us:g},patch=16,hidden=64,sync={sync}"
+
+
+async def prefill_pass(url: str, images: list[bytes], clients: int, namespace: str) -> tuple[float, float, float]:
+    """(images/s, monotonic start, when the last image was sent: until then every client was sending)."""
+    todo = list(reversed(images))
+    last_sent = [0.0]
+
+    async def client() -> None:
+        async with AsyncClient(url, namespace=namespace) as vc:
+            while todo:
+                image = todo.pop()
+                last_sent[0] = time.monotonic()
+                (handle,) = await vc.encode([image], wait=True)
+                rows = await vc.fetch(handle, 0, handle.num_tokens)
+                assert rows.shape == (handle.num_tokens, 64), rows.shape
+
+    t0 = time.monotonic()
+    await asyncio.gather(*(client() for _ in range(clients)))
+    return len(images) / (time.monotonic() - t0), t0, last_sent[0]
+
+
+def read_spans(path: Path, start: float, end: float) -> list[Span]:
+    spans = [Span(**json.loads(line)) for line in path.read_text().splitlines() if line]
+    return [s for s in spans if s.start >= start and s.end <= end]
+
+
+def one_pass(
+    env: dict[str, str], args: argparse.Namespace, case: tuple[int, float, int], images: list[bytes], tag: str
+) -> dict[str, float]:
+    clients, hog_ms, sync = case
+    with tempfile.TemporaryDirectory(prefix="visenc-busy-") as tmp:
+        timeline, port = Path(tmp) / "timeline.jsonl", c.free_port()
+        spec = SPEC.format(token_us=args.token_us, sync=sync) + f",timeline={timeline}"
+        cmd = [c.PYTHON, str(Path(__file__).with_name("_sim_serve.py")), spec, str(port)]
+        cmd += ["--hog-ms", str(hog_ms)]
+        url = f"http://127.0.0.1:{port}"
+        with c.server(cmd, f"{url}/readyz", env, Path(tmp) / "serve.log"):
+            warm = [c.jpeg(10**6 + i, args.size, args.size) for i in range(clients)]
+            asyncio.run(prefill_pass(url, warm, clients, "warm"))
+            rate, t0, first_end = asyncio.run(prefill_pass(url, images, clients, tag))
+            found = stats(read_spans(timeline, t0, first_end))
+    return {**found, "img_s": rate}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--before", type=Path, default=None, help="another source tree, side by side")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--clients", type=int, nargs="+", default=[16], help="64 needs --images of 3 times that")
+    p.add_argument("--images", type=int, default=96, help="distinct images a pass")
+    p.add_argument("--hog-ms", type=float, default=20.0)
+    p.add_argument("--size", type=int, default=512, help="side of the square JPEGs (16 pixels a token)")
+    p.add_argument("--token-us", type=float, default=100.0, help="device time a token")
+    p.add_argument("--sync", type=int, nargs="+", default=[0, 1], help="0: async launch, 1: forward with a host sync")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args()
+    trees = {"now": c.service_env()}
+    if args.before is not None:
+        paths = [str(args.before / "service"), str(args.before / "clients"), os.environ.get("PYTHONPATH", "")]
+        trees["before"] = {"PYTHONPATH": os.pathsep.join(x for x in paths if x)}
+    results: dict[str, list[dict[str, float]]] = {}
+    seed = 0
+    cases = [(n, hog, sync) for sync in args.sync for n in args.clients for hog in (0.0, args.hog_ms)]
+    for r in range(args.rounds):
+        for case in cases:
+            for tree, env in trees.items():
+                images = [c.jpeg(seed + i, args.size, args.size) for i in range(args.images)]
+                seed += args.images
+                found = one_pass(env, args, case, images, f"r{r}-{tree}-{seed}")
+                forward = "sync forward" if case[2] else "async launch"
+                label = f"{tree}, {forward}, {case[0]} clients, loop busy {case[1]:g}/40 ms"
+                results.setdefault(label, []).append(found)
+                print(f"round {r}: {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items()), flush=True)
+    spec = SPEC.format(token_us=args.token_us, sync="0|1")
+    print(f"\nsimulated device {spec}, {args.size}x{args.size} JPEGs, {args.images} distinct images a pass")
+    summary: dict[str, dict[str, float]] = {}
+    for label, runs in results.items():
+        med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+        summary[label] = med
+        busy = c.spread([run["busy_share"] for run in runs], "")
+        print(
+            f"  {label:<56} busy {busy}; idle: late {med['late_share']:.3f}, launch "
+            f"{med['launch_share']:.3f}; {med['images_per_forward']:.2f} images a forward"
+        )
+    if args.json:
+        print(json.dumps({"busy": summary}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,209 @@
+"""The device thread's own loop: it takes its next batch from the ready jobs, forwards it and hands the rows
+to the outputs, and never waits on the event loop.
+
+The loop only hands work in (the scheduler's ready jobs) and takes results out (``call_soon_threadsafe``:
+each forwarded batch's jobs, then the outputs' copy). A forward's rows are copied out on the outputs'
+thread, behind an event, so the next forward is launched before they land (``docs/internals.md``, "The
+device never waits"). A retired loop (``retire``: a stall, a stop) takes no more batches.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from visenc import heap
+from visenc.engine.job import Job, JobState
+from visenc.engine.outputs import Forwarded, Outputs
+from visenc.errors import NotReady, OutOfMemory
+from visenc.metrics import Metrics
+from visenc.models.base import Prepared, VisionTower
+
+log = logging.getLogger(__name__)
+
+#: how long the device thread waits for ready work before it looks whether it was retired
+TAKE_TIMEOUT_S = 0.25
+#: forwards launched and not finished when the next batch is taken: the one running, the one queued behind
+#: it. More would queue images one a forward as they come, and a batch would never form
+LAUNCHED_AHEAD = 1
+
+
+class ReadyJobs(Protocol):
+    """The scheduler, as the device thread sees it."""
+
+    def take(self, max_wait_s: float, timeout_s: float) -> list[Job]: ...
+
+    def dispatch(self) -> None: ...
+
+
+@dataclass(slots=True)
+class Failure:
+    """Why the device loop ended: its batch's jobs not yet forwarded, and what went wrong."""
+
+    batch: list[Job]
+    reason: str
+    error: BaseException | None = None
+
+
+class DeviceLoop:
+    def __init__(
+        self, tower: VisionTower, ready: ReadyJobs, outputs: Outputs, *, metrics: Metrics, max_wait_s: float
+    ) -> None:
+        self.tower = tower
+        self.ready = ready
+        self.outputs = outputs
+        self.metrics = metrics
+        self.max_wait_s = max_wait_s
+        self.heap_idle_s = 2.0
+        self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        #: the live loop's number: a loop whose number is behind (``retire``) ends
+        self._generation = 0
+        #: monotonic start of the batch in progress (``None`` between batches)
+        self.busy_since: float | None = None
+        self._batch: list[Job] = []
+        self._handed: set[int] = set()
+        #: events behind the forwards launched, oldest first (CUDA's, or the tower's own)
+        self._launched: collections.deque[Any] = collections.deque()
+
+    # --- what the event loop calls -----------------------------------------------------
+    def bind(self, loop: asyncio.AbstractEventLoop) -> int:
+        """A new loop's number (``run`` takes it); every earlier one is retired."""
+        self._loop = loop
+        self._generation += 1
+        self._launched.clear()  # a retired loop's forwards are not waited for (a stalled one never ends)
+        return self._generation
+
+    def retire(self) -> None:
+        """The loop running now takes no more batches (its forward in progress ends as it will)."""
+        self._generation += 1
+
+    def not_forwarded(self) -> list[Job]:
+        """The jobs of the batch in progress whose rows were not handed on."""
+        return [j for j in self._batch if id(j) not in self._handed and j.state is JobState.RUNNING]
+
+    # --- the device thread ------------------------------------------------------------
+    def run(self, generation: int) -> Failure | None:
+        """Take batches and forward them until retired (``None``) or a batch fails (its ``Failure``)."""
+        worked_at: float | None = None
+        while generation == self._generation:
+            self._wait_launched()
+            batch = self.ready.take(self.max_wait_s, TAKE_TIMEOUT_S)
+            if not batch:
+                if worked_at is not None and time.monotonic() - worked_at >= self.heap_idle_s:
+                    worked_at = None  # idle: the forwards' freed memory goes back to the system
+                    heap.give_back()
+                continue
+            self._post(self.ready.dispatch)  # with the batch taken, the images behind it are preprocessed
+            if generation != self._generation:
+                self._post(self.outputs.fail, batch, NotReady("the service is shutting down"))
+                break
+            self._batch, self._handed = batch, set()
+            try:
+                self._run_batch(batch)
+            except Exception as error:
+                log.error("forward of %d images failed", len(batch), exc_info=error)
+                return Failure(self.not_forwarded(), f"the device worker failed: {type(error).__name__}", error)
+            finally:
+                self.busy_since = None
+                self._post(self.ready.dispatch)  # the batch's inputs are freed: preprocess more
+            worked_at = time.monotonic()
+        return None
+
+    def _wait_launched(self) -> None:
+        """Wait until at most ``LAUNCHED_AHEAD`` forwards are unfinished (the device has the next one
+        queued meanwhile); a wait that never ends is a stall, as a forward's is."""
+        if len(self._launched) <= LAUNCHED_AHEAD:
+            return
+        self.busy_since = time.monotonic()
+        while len(self._launched) > LAUNCHED_AHEAD:
+            self._launched.popleft().synchronize()
+        self.busy_since = None
+
+    def _run_batch(self, batch: list[Job]) -> None:
+        """Forward ``batch`` in the tower's groups (each split on out-of-memory), each group's rows
+        handed on as soon as it is launched."""
+        self.busy_since = time.monotonic()
+        for job in batch:
+            self.metrics.queue_wait_seconds.observe(self.busy_since - job.admitted_at)
+        for group in self.tower.forward_groups([j.input for j in batch]):
+            self._forward_fitting([batch[i] for i in group])
+
+    def _forward_fitting(self, jobs: list[Job]) -> None:
+        """One forward of ``jobs``; if it runs out of memory, the halves in turn, down to one image.
+        An image that does not fit even alone fails with ``OutOfMemory`` (a per-item error)."""
+        started = time.monotonic()
+        try:
+            outputs, event = self.forward([j.input for j in jobs])
+        except Exception as error:
+            if not is_out_of_memory(error):
+                raise
+            self.metrics.oom_splits.inc()
+            if self.tower.device.type == "cuda":
+                torch.cuda.empty_cache()
+            if len(jobs) == 1:
+                log.warning("image %s does not fit in device memory alone: %r", jobs[0].image_hash, error)
+                self._handed.add(id(jobs[0]))
+                alone = OutOfMemory(f"the image does not fit in the device's memory alone ({type(error).__name__})")
+                self._post(self.outputs.fail, jobs, alone)
+                self._post(self.ready.dispatch)
+                return
+            log.info("forward of %d images ran out of memory; splitting it in two", len(jobs))
+            half = len(jobs) // 2
+            self._forward_fitting(jobs[:half])
+            self._forward_fitting(jobs[half:])
+            return
+        elapsed = time.monotonic() - started
+        self.metrics.forward_seconds.observe(elapsed)
+        self.metrics.forwards.inc()
+        self.metrics.batch_images.observe(len(jobs))
+        self.metrics.batch_tokens.observe(sum(j.cost for j in jobs))
+        self._handed.update(map(id, jobs))
+        if event is not None:
+            self._launched.append(event)
+        self._post(self._forwarded, jobs, started, elapsed)  # before the copy's answer: the loop runs them in order
+        self.outputs.submit(Forwarded(jobs, outputs, event))
+
+    def _forwarded(self, jobs: list[Job], started: float, elapsed: float) -> None:
+        """On the loop: each job's staged input is given back now, not at its batch's end."""
+        for job in jobs:
+            if job.state is JobState.RUNNING:  # not failed meanwhile (a stall, a stop)
+                job.forwarded(started, elapsed)
+        self.ready.dispatch()
+
+    def _post(self, fn: Callable[..., Any], *args: Any) -> None:
+        assert self._loop is not None, "the device loop runs after bind"
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the event loop is closed: nobody is left to answer
+            log.debug("event loop closed; %s dropped", getattr(fn, "__name__", fn))
+
+    # --- the forward ------------------------------------------------------------------
+    def on_stream(self) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+
+    def forward(self, prepared: Sequence[Prepared]) -> tuple[list[torch.Tensor], Any]:
+        """Device thread: the forward alone, and an event behind it (CUDA's, or the tower's own)."""
+        with self.on_stream():
+            outputs = self.tower.forward(prepared)
+            if self._stream is None:
+                return outputs, self.tower.record_event()
+            event = torch.cuda.Event()
+            event.record(self._stream)
+        return outputs, event
+
+
+def is_out_of_memory(error: BaseException) -> bool:
+    """A device or host allocation failure (CUDA OOM, a CPU allocator refusal, ``MemoryError``)."""
+    if isinstance(error, torch.OutOfMemoryError | MemoryError):
+        return True
+    text = str(error)
+    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)

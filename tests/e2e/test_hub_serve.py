@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from itertools import pairwise
@@ -279,13 +280,14 @@ def test_a_revision_is_pinned_by_name_or_flag(hub: LoopbackHub, tmp_path: Path) 
 
 def test_a_gated_repository_needs_a_token(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path) -> None:
     hub.publish("acme/gated", folders["gemma3"], gated=True)
-    line = cannot_serve("acme/gated", hub.env(tmp_path / "a"))
-    assert "gated repository" in line and "HF_TOKEN" in line
-    fingerprint, _ = served_rows("acme/gated", hub.env(tmp_path / "b", HF_TOKEN=TOKEN), tmp_path / "b.log")
-    assert fingerprint
-    # a token the hub does not know (mistyped, revoked) is refused on any repository, gated or not
-    line = cannot_serve("acme/qwen2_5_vl", hub.env(tmp_path / "c", HF_TOKEN="hf_revoked"))
-    assert "does not accept HF_TOKEN" in line
+    with ThreadPoolExecutor(3) as pool:  # independent starts: side by side
+        no_token = pool.submit(cannot_serve, "acme/gated", hub.env(tmp_path / "a"))
+        served = pool.submit(served_rows, "acme/gated", hub.env(tmp_path / "b", HF_TOKEN=TOKEN), tmp_path / "b.log")
+        # a token the hub does not know (mistyped, revoked) is refused on any repository, gated or not
+        revoked = pool.submit(cannot_serve, "acme/qwen2_5_vl", hub.env(tmp_path / "c", HF_TOKEN="hf_revoked"))
+    assert "gated repository" in no_token.result() and "HF_TOKEN" in no_token.result()
+    assert served.result()[0]
+    assert "does not accept HF_TOKEN" in revoked.result()
 
 
 def test_each_failure_is_one_line(hub: LoopbackHub, folders: dict[str, Path], tmp_path: Path) -> None:
@@ -301,17 +303,22 @@ def test_each_failure_is_one_line(hub: LoopbackHub, folders: dict[str, Path], tm
     (no_vision / "model.safetensors").write_bytes((folders["qwen2_5_vl"] / SHARDS[1]).read_bytes())
     hub.publish("acme/no-vision", no_vision)
     hub.publish("acme/private", folders["gemma3"], private=True)
-    env = hub.env(tmp_path / "hf")
-
-    assert "no such repository" in cannot_serve("acme/missing", env)
-    assert "private: set HF_TOKEN" in cannot_serve("acme/private", env)
-    assert "unsupported model_type 'llama'" in cannot_serve("acme/text-only", env)
-    assert "vision tensors do not match" in cannot_serve("acme/no-vision", env)
     torn = tmp_path / "torn"
     shutil.copytree(folders["qwen2_5_vl"], torn)
     (torn / "preprocessor_config.json").write_text('{"patch_size": 14,')  # a file that does not parse
     hub.publish("acme/torn", torn)
-    assert "JSONDecodeError" in cannot_serve("acme/torn", env)
+    env = hub.env(tmp_path / "hf")
+    expected = {
+        "acme/missing": "no such repository",
+        "acme/private": "private: set HF_TOKEN",
+        "acme/text-only": "unsupported model_type 'llama'",
+        "acme/no-vision": "vision tensors do not match",
+        "acme/torn": "JSONDecodeError",
+    }
+    with ThreadPoolExecutor(len(expected)) as pool:  # independent starts: side by side
+        lines = dict(zip(expected, pool.map(lambda model: cannot_serve(model, env), expected)))
+    for model, words in expected.items():
+        assert words in lines[model], lines[model]
     hub.reset()
     hub.stop()
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from visenc.engine.coordination import Coordination
@@ -104,7 +104,8 @@ class Fetch:
         for it in items:
             if isinstance(it.state, VideoPending):
                 try:
-                    it.state = Found(await self.video_rows(it.state.manifest, it.hash, namespace, timeout_s))
+                    rows = await self.video_rows(it.state.manifest, it.hash, namespace, timeout_s)
+                    it.state = Found(replace(rows, blob=b""))  # its fields: the rows stay within ``joins``
                 except NotFound:
                     it.state = MISSING
                 except PayloadTooLarge as e:
@@ -125,7 +126,8 @@ class Fetch:
         stored = [f.entry for f in found if isinstance(f, Stored)]
         if len(stored) == len(found):
             try:
-                return Found(self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, stored))
+                rows = self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, stored)
+                return Found(replace(rows, blob=b""))  # its fields: the rows stay within ``joins``
             except PayloadTooLarge as e:
                 return Failed(e)
         return MISSING if any(isinstance(f, Absent) for f in found) else VideoPending(manifest)

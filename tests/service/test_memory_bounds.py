@@ -181,3 +181,17 @@ async def test_a_request_of_video_hashes_holds_its_joins_within_the_bound(tiny_t
             tracemalloc.stop()
         assert [it["status"] for it in found] == ["ready"] * len(videos)
         assert peak < 4 * size < len(videos) * size, (peak, size)
+
+
+async def test_a_video_over_the_joined_rows_bound_reads_none_of_its_tubes(
+    tiny_tower: VisionTower, redis_url: str
+) -> None:
+    """Refused by its manifest's grid, before its tubes come from Redis into memory for nothing."""
+    async with running_app(tiny_tower, redis_url=redis_url) as writer:
+        (video,) = await encode(writer, [{"frames": frames(90, 8)}], lease="none")
+    async with running_app(tiny_tower, redis_url=redis_url, joined_rows_bytes=100_000) as reader:
+        r = await reader.get(f"/v1/embeddings/{video['hash']}")
+        assert r.status_code == 413 and "joined_rows_bytes" in r.text
+        (it,) = await encode(reader, [{"hash": video["hash"]}], lease="none")
+        assert it["status"] == "error" and "joined_rows_bytes" in it["error"], it
+        assert (await index_health(reader))["memory"]["entries"] == 1  # its manifest alone

@@ -95,6 +95,7 @@ class Fetch:
         """A video's rows: every tube of its manifest fetched (waited for while pending, ``NotFound`` for an
         evicted one), joined in order."""
         tubes = tube_hashes(manifest, video)
+        self.joins.check(manifest, video)  # before its tubes are read: they would be read for nothing
         entries = await asyncio.gather(*(self.lookup(t, namespace, timeout_s=timeout_s) for t in tubes))
         return self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, entries)
 
@@ -118,8 +119,11 @@ class Fetch:
         once every tube is stored, missing while one is in no tier nor being encoded, else pending."""
         try:
             tubes = tube_hashes(manifest, video)
+            self.joins.check(manifest, video)  # before its tubes are read: they would be read for nothing
         except NotFound:
             return MISSING
+        except PayloadTooLarge as e:
+            return Failed(e)
         found = await asyncio.gather(
             *(self._locate(entry_key(namespace, self.fingerprint, t), t, follow=False) for t in tubes)
         )

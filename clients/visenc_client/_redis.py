@@ -12,18 +12,24 @@ from __future__ import annotations
 from collections.abc import Generator
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 import redis
 import redis.asyncio
 from redis.asyncio.cluster import RedisCluster as AsyncRedisCluster
 from redis.cluster import RedisCluster
+from redis.exceptions import RedisClusterException
 
 from visenc_client._exceptions import BadRequestError, NotFoundError, ProtocolError, TransportError, describe
 from visenc_client._protocol import NUMPY_DTYPES
 from visenc_client._types import Handle
 from visenc_client.format import DATA_OFFSET, CorruptEntry, entry_key
 from visenc_client.format import parse_header as format_header
+
+#: what redis-py raises where Redis cannot be reached or stops answering (a cluster none of whose nodes
+#: answers: ``RedisClusterException``, no ``RedisError``)
+UNREACHABLE = (redis.RedisError, RedisClusterException, OSError)
 
 
 @dataclass(frozen=True, slots=True)
@@ -108,6 +114,13 @@ def _array(info: RowsInfo, data: bytes) -> np.ndarray:
     return out.reshape(len(data) // info.row_bytes, info.hidden)
 
 
+def _public(url: str) -> str:
+    """``url`` without its credentials."""
+    parts = urlsplit(url)
+    host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname or ""
+    return parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")).geturl()
+
+
 def _address(client: Any) -> str:
     """Where a redis-py client connects (``redis://host:port/db``, a socket path, or a cluster's first node)."""
     kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
@@ -141,7 +154,10 @@ class RedisRows(_Rows):
     def from_url(
         cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False, **options: Any
     ) -> RedisRows:
-        client = (RedisCluster if cluster else redis.Redis).from_url(url, **options)
+        try:  # a cluster's client asks its nodes for the slots at once: a cluster down fails here
+            client = (RedisCluster if cluster else redis.Redis).from_url(url, **options)
+        except UNREACHABLE as e:
+            raise TransportError(describe(e), _public(url)) from e
         return cls(client, fingerprint=fingerprint, namespace=namespace)
 
     def _drive(self, image: str | Handle, flow: ReadFlow) -> tuple[RowsInfo, bytes]:
@@ -155,7 +171,7 @@ class RedisRows(_Rows):
                 batch = flow.send(list(pipe.execute()))
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        except (redis.RedisError, OSError) as e:
+        except UNREACHABLE as e:
             raise TransportError(describe(e), self.url) from e
 
     def fetch_bytes(self, image: str | Handle, start: int | None = None, end: int | None = None) -> bytes:
@@ -200,7 +216,7 @@ class AsyncRedisRows(_Rows):
                 batch = flow.send(list(await pipe.execute()))
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
-        except (redis.RedisError, OSError) as e:
+        except UNREACHABLE as e:
             raise TransportError(describe(e), self.url) from e
 
     async def fetch_bytes(self, image: str | Handle, start: int | None = None, end: int | None = None) -> bytes:

@@ -160,6 +160,7 @@ class RowSources:
             "socket_timeout": answer_timeout_s,
         }
         self._index: Any = None  # RedisRows, once the fingerprint its keys need is known
+        self._index_fingerprint = ""  # that fingerprint, once known
         self._down: set[str] = set()  # sources whose last ask failed (said once in the log)
         self._lock = threading.Lock()
         if served.fingerprint is not None:
@@ -214,9 +215,10 @@ class RowSources:
             "shared memory" if replica.prompt.shared_memory else "HTTP",
         )
 
-    def _open_index(self, fingerprint: str) -> None:
+    def _open_index(self, fingerprint: str) -> TransportError | None:
+        """The shared index's client, where ``redis_url`` is set; the failure where it cannot be opened now."""
         if not self._redis_url:
-            return
+            return None
         from redis.backoff import NoBackoff
         from redis.exceptions import ConnectionError as RedisConnectionError
         from redis.retry import Retry
@@ -228,9 +230,29 @@ class RowSources:
         # its timeout twice)
         retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
         options: dict[str, Any] = {**self._redis_options, "retry": retry}
-        self._index = RedisRows.from_url(
-            self._redis_url, fingerprint=fingerprint, namespace=self._namespace, cluster=self._redis_cluster, **options
-        )
+        first, self._index_fingerprint = not self._index_fingerprint, fingerprint
+        try:
+            self._index = RedisRows.from_url(
+                self._redis_url,
+                fingerprint=fingerprint,
+                namespace=self._namespace,
+                cluster=self._redis_cluster,
+                **options,
+            )
+        except TransportError as e:  # a Redis Cluster that does not answer yet: opened at a later look-up
+            if first:
+                log.warning("VisencConnector: the shared index cannot be reached yet (%s); asked again later", e)
+            return e
+        return None
+
+    def _index_now(self) -> Any:
+        """The shared index's client, opened now where it could not be before (``TransportError``)."""
+        with self._lock:
+            if self._index is None:
+                failure = self._open_index(self._index_fingerprint)
+                if failure is not None:
+                    raise failure
+            return self._index
 
     # --- reading rows -----------------------------------------------------------------------
     def obtain(self, wants: dict[str, Want], wait: bool) -> Answers:
@@ -345,9 +367,8 @@ class RowSources:
     def _from_index(self, wants: dict[str, Want]) -> Answers:
         """Ready rows straight from the shared index (same fingerprint, so the same image loader: only
         the shape is checked)."""
-        index = self._index
-        if index is None:
-            return {}
+        if self._index is None and not self._index_fingerprint:
+            return {}  # no shared index, or none known to read yet
         skipped = self._skip(INDEX, wants)
         if skipped is not None:
             return skipped
@@ -355,6 +376,11 @@ class RowSources:
         failure: TransportError | None = None
         started = time.monotonic()
         try:
+            try:
+                index = self._index_now()
+            except TransportError as e:
+                failure = e
+                return {i: Absent(str(e)) for i in wants}
             for identifier, want in wants.items():
                 try:
                     info = index.info(identifier)

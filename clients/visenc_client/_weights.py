@@ -36,8 +36,11 @@ def checkpoint_folder(model: str, revision: str | None = None, cache_dir: str | 
 
 @functools.lru_cache(maxsize=8)
 def _identity(folder: Path, names: tuple[str, ...]) -> str | None:
-    """The identity of ``names`` in ``folder``'s files; ``None`` when one of them is not there."""
+    """The identity of ``names`` in ``folder``'s files; ``None`` when one of them is not there
+    (``ValueError`` where the folder has no safetensors files: nothing to compare)."""
     files = tensor_files(folder)
+    if not files:
+        raise ValueError(f"no safetensors files in {folder}")
     if any(n not in files for n in names):
         return None
     return weights_identity({n: files[n] for n in names})

@@ -163,3 +163,35 @@ async def test_a_request_of_hashes_holds_at_most_l1_and_one_batch(tiny_tower: Vi
         assert peak < limits["cache_bytes"] + 2 * limits["redis_batch_bytes"] < total, (peak, total)
         for it in found:  # every one readable: from L1, or from Redis
             assert (await reader.get(f"/v1/embeddings/{it['hash']}")).status_code == 200
+
+
+async def test_a_request_of_video_hashes_holds_its_joins_within_the_bound(tiny_tower: VisionTower) -> None:
+    """Videos asked by their hash are answered from their tubes' fields: the request holds no more joined
+    rows than ``joined_rows_bytes`` allows, however many videos it asks (traced Python allocations)."""
+    async with running_app(tiny_tower) as sizer:
+        (one,) = await encode(sizer, [{"frames": frames(40, 4)}], lease="none")
+    size = 256 + one["num_tokens"] * one["hidden_size"] * 4  # each video: 4 frames of the same size
+    async with running_app(tiny_tower, joined_rows_bytes=2 * size) as service:
+        videos = [(await encode(service, [{"frames": frames(40 + 4 * i, 4)}], lease="none"))[0] for i in range(12)]
+        tracemalloc.start()
+        try:
+            found = await encode(service, [{"hash": v["hash"]} for v in videos], lease="none")
+            peak = tracemalloc.get_traced_memory()[1]
+        finally:
+            tracemalloc.stop()
+        assert [it["status"] for it in found] == ["ready"] * len(videos)
+        assert peak < 4 * size < len(videos) * size, (peak, size)
+
+
+async def test_a_video_over_the_joined_rows_bound_reads_none_of_its_tubes(
+    tiny_tower: VisionTower, redis_url: str
+) -> None:
+    """Refused by its manifest's grid, before its tubes come from Redis into memory for nothing."""
+    async with running_app(tiny_tower, redis_url=redis_url) as writer:
+        (video,) = await encode(writer, [{"frames": frames(90, 8)}], lease="none")
+    async with running_app(tiny_tower, redis_url=redis_url, joined_rows_bytes=100_000) as reader:
+        r = await reader.get(f"/v1/embeddings/{video['hash']}")
+        assert r.status_code == 413 and "joined_rows_bytes" in r.text
+        (it,) = await encode(reader, [{"hash": video["hash"]}], lease="none")
+        assert it["status"] == "error" and "joined_rows_bytes" in it["error"], it
+        assert (await index_health(reader))["memory"]["entries"] == 1  # its manifest alone

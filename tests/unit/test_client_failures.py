@@ -164,6 +164,20 @@ async def test_async_redis_failures_are_transport_errors(kind: str) -> None:
     assert raised.value.url == url
 
 
+async def test_a_redis_cluster_that_does_not_answer_is_a_transport_error() -> None:
+    """A cluster client asks its nodes for the slots: at once (sync), or at its first read (async);
+    either way what none answers is a ``TransportError`` naming the node, never its password."""
+    with dead_end("refused") as url:
+        secret = url.replace("http://", "redis://:hunter2@")
+        with pytest.raises(TransportError) as raised:
+            RedisRows.from_url(secret, fingerprint="f", cluster=True, **REDIS_OPTIONS)
+        assert raised.value.url == url.replace("http://", "redis://") and "hunter2" not in str(raised.value)
+        rows = AsyncRedisRows.from_url(secret, fingerprint="f", cluster=True, **REDIS_OPTIONS)
+        with pytest.raises(TransportError):
+            await rows.fetch(H)
+        await rows.aclose()
+
+
 def test_a_redis_client_given_as_is_is_named_too() -> None:
     with dead_end("refused") as url:
         port = int(url.rsplit(":", 1)[1])

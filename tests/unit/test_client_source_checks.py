@@ -123,3 +123,25 @@ def test_the_shared_index_on_a_redis_cluster(tmp_path: Path) -> None:
         finally:
             cluster.close()
             standalone.close()
+
+
+def test_a_redis_cluster_down_at_start_is_read_once_it_answers(tmp_path: Path) -> None:
+    """A cluster's client asks its nodes at once: one down when the connector starts was a
+    ``RedisClusterException`` out of the connector (vLLM did not start); now the index is a source
+    that cannot be reached yet, opened at a later look-up once the cluster answers."""
+    with redis_cluster(tmp_path) as ports:
+        url = f"redis://127.0.0.1:{ports[0]}"
+        with serve_process("--redis-url", url, "--redis-mode", "cluster", "--max-wait-ms", "1") as visenc:
+            served, wants, rows = truth(visenc, [png_bytes(740 + i, 64, 48) for i in range(3)])
+        with Switch(url.replace("redis://", "http://")) as first_node:  # refused until set to forward
+            quick = {"timeout_s": 5.0, "connect_timeout_s": 2.0, "answer_timeout_s": 5.0, "backoff_s": 0.1}
+            index = f"redis://127.0.0.1:{first_node.port}"
+            sources = RowSources([refused()], served=served, redis_url=index, redis_mode="cluster", **quick)
+            try:
+                down = sources.obtain(wants, wait=False)
+                assert all(isinstance(a, Absent) and "redis" in str(a).lower() for a in down.values()), down
+                first_node.set("forward")
+                wait_until(lambda: all(isinstance(a, torch.Tensor) for a in sources.obtain(wants, False).values()), 10)
+                assert_rows(sources.obtain(wants, wait=False), rows)
+            finally:
+                sources.close()

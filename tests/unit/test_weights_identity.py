@@ -50,3 +50,11 @@ def test_the_hub_towers_identity_is_the_local_checkpoints(tmp_path: Path, monkey
     assert refusal is not None and "'acme/q'" in refusal and repr(str(other)) in refusal and "other weights" in refusal
     assert EngineWeights(str(other), other, accept_other=True).refusal("U", served) is None
     assert "not compared" in str(EngineWeights(str(folder), folder).refusal("U", load_tower("tiny-clip").describe()))
+
+
+def test_a_checkpoint_without_safetensors_is_said_not_compared(tmp_path: Path) -> None:
+    """An engine checkpoint of ``.bin`` files only: the weights could not be compared, not "another model"."""
+    (tmp_path / "pytorch_model.bin").write_bytes(b"\0" * 16)
+    served = {"name": "acme/q", "weights": {"identity": "0" * 32, "tensors": ["visual.patch_embed.proj.weight"]}}
+    refusal = str(EngineWeights("acme/q", tmp_path).refusal("U", served))
+    assert "could not be compared" in refusal and "another model" not in refusal, refusal

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import partial
 
 from visenc.engine.coordination import Coordination
@@ -95,6 +95,7 @@ class Fetch:
         """A video's rows: every tube of its manifest fetched (waited for while pending, ``NotFound`` for an
         evicted one), joined in order."""
         tubes = tube_hashes(manifest, video)
+        self.joins.check(manifest, video)  # before its tubes are read: they would be read for nothing
         entries = await asyncio.gather(*(self.lookup(t, namespace, timeout_s=timeout_s) for t in tubes))
         return self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, entries)
 
@@ -104,7 +105,8 @@ class Fetch:
         for it in items:
             if isinstance(it.state, VideoPending):
                 try:
-                    it.state = Found(await self.video_rows(it.state.manifest, it.hash, namespace, timeout_s))
+                    rows = await self.video_rows(it.state.manifest, it.hash, namespace, timeout_s)
+                    it.state = Found(replace(rows, blob=b""))  # its fields: the rows stay within ``joins``
                 except NotFound:
                     it.state = MISSING
                 except PayloadTooLarge as e:
@@ -117,15 +119,19 @@ class Fetch:
         once every tube is stored, missing while one is in no tier nor being encoded, else pending."""
         try:
             tubes = tube_hashes(manifest, video)
+            self.joins.check(manifest, video)  # before its tubes are read: they would be read for nothing
         except NotFound:
             return MISSING
+        except PayloadTooLarge as e:
+            return Failed(e)
         found = await asyncio.gather(
             *(self._locate(entry_key(namespace, self.fingerprint, t), t, follow=False) for t in tubes)
         )
         stored = [f.entry for f in found if isinstance(f, Stored)]
         if len(stored) == len(found):
             try:
-                return Found(self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, stored))
+                rows = self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, stored)
+                return Found(replace(rows, blob=b""))  # its fields: the rows stay within ``joins``
             except PayloadTooLarge as e:
                 return Failed(e)
         return MISSING if any(isinstance(f, Absent) for f in found) else VideoPending(manifest)

@@ -71,7 +71,9 @@ class Intake:
         # the parts intake shares with the fetch path, and its video side
         self.entries = EntryCheck(index, prep.tower, metrics)
         self.flight = InFlight(scheduler, metrics)
-        joins = Joins(settings.joined_rows_bytes or 0, metrics)
+        video, row_bytes = self.tower.video, self.tower.hidden_size * self.tower.dtype.itemsize
+        tube_rows = video.tube_tokens if video is not None else (lambda grid: 0)
+        joins = Joins(settings.joined_rows_bytes or 0, metrics, tube_rows, row_bytes)
         self.fetch = Fetch(
             index, self.entries, self.flight, scheduler, coordination, settings.fetch_timeout_s, metrics, joins
         )

@@ -190,9 +190,23 @@ class Joins:
     served to every read while its tubes are the same entries (so a shared-memory segment of it is
     reused), the least recently read dropped first."""
 
-    def __init__(self, max_bytes: int, metrics: Metrics) -> None:
+    def __init__(
+        self, max_bytes: int, metrics: Metrics, tube_rows: Callable[[tuple[int, int, int]], int], row_bytes: int
+    ) -> None:
         self.max_bytes, self.bytes, self._metrics = max_bytes, 0, metrics
+        self._tube_rows, self._row_bytes = tube_rows, row_bytes
         self._held: OrderedDict[str, tuple[tuple[int, ...], Entry]] = OrderedDict()
+
+    def check(self, manifest: Entry, video: str) -> None:
+        """``PayloadTooLarge`` where the video's rows, as its manifest's grid says, exceed ``max_bytes``:
+        said before any of its tubes is read."""
+        self._refuse(video, DATA_OFFSET + manifest.grid_thw[0] * self._tube_rows(manifest.grid_thw) * self._row_bytes)
+
+    def _refuse(self, video: str, nbytes: int) -> None:
+        if nbytes > self.max_bytes:
+            raise PayloadTooLarge(
+                f"the rows of video {video} ({nbytes} bytes) exceed joined_rows_bytes={self.max_bytes}; read its tubes"
+            )
 
     def rows(self, key: str, manifest: Entry, video: str, tubes: Sequence[Entry]) -> Entry:
         """The video's rows; ``PayloadTooLarge`` when they alone exceed ``max_bytes`` (its tubes are read
@@ -203,10 +217,7 @@ class Joins:
             self._held.move_to_end(key)
             return held[1]
         nbytes = DATA_OFFSET + sum(t.rows for t in tubes) * tubes[0].row_bytes
-        if nbytes > self.max_bytes:
-            raise PayloadTooLarge(
-                f"the rows of video {video} ({nbytes} bytes) exceed joined_rows_bytes={self.max_bytes}; read its tubes"
-            )
+        self._refuse(video, nbytes)
         self._drop(key)
         while self.bytes + nbytes > self.max_bytes:
             self._drop(next(iter(self._held)))

@@ -58,25 +58,12 @@ def check_device(device: str) -> None:
     if not device.startswith("cuda"):
         return
     index = int(device.partition(":")[2] or 0)
-    count = _nvml_gpus()
+    from visenc.process_memory import host_gpus
+
+    count = host_gpus()
     if count <= index:
         found = "no CUDA GPU" if count == 0 else f"{count} CUDA GPU(s)"
         raise StartError(EXIT_NO_DEVICE, f"--device {device}: this host has {found} (NVML); serve with --device cpu")
-
-
-def _nvml_gpus() -> int:
-    try:
-        import pynvml
-
-        pynvml.nvmlInit()
-    except Exception:  # no NVML library, no driver: no GPU to use
-        return 0
-    try:
-        return int(pynvml.nvmlDeviceGetCount())
-    except pynvml.NVMLError:
-        return 0
-    finally:
-        pynvml.nvmlShutdown()
 
 
 def check_model(spec: str) -> None:

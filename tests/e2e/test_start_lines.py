@@ -19,7 +19,7 @@ from tests.support.paths import ROOT
 from tests.support.processes import serve_subprocess, stop_process
 from tests.support.waits import wait_until
 
-from visenc.preflight import _nvml_gpus
+from visenc.process_memory import host_gpus
 
 KEY = "k" * 24
 GIB = r"([\d.]+) GiB"
@@ -57,7 +57,7 @@ def test_over_a_unix_socket_with_one_key_and_a_served_name(tmp_path: Path) -> No
     total, source, *parts, total_parts = budget.groups()
     assert sum(float(p) for p in parts) == pytest.approx(float(total_parts), abs=0.02)
     assert float(total_parts) <= float(total) + 0.01
-    if _nvml_gpus() == 0:
+    if host_gpus() == 0:
         assert source.endswith("no GPU"), source
     forwards = re.search(
         r"forwards: at most (\d+) tokens and 64 images a batch(, lowered from max_batch_tokens 16384)?", text

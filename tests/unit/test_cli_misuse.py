@@ -15,6 +15,7 @@ from tests.support.paths import ROOT
 from visenc import preflight
 from visenc.cli import GROUPS, build_parser
 from visenc.config import Settings
+from visenc.process_memory import host_gpus
 
 ENV = {"PYTHONPATH": f"{ROOT / 'service'}:{ROOT / 'clients'}", "PATH": "/usr/bin:/bin"}
 #: runs ``visenc serve ARGV``, then says whether torch was imported on the way
@@ -77,7 +78,7 @@ def test_a_busy_port_is_refused_before_the_model_loads(busy_port):
 
 
 def test_cuda_on_a_host_without_one_is_refused_at_once():
-    if preflight._nvml_gpus() > 0:
+    if host_gpus() > 0:
         pytest.skip("this host has a CUDA GPU")
     r = serve("--device", "cuda", "--port", "1")
     assert r.returncode == preflight.EXIT_NO_DEVICE

@@ -141,3 +141,16 @@ def test_the_built_in_names_are_the_registry():
     from visenc.models.registry import REGISTRY
 
     assert preflight.BUILT_IN == tuple(sorted(REGISTRY))
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_every_byte_size_flag_takes_units(command):
+    from visenc.proxy.settings import ProxySettings
+
+    model = Settings if command == "serve" else ProxySettings
+    names = [n for n in model.model_fields if n.endswith("_bytes")]
+    extra = ["--upstream", "http://a"] if command == "proxy" else []
+    for name in names:
+        args = vars(build_parser().parse_args([command, *extra, f"--{name.replace('_', '-')}", "1GiB"]))
+        args.pop("command")
+        assert getattr(model(**args), name) == 1 << 30, name

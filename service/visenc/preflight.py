@@ -25,6 +25,8 @@ EXIT_CANNOT_LISTEN = 6
 #: exit status when a file or folder a setting names cannot be read or written
 EXIT_BAD_PATH = 7
 
+#: the listening socket's backlog (uvicorn's default)
+BACKLOG = 2048
 #: the built-in towers (``visenc.models.registry.REGISTRY``, which imports torch; a test keeps them equal)
 BUILT_IN = ("tiny-clip", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-siglip")
 #: ``VISENC_*`` variables that are no setting of the service but are read elsewhere (the client, compose)
@@ -117,7 +119,9 @@ def check_paths(settings: Settings) -> None:
 
 
 def listen(settings: Settings) -> socket.socket:
-    """The listening socket, bound now, before the model loads: ``uds`` or ``host:port``."""
+    """The listening socket, bound and listening now, before the model loads: ``uds`` or ``host:port``. It
+    listens at once so that a second visenc started on the same address while this one loads is refused
+    (two sockets with SO_REUSEADDR may both bind an address no socket listens on yet)."""
     try:
         if settings.uds is not None:
             return _unix_socket(settings.uds)
@@ -126,6 +130,7 @@ def listen(settings: Settings) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((settings.host, settings.port))
+            sock.listen(BACKLOG)
         except OSError:
             sock.close()
             raise
@@ -151,5 +156,10 @@ def _unix_socket(path: Path) -> socket.socket:
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(str(path))
+    try:
+        sock.bind(str(path))
+        sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
     return sock

@@ -154,3 +154,20 @@ def test_every_byte_size_flag_takes_units(command):
         args = vars(build_parser().parse_args([command, *extra, f"--{name.replace('_', '-')}", "1GiB"]))
         args.pop("command")
         assert getattr(model(**args), name) == 1 << 30, name
+
+
+def test_a_second_start_on_an_address_a_loading_visenc_holds_is_refused(tmp_path):
+    port = preflight.listen(Settings(port=0))  # the first visenc, loading its model
+    try:
+        with pytest.raises(preflight.StartError, match="Address already in use") as e:
+            preflight.listen(Settings(port=port.getsockname()[1])).close()
+        assert e.value.code == preflight.EXIT_CANNOT_LISTEN
+    finally:
+        port.close()
+    uds = preflight.listen(Settings(uds=tmp_path / "v.sock"))
+    try:
+        with pytest.raises(preflight.StartError, match="another process listens there"):
+            preflight.listen(Settings(uds=tmp_path / "v.sock")).close()
+        assert (tmp_path / "v.sock").exists()
+    finally:
+        uds.close()

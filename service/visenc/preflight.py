@@ -31,7 +31,15 @@ BACKLOG = 2048
 BUILT_IN = ("tiny-clip", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-siglip")
 #: ``VISENC_*`` variables that are no setting of the service but are read elsewhere (the client, compose)
 OTHER_VARIABLES = frozenset(
-    {"VISENC_SHM_MAP_CACHE_BYTES", "VISENC_BASE", "VISENC_MEMORY_LIMIT", "VISENC_SHM_SIZE", "VISENC_REDIS_MAXMEMORY"}
+    {
+        "VISENC_SHM_MAP_CACHE_BYTES",
+        "VISENC_SHM_MAP_SWEEP_S",
+        "VISENC_BASE",
+        "VISENC_MEMORY_LIMIT",
+        "VISENC_SHM_SIZE",
+        "VISENC_REDIS_MAXMEMORY",
+        "VISENC_REDIS_PASSWORD",
+    }
 )
 
 

@@ -171,3 +171,21 @@ def test_a_second_start_on_an_address_a_loading_visenc_holds_is_refused(tmp_path
         assert (tmp_path / "v.sock").exists()
     finally:
         uds.close()
+
+
+def test_no_variable_the_repository_names_is_warned_about():
+    from visenc.proxy.settings import ProxySettings
+
+    known = {f"VISENC_{n}".upper() for n in Settings.model_fields} | {"VISENC_API_KEY"}
+    known |= {f"VISENC_PROXY_{n}".upper() for n in ProxySettings.model_fields}
+    files = [ROOT / "README.md", ROOT / "Makefile", *(ROOT / "docs").glob("*.md"), *(ROOT / "deploy").rglob("*")]
+    files += [*(ROOT / "clients" / "visenc_client").rglob("*.py")]
+    named = {
+        v: f.relative_to(ROOT)
+        for f in files
+        if f.is_file() and f.suffix in ("", ".md", ".py", ".yml", ".yaml", ".example", ".conf")
+        for v in re.findall(r"\bVISENC_[A-Z0-9_]*[A-Z0-9]\b", f.read_text(errors="replace"))
+        if v != "VISENC_MODLE"  # the docs' example of a misspelt one
+    }
+    warned = {line.split()[2]: named[line.split()[2]] for line in preflight.unknown_variables(named, known, "\0")}
+    assert warned == {}

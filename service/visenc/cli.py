@@ -105,16 +105,14 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseSettings], groups
         else:
             kind, choices = _flag_type(field.annotation)
             flag = {"type": kind, "choices": choices}
-        default = (
-            "required"
-            if field.is_required()
-            else f"default: {_shown(name, field.get_default(call_default_factory=True))}"
-        )
+        shown = "required" if field.is_required() else _shown(name, field.get_default(call_default_factory=True))
+        said = shown == "unset" and "default" in str(field.description).lower()  # the description says what
+        default = "" if said else ("required; " if shown == "required" else f"default: {shown}; ")
         group_of.get(name, parser).add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             default=argparse.SUPPRESS,
-            help=f"{field.description} ({default}; env {env})".replace("%", "%%"),
+            help=f"{field.description} ({default}env {env})".replace("%", "%%"),
             **flag,
         )
 

@@ -133,7 +133,8 @@ def test_every_setting_is_in_one_group_and_shows_its_default(capsys):
     assert [g for g in GROUPS if f"\n{g} options:\n" not in text] == []
     helps = [" ".join(h.split()) for h in re.split(r"\n  (?=--)", text)[1:]]
     assert len(helps) == len(Settings.model_fields)
-    assert [h.split()[0] for h in helps if "(default: " not in h and "(required" not in h] == []
+    assert [h.split()[0] for h in helps if "default" not in h.lower() and "(required" not in h] == []
+    assert [h.split()[0] for h in helps if h.lower().count("default") > 1 and "default: unset" in h] == []
     assert "(default: 256MiB; env VISENC_MAX_BODY_BYTES)" in " ".join(text.split())
 
 

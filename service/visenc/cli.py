@@ -258,9 +258,14 @@ def run_proxy(settings: ProxySettings) -> int:
     from visenc.proxy import Proxy, create_proxy_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = preflight.listen(settings)
+    except StartError as e:
+        print(f"visenc: {e}", file=sys.stderr)
+        return e.code
     signal.signal(signal.SIGTERM, _stopped)
     app = create_proxy_app(Proxy(settings))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.Server(uvicorn.Config(app, log_level=settings.log_level)).run(sockets=[sock])
     return 0
 
 

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from visenc.config import Settings
+from visenc.proxy.settings import ProxySettings
 
 #: exit status of a flag or value the parser refuses, or a setting that does not validate
 EXIT_USAGE = 2
@@ -126,13 +127,14 @@ def check_paths(settings: Settings) -> None:
             raise StartError(EXIT_BAD_PATH, f"--download-dir {folder}: not writable")
 
 
-def listen(settings: Settings) -> socket.socket:
+def listen(settings: Settings | ProxySettings) -> socket.socket:
     """The listening socket, bound and listening now, before the model loads: ``uds`` or ``host:port``. It
     listens at once so that a second visenc started on the same address while this one loads is refused
     (two sockets with SO_REUSEADDR may both bind an address no socket listens on yet)."""
     try:
-        if settings.uds is not None:
-            return _unix_socket(settings.uds)
+        uds = getattr(settings, "uds", None)
+        if uds is not None:
+            return _unix_socket(uds)
         family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -143,7 +145,7 @@ def listen(settings: Settings) -> socket.socket:
             sock.close()
             raise
     except OSError as e:
-        where = settings.uds or f"{settings.host}:{settings.port}"
+        where = getattr(settings, "uds", None) or f"{settings.host}:{settings.port}"
         raise StartError(EXIT_CANNOT_LISTEN, f"cannot listen on {where}: {e.strerror or e}") from e
     sock.set_inheritable(True)
     return sock

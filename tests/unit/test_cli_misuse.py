@@ -190,3 +190,15 @@ def test_no_variable_the_repository_names_is_warned_about():
     }
     warned = {line.split()[2]: named[line.split()[2]] for line in preflight.unknown_variables(named, known, "\0")}
     assert warned == {}
+
+
+def test_the_proxy_on_a_busy_port_is_one_line(busy_port):
+    r = subprocess.run(
+        [sys.executable, "-m", "visenc.cli", "proxy", "--upstream", "http://127.0.0.1:9", "--port", str(busy_port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+    )
+    assert r.returncode == preflight.EXIT_CANNOT_LISTEN, r.stderr
+    assert r.stderr.strip() == f"visenc: cannot listen on 127.0.0.1:{busy_port}: Address already in use"

@@ -190,7 +190,10 @@ def prepare(settings: Settings) -> socket.socket:
     preflight.check_model(settings.model)
     sock = preflight.listen(settings)
     if settings.download_dir is not None:
+        from visenc.models import hub
+
         os.environ["HF_HUB_CACHE"] = str(settings.download_dir)
+        hub.DOWNLOAD_DIR = settings.download_dir
     if settings.hf_token is not None:
         os.environ["HF_TOKEN"] = settings.hf_token.get_secret_value()
     return sock

@@ -246,6 +246,11 @@ def serve(settings: Settings) -> int:
         server.should_exit = True
 
     app.state.stop_server = stop_server
+    try:
+        preflight.start_listening(sock, settings)
+    except StartError as e:
+        print(f"visenc: {e}", file=sys.stderr)
+        return e.code
     where = f"unix:{settings.uds}" if settings.uds else "http://{}:{}".format(*sock.getsockname()[:2])
     logging.getLogger("visenc").info("listening on %s", where)
     server.run(sockets=[sock])
@@ -263,6 +268,7 @@ def run_proxy(settings: ProxySettings) -> int:
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         sock = preflight.listen(settings)
+        preflight.start_listening(sock, settings)
     except StartError as e:
         print(f"visenc: {e}", file=sys.stderr)
         return e.code

@@ -128,9 +128,9 @@ def check_paths(settings: Settings) -> None:
 
 
 def listen(settings: Settings | ProxySettings) -> socket.socket:
-    """The listening socket, bound and listening now, before the model loads: ``uds`` or ``host:port``. It
-    listens at once so that a second visenc started on the same address while this one loads is refused
-    (two sockets with SO_REUSEADDR may both bind an address no socket listens on yet)."""
+    """The socket, bound now, before the model loads: ``uds`` or ``host:port``. A unix socket listens at
+    once (a second visenc would take its path for a stale one); a TCP one is refused meanwhile, so that
+    callers fall back at once, and listens at ``start_listening``."""
     try:
         uds = getattr(settings, "uds", None)
         if uds is not None:
@@ -140,7 +140,6 @@ def listen(settings: Settings | ProxySettings) -> socket.socket:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((settings.host, settings.port))
-            sock.listen(BACKLOG)
         except OSError:
             sock.close()
             raise
@@ -149,6 +148,16 @@ def listen(settings: Settings | ProxySettings) -> socket.socket:
         raise StartError(EXIT_CANNOT_LISTEN, f"cannot listen on {where}: {e.strerror or e}") from e
     sock.set_inheritable(True)
     return sock
+
+
+def start_listening(sock: socket.socket, settings: Settings | ProxySettings) -> None:
+    """``sock`` listens. Two sockets with SO_REUSEADDR may both bind an address that no socket listens on
+    yet: a second visenc started on it while this one loaded is refused here (``StartError``)."""
+    try:
+        sock.listen(BACKLOG)
+    except OSError as e:
+        why = f"{e.strerror or e} (taken while the model loaded)"
+        raise StartError(EXIT_CANNOT_LISTEN, f"cannot listen on {settings.host}:{settings.port}: {why}") from e
 
 
 def _unix_socket(path: Path) -> socket.socket:

@@ -158,13 +158,19 @@ def test_every_byte_size_flag_takes_units(command):
 
 
 def test_a_second_start_on_an_address_a_loading_visenc_holds_is_refused(tmp_path):
-    port = preflight.listen(Settings(port=0))  # the first visenc, loading its model
+    first = preflight.listen(Settings(port=0))  # the first visenc, loading its model
+    settings = Settings(port=first.getsockname()[1])
+    second = preflight.listen(settings)  # a second one, started meanwhile
     try:
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", settings.port)):
+            pass  # while they load, callers are refused (they fall back at once)
+        preflight.start_listening(first, settings)
         with pytest.raises(preflight.StartError, match="Address already in use") as e:
-            preflight.listen(Settings(port=port.getsockname()[1])).close()
+            preflight.start_listening(second, settings)
         assert e.value.code == preflight.EXIT_CANNOT_LISTEN
     finally:
-        port.close()
+        first.close()
+        second.close()
     uds = preflight.listen(Settings(uds=tmp_path / "v.sock"))
     try:
         with pytest.raises(preflight.StartError, match="another process listens there"):

@@ -251,7 +251,8 @@ def create_app(
         applied = {"process_memory_bytes": split.total, "revision": resolved_revision(settings)}
         applied |= {"max_batch_tokens": core.budget.max_batch_tokens, "prefetch_tokens": core.budget.prefetch_tokens}
         shown = {**sized(settings, split).redacted(), **applied}  # each figure as applied
-        log.info("visenc ready: model=%s fingerprint=%s settings=%s", d["name"], d["fingerprint"], shown)
+        name = f"{d['name']} (served as {settings.served_model_name})" if settings.served_model_name else d["name"]
+        log.info("visenc ready: model=%s fingerprint=%s settings=%s", name, d["fingerprint"], shown)
         log.info("%s", capacity(loaded, split.l1))
         try:
             yield core

@@ -105,16 +105,14 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseSettings], groups
         else:
             kind, choices = _flag_type(field.annotation)
             flag = {"type": kind, "choices": choices}
-        default = (
-            "required"
-            if field.is_required()
-            else f"default: {_shown(name, field.get_default(call_default_factory=True))}"
-        )
+        shown = "required" if field.is_required() else _shown(name, field.get_default(call_default_factory=True))
+        said = shown == "unset" and "default" in str(field.description).lower()  # the description says what
+        default = "" if said else ("required; " if shown == "required" else f"default: {shown}; ")
         group_of.get(name, parser).add_argument(
             f"--{name.replace('_', '-')}",
             dest=name,
             default=argparse.SUPPRESS,
-            help=f"{field.description} ({default}; env {env})".replace("%", "%%"),
+            help=f"{field.description} ({default}env {env})".replace("%", "%%"),
             **flag,
         )
 
@@ -192,7 +190,10 @@ def prepare(settings: Settings) -> socket.socket:
     preflight.check_model(settings.model)
     sock = preflight.listen(settings)
     if settings.download_dir is not None:
+        from visenc.models import hub
+
         os.environ["HF_HUB_CACHE"] = str(settings.download_dir)
+        hub.DOWNLOAD_DIR = settings.download_dir
     if settings.hf_token is not None:
         os.environ["HF_TOKEN"] = settings.hf_token.get_secret_value()
     return sock
@@ -245,6 +246,11 @@ def serve(settings: Settings) -> int:
         server.should_exit = True
 
     app.state.stop_server = stop_server
+    try:
+        preflight.start_listening(sock, settings)
+    except StartError as e:
+        print(f"visenc: {e}", file=sys.stderr)
+        return e.code
     where = f"unix:{settings.uds}" if settings.uds else "http://{}:{}".format(*sock.getsockname()[:2])
     logging.getLogger("visenc").info("listening on %s", where)
     server.run(sockets=[sock])
@@ -260,9 +266,15 @@ def run_proxy(settings: ProxySettings) -> int:
     from visenc.proxy import Proxy, create_proxy_app
 
     logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        sock = preflight.listen(settings)
+        preflight.start_listening(sock, settings)
+    except StartError as e:
+        print(f"visenc: {e}", file=sys.stderr)
+        return e.code
     signal.signal(signal.SIGTERM, _stopped)
     app = create_proxy_app(Proxy(settings))
-    uvicorn.run(app, host=settings.host, port=settings.port, log_level=settings.log_level)
+    uvicorn.Server(uvicorn.Config(app, log_level=settings.log_level)).run(sockets=[sock])
     return 0
 
 

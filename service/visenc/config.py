@@ -119,7 +119,7 @@ class Settings(BaseSettings):
         description="Bytes that entries pinned for their readers may hold beyond cache_bytes; past it the oldest "
         "pins are cut (visenc_cache_pins_cut_total). Default: an eighth of process_memory_bytes, within it.",
     )
-    joined_rows_bytes: int | None = Field(
+    joined_rows_bytes: Bytes | None = Field(
         None,
         ge=0,
         description="Bytes of video rows joined from their tubes for reads by the video's hash, kept for the reads "
@@ -136,7 +136,7 @@ class Settings(BaseSettings):
         None, description="redis:// or rediss:// URL of the shared index (L2); unset = in-process only."
     )
     cache_ttl_s: int = Field(7 * 86400, gt=0, description="TTL of Redis entries, seconds.")
-    redis_batch_bytes: int = Field(
+    redis_batch_bytes: Bytes = Field(
         64 * MiB,
         gt=0,
         description="Most bytes of entries one Redis read brings in: the misses of a request are read in batches "

@@ -11,6 +11,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from visenc.config import Settings
+from visenc.proxy.settings import ProxySettings
 
 #: exit status of a flag or value the parser refuses, or a setting that does not validate
 EXIT_USAGE = 2
@@ -25,11 +26,21 @@ EXIT_CANNOT_LISTEN = 6
 #: exit status when a file or folder a setting names cannot be read or written
 EXIT_BAD_PATH = 7
 
+#: the listening socket's backlog (uvicorn's default)
+BACKLOG = 2048
 #: the built-in towers (``visenc.models.registry.REGISTRY``, which imports torch; a test keeps them equal)
 BUILT_IN = ("tiny-clip", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-siglip")
 #: ``VISENC_*`` variables that are no setting of the service but are read elsewhere (the client, compose)
 OTHER_VARIABLES = frozenset(
-    {"VISENC_SHM_MAP_CACHE_BYTES", "VISENC_BASE", "VISENC_MEMORY_LIMIT", "VISENC_SHM_SIZE", "VISENC_REDIS_MAXMEMORY"}
+    {
+        "VISENC_SHM_MAP_CACHE_BYTES",
+        "VISENC_SHM_MAP_SWEEP_S",
+        "VISENC_BASE",
+        "VISENC_MEMORY_LIMIT",
+        "VISENC_SHM_SIZE",
+        "VISENC_REDIS_MAXMEMORY",
+        "VISENC_REDIS_PASSWORD",
+    }
 )
 
 
@@ -103,11 +114,14 @@ def check_paths(settings: Settings) -> None:
             raise StartError(EXIT_BAD_PATH, f"--download-dir {folder}: not writable")
 
 
-def listen(settings: Settings) -> socket.socket:
-    """The listening socket, bound now, before the model loads: ``uds`` or ``host:port``."""
+def listen(settings: Settings | ProxySettings) -> socket.socket:
+    """The socket, bound now, before the model loads: ``uds`` or ``host:port``. A unix socket listens at
+    once (a second visenc would take its path for a stale one); a TCP one is refused meanwhile, so that
+    callers fall back at once, and listens at ``start_listening``."""
     try:
-        if settings.uds is not None:
-            return _unix_socket(settings.uds)
+        uds = getattr(settings, "uds", None)
+        if uds is not None:
+            return _unix_socket(uds)
         family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -117,10 +131,20 @@ def listen(settings: Settings) -> socket.socket:
             sock.close()
             raise
     except OSError as e:
-        where = settings.uds or f"{settings.host}:{settings.port}"
+        where = getattr(settings, "uds", None) or f"{settings.host}:{settings.port}"
         raise StartError(EXIT_CANNOT_LISTEN, f"cannot listen on {where}: {e.strerror or e}") from e
     sock.set_inheritable(True)
     return sock
+
+
+def start_listening(sock: socket.socket, settings: Settings | ProxySettings) -> None:
+    """``sock`` listens. Two sockets with SO_REUSEADDR may both bind an address that no socket listens on
+    yet: a second visenc started on it while this one loaded is refused here (``StartError``)."""
+    try:
+        sock.listen(BACKLOG)
+    except OSError as e:
+        why = f"{e.strerror or e} (taken while the model loaded)"
+        raise StartError(EXIT_CANNOT_LISTEN, f"cannot listen on {settings.host}:{settings.port}: {why}") from e
 
 
 def _unix_socket(path: Path) -> socket.socket:
@@ -138,5 +162,10 @@ def _unix_socket(path: Path) -> socket.socket:
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-    sock.bind(str(path))
+    try:
+        sock.bind(str(path))
+        sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
     return sock

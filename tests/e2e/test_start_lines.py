@@ -65,6 +65,7 @@ def test_over_a_unix_socket_with_one_key_and_a_served_name(tmp_path: Path) -> No
     assert forwards, text
     assert (forwards.group(2) is None) == (forwards.group(1) == "16384")
     ready = next(line for line in text.splitlines() if "visenc ready" in line)
+    assert "model=tiny-qwen2-vl (served as enc) " in ready
     assert f"'max_batch_tokens': {forwards.group(1)}," in ready and "'cache_bytes': None" not in ready
 
 

@@ -134,7 +134,8 @@ def test_every_setting_is_in_one_group_and_shows_its_default(capsys):
     assert [g for g in GROUPS if f"\n{g} options:\n" not in text] == []
     helps = [" ".join(h.split()) for h in re.split(r"\n  (?=--)", text)[1:]]
     assert len(helps) == len(Settings.model_fields)
-    assert [h.split()[0] for h in helps if "(default: " not in h and "(required" not in h] == []
+    assert [h.split()[0] for h in helps if "default" not in h.lower() and "(required" not in h] == []
+    assert [h.split()[0] for h in helps if h.lower().count("default") > 1 and "default: unset" in h] == []
     assert "(default: 256MiB; env VISENC_MAX_BODY_BYTES)" in " ".join(text.split())
 
 
@@ -142,3 +143,69 @@ def test_the_built_in_names_are_the_registry():
     from visenc.models.registry import REGISTRY
 
     assert preflight.BUILT_IN == tuple(sorted(REGISTRY))
+
+
+@pytest.mark.parametrize("command", ["serve", "proxy"])
+def test_every_byte_size_flag_takes_units(command):
+    from visenc.proxy.settings import ProxySettings
+
+    model = Settings if command == "serve" else ProxySettings
+    names = [n for n in model.model_fields if n.endswith("_bytes")]
+    extra = ["--upstream", "http://a"] if command == "proxy" else []
+    for name in names:
+        args = vars(build_parser().parse_args([command, *extra, f"--{name.replace('_', '-')}", "1GiB"]))
+        args.pop("command")
+        assert getattr(model(**args), name) == 1 << 30, name
+
+
+def test_a_second_start_on_an_address_a_loading_visenc_holds_is_refused(tmp_path):
+    first = preflight.listen(Settings(port=0))  # the first visenc, loading its model
+    settings = Settings(port=first.getsockname()[1])
+    second = preflight.listen(settings)  # a second one, started meanwhile
+    try:
+        with pytest.raises(ConnectionRefusedError), socket.create_connection(("127.0.0.1", settings.port)):
+            pass  # while they load, callers are refused (they fall back at once)
+        preflight.start_listening(first, settings)
+        with pytest.raises(preflight.StartError, match="Address already in use") as e:
+            preflight.start_listening(second, settings)
+        assert e.value.code == preflight.EXIT_CANNOT_LISTEN
+    finally:
+        first.close()
+        second.close()
+    uds = preflight.listen(Settings(uds=tmp_path / "v.sock"))
+    try:
+        with pytest.raises(preflight.StartError, match="another process listens there"):
+            preflight.listen(Settings(uds=tmp_path / "v.sock")).close()
+        assert (tmp_path / "v.sock").exists()
+    finally:
+        uds.close()
+
+
+def test_no_variable_the_repository_names_is_warned_about():
+    from visenc.proxy.settings import ProxySettings
+
+    known = {f"VISENC_{n}".upper() for n in Settings.model_fields} | {"VISENC_API_KEY"}
+    known |= {f"VISENC_PROXY_{n}".upper() for n in ProxySettings.model_fields}
+    files = [ROOT / "README.md", ROOT / "Makefile", *(ROOT / "docs").glob("*.md"), *(ROOT / "deploy").rglob("*")]
+    files += [*(ROOT / "clients" / "visenc_client").rglob("*.py")]
+    named = {
+        v: f.relative_to(ROOT)
+        for f in files
+        if f.is_file() and f.suffix in ("", ".md", ".py", ".yml", ".yaml", ".example", ".conf")
+        for v in re.findall(r"\bVISENC_[A-Z0-9_]*[A-Z0-9]\b", f.read_text(errors="replace"))
+        if v != "VISENC_MODLE"  # the docs' example of a misspelt one
+    }
+    warned = {line.split()[2]: named[line.split()[2]] for line in preflight.unknown_variables(named, known, "\0")}
+    assert warned == {}
+
+
+def test_the_proxy_on_a_busy_port_is_one_line(busy_port):
+    r = subprocess.run(
+        [sys.executable, "-m", "visenc.cli", "proxy", "--upstream", "http://127.0.0.1:9", "--port", str(busy_port)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=ENV,
+    )
+    assert r.returncode == preflight.EXIT_CANNOT_LISTEN, r.stderr
+    assert r.stderr.strip() == f"visenc: cannot listen on 127.0.0.1:{busy_port}: Address already in use"

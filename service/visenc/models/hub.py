@@ -51,6 +51,8 @@ CONFIG_FILES = (
 VISION_FILE = "vision.safetensors"
 #: how long a start waits out a hub that says "try later" (``Settings.hub_wait_s``)
 HUB_WAIT_S = 300.0
+#: ``--download-dir``: the vision-only files go under its ``visenc/``; unset: under ``$HF_HOME/visenc``
+DOWNLOAD_DIR: Path | None = None
 
 
 def parse_spec(spec: str, revision: str | None) -> tuple[str, str | None] | None:
@@ -181,7 +183,8 @@ class HubWeights:
         from huggingface_hub.file_download import repo_folder_name
 
         repo = repo_folder_name(repo_id=self.snapshot.repo_id, repo_type="model")
-        return Path(constants.HF_HOME) / "visenc" / repo / self.snapshot.commit / VISION_FILE
+        root = DOWNLOAD_DIR if DOWNLOAD_DIR is not None else Path(constants.HF_HOME)
+        return root / "visenc" / repo / self.snapshot.commit / VISION_FILE
 
     def vision_header(self) -> dict[str, Any] | None:
         """The vision file's header if the file is there and whole (``whole_file``), checked once

@@ -7,6 +7,8 @@ from typing import Literal
 from pydantic import AliasChoices, Field, SecretStr, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from visenc.config import Bytes
+
 
 class ProxySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VISENC_PROXY_", extra="forbid", validate_default=True)
@@ -24,7 +26,7 @@ class ProxySettings(BaseSettings):
     allow_url_prefix: list[str] = Field(
         default_factory=list, description="Fetch http(s) image URLs under this prefix (repeat); none: data: URLs only."
     )
-    max_image_bytes: int = Field(32 << 20, gt=0, description="Largest image, bytes.")
+    max_image_bytes: Bytes = Field(32 << 20, gt=0, description="Largest image, bytes.")
     fetch_timeout_s: float = Field(10.0, gt=0, description="Bound of one image URL fetch.")
     upstream_timeout_s: float = Field(600.0, gt=0, description="Bound of one request to an upstream.")
     health_interval_s: float = Field(2.0, gt=0, description="How often the upstreams are health-checked.")

@@ -95,7 +95,7 @@ class DeviceLoop:
         """Take batches and forward them until retired (``None``) or a batch fails (its ``Failure``)."""
         worked_at: float | None = None
         while generation == self._generation:
-            self._wait_launched()
+            self._wait_launched(generation)
             batch = self.ready.take(self.max_wait_s, TAKE_TIMEOUT_S)
             if not batch:
                 if worked_at is not None and time.monotonic() - worked_at >= self.heap_idle_s:
@@ -108,17 +108,20 @@ class DeviceLoop:
                 break
             self._batch, self._handed = batch, set()
             try:
-                self._run_batch(batch)
+                self._run_batch(batch, generation)
             except Exception as error:
+                if generation != self._generation:  # abandoned (a stall): its failure was answered
+                    return None
                 log.error("forward of %d images failed", len(batch), exc_info=error)
                 return Failure(self.not_forwarded(), f"the device worker failed: {type(error).__name__}", error)
             finally:
-                self.busy_since = None
+                if generation == self._generation:  # an abandoned loop leaves the live one's state alone
+                    self.busy_since = None
                 self._post(self.ready.dispatch)  # the batch's inputs are freed: preprocess more
             worked_at = time.monotonic()
         return None
 
-    def _wait_launched(self) -> None:
+    def _wait_launched(self, generation: int) -> None:
         """Wait until at most ``LAUNCHED_AHEAD`` forwards are unfinished (the device has the next one
         queued meanwhile); a wait that never ends is a stall, as a forward's is."""
         if len(self._launched) <= LAUNCHED_AHEAD:
@@ -126,15 +129,19 @@ class DeviceLoop:
         self.busy_since = time.monotonic()
         while len(self._launched) > LAUNCHED_AHEAD:
             self._launched.popleft().synchronize()
-        self.busy_since = None
+        if generation == self._generation:
+            self.busy_since = None
 
-    def _run_batch(self, batch: list[Job]) -> None:
+    def _run_batch(self, batch: list[Job], generation: int) -> None:
         """Forward ``batch`` in the tower's groups (each split on out-of-memory), each group's rows
-        handed on as soon as it is launched."""
+        handed on as soon as it is launched. A loop abandoned meanwhile (a stall: the rest of its batch
+        was failed) forwards no more of it."""
         self.busy_since = time.monotonic()
         for job in batch:
             self.metrics.queue_wait_seconds.observe(self.busy_since - job.admitted_at)
         for group in self.tower.forward_groups([j.input for j in batch]):
+            if generation != self._generation and any(batch[i].state is not JobState.RUNNING for i in group):
+                return
             self._forward_fitting([batch[i] for i in group])
 
     def _forward_fitting(self, jobs: list[Job]) -> None:

@@ -16,6 +16,7 @@ from tests.support.images import png_bytes
 from tests.support.waits import until
 
 from visenc.engine.worker import WorkerState
+from visenc.models import sim
 from visenc.models.base import Prepared
 
 
@@ -66,3 +67,14 @@ async def test_an_abandoned_device_thread_forwards_no_more_of_its_batch(tiny_tow
             assert late == [], f"the abandoned thread forwarded {sum(late)} more images of its failed batch"
     finally:
         release.set()
+
+
+async def test_a_launched_forward_the_device_never_ends_is_a_stall():
+    """The forward call returns at launch (as CUDA's does); its device work runs past ``stall_timeout_s``:
+    the watchdog sees it, and its waiter is answered 503 long before the device would end it."""
+    tower = sim.load("sim:launch_ms=1,token_us=100000,patch=16,hidden=8")  # 64 tokens: 6.4 s on the device
+    async with running_app(tower, stall_timeout_s=0.5, shutdown_timeout_s=1.0) as client:
+        t0 = time.monotonic()
+        r = await encode_json(client, [{"data": png_bytes(795, 128, 128)}])
+        assert r.status_code == 503 and "stall_timeout_s=0.5" in r.text, r.text
+        assert time.monotonic() - t0 < 4.0, "the stalled forward's waiter was answered only when it ended"

@@ -235,11 +235,11 @@ async def test_a_crash_of_the_worker_loop_itself_fails_its_batch_and_restarts(ti
         real = engine.worker.device._run_batch
         calls = {"n": 0}
 
-        def crashing(batch):  # on the device thread
+        def crashing(batch, generation):  # on the device thread
             calls["n"] += 1
             if calls["n"] == 1:
                 raise KeyError("a bug in the loop")
-            real(batch)
+            real(batch, generation)
 
         monkeypatch.setattr(engine.worker.device, "_run_batch", crashing)
         t0 = time.monotonic()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 
 from tests.support.stages import forwarded, job, make_scheduler
 from tests.support.waits import until
@@ -107,3 +108,18 @@ async def test_depth_counts_a_job_that_just_became_ready_once():
     while not s._ready:  # noqa: ASYNC110 (each loop turn: the first that sees it ready is the point)
         await asyncio.sleep(0)
     assert len(s._ready) == 1 and s.depth == 1
+
+
+async def test_the_device_takes_work_that_piled_up_at_once_with_preparations_in_flight():
+    """Ready work found on arrival (it piled up during the previous forward) is taken at once: the
+    batch-filling wait is only for a device that was idle, never for stragglers behind a busy one."""
+    s = make_scheduler()
+    jobs = [job(10, (0, i), "A") for i in range(2)]
+    for j in jobs:
+        s.submit(j)
+    await until(lambda: len(s._ready) == 2)
+    s._preparations += 1  # another image is still being preprocessed
+    t0 = time.monotonic()
+    batch = await asyncio.to_thread(s.take, 5.0, 1.0)
+    assert batch == jobs and time.monotonic() - t0 < 1.0, "the device waited for a straggler"
+    s._preparations -= 1

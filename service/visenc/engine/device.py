@@ -71,8 +71,9 @@ class DeviceLoop:
         self.busy_since: float | None = None
         self._batch: list[Job] = []
         self._handed: set[int] = set()
-        #: events behind the forwards launched, oldest first (CUDA's, or the tower's own)
-        self._launched: collections.deque[Any] = collections.deque()
+        #: the forwards launched, oldest first: the event behind each (CUDA's, or the tower's own), its
+        #: launch time and its jobs
+        self._launched: collections.deque[tuple[Any, float, list[Job]]] = collections.deque()
 
     # --- what the event loop calls -----------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> int:
@@ -90,12 +91,27 @@ class DeviceLoop:
         """The jobs of the batch in progress whose rows were not handed on."""
         return [j for j in self._batch if id(j) not in self._handed and j.state is JobState.RUNNING]
 
+    def unfinished(self) -> list[Job]:
+        """The jobs whose rows are not made: the batch in progress's, and the launched forwards' still
+        running on the device (a stall fails them all)."""
+        launched = [j for event, _, jobs in list(self._launched) if not _done(event) for j in jobs]
+        return [*self.not_forwarded(), *(j for j in launched if not j.finished)]
+
+    def stalled_since(self) -> float | None:
+        """Since when the device has worked on what it holds now: the batch in progress, or the oldest
+        launched forward not yet finished (one the device never ends is a stall as a forward call is)."""
+        since = self.busy_since
+        for event, launched_at, _ in list(self._launched):
+            if not _done(event):
+                return launched_at if since is None else min(since, launched_at)
+        return since
+
     # --- the device thread ------------------------------------------------------------
     def run(self, generation: int) -> Failure | None:
         """Take batches and forward them until retired (``None``) or a batch fails (its ``Failure``)."""
         worked_at: float | None = None
         while generation == self._generation:
-            self._wait_launched()
+            self._wait_launched(generation)
             batch = self.ready.take(self.max_wait_s, TAKE_TIMEOUT_S)
             if not batch:
                 if worked_at is not None and time.monotonic() - worked_at >= self.heap_idle_s:
@@ -108,36 +124,45 @@ class DeviceLoop:
                 break
             self._batch, self._handed = batch, set()
             try:
-                self._run_batch(batch)
+                self._run_batch(batch, generation)
             except Exception as error:
+                if generation != self._generation:  # abandoned (a stall): its failure was answered
+                    return None
                 log.error("forward of %d images failed", len(batch), exc_info=error)
                 return Failure(self.not_forwarded(), f"the device worker failed: {type(error).__name__}", error)
             finally:
-                self.busy_since = None
+                if generation == self._generation:  # an abandoned loop leaves the live one's state alone
+                    self.busy_since = None
                 self._post(self.ready.dispatch)  # the batch's inputs are freed: preprocess more
             worked_at = time.monotonic()
         return None
 
-    def _wait_launched(self) -> None:
+    def _wait_launched(self, generation: int) -> None:
         """Wait until at most ``LAUNCHED_AHEAD`` forwards are unfinished (the device has the next one
         queued meanwhile); a wait that never ends is a stall, as a forward's is."""
         if len(self._launched) <= LAUNCHED_AHEAD:
             return
         self.busy_since = time.monotonic()
-        while len(self._launched) > LAUNCHED_AHEAD:
-            self._launched.popleft().synchronize()
-        self.busy_since = None
+        while len(self._launched) > LAUNCHED_AHEAD and generation == self._generation:
+            self._launched[0][0].synchronize()  # left in place meanwhile: a stall fails its jobs too
+            if generation == self._generation and self._launched:
+                self._launched.popleft()
+        if generation == self._generation:
+            self.busy_since = None
 
-    def _run_batch(self, batch: list[Job]) -> None:
+    def _run_batch(self, batch: list[Job], generation: int) -> None:
         """Forward ``batch`` in the tower's groups (each split on out-of-memory), each group's rows
-        handed on as soon as it is launched."""
+        handed on as soon as it is launched. A loop abandoned meanwhile (a stall: the rest of its batch
+        was failed) forwards no more of it."""
         self.busy_since = time.monotonic()
         for job in batch:
             self.metrics.queue_wait_seconds.observe(self.busy_since - job.admitted_at)
         for group in self.tower.forward_groups([j.input for j in batch]):
-            self._forward_fitting([batch[i] for i in group])
+            if generation != self._generation and any(batch[i].state is not JobState.RUNNING for i in group):
+                return
+            self._forward_fitting([batch[i] for i in group], generation)
 
-    def _forward_fitting(self, jobs: list[Job]) -> None:
+    def _forward_fitting(self, jobs: list[Job], generation: int) -> None:
         """One forward of ``jobs``; if it runs out of memory, the halves in turn, down to one image.
         An image that does not fit even alone fails with ``OutOfMemory`` (a per-item error)."""
         started = time.monotonic()
@@ -158,8 +183,8 @@ class DeviceLoop:
                 return
             log.info("forward of %d images ran out of memory; splitting it in two", len(jobs))
             half = len(jobs) // 2
-            self._forward_fitting(jobs[:half])
-            self._forward_fitting(jobs[half:])
+            self._forward_fitting(jobs[:half], generation)
+            self._forward_fitting(jobs[half:], generation)
             return
         elapsed = time.monotonic() - started
         self.metrics.forward_seconds.observe(elapsed)
@@ -167,8 +192,8 @@ class DeviceLoop:
         self.metrics.batch_images.observe(len(jobs))
         self.metrics.batch_tokens.observe(sum(j.cost for j in jobs))
         self._handed.update(map(id, jobs))
-        if event is not None:
-            self._launched.append(event)
+        if event is not None and generation == self._generation:
+            self._launched.append((event, started, jobs))
         self._post(self._forwarded, jobs, started, elapsed)  # before the copy's answer: the loop runs them in order
         self.outputs.submit(Forwarded(jobs, outputs, event))
 
@@ -199,6 +224,12 @@ class DeviceLoop:
             event = torch.cuda.Event()
             event.record(self._stream)
         return outputs, event
+
+
+def _done(event: Any) -> bool:
+    """Whether the work behind ``event`` is done, without waiting (an event that cannot tell: done)."""
+    query = getattr(event, "query", None)
+    return query is None or bool(query())
 
 
 def is_out_of_memory(error: BaseException) -> bool:

@@ -218,7 +218,7 @@ class DeviceWorker:
                     if failure is not None:
                         self.metrics.encode_failures.labels("forward").inc(len(failure.batch))
                     return failure
-                since = self.device.busy_since
+                since = self.device.stalled_since()
                 if since is not None and time.monotonic() - since > self.stall_timeout_s:
                     return self._stalled(run)
         except asyncio.CancelledError:
@@ -237,7 +237,7 @@ class DeviceWorker:
         run.add_done_callback(_drop_result)  # the late result of a stalled call is not used
         self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the call
         self._thread = _device_thread()
-        batch = self.device.not_forwarded()
+        batch = self.device.unfinished()
         self.metrics.worker_stalls.inc()
         self.metrics.encode_failures.labels("stall").inc(len(batch))
         reason = f"the device worker stalled: a forward ran longer than stall_timeout_s={self.stall_timeout_s}"

@@ -78,6 +78,10 @@ class SimEvent:
         """Wait until the work queued before the event is done (its outputs written)."""
         self._device.wait_for(self._seq)
 
+    def query(self) -> bool:
+        """Whether the work queued before the event is done, without waiting."""
+        return self._device.done(self._seq)
+
 
 class SimDevice:
     """The simulated stream: work runs in queue order, each item after the one before it ends. An item is
@@ -115,6 +119,11 @@ class SimDevice:
     def synchronize(self) -> None:
         """Wait until all the work queued so far is done (``torch.cuda.synchronize``)."""
         self.event().synchronize()
+
+    def done(self, seq: int) -> bool:
+        with self._lock:
+            end = self._ends.get(seq)
+        return end is None or end <= time.monotonic()
 
     def wait_for(self, seq: int) -> None:
         with self._lock:

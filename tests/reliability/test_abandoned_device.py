@@ -1,0 +1,80 @@
+"""A stalled forward's thread is abandoned: when its forward comes back late, it forwards nothing more of
+its batch (those jobs were answered 503) and leaves the live device loop's state alone."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+from tests.support.api import encode_json, running_app
+from tests.support.faults import FaultyTower
+from tests.support.images import png_bytes
+from tests.support.waits import until
+
+from visenc.engine.worker import WorkerState
+from visenc.models import sim
+from visenc.models.base import Prepared
+
+
+class GroupedStallingTower(FaultyTower):
+    """One device call an image; the first one blocks until ``release`` is set. Records each call's thread."""
+
+    def __init__(self, inner, release: threading.Event) -> None:
+        super().__init__(inner)
+        self.release = release
+        self.calls: list[tuple[int, int]] = []  # (thread id, images)
+
+    def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
+        return [[i] for i in range(len(batch))]
+
+    def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
+        first = not self.calls
+        self.calls.append((threading.get_ident(), len(batch)))
+        if first:
+            self.release.wait(30)
+        return super().forward(batch)
+
+
+async def test_an_abandoned_device_thread_forwards_no_more_of_its_batch(tiny_tower, monkeypatch, caplog):
+    release = threading.Event()
+    tower = GroupedStallingTower(tiny_tower, release)
+    try:
+        async with running_app(tower, stall_timeout_s=0.3, max_wait_ms=300.0) as client:
+            engine = client.app.state.engine
+            real, gate = engine.scheduler.take, threading.Event()
+            monkeypatch.setattr(engine.scheduler, "take", lambda *a: gate.wait(30) and real(*a))
+            sent = asyncio.create_task(encode_json(client, [{"data": png_bytes(760 + i, 28, 28)} for i in range(3)]))
+            await until(lambda: len(engine.scheduler._ready) == 3)
+            gate.set()  # the three images go in one batch
+            r = await sent
+            assert r.status_code == 503 and "stall_timeout_s" in r.text
+            await until(lambda: engine.worker.state is WorkerState.HEALTHY)
+            stalled = tower.calls[0][0]
+            live = engine.worker.device
+            live.busy_since = marked = time.monotonic() + 3600  # as if the live loop were in a forward
+            caplog.clear()
+            release.set()  # the stalled forward comes back, late
+            await asyncio.sleep(1.0)  # time for it to go on, if it does
+            assert live.busy_since == marked, "the abandoned thread reset the live loop's busy_since"
+            errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+            assert errors == [], errors
+            live.busy_since = None
+            late = [n for t, n in tower.calls[1:] if t == stalled]
+            assert late == [], f"the abandoned thread forwarded {sum(late)} more images of its failed batch"
+    finally:
+        release.set()
+
+
+async def test_a_launched_forward_the_device_never_ends_is_a_stall():
+    """The forward call returns at launch (as CUDA's does); its device work runs past ``stall_timeout_s``:
+    the watchdog sees it, and its waiter is answered 503 long before the device would end it."""
+    tower = sim.load("sim:launch_ms=1,token_us=100000,patch=16,hidden=8")  # 64 tokens: 6.4 s on the device
+    async with running_app(tower, stall_timeout_s=0.5, shutdown_timeout_s=1.0) as client:
+        t0 = time.monotonic()
+        r = await encode_json(client, [{"data": png_bytes(795, 128, 128)}])
+        assert r.status_code == 503 and "stall_timeout_s=0.5" in r.text, r.text
+        assert time.monotonic() - t0 < 4.0, "the stalled forward's waiter was answered only when it ended"

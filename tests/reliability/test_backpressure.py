@@ -9,27 +9,10 @@ import time
 
 import httpx
 import pytest
-from tests.support.api import b64, encode_json, running_app, sha
+from tests.support.api import b64, encode_json, held_device, running_app, sha
 from tests.support.images import png_bytes
 from tests.support.processes import serve_subprocess
 from tests.support.waits import metric, until, wait_until
-
-
-@contextlib.contextmanager
-def held_device(encoder, monkeypatch):
-    """The device takes no batch until the returned event is set (images queue up, already admitted)."""
-    gate = threading.Event()
-    real = encoder.scheduler.take
-
-    def held(*a, **kw):  # on the device thread, which takes its batches itself
-        gate.wait()
-        return real(*a, **kw)
-
-    monkeypatch.setattr(encoder.scheduler, "take", held)
-    try:
-        yield gate
-    finally:
-        gate.set()
 
 
 def assert_no_leaks(encoder) -> None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import asyncio
 import base64
 import struct
-import threading
 
 import msgpack
 import numpy as np
 import pytest
 import torch
-from tests.support.api import MSGPACK, encode_json, fetch_rows, reference, running_app, sha
+from tests.support.api import MSGPACK, encode_json, fetch_rows, held_device, reference, running_app, sha
 from tests.support.images import png_bytes
 from tests.support.waits import metric, until
 
@@ -180,22 +179,15 @@ async def test_cancelled_waiters_drop_queued_work(tiny_tower, monkeypatch):
     """A waiting request that goes away leaves no job, future or in-flight entry behind."""
     async with running_app(tiny_tower) as client:
         encoder = client.app.state.engine  # type: ignore[attr-defined]
-        gate = threading.Event()
-        real = encoder.scheduler.take
-
-        def held(*a, **kw):  # on the device thread, which takes its batches itself
-            gate.wait()
-            return real(*a, **kw)
-
-        monkeypatch.setattr(encoder.scheduler, "take", held)
-        tasks = [asyncio.create_task(encode_json(client, [{"data": png_bytes(40 + i, 64, 64)}])) for i in range(4)]
-        await until(lambda: len(encoder.intake.inflight) == 4, what="4 images admitted")
-        assert len(encoder.intake.inflight) == 4
-        for t in tasks[:2]:
-            t.cancel()
-        await asyncio.gather(*tasks[:2], return_exceptions=True)
-        gate.set()
-        done = await asyncio.gather(*tasks[2:])
+        with held_device(encoder, monkeypatch) as gate:
+            tasks = [asyncio.create_task(encode_json(client, [{"data": png_bytes(40 + i, 64, 64)}])) for i in range(4)]
+            await until(lambda: len(encoder.intake.inflight) == 4, what="4 images admitted")
+            assert len(encoder.intake.inflight) == 4
+            for t in tasks[:2]:
+                t.cancel()
+            await asyncio.gather(*tasks[:2], return_exceptions=True)
+            gate.set()
+            done = await asyncio.gather(*tasks[2:])
         assert all(r.json()["items"][0]["status"] == "ready" for r in done)
         await until(lambda: not encoder.intake.inflight and encoder.scheduler.idle, what="the engine idle")
         assert encoder.intake.inflight == {} and encoder.scheduler.idle and encoder.scheduler.staged_tokens == 0

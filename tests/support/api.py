@@ -7,7 +7,8 @@ from __future__ import annotations
 import base64
 import contextlib
 import hashlib
-from collections.abc import AsyncIterator, Callable
+import threading
+from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
 
 import httpx
@@ -63,3 +64,20 @@ async def fetch_rows(client, h: str, start=None, end=None, headers=None) -> np.n
     rows, hidden = map(int, r.headers["x-visenc-shape"].split(","))
     assert r.headers["x-visenc-dtype"] == "float32"
     return np.frombuffer(r.content, dtype="<f4").reshape(rows, hidden)
+
+
+@contextlib.contextmanager
+def held_device(encoder: Any, monkeypatch: Any) -> Iterator[threading.Event]:
+    """The device takes no batch until the returned event is set (images queue up, already admitted)."""
+    gate = threading.Event()
+    real = encoder.scheduler.take
+
+    def held(*a: Any, **kw: Any) -> Any:  # on the device thread, which takes its batches itself
+        gate.wait()
+        return real(*a, **kw)
+
+    monkeypatch.setattr(encoder.scheduler, "take", held)
+    try:
+        yield gate
+    finally:
+        gate.set()

@@ -377,3 +377,15 @@ class _Handler(BaseHTTPRequestHandler):
             self.close_connection = True
             return
         self.answer(206, data, file, Content_Range=f"bytes {start}-{end - 1}/{blob.size}", **headers)
+
+
+def point_hub_at(monkeypatch: Any, tmp_path: Path, url: str) -> None:
+    """Point this process's huggingface_hub at ``url``, with a cache under ``tmp_path``."""
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "ENDPOINT", url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.delenv("HF_TOKEN", raising=False)

@@ -118,15 +118,10 @@ def test_sizes_for_people() -> None:
 @pytest.fixture
 def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[str], None]:
     """Point this process's huggingface_hub at a hub URL, with a cache under ``tmp_path``."""
-    from huggingface_hub import constants
+    from tests.support.hub import point_hub_at
 
     def use(url: str) -> None:
-        monkeypatch.setattr(constants, "ENDPOINT", url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
-        monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
+        point_hub_at(monkeypatch, tmp_path, url)
 
     return use
 

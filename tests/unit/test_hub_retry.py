@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import save_file
-from tests.support.hub import LoopbackHub
+from tests.support.hub import LoopbackHub, point_hub_at
 from tests.support.hub_checkpoints import SHARDS, hub_layout, safetensors_header, vision_ranges
 from tests.support.hub_repos import Busy
 
@@ -24,18 +24,11 @@ from visenc.models.loading import load_tower
 @pytest.fixture
 def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[str], None]:
     """Point this process's huggingface_hub at a hub URL, with a cache under ``tmp_path``; pauses short."""
-    from huggingface_hub import constants
-
     monkeypatch.setattr(hub_errors, "FIRST_PAUSE_S", 0.05, raising=False)
     monkeypatch.setattr(fetch, "RETRY_PAUSE_S", 0.0)
 
     def use(url: str) -> None:
-        monkeypatch.setattr(constants, "ENDPOINT", url)
-        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", url + "/{repo_id}/resolve/{revision}/{filename}")
-        monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))
-        monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hf" / "hub"))
-        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-        monkeypatch.delenv("HF_TOKEN", raising=False)
+        point_hub_at(monkeypatch, tmp_path, url)
 
     return use
 

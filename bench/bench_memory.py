@@ -131,7 +131,7 @@ def decode_peaks(args: argparse.Namespace) -> dict[str, object]:
         for width, height in ((args.width, args.height), (args.width * 2 // 3, args.height * 2 // 3)):
             data = encoded(kind, width, height)
             gc.collect()
-            heap.give_back()
+            heap.trim()
             base = rss_bytes()
             reset_peak()
             prepared = prep.preprocess(data)

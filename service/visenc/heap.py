@@ -1,8 +1,4 @@
-"""The C heap under a CPU forward (glibc): keep freed activations for the next forward, give them back when idle.
-
-With glibc's defaults every CPU forward faults its activations' pages in again (tiny CLIP 1.22x slower,
-``bench/bench_heap.py``); ``hold_freed`` keeps them, ``give_back`` returns them (``docs/internals.md``).
-"""
+"""The C heap under a CPU forward (glibc): ``hold_freed`` keeps freed activations, ``trim`` returns them."""
 
 from __future__ import annotations
 
@@ -32,8 +28,7 @@ def _glibc() -> ctypes.CDLL | None:
 
 
 def _thresholds(keep: int) -> dict[int, int]:
-    """The mallopt settings that keep up to ``keep`` bytes. Setting the trim threshold freezes
-    the dynamic mmap threshold at 128 KiB, so both are set."""
+    # setting the trim threshold freezes the dynamic mmap threshold at 128 KiB, so both are set
     return {M_MMAP_THRESHOLD: MMAP_THRESHOLD_MAX, M_TRIM_THRESHOLD: min(keep, 2**31 - 1)}
 
 
@@ -55,7 +50,7 @@ def hold_freed(keep: int) -> bool:
     return done
 
 
-def give_back() -> bool:
+def trim() -> bool:
     """Return the free heap memory of every arena to the kernel. Whether any was returned."""
     libc = _glibc()
     return libc is not None and libc.malloc_trim(0) == 1

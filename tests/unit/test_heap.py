@@ -45,7 +45,7 @@ CYCLES = textwrap.dedent(
         cycle()
     faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
     kept = resident()
-    heap.give_back()
+    heap.trim()
     print(held, faults, (kept - resident()) >> 20)
     """
 )
@@ -81,7 +81,7 @@ def test_the_environment_variables_start_another_process_as_hold_freed_sets_this
 
 async def test_the_idle_device_gives_the_heap_back_once_after_its_work(monkeypatch):
     calls: list[float] = []
-    monkeypatch.setattr(heap, "give_back", lambda: calls.append(0.0) or True)
+    monkeypatch.setattr(heap, "trim", lambda: calls.append(0.0) or True)
     tower = SlowTower(forward_s=0.01, preprocess_s=0.0)
     pool, outputs, s, worker = pipeline(tower, batch=2, prefetch=4)
     worker.heap_idle_s = 0.1

@@ -61,7 +61,7 @@ def test_the_ledger_never_leaks_nor_frees_twice(costs: list[tuple[int, int]], ca
             elif op == "decoded" and k in lines:
                 lines[k].decoded()
             elif op == "free" and k in lines:
-                lines[k].close()
+                lines[k].refund()
             if op == "charge":
                 remaining.setdefault(k, job.cost + job.decode_cost)
             elif op == "decoded" and k in remaining:
@@ -70,7 +70,7 @@ def test_the_ledger_never_leaks_nor_frees_twice(costs: list[tuple[int, int]], ca
                 remaining.pop(k, None)
             assert ledger.tokens == sum(remaining.values()) >= 0
         for line in lines.values():
-            line.close()
+            line.refund()
         assert ledger.tokens == 0
     finally:
         loop.close()

@@ -116,7 +116,7 @@ class DeviceLoop:
             if not batch:
                 if worked_at is not None and time.monotonic() - worked_at >= self.heap_idle_s:
                     worked_at = None  # idle: the forwards' freed memory goes back to the system
-                    heap.give_back()
+                    heap.trim()
                 continue
             self._post(self.ready.dispatch)  # with the batch taken, the images behind it are preprocessed
             if generation != self._generation:

@@ -129,7 +129,7 @@ class Intake:
                 if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
                     await self.fetch.wait_videos(request.work, namespace, timeout_s)
         except BaseException:  # refused in a later wave, past the deadline, or the client went away
-            self.pins.drop(request.held, namespace, reader.lease)  # its caller reads none of it
+            self.pins.unpin(request.held, namespace, reader.lease)  # its caller reads none of it
             raise
         return request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
 

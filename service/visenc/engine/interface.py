@@ -72,7 +72,7 @@ class EngineAPI(Protocol):
 
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
         """A caller has read rows of an image (``last``: to its last row), naming the lease its handle
-        carried (or none): that pin is released (``last``) or renewed."""
+        carried (or none): that pin is unpinned (``last``) or renewed."""
         ...
 
     def not_ready_reason(self) -> str | None:

@@ -173,7 +173,7 @@ class Job:
             raise IllegalTransition(f"job {self.key}: no edge {self._state.name} -> {to.name}")
         self._state = to
         if to not in STAGED and self._line is not None:
-            self._line.close()
+            self._line.refund()
             self._line = None
 
     # --- the edges ----------------------------------------------------------------------

@@ -87,7 +87,7 @@ class Pins:
         for k in self._video(key, image_hash, namespace) or [key]:
             self.index.read(k, lease, last=last)
 
-    def drop(self, work: list[Item], namespace: str, lease: Lease | None) -> None:
+    def unpin(self, work: list[Item], namespace: str, lease: Lease | None) -> None:
         """A request failed (refused, past its deadline, its client gone): its caller reads none of
         ``work``, so every pin it holds for ``lease`` goes (a pending image is no longer pinned for it
         once its job is left, ``InFlight.leave``)."""

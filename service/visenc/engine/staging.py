@@ -24,7 +24,7 @@ class Staging:
         self._tokens += tokens + decode_tokens
         return Line(self, tokens, decode_tokens)
 
-    def _give_back(self, tokens: int) -> None:
+    def _refund(self, tokens: int) -> None:
         self._tokens -= tokens
 
 
@@ -38,10 +38,10 @@ class Line:
 
     def decoded(self) -> None:
         """The image is decoded: the decode share goes, the input stays held."""
-        self._ledger._give_back(self._decode)
+        self._ledger._refund(self._decode)
         self._decode = 0
 
-    def close(self) -> None:
+    def refund(self) -> None:
         """The job needs no staging any more: whatever the line holds goes."""
-        self._ledger._give_back(self._input + self._decode)
+        self._ledger._refund(self._input + self._decode)
         self._input = self._decode = 0

@@ -16,7 +16,7 @@ from tests.support.waits import metric, until, wait_until
 
 
 def assert_no_leaks(encoder) -> None:
-    assert encoder.intake.inflight == {}
+    assert encoder.inflight.jobs == {}
     assert encoder.scheduler.depth == 0 and encoder.scheduler.staged_tokens == 0
     assert not encoder.outputs.pending_writes  # write-behind tasks all finished
 
@@ -40,7 +40,7 @@ async def test_full_queue_answers_429_with_retry_after(tiny_tower, monkeypatch):
             gate.set()
             rows = await client.get(f"/v1/embeddings/{sha(a)}")
             assert rows.status_code == 200
-        await until(lambda: not encoder.intake.inflight)
+        await until(lambda: not encoder.inflight.jobs)
         r = await encode_json(client, [{"data": c}])
         assert r.json()["items"][0]["status"] == "ready"
 
@@ -55,7 +55,7 @@ async def test_encode_deadline_504_and_the_work_is_released(tiny_tower, monkeypa
             assert r.status_code == 504 and "request_timeout_s=0.3" in r.json()["error"]["message"]
             assert time.monotonic() - t0 < 3
             # nobody waits any more: the queued image is dropped, not left for the device
-            await until(lambda: not encoder.intake.inflight)
+            await until(lambda: not encoder.inflight.jobs)
             assert encoder.scheduler.depth == 0
             # a fetch of a pending image has its own deadline
             await encode_json(client, [{"data": data}], wait=False)
@@ -82,19 +82,19 @@ async def test_many_concurrent_requests_cancel_half_rest_succeed_nothing_leaks(t
             ]
             # every request has joined its two images (a request still reading its body would make
             # a new job for a shared image whose old one the cancellations dropped)
-            await until(lambda: sum(j.interest for j in encoder.intake.inflight.values()) == 60)
-            assert len(encoder.intake.inflight) == 35
+            await until(lambda: sum(j.interest for j in encoder.inflight.jobs.values()) == 60)
+            assert len(encoder.inflight.jobs) == 35
             for t in tasks[::2]:
                 t.cancel()
             cancelled = await asyncio.gather(*tasks[::2], return_exceptions=True)
             assert all(isinstance(r, asyncio.CancelledError) for r in cancelled)
             # every image only the cancelled requests wanted is gone before any forward ran
-            await until(lambda: len(encoder.intake.inflight) == 20)
+            await until(lambda: len(encoder.inflight.jobs) == 20)
             gate.set()
             survivors = await asyncio.gather(*tasks[1::2])
         for r in survivors:
             assert r.status_code == 200 and [it["status"] for it in r.json()["items"]] == ["ready", "ready"]
-        await until(lambda: not encoder.intake.inflight and not encoder.outputs.pending_writes)
+        await until(lambda: not encoder.inflight.jobs and not encoder.outputs.pending_writes)
         assert_no_leaks(encoder)
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_encoded_images_total") == 15 + 5
@@ -150,7 +150,7 @@ def recording_inspect(encoder, monkeypatch, block_at: int | None = None) -> tupl
     real = encoder.intake.prep.inspect
 
     def inspect(data, given):
-        seen.append(len(encoder.intake.inflight))
+        seen.append(len(encoder.inflight.jobs))
         if len(seen) - 1 == block_at:
             release.wait(10)
         return real(data, given)
@@ -174,7 +174,7 @@ async def test_a_big_requests_first_images_start_before_its_last_are_inspected(t
             gate.set()
         for d in datas:
             assert (await client.get(f"/v1/embeddings/{sha(d)}")).status_code == 200
-        await until(lambda: not encoder.intake.inflight)
+        await until(lambda: not encoder.inflight.jobs)
         assert_no_leaks(encoder)
 
 
@@ -185,7 +185,7 @@ async def test_a_request_that_may_not_fit_is_one_wave_and_refused_before_any_of_
         with held_device(encoder, monkeypatch):
             r = await encode_json(client, [{"data": png_bytes(920 + i, 28, 28)} for i in range(4)], wait=False)
             assert r.status_code == 429
-            assert seen == [0, 0, 0, 0] and encoder.scheduler.depth == 0 and not encoder.intake.inflight
+            assert seen == [0, 0, 0, 0] and encoder.scheduler.depth == 0 and not encoder.inflight.jobs
 
 
 async def test_a_request_abandoned_between_waves_releases_what_its_first_waves_started(tiny_tower, monkeypatch):
@@ -196,11 +196,11 @@ async def test_a_request_abandoned_between_waves_releases_what_its_first_waves_s
         with held_device(encoder, monkeypatch):
             task = asyncio.create_task(encode_json(client, [{"data": d} for d in datas], wait=True))
             await until(lambda: len(seen) >= 4)
-            assert len(encoder.intake.inflight) == 3  # waves 1 and 2 started
+            assert len(encoder.inflight.jobs) == 3  # waves 1 and 2 started
             task.cancel()  # the client goes away while wave 3 is inspected
             with contextlib.suppress(asyncio.CancelledError):
                 await task
             release.set()
-            await until(lambda: not encoder.intake.inflight)  # nobody wants them: dropped, not encoded
+            await until(lambda: not encoder.inflight.jobs)  # nobody wants them: dropped, not encoded
         assert_no_leaks(encoder)
         assert metric((await client.get("/metrics")).text, "visenc_forwards_total") == 0

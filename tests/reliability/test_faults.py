@@ -44,7 +44,7 @@ async def test_failed_forward_answers_503_restarts_and_serves_again(tiny_tower):
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_encode_failures_total", kind="forward") == 1
         assert metric(m, "visenc_worker_restarts_total") == 1
-        assert engine.intake.inflight == {}
+        assert engine.inflight.jobs == {}
 
 
 async def test_readiness_is_false_while_the_worker_restarts(tiny_tower):
@@ -122,7 +122,7 @@ async def test_a_device_that_cannot_be_restarted_answers_images_being_preprocess
             r = await asyncio.wait_for(waiting_b, 10)
             assert r.status_code == 503, r.text
             assert "the device cannot be used" in r.json()["error"]["message"]
-            assert engine.scheduler.staged_tokens == 0 and engine.intake.inflight == {}
+            assert engine.scheduler.staged_tokens == 0 and engine.inflight.jobs == {}
         finally:
             release.set()
 
@@ -192,13 +192,13 @@ async def test_shutdown_answers_an_image_whose_preprocessing_was_started_but_nev
     try:
         (handle,) = await engine.encode([EncodeItem(data=png_bytes(755, 28, 28))], "default", wait=False)
         assert handle.status == "pending"
-        (job,) = engine.intake.inflight.values()
+        (job,) = engine.inflight.jobs.values()
         assert job.state is JobState.PREPARING and engine.scheduler.staged_tokens > 0
         await engine.stop()  # no await in between: the preparation's task never ran
     finally:
         await client_cm.__aexit__(None, None, None)
     assert job.future.done() and isinstance(job.future.exception(), NotReady)
-    assert engine.scheduler.staged_tokens == 0 and engine.intake.inflight == {}
+    assert engine.scheduler.staged_tokens == 0 and engine.inflight.jobs == {}
 
 
 def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
@@ -249,7 +249,7 @@ async def test_a_crash_of_the_worker_loop_itself_fails_its_batch_and_restarts(ti
         await until(lambda: engine.worker.state is WorkerState.HEALTHY)
         r = await encode_json(client, [{"data": png_bytes(771, 28, 28)}])
         assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
-        assert engine.intake.inflight == {} and engine.scheduler.staged_tokens == 0
+        assert engine.inflight.jobs == {} and engine.scheduler.staged_tokens == 0
 
 
 async def test_out_of_memory_splits_the_batch_and_retries_down_to_one_image(tiny_tower):

@@ -29,7 +29,7 @@ async def test_wrong_hash_creates_no_entry_under_either_hash(service):
     assert r.status_code == 200 and r.json()["items"][0]["reason"] == "hash_mismatch"
     assert encoder.index.peek(key_of(encoder, claimed)) is None
     assert encoder.index.peek(key_of(encoder, sent)) is None
-    assert encoder.intake.inflight == {}
+    assert encoder.inflight.jobs == {}
     # the bad item fails alone: the good one of the same request is encoded under its own hash
     r = await encode_json(service, [{"data": sent}, {"hash": sha(claimed), "data": sent}])
     assert [it["status"] for it in r.json()["items"]] == ["ready", "error"]
@@ -43,7 +43,7 @@ async def test_hash_only_can_read_but_never_create(service):
     for wait in (True, False):
         r = await encode_json(service, [{"hash": sha(data)}], wait=wait)
         assert r.json()["items"][0]["status"] == "missing"
-    assert encoder.intake.inflight == {} and encoder.scheduler.depth == 0
+    assert encoder.inflight.jobs == {} and encoder.scheduler.depth == 0
     assert (await service.get(f"/v1/embeddings/{sha(data)}")).status_code == 404
     m = (await service.get("/metrics")).text
     assert metric(m, "visenc_encoded_images_total") == 0

@@ -181,16 +181,16 @@ async def test_cancelled_waiters_drop_queued_work(tiny_tower, monkeypatch):
         encoder = client.app.state.engine  # type: ignore[attr-defined]
         with held_device(encoder, monkeypatch) as gate:
             tasks = [asyncio.create_task(encode_json(client, [{"data": png_bytes(40 + i, 64, 64)}])) for i in range(4)]
-            await until(lambda: len(encoder.intake.inflight) == 4, what="4 images admitted")
-            assert len(encoder.intake.inflight) == 4
+            await until(lambda: len(encoder.inflight.jobs) == 4, what="4 images admitted")
+            assert len(encoder.inflight.jobs) == 4
             for t in tasks[:2]:
                 t.cancel()
             await asyncio.gather(*tasks[:2], return_exceptions=True)
             gate.set()
             done = await asyncio.gather(*tasks[2:])
         assert all(r.json()["items"][0]["status"] == "ready" for r in done)
-        await until(lambda: not encoder.intake.inflight and encoder.scheduler.idle, what="the engine idle")
-        assert encoder.intake.inflight == {} and encoder.scheduler.idle and encoder.scheduler.staged_tokens == 0
+        await until(lambda: not encoder.inflight.jobs and encoder.scheduler.idle, what="the engine idle")
+        assert encoder.inflight.jobs == {} and encoder.scheduler.idle and encoder.scheduler.staged_tokens == 0
         m = (await client.get("/metrics")).text
         assert metric(m, "visenc_encoded_images_total") == 2
 

@@ -20,7 +20,6 @@ from tests.support.api import MSGPACK, running_app
 from tests.support.images import png_bytes
 from tests.support.waits import metric
 
-from visenc.engine import fetch as fetch_path
 from visenc.engine import videos
 from visenc.imaging.decode import decode
 from visenc.models.base import VisionTower
@@ -214,14 +213,13 @@ async def test_a_request_of_images_never_touches_video_code(service, monkeypatch
 
     for owner, name in [
         (videos.Videos, "request"),
-        (videos, "inspect_videos"),
         (videos, "expand"),
         (videos, "fold"),
         (videos, "manifests"),
-        (fetch_path.Fetch, "video_outcome"),
-        (fetch_path.Fetch, "video_rows"),
-        (fetch_path.Fetch, "wait_videos"),
-        (fetch_path, "tube_hashes"),
+        (videos.Videos, "outcome"),
+        (videos.Videos, "rows"),
+        (videos.Videos, "wait"),
+        (videos, "tube_hashes"),
         (videos.Joins, "rows"),
     ]:
         monkeypatch.setattr(owner, name, wire(name))

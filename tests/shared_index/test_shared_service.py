@@ -203,8 +203,8 @@ async def test_a_watched_image_nobody_waits_for_is_dropped(raw, redis_url, tiny_
         r = await encode_json(a, [{"data": data}])
         assert r.status_code == 504
         encoder = a.app.state.engine
-        await until(lambda: not encoder.intake.inflight, what="no image in flight")
-        assert encoder.intake.inflight == {} and encoder.coordination.watching == 0
+        await until(lambda: not encoder.inflight.jobs, what="no image in flight")
+        assert encoder.inflight.jobs == {} and encoder.coordination.watching == 0
         assert metric(await metrics_of(a), "visenc_encoded_images_total") == 0
 
 
@@ -227,7 +227,7 @@ async def test_an_image_taken_over_after_the_device_was_given_up_is_answered_503
         r = await asyncio.wait_for(waiting, 10)
         assert r.status_code == 503, r.text
         assert "the device cannot be used" in r.json()["error"]["message"]
-        await until(lambda: not engine.intake.inflight, what="nothing in flight")
+        await until(lambda: not engine.inflight.jobs, what="nothing in flight")
         assert engine.scheduler.depth == 0 and engine.scheduler.staged_tokens == 0
 
 

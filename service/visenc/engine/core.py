@@ -1,14 +1,9 @@
-"""The engine, wired: intake → scheduler → device worker → outputs, one direction.
-
-``Engine`` builds the stages (each handed the public objects of the stages after it, never a private method
-of the one before), starts and stops them in order, and is the one object the API talks to
-(``interface.EngineAPI``). The coordination across replicas is chosen once, here.
-"""
+"""The engine: builds its stages, starts and stops them, and is what the API talks to (``interface.EngineAPI``)."""
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -16,12 +11,16 @@ from visenc.config import Settings
 from visenc.engine.budget import device_memory_budget, plan_budget
 from visenc.engine.claims import Claims
 from visenc.engine.coordination import Coordination, LocalCoordination, SharedCoordination
-from visenc.engine.intake import Intake
-from visenc.engine.interface import EncodeItem, Handle, LeaseMode, Timing
+from visenc.engine.entries import EntryCheck
+from visenc.engine.fetch import Fetch
+from visenc.engine.inflight import InFlight
+from visenc.engine.intake import FrontStages, Intake
 from visenc.engine.outputs import Outputs
+from visenc.engine.pins import Pins
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.threads import default_preprocess_workers
+from visenc.engine.videos import Joins, Videos
 from visenc.engine.worker import DeviceWorker
 from visenc.errors import NotReady
 from visenc.index.redis_claims import RedisClaims
@@ -74,7 +73,6 @@ class Engine:
         )
 
     def _build_stages(self, prep: ImagePrep, claim_store: RedisClaims | None) -> None:
-        """The stages, from the last to the first: each is handed the ones after it."""
         tower, index, settings, metrics = self.tower, self.index, self.settings, self.metrics
         self.coordination: Coordination = (
             LocalCoordination()
@@ -119,19 +117,38 @@ class Engine:
             heap_idle_s=settings.heap_idle_s,
             warm_up_timeout_s=settings.warm_up_timeout_s,
         )
+        self._build_front(prep)
+
+    def _build_front(self, prep: ImagePrep) -> None:
+        tower, index, settings, metrics = self.tower, self.index, self.settings, self.metrics
+        self.entries = EntryCheck(index, tower, metrics)
+        self.inflight = InFlight(self.scheduler, metrics)
+        tube_rows = tower.video.tube_tokens if tower.video is not None else (lambda grid: 0)
+        joins = Joins(settings.joined_rows_bytes or 0, metrics, tube_rows, tower.hidden_size * tower.dtype.itemsize)
+        self.videos = Videos(prep, self.pool, index, metrics, joins)
+        self.fetch = Fetch(
+            index,
+            self.entries,
+            self.inflight,
+            self.scheduler,
+            self.coordination,
+            settings.fetch_timeout_s,
+            metrics,
+            self.videos,
+        )
+        self.pins = Pins(index, tower.fingerprint, self.videos)
         self.intake = Intake(
             index=index,
             prep=prep,
             pool=self.pool,
             scheduler=self.scheduler,
-            worker=self.worker,
             settings=settings,
             metrics=metrics,
             coordination=self.coordination,
+            stages=FrontStages(self.entries, self.inflight, self.fetch, self.videos, self.pins, self.not_ready_reason),
         )
-        self.fetch = self.intake.fetch
+        self.encode = self.intake.encode
 
-    # --- lifecycle ---------------------------------------------------------------------
     async def start(self, on_fatal: Callable[[str], None] | None = None) -> None:
         """Start every stage; ``on_fatal(reason)`` is called if the device cannot be restarted."""
         self.worker.on_fatal = on_fatal
@@ -142,8 +159,7 @@ class Engine:
         self.export_gauges()
 
     async def stop(self) -> None:
-        """Drain within ``shutdown_timeout_s``: refuse new work, let the forward in progress
-        finish, answer every waiter, let claims go. Never hangs on a stalled device."""
+        """Drain within ``shutdown_timeout_s``; never hangs on a stalled device."""
         timeout_s = self.settings.shutdown_timeout_s
         self.intake.closing = True
         self.scheduler.cancel_all(NotReady("the service is shutting down"))
@@ -153,27 +169,18 @@ class Engine:
         await self.coordination.stop()
         self.pool.shutdown(wait=False, cancel_futures=True)
 
-    # --- EngineAPI ---------------------------------------------------------------------
-    async def encode(
-        self,
-        items: Sequence[EncodeItem],
-        namespace: str,
-        *,
-        wait: bool,
-        timing: Timing | None = None,
-        timeout_s: float | None = None,
-        lease: LeaseMode = "anonymous",
-    ) -> list[Handle]:
-        return await self.intake.encode(items, namespace, wait=wait, timing=timing, timeout_s=timeout_s, lease=lease)
-
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
         return await self.fetch.lookup(image_hash, namespace, timeout_s=timeout_s)
 
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
-        self.intake.pins.read(image_hash, namespace, lease, last=last)
+        self.pins.read(image_hash, namespace, lease, last=last)
 
     def not_ready_reason(self) -> str | None:
-        return self.intake.not_ready_reason()
+        if self.intake.closing:
+            return "the service is shutting down"
+        if not self.worker.healthy:
+            return self.worker.reason or "the device worker is not running"
+        return None
 
     def describe(self) -> dict[str, Any]:
         return self.tower.describe()

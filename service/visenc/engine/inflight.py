@@ -1,9 +1,5 @@
-"""The in-flight map: the one job per key, from its admission until its future is resolved (``outputs.py``).
-
-Intake and the fetch path share it: a later request, or a fetch, joins the job already admitted for its
-image (single-flight) instead of encoding it again; a finished job is never joined. A job nobody waits
-for any more is dropped by the scheduler before its forward (``leave``).
-"""
+"""The in-flight map: one job per key from its admission until its future resolves; later requests and
+fetches join it (single-flight)."""
 
 from __future__ import annotations
 
@@ -27,16 +23,14 @@ class InFlight:
         self._requests = itertools.count()
 
     def next_request(self) -> int:
-        """The arrival number of a new request (or fetch): the first part of its jobs' order."""
+        """The arrival number of a new request (or fetch)."""
         return next(self._requests)
 
     def joinable(self, key: str) -> Job | None:
-        """The unfinished job of ``key``, if one is in flight."""
         job = self.jobs.get(key)
         return None if job is None or job.finished else job
 
     def admit(self, key: str, image_hash: str, order: tuple[int, int]) -> Job:
-        """A new job for ``key``, in the map until its future is resolved."""
         job = Job(
             key=key,
             image_hash=image_hash,
@@ -52,14 +46,12 @@ class InFlight:
     def join_or_start(
         self, it: Item, order: tuple[int, int], placed: Entry | Place | None, reader: Lease | None
     ) -> Outcome:
-        """The job in flight for an open item, joined, or a new one with its bytes, encoded here or followed
-        at the replica that encodes it (``placed``); missing without them. ``reader``: the lease its entry is
-        pinned for once stored."""
-        job = self.joinable(it.key)
+        """The job in flight for an open item, joined, or a new one with its bytes; missing without."""
+        job = self.joinable(it.looked_up)
         if job is None:
             if not isinstance(it.state, Encodable):
                 return MISSING
-            job = self.admit(it.key, it.hash, order)
+            job = self.admit(it.looked_up, it.hash, order)
             job.join(reader)
             job.give_bytes(it.state.source, it.state.inspected)
             if placed is Place.ELSEWHERE:
@@ -74,8 +66,7 @@ class InFlight:
         return Pending(job)
 
     def leave(self, job: Job, reader: Lease | None = None) -> None:
-        """One waiter is done with ``job`` (``reader``: its lease, read nothing if the job has not ended): the
-        scheduler drops it if it is queued and nobody else wants it."""
+        """One waiter is done with ``job``: the scheduler drops it if nobody else wants it."""
         if job.leave(reader):
             self.scheduler.drop(job)
 

@@ -1,24 +1,4 @@
-"""A request's items as intake works on them: each one's state, one object, moved stage by stage.
-
-An item is at one stage until intake decides its outcome, and its ``state`` says which (intake matches on
-it; nothing reads a stage from which fields happen to be set):
-
-* stages: ``HashOnly`` (a hash alone: it can only hit), ``Upload`` (bytes not yet inspected),
-  ``Encodable`` (bytes or a video's tube, inspected: what a new job is given), ``Frames`` (a video's
-  frames, not yet inspected) and ``Tubes`` (a video, inspected: taken as its tubes, ``videos.py``);
-* outcomes: ``Failed`` (its error), ``Found`` (its entry), ``Pending`` (the job it waits on),
-  ``VideoPending`` (a video asked by hash whose tubes are being encoded: its manifest) or ``MISSING``
-  (a hash alone the index does not hold).
-
-* ``itemise``: each item's first stage, and the checks that need no work (a hash's syntax, an item
-  with neither hash nor bytes);
-* ``inspect``: every upload hashed (and checked against its given hash) and probed in the CPU pool,
-  off the event loop; a failure is that item's outcome, the other items proceed;
-* ``waves``: the spans intake takes one after another, so the first images of a big request start
-  encoding while the later ones are still being inspected;
-* ``ImageRequest``: what intake takes and answers for a request of images (``videos.VideoRequest``
-  the same for a request with videos).
-"""
+"""A request's items as intake works on them: one ``state`` each, a stage until it becomes an outcome."""
 
 from __future__ import annotations
 
@@ -28,7 +8,7 @@ from concurrent.futures import Executor
 from dataclasses import dataclass
 
 from visenc.engine.interface import EncodeItem, Handle
-from visenc.engine.job import Job
+from visenc.engine.job import IllegalTransition, Job
 from visenc.engine.prepare import ImagePrep, Inspected, Source, Video
 from visenc.errors import EncodeFailed, InvalidHash, InvalidVideo, NotReady, VisencError
 from visenc.imaging.video import VideoPreprocess
@@ -38,22 +18,18 @@ from visenc_client.format import Entry, is_valid_hash
 HASH_RULE = "'hash' must be 64 lowercase hex digits (SHA-256 of the bytes)"
 
 
-# --- stages ------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
-class HashOnly:
-    """A hash alone: found, joined, or missing; never encoded from it."""
+class HashOnly: ...
 
 
 @dataclass(frozen=True, slots=True)
 class Upload:
-    """Image bytes, not yet inspected (``inspect``)."""
-
     data: bytes
 
 
 @dataclass(frozen=True, slots=True)
 class Encodable:
-    """Bytes (or a video's tube) and what inspecting them found: what a new job is given."""
+    """Bytes (or a video's tube) and what inspecting them found."""
 
     source: Source
     inspected: Inspected
@@ -61,19 +37,14 @@ class Encodable:
 
 @dataclass(frozen=True, slots=True)
 class Frames:
-    """A video's frames, not yet inspected (``videos.inspect_videos``)."""
-
     frames: list[bytes]
 
 
 @dataclass(frozen=True, slots=True)
 class Tubes:
-    """A video, inspected: intake takes it as its tubes (``videos.VideoRequest``)."""
-
     video: Video
 
 
-# --- outcomes ----------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
 class Failed:
     error: VisencError
@@ -95,13 +66,27 @@ class VideoPending:
 
 
 @dataclass(frozen=True, slots=True)
-class Missing:
-    """A hash alone that the index does not hold: upload the bytes."""
+class Missing: ...
 
 
 HASH_ONLY, MISSING = HashOnly(), Missing()
 Stage = HashOnly | Upload | Encodable | Frames | Tubes
 Outcome = Failed | Found | Pending | VideoPending | Missing
+State = Stage | Outcome
+
+#: state -> the states an item may move to from it (``Item.to`` raises on any other edge)
+EDGES: dict[type[State], frozenset[type[State]]] = {
+    HashOnly: frozenset({Found, Pending, VideoPending, Missing, Failed}),
+    Upload: frozenset({Encodable, Failed}),
+    Frames: frozenset({Tubes, Failed}),
+    Encodable: frozenset({Found, Pending}),
+    Tubes: frozenset(),
+    Pending: frozenset({Found, Failed}),
+    VideoPending: frozenset({Found, Missing, Failed}),
+    Found: frozenset({Found}),
+    Failed: frozenset(),
+    Missing: frozenset(),
+}
 
 
 @dataclass(slots=True)
@@ -109,17 +94,51 @@ class Item:
     """One request item (an image, a video, or one of a video's tubes) and its state."""
 
     hash: str
-    state: Stage | Outcome
-    key: str = ""
+    state: State
+    #: its index key, once looked up
+    key: str | None = None
 
     @property
     def open(self) -> bool:
-        """Still at a stage: no outcome yet."""
         return isinstance(self.state, Stage)
+
+    def to(self, state: State) -> None:
+        if type(state) not in EDGES[type(self.state)]:
+            raise IllegalTransition(f"item {self.hash}: {type(self.state).__name__} -> {type(state).__name__}")
+        self.state = state
+
+    @property
+    def looked_up(self) -> str:
+        """Its index key (``IllegalTransition`` before its look-up)."""
+        if self.key is None:
+            raise IllegalTransition(f"item {self.hash} has not been looked up")
+        return self.key
+
+
+@dataclass(frozen=True, slots=True)
+class Stored:
+    entry: Entry
+
+
+@dataclass(frozen=True, slots=True)
+class Encoding:
+    job: Job
+
+
+@dataclass(frozen=True, slots=True)
+class Elsewhere: ...
+
+
+@dataclass(frozen=True, slots=True)
+class Absent: ...
+
+
+Located = Stored | Encoding | Elsewhere | Absent
+ABSENT = Absent()
 
 
 def itemise(items: Sequence[EncodeItem]) -> list[Item]:
-    """Each item's first stage; the per-item checks that need no work (the bytes are checked in ``inspect``)."""
+    """Each item's first stage, with the checks that need no work."""
     return [Item(item.hash or "", _first_stage(item)) for item in items]
 
 
@@ -135,28 +154,34 @@ def _first_stage(item: EncodeItem) -> Stage | Failed:
     return HASH_ONLY if item.data is None else Upload(item.data)
 
 
-async def inspect(items: list[Item], prep: ImagePrep, pool: Executor) -> None:
-    """Hash and probe every upload in the pool; a failure is that item's outcome."""
+async def inspect(items: list[Item], prep: ImagePrep, pool: Executor, *, videos: bool = False) -> None:
+    """Hash and probe every upload (``videos``: every video) in the pool; a failure is that item's outcome."""
     loop = asyncio.get_running_loop()
-    uploads = [(it, it.state.data) for it in items if isinstance(it.state, Upload)]
+    todo = [(it, it.state) for it in items if isinstance(it.state, Frames if videos else Upload)]
     results = await asyncio.gather(
-        *(loop.run_in_executor(pool, prep.inspect, data, it.hash or None) for it, data in uploads),
+        *(
+            loop.run_in_executor(pool, prep.inspect_video, s.frames, it.hash or None)
+            if isinstance(s, Frames)
+            else loop.run_in_executor(pool, prep.inspect, s.data, it.hash or None)
+            for it, s in todo
+        ),
         return_exceptions=True,
     )
-    for (it, data), res in zip(uploads, results):
+    for (it, s), res in zip(todo, results):
         if isinstance(res, BaseException):
-            raise res  # a bug, not the image's fault
+            raise res  # a bug, not the item's fault
         digest, outcome = res
+        it.hash = digest if isinstance(s, Frames) or not isinstance(outcome, VisencError) else it.hash or digest
         if isinstance(outcome, VisencError):
-            it.state, it.hash = Failed(outcome), it.hash or digest
-        else:
-            it.state, it.hash = Encodable(data, outcome), digest
+            it.to(Failed(outcome))
+        elif isinstance(outcome, Video):
+            it.to(Tubes(outcome))
+        elif isinstance(s, Upload):
+            it.to(Encodable(s.data, outcome))
 
 
 def waves(work: list[Item]) -> Iterator[tuple[int, int]]:
-    """``work`` cut into spans ending after 1, 2, 4, ... uploads (hash-only items ride along), taken
-    one after another: a big request's first image starts encoding after its own inspection, not
-    after every image's, and a request of hashes is one span (one index round trip)."""
+    """``work`` cut into spans ending after 1, 2, 4, ... uploads: the first images start encoding early."""
     lo, uploads, size = 0, 0, 1
     for i, it in enumerate(work):
         if isinstance(it.state, Upload):
@@ -169,7 +194,7 @@ def waves(work: list[Item]) -> Iterator[tuple[int, int]]:
 
 
 def handle_of(item: Item, hidden_size: int, dtype: str, video: VideoPreprocess | None) -> Handle:
-    """The handle of ``item``'s outcome (a pending image's layout is its job's, known from its size)."""
+    """The handle of ``item``'s outcome."""
     match item.state:
         case Failed(error):
             return Handle(item.hash, "error", error=error.message, reason=error.item_reason)
@@ -186,7 +211,6 @@ def handle_of(item: Item, hidden_size: int, dtype: str, video: VideoPreprocess |
 
 
 def joined(work: list[Item]) -> dict[int, Job]:
-    """The jobs a request's items joined (each pending item holds one interest in its job)."""
     return {i: it.state.job for i, it in enumerate(work) if isinstance(it.state, Pending)}
 
 
@@ -203,18 +227,14 @@ def outcome_of(job: Job) -> Found | Failed:
 
 
 class ImageRequest:
-    """A request of images (and hashes): its items are what intake takes, their handles its answer."""
-
     def __init__(self, items: list[Item]) -> None:
         self.work = items
 
     @property
     def held(self) -> list[Item]:
-        """What the request's lease may pin."""
         return self.work
 
-    def started(self, lease: Lease | None) -> None:
-        """Every item is taken (found, joined or started)."""
+    def started(self, lease: Lease | None) -> None: ...
 
     def answer(self, handles: list[Handle]) -> list[Handle]:
         return handles

@@ -1,36 +1,31 @@
-"""Videos in a request: inspected whole, then taken as their tubes, then folded back into one handle.
-
-Nothing here runs for a request of images: intake takes a request with videos as a ``VideoRequest``
-(``Videos.request``), and an image's fetch reaches video code only where the index holds a video's
-manifest under the asked hash.
-
-A video item (frames) is inspected in the CPU pool (``ImagePrep.inspect_video``: decoded and
-resized as the tower's video processor does, cut into tubes keyed by their resized frames, grid
-and settings). Each tube then goes through intake exactly as an image that came with bytes:
-looked up, single-flight joined, placed (here or at the replica already encoding it), queued,
-batched. Only the bytes differ: a tube's job carries its resized frames, which its preprocess
-step normalises and patchifies.
-
-``expand`` turns a request's items into that flat list of images and tubes (``Span`` says which
-stretch is whose); ``fold`` turns the flat handles back into one handle per item, a video's from
-its tubes' (ready when all are; the first failed tube's error otherwise). A video's manifest (its
-tubes' hashes in order, ``visenc_client.format.pack_manifest``) is stored under the video's own
-key once its tubes are taken, pinned for the request's lease with its tubes (``pins.py``), so a later
-look-up by that hash alone finds its tubes (``tube_hashes``; ``Joins``: the fetch path, ``fetch.py``).
-"""
+"""Videos: inspected whole, taken as their tubes, folded back into one handle; their manifests stored,
+pinned, read and waited for (``docs/internals.md``)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from visenc.engine.interface import Handle
-from visenc.engine.items import Encodable, Failed, Frames, Item, Tubes
+from visenc.engine.items import (
+    MISSING,
+    Absent,
+    Encodable,
+    Failed,
+    Found,
+    Item,
+    Located,
+    Missing,
+    Stored,
+    Tubes,
+    VideoPending,
+    inspect,
+)
 from visenc.engine.prepare import ImagePrep, Video
-from visenc.errors import NotFound, PayloadTooLarge, VisencError
+from visenc.errors import NotFound, PayloadTooLarge
 from visenc.index.memory import Lease
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
@@ -49,8 +44,6 @@ from visenc_client.format import (
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """Request item ``item`` became flat items ``[lo, hi)``; ``video`` when it is a video."""
-
     item: Item
     lo: int
     hi: int
@@ -58,62 +51,95 @@ class Span:
 
 
 class Videos:
-    """The video side of intake: a request with videos becomes a ``VideoRequest``."""
+    """Every video path: a request with videos (``request``), its manifests, and reads by a video's hash."""
 
-    def __init__(self, prep: ImagePrep, pool: Executor, index: Index, metrics: Metrics) -> None:
-        self.prep, self.pool, self.index, self.metrics = prep, pool, index, metrics
+    def __init__(self, prep: ImagePrep, pool: Executor, index: Index, metrics: Metrics, joins: Joins) -> None:
+        self.prep, self.pool, self.index, self.metrics, self.joins = prep, pool, index, metrics, joins
+        self.fingerprint = prep.tower.fingerprint
 
     async def request(self, items: list[Item], namespace: str) -> VideoRequest:
-        """``items`` with each video inspected (in the pool) and taken apart into its tubes."""
-        await inspect_videos(items, self.prep, self.pool)
+        await inspect(items, self.prep, self.pool, videos=True)
         work, spans = expand(items)
         return VideoRequest(work, spans, lambda lease: self._store_manifests(spans, work, namespace, lease))
 
     def _store_manifests(self, spans: list[Span], work: list[Item], namespace: str, lease: Lease | None) -> None:
-        """Each video's manifest under its own key, pinned for ``lease`` (its tubes' reader): found by the
-        video's hash from now on, and kept in L1 while its tubes are kept for that reader."""
-        for key, manifest in manifests(spans, work, namespace, self.prep.tower.fingerprint):
+        for key, manifest in manifests(spans, work, namespace, self.fingerprint):
             self.index.store_local(key, manifest, leases=() if lease is None else (lease,))
             spawn(self.index.write_through(key, manifest), "manifest-write", self.metrics)
 
+    def keys(self, video: str, namespace: str) -> list[str]:
+        """What a pin of ``video`` covers: its tubes' keys, then its own, where L1 holds its manifest."""
+        key = entry_key(namespace, self.fingerprint, video)
+        manifest = self.index.peek(key)
+        if manifest is None or manifest.kind != "video":
+            return []
+        try:
+            return [entry_key(namespace, self.fingerprint, t) for t in tube_hashes(manifest, video)] + [key]
+        except NotFound:
+            return []
+
+    async def rows(
+        self, manifest: Entry, video: str, namespace: str, lookup: Callable[[str], Awaitable[Entry]]
+    ) -> Entry:
+        """A video's rows: every tube ``lookup``-ed by its hash, joined in order."""
+        tubes = tube_hashes(manifest, video)
+        self.joins.check(manifest, video)  # before its tubes are read: they would be read for nothing
+        entries = await asyncio.gather(*(lookup(t) for t in tubes))
+        return self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, entries)
+
+    async def wait(self, items: list[Item], namespace: str, lookup: Callable[[str], Awaitable[Entry]]) -> None:
+        """Each video asked by its hash whose tubes are being encoded: its rows once all are, or missing."""
+        for it in items:
+            if isinstance(it.state, VideoPending):
+                try:
+                    rows = await self.rows(it.state.manifest, it.hash, namespace, lookup)
+                    it.to(Found(replace(rows, blob=b"")))  # its fields: the rows stay within ``joins``
+                except NotFound:
+                    it.to(MISSING)
+                except PayloadTooLarge as e:
+                    it.to(Failed(e))
+
+    async def outcome(
+        self, manifest: Entry, video: str, namespace: str, locate: Callable[[str], Awaitable[Located]]
+    ) -> Found | VideoPending | Missing | Failed:
+        """Where a video asked by its hash stands, without waiting: ready, pending or missing."""
+        try:
+            tubes = tube_hashes(manifest, video)
+            self.joins.check(manifest, video)
+        except NotFound:
+            return MISSING
+        except PayloadTooLarge as e:
+            return Failed(e)
+        found = await asyncio.gather(*(locate(t) for t in tubes))
+        stored = [f.entry for f in found if isinstance(f, Stored)]
+        if len(stored) == len(found):
+            try:
+                rows = self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, stored)
+                return Found(replace(rows, blob=b""))
+            except PayloadTooLarge as e:
+                return Failed(e)
+        return MISSING if any(isinstance(f, Absent) for f in found) else VideoPending(manifest)
+
 
 class VideoRequest:
-    """A request with videos: intake takes its images and the videos' tubes (``work``); once they are
-    taken the manifests are stored, and the answer folds each video's tubes into one handle."""
+    """A request with videos: intake takes its images and tubes (``work``); the answer folds them."""
 
     def __init__(self, work: list[Item], spans: list[Span], store_manifests: Callable[[Lease | None], None]) -> None:
         self.work, self._spans, self._store_manifests = work, spans, store_manifests
 
     @property
     def held(self) -> list[Item]:
-        """What the request's lease may pin: its images and tubes, and its videos (their manifests)."""
         return self.work + [s.item for s in self._spans if s.video is not None]
 
     def started(self, lease: Lease | None) -> None:
-        """Every image and tube is taken: the videos' manifests are stored, pinned for ``lease``."""
+        """Every image and tube is taken: the manifests are stored, pinned for ``lease``."""
         self._store_manifests(lease)
 
     def answer(self, handles: list[Handle]) -> list[Handle]:
         return fold(handles, self._spans)
 
 
-async def inspect_videos(items: list[Item], prep: ImagePrep, pool: Executor) -> None:
-    """Inspect every video item in the pool (one task each); a failure is that item's error."""
-    loop = asyncio.get_running_loop()
-    videos = [(it, it.state.frames) for it in items if isinstance(it.state, Frames)]
-    results = await asyncio.gather(
-        *(loop.run_in_executor(pool, prep.inspect_video, frames, it.hash or None) for it, frames in videos),
-        return_exceptions=True,
-    )
-    for (it, _), res in zip(videos, results):
-        if isinstance(res, BaseException):
-            raise res  # a bug, not the video's fault
-        it.hash, outcome = res
-        it.state = Failed(outcome) if isinstance(outcome, VisencError) else Tubes(outcome)
-
-
 def expand(items: list[Item]) -> tuple[list[Item], list[Span]]:
-    """The flat list intake takes (images as they are, each good video as its tubes) and the spans."""
     flat: list[Item] = []
     spans: list[Span] = []
     for it in items:
@@ -129,7 +155,6 @@ def expand(items: list[Item]) -> tuple[list[Item], list[Span]]:
 
 
 def fold(handles: list[Handle], spans: list[Span]) -> list[Handle]:
-    """One handle per request item, a video's from its tubes' handles."""
     out = []
     for span in spans:
         if span.video is None:
@@ -159,7 +184,6 @@ def fold(handles: list[Handle], spans: list[Span]) -> list[Handle]:
 
 
 def manifests(spans: list[Span], flat: list[Item], namespace: str, fingerprint: str) -> Iterator[tuple[str, Entry]]:
-    """``(key, manifest)`` of every video of a request: its tubes' hashes in order."""
     for span in spans:
         if span.video is not None:
             tubes = [it.hash for it in flat[span.lo : span.hi]]
@@ -171,7 +195,7 @@ def manifests(spans: list[Span], flat: list[Item], namespace: str, fingerprint: 
 
 
 def tube_hashes(manifest: Entry, video: str) -> list[str]:
-    """The hashes of a video's tubes, in order (``NotFound`` for a manifest that does not parse)."""
+    """The hashes of a video's tubes (``NotFound`` for a manifest that does not parse)."""
     try:
         return manifest_tubes(manifest)
     except CorruptEntry as e:
@@ -179,16 +203,14 @@ def tube_hashes(manifest: Entry, video: str) -> list[str]:
 
 
 def join_rows(manifest: Entry, video: str, tubes: Sequence[Entry]) -> Entry:
-    """A video's rows: its tubes' entries joined in order, copied once."""
     first = tubes[0]
-    rows = [e.array() for e in tubes]  # views of the stored values: joined in one copy
+    rows = [e.array() for e in tubes]
     return pack_entry(rows, dtype=first.dtype, grid_thw=manifest.grid_thw, fingerprint=first.fingerprint, hash=video)
 
 
 class Joins:
-    """Videos' rows joined for reads by the video's hash, at most ``max_bytes`` of them: one copy a video,
-    served to every read while its tubes are the same entries (so a shared-memory segment of it is
-    reused), the least recently read dropped first."""
+    """Videos' rows joined for reads by the video's hash, at most ``max_bytes`` of them, least recently read
+    dropped first."""
 
     def __init__(
         self, max_bytes: int, metrics: Metrics, tube_rows: Callable[[tuple[int, int, int]], int], row_bytes: int
@@ -198,8 +220,7 @@ class Joins:
         self._held: OrderedDict[str, tuple[tuple[int, ...], Entry]] = OrderedDict()
 
     def check(self, manifest: Entry, video: str) -> None:
-        """``PayloadTooLarge`` where the video's rows, as its manifest's grid says, exceed ``max_bytes``:
-        said before any of its tubes is read."""
+        """``PayloadTooLarge`` where the video's rows, by its manifest's grid, exceed ``max_bytes``."""
         self._refuse(video, DATA_OFFSET + manifest.grid_thw[0] * self._tube_rows(manifest.grid_thw) * self._row_bytes)
 
     def _refuse(self, video: str, nbytes: int) -> None:
@@ -209,8 +230,7 @@ class Joins:
             )
 
     def rows(self, key: str, manifest: Entry, video: str, tubes: Sequence[Entry]) -> Entry:
-        """The video's rows; ``PayloadTooLarge`` when they alone exceed ``max_bytes`` (its tubes are read
-        one by one instead)."""
+        """The video's rows; ``PayloadTooLarge`` when they alone exceed ``max_bytes``."""
         source = tuple(id(t) for t in tubes)
         held = self._held.get(key)
         if held is not None and held[0] == source:

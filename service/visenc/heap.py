@@ -8,7 +8,6 @@ import logging
 
 log = logging.getLogger(__name__)
 
-# mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 #: glibc's ceiling for the mmap threshold on 64-bit hosts (``HEAP_MAX_SIZE / 2``)
@@ -33,14 +32,13 @@ def _thresholds(keep: int) -> dict[int, int]:
 
 
 def environment(keep: int) -> dict[str, str]:
-    """glibc's environment variables that make another process start as ``hold_freed(keep)`` sets this one."""
+    """glibc's environment variables that start another process as ``hold_freed(keep)`` sets this one."""
     names = {M_MMAP_THRESHOLD: "MALLOC_MMAP_THRESHOLD_", M_TRIM_THRESHOLD: "MALLOC_TRIM_THRESHOLD_"}
     return {names[param]: str(value) for param, value in _thresholds(keep).items()}
 
 
 def hold_freed(keep: int) -> bool:
-    """Keep up to ``keep`` bytes of freed heap for the next allocations (``0``: glibc's
-    defaults, untouched). Returns whether the setting took effect."""
+    """Keep up to ``keep`` bytes of freed heap for the next allocations; whether it took effect."""
     libc = _glibc()
     if libc is None or keep <= 0:
         return False
@@ -51,6 +49,6 @@ def hold_freed(keep: int) -> bool:
 
 
 def trim() -> bool:
-    """Return the free heap memory of every arena to the kernel. Whether any was returned."""
+    """Return the free heap memory of every arena to the kernel; whether any was returned."""
     libc = _glibc()
     return libc is not None and libc.malloc_trim(0) == 1

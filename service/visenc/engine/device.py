@@ -1,11 +1,4 @@
-"""The device thread's own loop: it takes its next batch from the ready jobs, forwards it and hands the rows
-to the outputs, and never waits on the event loop.
-
-The loop only hands work in (the scheduler's ready jobs) and takes results out (``call_soon_threadsafe``:
-each forwarded batch's jobs, then the outputs' copy). A forward's rows are copied out on the outputs'
-thread, behind an event, so the next forward is launched before they land (``docs/internals.md``, "The
-device never waits"). A retired loop (``retire``: a stall, a stop) takes no more batches.
-"""
+"""The device thread's own loop: takes its next batch, forwards it, hands the rows to the outputs."""
 
 from __future__ import annotations
 
@@ -29,16 +22,12 @@ from visenc.models.base import Prepared, VisionTower
 
 log = logging.getLogger(__name__)
 
-#: how long the device thread waits for ready work before it looks whether it was retired
 TAKE_TIMEOUT_S = 0.25
-#: forwards launched and not finished when the next batch is taken: the one running, the one queued behind
-#: it. More would queue images one a forward as they come, and a batch would never form
+#: forwards unfinished when the next batch is taken (more would queue images one a forward: no batch forms)
 LAUNCHED_AHEAD = 1
 
 
 class ReadyJobs(Protocol):
-    """The scheduler, as the device thread sees it."""
-
     def take(self, max_wait_s: float, timeout_s: float) -> list[Job]: ...
 
     def dispatch(self) -> None: ...
@@ -46,8 +35,6 @@ class ReadyJobs(Protocol):
 
 @dataclass(slots=True)
 class Failure:
-    """Why the device loop ended: its batch's jobs not yet forwarded, and what went wrong."""
-
     batch: list[Job]
     reason: str
     error: BaseException | None = None
@@ -65,60 +52,50 @@ class DeviceLoop:
         self.heap_idle_s = 2.0
         self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: the live loop's number: a loop whose number is behind (``retire``) ends
         self._generation = 0
-        #: monotonic start of the batch in progress (``None`` between batches)
         self.busy_since: float | None = None
         self._batch: list[Job] = []
         self._handed: set[int] = set()
-        #: the forwards launched, oldest first: the event behind each (CUDA's, or the tower's own), its
-        #: launch time and its jobs
+        #: the forwards launched, oldest first: (event, launch time, jobs)
         self._launched: collections.deque[tuple[Any, float, list[Job]]] = collections.deque()
 
-    # --- what the event loop calls -----------------------------------------------------
     def bind(self, loop: asyncio.AbstractEventLoop) -> int:
-        """A new loop's number (``run`` takes it); every earlier one is retired."""
         self._loop = loop
         self._generation += 1
         self._launched.clear()  # a retired loop's forwards are not waited for (a stalled one never ends)
         return self._generation
 
     def retire(self) -> None:
-        """The loop running now takes no more batches (its forward in progress ends as it will)."""
+        """The loop running now takes no more batches."""
         self._generation += 1
 
     def not_forwarded(self) -> list[Job]:
-        """The jobs of the batch in progress whose rows were not handed on."""
         return [j for j in self._batch if id(j) not in self._handed and j.state is JobState.RUNNING]
 
     def unfinished(self) -> list[Job]:
-        """The jobs whose rows are not made: the batch in progress's, and the launched forwards' still
-        running on the device (a stall fails them all)."""
+        """The jobs whose rows are not made: the batch in progress's and the launched forwards'."""
         launched = [j for event, _, jobs in list(self._launched) if not _done(event) for j in jobs]
         return [*self.not_forwarded(), *(j for j in launched if not j.finished)]
 
     def stalled_since(self) -> float | None:
-        """Since when the device has worked on what it holds now: the batch in progress, or the oldest
-        launched forward not yet finished (one the device never ends is a stall as a forward call is)."""
+        """Since when the device has worked on what it holds now (the oldest unfinished work)."""
         since = self.busy_since
         for event, launched_at, _ in list(self._launched):
             if not _done(event):
                 return launched_at if since is None else min(since, launched_at)
         return since
 
-    # --- the device thread ------------------------------------------------------------
     def run(self, generation: int) -> Failure | None:
-        """Take batches and forward them until retired (``None``) or a batch fails (its ``Failure``)."""
         worked_at: float | None = None
         while generation == self._generation:
             self._wait_launched(generation)
             batch = self.ready.take(self.max_wait_s, TAKE_TIMEOUT_S)
             if not batch:
                 if worked_at is not None and time.monotonic() - worked_at >= self.heap_idle_s:
-                    worked_at = None  # idle: the forwards' freed memory goes back to the system
+                    worked_at = None
                     heap.trim()
                 continue
-            self._post(self.ready.dispatch)  # with the batch taken, the images behind it are preprocessed
+            self._post(self.ready.dispatch)
             if generation != self._generation:
                 self._post(self.outputs.fail, batch, NotReady("the service is shutting down"))
                 break
@@ -133,13 +110,12 @@ class DeviceLoop:
             finally:
                 if generation == self._generation:  # an abandoned loop leaves the live one's state alone
                     self.busy_since = None
-                self._post(self.ready.dispatch)  # the batch's inputs are freed: preprocess more
+                self._post(self.ready.dispatch)
             worked_at = time.monotonic()
         return None
 
     def _wait_launched(self, generation: int) -> None:
-        """Wait until at most ``LAUNCHED_AHEAD`` forwards are unfinished (the device has the next one
-        queued meanwhile); a wait that never ends is a stall, as a forward's is."""
+        """Wait until at most ``LAUNCHED_AHEAD`` forwards are unfinished; a wait that never ends is a stall."""
         if len(self._launched) <= LAUNCHED_AHEAD:
             return
         self.busy_since = time.monotonic()
@@ -151,9 +127,7 @@ class DeviceLoop:
             self.busy_since = None
 
     def _run_batch(self, batch: list[Job], generation: int) -> None:
-        """Forward ``batch`` in the tower's groups (each split on out-of-memory), each group's rows
-        handed on as soon as it is launched. A loop abandoned meanwhile (a stall: the rest of its batch
-        was failed) forwards no more of it."""
+        """Forward ``batch`` in the tower's groups, each group's rows handed on once launched."""
         self.busy_since = time.monotonic()
         for job in batch:
             self.metrics.queue_wait_seconds.observe(self.busy_since - job.admitted_at)
@@ -163,8 +137,7 @@ class DeviceLoop:
             self._forward_fitting([batch[i] for i in group], generation)
 
     def _forward_fitting(self, jobs: list[Job], generation: int) -> None:
-        """One forward of ``jobs``; if it runs out of memory, the halves in turn, down to one image.
-        An image that does not fit even alone fails with ``OutOfMemory`` (a per-item error)."""
+        """One forward of ``jobs``; on out-of-memory, the halves in turn, down to one image."""
         started = time.monotonic()
         try:
             outputs, event = self.forward([j.input for j in jobs])
@@ -198,9 +171,8 @@ class DeviceLoop:
         self.outputs.submit(Forwarded(jobs, outputs, event))
 
     def _forwarded(self, jobs: list[Job], started: float, elapsed: float) -> None:
-        """On the loop: each job's staged input is given back now, not at its batch's end."""
         for job in jobs:
-            if job.state is JobState.RUNNING:  # not failed meanwhile (a stall, a stop)
+            if job.state is JobState.RUNNING:
                 job.forwarded(started, elapsed)
         self.ready.dispatch()
 
@@ -211,12 +183,10 @@ class DeviceLoop:
         except RuntimeError:  # the event loop is closed: nobody is left to answer
             log.debug("event loop closed; %s dropped", getattr(fn, "__name__", fn))
 
-    # --- the forward ------------------------------------------------------------------
     def on_stream(self) -> AbstractContextManager[Any]:
         return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
 
     def forward(self, prepared: Sequence[Prepared]) -> tuple[list[torch.Tensor], Any]:
-        """Device thread: the forward alone, and an event behind it (CUDA's, or the tower's own)."""
         with self.on_stream():
             outputs = self.tower.forward(prepared)
             if self._stream is None:
@@ -227,7 +197,6 @@ class DeviceLoop:
 
 
 def _done(event: Any) -> bool:
-    """Whether the work behind ``event`` is done, without waiting (an event that cannot tell: done)."""
     query = getattr(event, "query", None)
     return query is None or bool(query())
 

@@ -1,7 +1,4 @@
-"""Entries read from a tier, checked before use: one that does not match its stored header, its key or the
-tower's rows is a miss (dropped from L1, logged, counted), never served. O(1): the header is parsed, the
-rows are not read.
-"""
+"""Entries read from a tier, checked (header, key, tower) before use: a mismatch is a miss, never served."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ class EntryCheck:
         self.metrics = metrics
 
     def checked(self, key: str, image_hash: str, entry: Entry | None, *, video: bool = False) -> Entry | None:
-        """``entry`` if its stored value matches its header and this key, else ``None`` (a miss); a video's
-        manifest only where ``video`` asks for one."""
+        """``entry`` if it matches its stored header and this key, else ``None``; a manifest only for ``video``."""
         if entry is None:
             return None
         try:

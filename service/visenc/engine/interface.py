@@ -1,8 +1,4 @@
-"""What the HTTP layer sees of the engine: plain data and one typed interface.
-
-Nothing here imports torch: ``visenc.api`` depends on this module only, so the
-API can be imported, tested and documented without the model stack.
-"""
+"""What the HTTP layer sees of the engine: plain data and one typed interface (no torch imports)."""
 
 from __future__ import annotations
 
@@ -14,17 +10,12 @@ from visenc_client.format import Entry, Handle
 
 __all__ = ["EncodeItem", "EngineAPI", "Handle", "LeaseMode", "Timing"]
 
-#: how a request's answers are kept for its caller to read (``engine/pins.py``): ``id``, under a lease
-#: whose id the handles carry and the reads name; ``anonymous``, under one the reads name no id of
-#: (callers from before leases); ``inline``, until the answer itself has read the ready rows; ``none``,
-#: not at all (a caller that reads the rows elsewhere)
+#: how a request's answers are kept for its caller to read (``docs/internals.md``, "Pins, leases")
 LeaseMode = Literal["id", "none", "anonymous", "inline"]
 
 
 @dataclass(slots=True)
 class EncodeItem:
-    """One item of an encode request: a hash, bytes, or both."""
-
     hash: str | None = None
     data: bytes | None = None
     #: a video's frames (encoded images), in order
@@ -33,16 +24,11 @@ class EncodeItem:
 
 @dataclass(slots=True)
 class Timing:
-    """Where one encode request's time went (seconds), for the response's timing headers.
+    """Where one encode request's time went (seconds; both 0 for an all-hit request and ``wait=false``)."""
 
-    ``queue_s``: from the request's admission to the start of the last forward it
-    waited for (preprocessing included; 0 when it waited for none).
-    ``encode_s``: total duration of the distinct forwards that encoded the images
-    it waited for (a batch shared with other requests counts once).
-    Both stay 0 for an all-hit request and for ``wait=false``.
-    """
-
+    #: admission to the start of the last forward waited for
     queue_s: float = 0.0
+    #: the distinct forwards waited for, each counted once
     encode_s: float = 0.0
 
 
@@ -61,9 +47,7 @@ class EngineAPI(Protocol):
         timeout_s: float | None = None,
         lease: LeaseMode = "anonymous",
     ) -> list[Handle]:
-        """Handles for ``items`` in order (per-item errors inside); raises only for the whole request.
-        ``lease``: how each ready or pending image is kept for the caller to read (``engine/pins.py``);
-        with ``id`` those handles carry the lease id its reads name."""
+        """Handles for ``items`` in order (per-item errors inside); raises only for the whole request."""
         ...
 
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
@@ -71,27 +55,19 @@ class EngineAPI(Protocol):
         ...
 
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
-        """A caller has read rows of an image (``last``: to its last row), naming the lease its handle
-        carried (or none): that pin is unpinned (``last``) or renewed."""
+        """A caller read rows of an image naming its lease (or none): unpinned at the ``last`` row, else renewed."""
         ...
 
     def not_ready_reason(self) -> str | None:
         """Why the engine cannot take new work now (``None`` when it can)."""
         ...
 
-    def describe(self) -> dict[str, Any]:
-        """The served model: name, fingerprint, hidden size, dtype, device, packable, row layout."""
-        ...
+    def describe(self) -> dict[str, Any]: ...
 
     def layout(self, width: int, height: int) -> dict[str, Any]:
-        """What a ``width x height`` image becomes, before it exists: row count, grid and its
-        placeholder span (``InvalidImage`` for a size the model's processor refuses)."""
+        """What a ``width x height`` image becomes: row count, grid and placeholder span."""
         ...
 
-    def health(self) -> dict[str, Any]:
-        """Index tiers and queue: what ``/readyz`` reports."""
-        ...
+    def health(self) -> dict[str, Any]: ...
 
-    def export_gauges(self) -> None:
-        """Refresh the gauges that are read, not pushed (queue depth, worker health, index health)."""
-        ...
+    def export_gauges(self) -> None: ...

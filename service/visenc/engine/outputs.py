@@ -1,9 +1,4 @@
-"""Outputs: from a forward's device tensors to resolved futures, off the device thread.
-
-The only stage that finishes a job. Its one task stores an entry in L1 before it resolves the job's future
-(a later look-up finds one or the other: never encoded twice), then writes it through and lets the claim go
-(entry first: a waiter never sees neither). Every failure comes through here too (``docs/internals.md``).
-"""
+"""Outputs: from a forward's device tensors to resolved futures, off the device thread (``docs/internals.md``)."""
 
 from __future__ import annotations
 
@@ -31,12 +26,9 @@ log = logging.getLogger(__name__)
 
 @dataclass(slots=True)
 class Forwarded:
-    """A finished forward, as the worker hands it over: one device tensor per job, in order."""
-
     batch: list[Job]
     outputs: list[torch.Tensor]
-    #: event recorded behind the forward: CUDA's on the worker's stream, or the tower's own
-    #: (``VisionTower.record_event``; ``None`` where the forward's outputs are ready when it returns)
+    #: event behind the forward (``None``: its outputs are ready when it returns)
     event: Any = None
 
 
@@ -78,13 +70,11 @@ class Outputs:
         self._queue: asyncio.Queue[_Done | _Failed] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        #: copies in progress (added on the device thread, discarded on the output thread)
         self._copies: set[concurrent.futures.Future[list[Entry]]] = set()
         self._writes: set[asyncio.Task[None]] = set()
         #: called on the loop with (batch, seconds) after each batch's outputs are materialised
         self.on_materialised: Callable[[list[Job], float], None] | None = None
 
-    # --- lifecycle -------------------------------------------------------------------
     def start(self) -> None:
         self._loop = asyncio.get_running_loop()
         self._task = spawn(self._run(), "outputs", self.metrics)
@@ -101,13 +91,10 @@ class Outputs:
 
     @property
     def pending_writes(self) -> int:
-        """Write-throughs (and the unclaims after them) still in progress."""
         return len(self._writes)
 
-    # --- what the other stages hand in --------------------------------------------
     def submit(self, forwarded: Forwarded) -> None:
-        """A forward was launched (any thread: the device thread hands it in itself): copy and pack its
-        outputs on the output thread, then answer on the loop."""
+        """A forward was launched (any thread): copy and pack its outputs on the output thread."""
         assert self._loop is not None, "outputs are submitted after start"
         loop, t0 = self._loop, time.perf_counter()
         copy = self._thread.submit(self._materialise, forwarded)
@@ -138,7 +125,7 @@ class Outputs:
         self._queue.put_nowait(_Done(forwarded.batch, fut.result()))
 
     def fail(self, jobs: Sequence[Job], error: BaseException) -> None:
-        """Fail ``jobs`` (any stage, any reason): marked failed now, answered by the output task."""
+        """Fail ``jobs`` (any stage): marked failed now, answered by the output task."""
         live = [j for j in jobs if not j.finished]
         for job in live:
             job.fail()
@@ -146,13 +133,10 @@ class Outputs:
             self._queue.put_nowait(_Failed(live, error))
 
     def complete_remote(self, job: Job, entry: Entry) -> None:
-        """Another replica encoded ``job``: take its entry, no forward here, nothing to write."""
         if not job.finished:
             self._queue.put_nowait(_Done([job], [entry], remote=True))
 
-    # --- the output thread ------------------------------------------------------------
     def _materialise(self, forwarded: Forwarded) -> list[Entry]:
-        """Device outputs → host → each image's stored value (one copy of the rows)."""
         batch, outputs = forwarded.batch, forwarded.outputs
         if len(outputs) != len(batch):
             raise RuntimeError(f"tower returned {len(outputs)} outputs for {len(batch)} images")
@@ -193,7 +177,6 @@ class Outputs:
         self._stream.synchronize()
         return hosts
 
-    # --- the output task (event loop thread) -----------------------------------------
     async def _run(self) -> None:
         while True:
             self._answer(await self._queue.get())
@@ -211,9 +194,9 @@ class Outputs:
                 self._fail_now(job, item.error)
 
     def _complete(self, job: Job, entry: Entry, *, remote: bool) -> None:
-        if job.finished:  # failed meanwhile: its failure is answered
+        if job.finished:
             return
-        if not self.index.store_local(job.key, entry, leases=job.readers):  # kept until its readers read it
+        if not self.index.store_local(job.key, entry, leases=job.readers):
             job.fail()  # never answered ready: nothing could read it (start-up sizes L1 for images)
             limit = f"cache_bytes={self.index.local.max_bytes}"
             self._fail_now(job, PayloadTooLarge(f"rows of {entry.nbytes} bytes exceed the in-process index, {limit}"))
@@ -227,7 +210,6 @@ class Outputs:
         self._spawn(self._write_through(job.key, entry))
 
     def _fail_now(self, job: Job, error: BaseException) -> None:
-        """Answer a job ``fail`` marked failed."""
         if isinstance(error, Cancelled):
             self.metrics.cancelled_images.inc()
         if not isinstance(error, VisencError):  # a bug in a stage: logged, answered without internals

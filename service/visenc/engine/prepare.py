@@ -1,10 +1,4 @@
-"""CPU work on one image, run in the preprocessing pool: inspect an upload
-(hash it, read its size from the header) and preprocess it (decode + the
-tower's own preprocessing). Both are pure functions of the bytes.
-
-A video is inspected whole (``inspect_video``): its frames decoded and preprocessed as the
-tower's video processor does, cut into tubes, each keyed by its tower input
-(``imaging/video.py``). A tube is then a job like an image whose input is already made."""
+"""CPU work on one image or video, in the preprocessing pool: inspect an upload, preprocess it."""
 
 from __future__ import annotations
 
@@ -28,14 +22,12 @@ class Inspected:
     #: tower-input tokens the forward processes (the batch budget's unit)
     cost: int
     #: extra staging charge while the image is decoded and preprocessed, in the same units
-    #: (``DECODE_BYTES_PER_PIXEL`` of its source, and its input once more)
     decode_cost: int
 
 
 @dataclass(frozen=True, slots=True)
 class Tube:
-    """One tube of a video: its key, what it costs, and its two frames resized to the clip's
-    target (``[2, C, H, W]`` uint8; its tower input is made only if it is encoded)."""
+    """One tube of a video: its key, cost, and two frames resized to the target (``[2, C, H, W]`` uint8)."""
 
     inspected: Inspected
     frames: torch.Tensor
@@ -44,8 +36,6 @@ class Tube:
 
 @dataclass(frozen=True, slots=True)
 class Video:
-    """A video, inspected: its ``(tubes, grid_h, grid_w)`` and its tubes in order."""
-
     hash: str
     grid_thw: tuple[int, int, int]
     tubes: list[Tube]
@@ -73,10 +63,7 @@ class ImagePrep:
         self._input_bytes = max(1, tower.input_bytes_per_token())
 
     def inspect(self, data: bytes, given_hash: str | None) -> tuple[str, Inspected | VisencError]:
-        """Hash (and check) uploaded bytes and read the image size from its header only.
-
-        Returns the bytes' hash and what they become, or the per-item error
-        (``HashMismatch``, ``InvalidImage``, ``ImageTooLarge``) that stops them."""
+        """Hash (and check) uploaded bytes and read the size from the header: the hash and the image or its error."""
         digest = image_hash(data)
         if given_hash is not None and given_hash != digest:
             return digest, HashMismatch(f"the uploaded bytes hash to {digest}, not to the given {given_hash}")
@@ -93,11 +80,7 @@ class ImagePrep:
         return digest, Inspected(digest, layout, cost, decode_cost)
 
     def inspect_video(self, frames: Sequence[bytes], given_hash: str | None) -> tuple[str, Video | VisencError]:
-        """Hash (and check) a video's frames, decode them and cut the clip into tubes.
-
-        Returns the video's hash and its tubes, or the per-item error that stops it
-        (``HashMismatch``, ``InvalidVideo``, ``InvalidImage``, ``ImageTooLarge``). Every limit is
-        checked from the frames' headers before a pixel is decoded."""
+        """Hash (and check) a video's frames and cut them into tubes: the hash and the video or its error."""
         digest = video_hash([image_hash(f) for f in frames])
         if given_hash is not None and given_hash != digest:
             return digest, HashMismatch(f"the frames hash to video {digest}, not to the given {given_hash}")
@@ -136,8 +119,7 @@ class ImagePrep:
         return digest, Video(digest, grid, tubes)
 
     def preprocess(self, source: Source) -> Prepared:
-        """A job's tower input: an image decoded and preprocessed, or a tube's frames normalised
-        and patchified (resized at inspection)."""
+        """A job's tower input: an image decoded and preprocessed, or a tube's frames patchified."""
         if isinstance(source, Tube):
             assert self.tower.video is not None
             return self.tower.tube_input(self.tower.video.tube_pixels(source.frames), source.grid_hw)

@@ -1,14 +1,4 @@
-"""Scheduler: which images are preprocessed next, and which run together (on the event loop, never blocking).
-
-Both follow priority: urgent (a fetch waits) first, then arrival, then prompt order. Preprocessing is gated
-by ``prefetch_tokens`` of staged input (``staging.py``): that gate is the backpressure. A job's staging
-line is its own, closed by the job's own transitions; the scheduler only reads the total, and dispatches
-again (``dispatch``) wherever a job may have given staging back. A batch is the head job and the ready
-jobs behind it of its bucket (any bucket, for a packable tower) up to the batch limits, stopping at the
-first that does not fit, so a request's images run in prompt order. The ready jobs are the one thing the
-device thread touches: it takes its batches itself (``take``), under the ready lock, never waiting on the
-event loop. The policy, and why: ``docs/internals.md``.
-"""
+"""Scheduler: which images are preprocessed next, and which run together (``docs/internals.md``)."""
 
 from __future__ import annotations
 
@@ -32,7 +22,6 @@ from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
 
-#: image bytes -> tower input (decode + the tower's preprocessing), run in the CPU pool
 Preprocess = Callable[[Source], Prepared]
 
 
@@ -69,39 +58,30 @@ class Scheduler:
         #: preprocessed, not yet taken; written only under ``_lock`` (the device thread takes from it)
         self._ready: list[Job] = []
         self._lock = threading.Condition()
-        #: each preparation's task and its job (a finished task leaves a loop turn later)
         self._preparing: dict[asyncio.Task[None], Job] = {}
         #: preparations started and not ended (read by the device thread: a plain count)
         self._preparations = 0
-        #: tower-input tokens preprocessed or being preprocessed, not yet forwarded (``staging.py``)
         self.staging = Staging()
-        #: why nothing more is encoded here, once ``cancel_all`` was called (``None`` until then)
         self._closed: BaseException | None = None
 
-    # --- state ---------------------------------------------------------------
     @property
     def staged_tokens(self) -> int:
         return self.staging.tokens
 
     @property
     def depth(self) -> int:
-        """Jobs admitted and not yet handed to the device (a preparation that has just finished
-        is counted once: as ready, not also as its task, whose set entry goes a loop turn later)."""
+        """Jobs admitted and not yet handed to the device (a just-prepared job counts once)."""
         return len(self._waiting) + self._in_preparation + len(self._ready)
 
     @property
     def _in_preparation(self) -> int:
-        """Preparations still running (a finished task leaves ``_preparing`` a loop turn later)."""
         return sum(not t.done() for t in self._preparing)
 
     @property
     def idle(self) -> bool:
         return self.depth == 0
 
-    # --- intake ----------------------------------------------------------------
     def submit(self, job: Job) -> None:
-        """Encode ``job`` here (``NEW`` or ``WATCHING``); after ``cancel_all`` (an image another replica
-        was to encode, taken over), failed at once with its error."""
         if self._closed is not None:
             self._outputs.fail([job], self._closed)
             return
@@ -122,7 +102,7 @@ class Scheduler:
             self._outputs.complete_remote(job, outcome)
         elif outcome is not None:
             self._outputs.fail([job], outcome)
-        elif job.state is JobState.FOLLOWING:  # a fetch: no bytes to encode it here
+        elif job.state is JobState.FOLLOWING:
             self._outputs.fail(
                 [job],
                 NotFound(
@@ -134,14 +114,7 @@ class Scheduler:
             self.submit(job)
 
     def bump(self, job: Job) -> None:
-        """Move a job ahead of all non-urgent work (a fetch is waiting on it).
-
-        A job still waiting for preprocessing starts it now, past the prefetch
-        gate: the staged work ahead of it is all lower priority, and waiting for
-        it to drain would put the urgent job one or more batches back. The
-        overshoot is bounded: bumped jobs may stage at most one more batch
-        (``max_batch_tokens``) beyond ``prefetch_tokens``; past that a bumped job
-        waits, first in line, for the device to free staged work."""
+        """Move a job ahead of all non-urgent work, past the prefetch gate by one batch at most."""
         if not job.bump():
             return
         if job in self._waiting and self._fits(job, self.prefetch_tokens + self.max_batch_tokens):
@@ -149,16 +122,13 @@ class Scheduler:
             self._start(job)
 
     def _fits(self, job: Job, bound: int) -> bool:
-        """Whether staging ``job`` keeps the staged tokens within ``bound``. A job also fits when
-        nothing is staged ahead of the device (none preprocessing, none ready): the device's next
-        input is then always prepared while it runs, whatever the bound (one image over it at most)."""
+        """Whether staging ``job`` keeps the staged tokens within ``bound`` (always, with nothing staged)."""
         if self.staging.tokens + job.cost + job.decode_cost <= bound:
             return True
         return not self._ready and not self._in_preparation
 
     def drop(self, job: Job) -> None:
-        """A waiter went away: if nobody else wants ``job`` and it is still queued, drop it now
-        (a job already preprocessing is dropped when it becomes ready; one on the device finishes)."""
+        """A waiter went away: drop ``job`` if nobody else wants it and it is not on the device."""
         if job.interest > 0:
             return
         if job in self._waiting:
@@ -169,7 +139,6 @@ class Scheduler:
             self.dispatch()
 
     def _unready(self, job: Job) -> bool:
-        """Take ``job`` out of the ready jobs if the device has not taken it; whether it was there."""
         with self._lock:
             if job not in self._ready:
                 return False
@@ -177,15 +146,13 @@ class Scheduler:
             return True
 
     def _drop_if_unwanted(self, job: Job) -> bool:
-        """Fail ``job`` if nobody wants it (its staging line closes with it); whether it did."""
         if job.interest > 0:
             return False
         self._outputs.fail([job], Cancelled("every request waiting for this image went away"))
         return True
 
     def dispatch(self) -> None:
-        """Start preprocessing the most urgent waiting jobs while the prefetch budget allows (called
-        wherever staging may have been given back: the device worker calls it as forwards end)."""
+        """Start preprocessing the most urgent waiting jobs while the prefetch budget allows."""
         while self._waiting:
             job = min(self._waiting, key=lambda j: j.priority)
             bound = self.prefetch_tokens + (self.max_batch_tokens if job.urgent else 0)
@@ -208,15 +175,13 @@ class Scheduler:
         self._preparations -= 1
 
     async def _prepare(self, job: Job) -> None:
-        """Claim ``job``'s encode, then preprocess it here or hand it to the replica that has it; whatever
-        ends its preparation gives its staging back, and the jobs behind it are dispatched."""
         try:
             match await self._coordination.begin(job):
                 case Place.HERE:
                     await self._preprocess_here(job)
                 case Place.ELSEWHERE:
                     self.watch(job)
-                case Entry() as entry:  # another replica finished it: its entry is taken, nothing staged
+                case Entry() as entry:
                     job.watch()
                     self._outputs.complete_remote(job, entry)
         except BaseException as e:
@@ -233,16 +198,14 @@ class Scheduler:
         tower_input = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
         if self._on_prepared is not None:
             self._on_prepared(job, time.perf_counter() - t0)
-        if self._drop_if_unwanted(job):  # every waiter left while it was preprocessed
+        if self._drop_if_unwanted(job):
             return
-        job.prepared(tower_input)  # the decoded image is gone, its input stays staged
+        job.prepared(tower_input)
         with self._lock:
             self._ready.append(job)
             self._lock.notify()
 
-    # --- batches -----------------------------------------------------------------
     def take_batch(self) -> list[Job]:
-        """On the event loop: the next batch (empty if nothing is ready); unwanted ready jobs are dropped."""
         with self._lock:
             unwanted = [job for job in self._ready if job.interest <= 0]
             self._ready = [job for job in self._ready if job.interest > 0]
@@ -253,10 +216,7 @@ class Scheduler:
         return batch
 
     def take(self, max_wait_s: float, timeout_s: float) -> list[Job]:
-        """On the device thread: wait up to ``timeout_s`` for ready work and take the next batch (empty if
-        none came); then ``dispatch`` must run on the loop. If the device was idle, the batch gets up to
-        ``max_wait_s`` to fill while preparations are in flight; work that piled up during the previous
-        forward is taken at once: a busy device never waits for stragglers, nor for the event loop."""
+        """On the device thread: the next batch within ``timeout_s`` (``docs/internals.md``)."""
         with self._lock:
             idle = not self._wanted()
             if idle and not self._lock.wait_for(self._wanted, timeout_s):
@@ -269,8 +229,6 @@ class Scheduler:
         return any(job.interest > 0 for job in self._ready)
 
     def _form_batch(self) -> list[Job]:
-        """The next batch by priority and bucket, taken out of the ready jobs (under ``_lock``). A job
-        nobody wants is left for the loop to drop (``drop``, ``take_batch``)."""
         ready = sorted((job for job in self._ready if job.interest > 0), key=lambda j: j.priority)
         if not ready:
             return []
@@ -279,7 +237,7 @@ class Scheduler:
         layouts = [head.shape]
         for job in ready[1:]:
             if len(batch) >= self.max_batch_images or (head.urgent and not job.urgent):
-                break  # sorted by priority: the urgent jobs come first
+                break
             if not self.packable and job.shape.bucket != head.shape.bucket:
                 continue
             if tokens + job.cost > self.max_batch_tokens or (
@@ -298,9 +256,7 @@ class Scheduler:
         return batch
 
     def cancel_all(self, error: BaseException) -> None:
-        """Fail every job not yet on the device (shutdown, or a device that cannot be restarted) with
-        ``error``: queued, ready, and being prepared, whose preparations are then cancelled (one whose
-        task has not run yet never reaches its own failure path). Nothing is encoded here afterwards."""
+        """Fail every job not yet on the device with ``error``; nothing is encoded here afterwards."""
         self._closed = error
         preparing = [job for task, job in self._preparing.items() if not task.done()]
         with self._lock:

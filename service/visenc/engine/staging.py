@@ -1,11 +1,5 @@
-"""The staging budget: tower-input tokens held for the device, one ledger line per job.
-
-A job opens its line when its preprocessing starts (``Job.start_preparing``): its input and its decode are
-held. The decode share goes when its image is decoded (``Line.decoded``, at ``Job.prepared``); the rest when
-the job leaves the states that hold staged input (``job.STAGED``: forwarded, failed, dropped, or handed to
-another replica), which ``Job`` does itself on that transition. A line frees only what it still holds, so
-no path can leak or double-free the budget, and nothing outside a job writes the total.
-"""
+"""The staging budget: tower-input tokens held for the device, one line per job, refunded by the job's own
+transitions (``job.STAGED``)."""
 
 from __future__ import annotations
 
@@ -20,7 +14,6 @@ class Staging:
         return self._tokens
 
     def open(self, tokens: int, decode_tokens: int) -> Line:
-        """A new line holding a job's input (``tokens``) and its decode (``decode_tokens``)."""
         self._tokens += tokens + decode_tokens
         return Line(self, tokens, decode_tokens)
 
@@ -37,11 +30,11 @@ class Line:
         self._ledger, self._input, self._decode = ledger, tokens, decode_tokens
 
     def decoded(self) -> None:
-        """The image is decoded: the decode share goes, the input stays held."""
+        """The image is decoded: the decode share is refunded."""
         self._ledger._refund(self._decode)
         self._decode = 0
 
     def refund(self) -> None:
-        """The job needs no staging any more: whatever the line holds goes."""
+        """The job needs no staging any more: whatever the line holds is refunded."""
         self._ledger._refund(self._input + self._decode)
         self._input = self._decode = 0

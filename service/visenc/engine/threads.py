@@ -32,13 +32,7 @@ def default_torch_threads(device: torch.device, cores: int | None = None) -> int
 
 
 class DaemonThread(Executor):
-    """A one-thread executor whose thread is a daemon.
-
-    ``ThreadPoolExecutor`` threads are joined at interpreter exit, so a forward
-    stuck in a kernel would keep a stopping process alive forever. The device
-    worker runs its forwards here instead: a stalled thread is abandoned (a
-    fresh one takes over) and never holds up the exit. ``initializer`` runs first in the thread, as
-    ``ThreadPoolExecutor``'s does."""
+    """A one-thread executor whose thread is a daemon: a stalled forward never holds up the exit."""
 
     def __init__(self, name: str, initializer: Callable[[], object] | None = None) -> None:
         self._initializer = initializer
@@ -70,7 +64,6 @@ class DaemonThread(Executor):
             self._thread.join()
 
     def join(self, timeout_s: float) -> bool:
-        """Wait up to ``timeout_s`` for the thread to end (after ``shutdown``); whether it did. A thread
-        that ends inside torch at interpreter exit can abort the process, so a clean stop joins it."""
+        """Wait up to ``timeout_s`` for the thread to end (after ``shutdown``); whether it did."""
         self._thread.join(timeout_s)
         return not self._thread.is_alive()

@@ -1,12 +1,5 @@
-"""The device worker: one loop per device on one daemon thread, which feeds itself (``device.py``); the event
-loop hands work in, takes results out, and watches for stalls, and is never blocked.
-
-While batch N runs, the pool preprocesses batch N+1 and the outputs stage copies out batch N-1. A compiled
-tower is warmed up before readiness, within a time limit of its own (past it, the tower serves eagerly);
-whether it runs compiled, and why not, goes to the log, the metrics and ``/readyz``. A forward that raises
-or stalls fails its batch's waiters at once (503) and the worker restarts with a probe forward; when it
-cannot, ``on_fatal`` stops the process for its supervisor (``docs/design.md``, "Failure semantics").
-"""
+"""The device worker: starts, watches and restarts the device loop (``device.py``); ``docs/design.md``, "Failure
+semantics"."""
 
 from __future__ import annotations
 
@@ -33,8 +26,7 @@ from visenc.tasks import spawn
 
 log = logging.getLogger(__name__)
 
-#: size of the probe image a restart runs through the tower: the smallest that every tower accepts
-#: (Qwen's processors refuse less than 56x56); one merged token on a Qwen tower
+#: the probe image a restart runs: the smallest every tower accepts (Qwen's processors refuse less than 56x56)
 PROBE_SIZE = (56, 56)
 
 
@@ -68,21 +60,16 @@ class DeviceWorker:
         self.max_wait_s = max_wait_s
         self.stall_timeout_s = stall_timeout_s
         self.restart_attempts = restart_attempts
-        #: the warm-up's time limit (``None``: scaled to the tower, ``compiled.warm_up_limit_s``)
         self.warm_up_timeout_s = warm_up_timeout_s
-        #: what runs on the device thread: it takes its batches itself
         self.device = DeviceLoop(tower, scheduler, outputs, metrics=metrics, max_wait_s=max_wait_s)
         self.device.heap_idle_s = heap_idle_s
         self._thread = _device_thread()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         self.state = WorkerState.HEALTHY
-        #: why the worker is not healthy (``None`` while it is)
         self.reason: str | None = None
-        #: called once, on the event loop, when the device cannot be restarted
         self.on_fatal: Callable[[str], None] | None = None
 
-    # --- lifecycle -----------------------------------------------------------------
     def start(self) -> None:
         status = self.tower.compilation
         if status.state == "warming":
@@ -95,12 +82,9 @@ class DeviceWorker:
         self._task = spawn(self._run(), "device-worker", self.metrics)
 
     def warm_up_limit_s(self) -> float:
-        """How long the warm-up may take: ``warm_up_timeout_s``, else scaled to the compiled blocks."""
         return self.warm_up_timeout_s or compiled.warm_up_limit_s(self.tower.compiled_blocks)
 
     def _report_compile(self) -> None:
-        """Whether the tower runs compiled, and why not, in the log and the metrics (``/readyz`` reads
-        it from the tower)."""
         status = self.tower.compilation
         self.metrics.set_compile_state(status.state, status.cause)
         self.metrics.compiled_graphs.set(status.graphs)
@@ -109,7 +93,6 @@ class DeviceWorker:
 
     @property
     def heap_idle_s(self) -> float:
-        """Idle seconds after which the forwards' freed memory goes back to the system."""
         return self.device.heap_idle_s
 
     @heap_idle_s.setter
@@ -118,7 +101,6 @@ class DeviceWorker:
 
     @property
     def busy_since(self) -> float | None:
-        """Monotonic start of the batch in progress (``None`` between batches)."""
         return self.device.busy_since
 
     @property
@@ -143,14 +125,8 @@ class DeviceWorker:
         self.state = WorkerState.STOPPED
         self.metrics.worker_alive.set(0)
 
-    # --- the loop ----------------------------------------------------------------------
     async def _warm_up(self) -> None:
-        """Build a compiled tower's graphs before the first batch (``VisionTower.warm_up``), bounded by
-        ``warm_up_limit_s``, not ``stall_timeout_s``: a cold compile may take minutes, and a compile
-        abandoned midway would hold dynamo's compile lock, on which any later compile waits. Past the
-        limit, or if a warm-up forward raises, the tower runs eagerly (it never enters dynamo again)
-        and the device is probed as after a failed forward; if the backend failed to compile, or no
-        graph was built, eagerly too, with no probe (the forwards ran)."""
+        """Build a compiled tower's graphs within ``warm_up_limit_s``; past it, or on failure, run eagerly."""
         started, limit = time.monotonic(), self.warm_up_limit_s()
         try:
             with compiled.backend_failures() as failures:
@@ -184,8 +160,7 @@ class DeviceWorker:
             self.tower.warm_up()
 
     async def _device_call(self, fn: Callable[[], Any], timeout_s: float | None = None) -> Any:
-        """``fn`` on the device thread, bounded by ``timeout_s`` (default ``stall_timeout_s``; ``_Stalled``
-        past it: the thread is abandoned and a fresh one takes its place)."""
+        """``fn`` on the device thread within ``timeout_s``; past it the thread is abandoned."""
         call = asyncio.get_running_loop().run_in_executor(self._thread, fn)
         done, _ = await asyncio.wait({call}, timeout=self.stall_timeout_s if timeout_s is None else timeout_s)
         if not done:
@@ -202,11 +177,9 @@ class DeviceWorker:
             failure = await self._feed()
             if failure is not None:
                 await self._failed(failure.batch, failure.reason)
-                self.scheduler.dispatch()  # the failed batch's inputs are freed
+                self.scheduler.dispatch()
 
     async def _feed(self) -> Failure | None:
-        """The device thread feeds itself until stopped or a batch fails; meanwhile the loop watches
-        that no forward runs past ``stall_timeout_s`` (past it, the thread is abandoned)."""
         loop = asyncio.get_running_loop()
         run = loop.run_in_executor(self._thread, self.device.run, self.device.bind(loop))
         watch_s = min(0.25, self.stall_timeout_s / 4)
@@ -227,12 +200,10 @@ class DeviceWorker:
             raise
 
     def _loop_failed(self, error: BaseException | None) -> Failure:
-        """A bug in the device loop itself: the same as a failed forward."""
         log.error("device worker loop failed", exc_info=error)
         return Failure(self.device.not_forwarded(), f"the device worker failed: {type(error).__name__}", error)
 
     def _stalled(self, run: asyncio.Future[Any]) -> Failure:
-        """A forward ran past ``stall_timeout_s``: its thread is abandoned, a fresh one takes its place."""
         self.device.retire()
         run.add_done_callback(_drop_result)  # the late result of a stalled call is not used
         self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the call
@@ -243,9 +214,7 @@ class DeviceWorker:
         reason = f"the device worker stalled: a forward ran longer than stall_timeout_s={self.stall_timeout_s}"
         return Failure(batch, reason)
 
-    # --- failure and restart ----------------------------------------------------------
     async def _failed(self, batch: list[Job], reason: str) -> None:
-        """Answer the batch's waiters now (503), then restart the device or give up."""
         log.error("%s; restarting it", reason)
         self.outputs.fail(batch, NotReady(f"{reason}; retry"))
         self.state, self.reason = WorkerState.RESTARTING, reason
@@ -267,7 +236,6 @@ class DeviceWorker:
             self.on_fatal(reason)
 
     async def _probe(self) -> str | None:
-        """One small forward on the (fresh) device thread: ``None`` if the device works, else why not."""
         image = Image.new("RGB", PROBE_SIZE, (127, 127, 127))
         try:
             await self._device_call(lambda: self._probe_forward(image))
@@ -296,5 +264,4 @@ def _drop_result(fut: asyncio.Future[Any]) -> None:
 
 
 def _device_thread() -> DaemonThread:
-    """The thread the forwards run on, with dynamo's settings for a compiled tower (they are per thread)."""
     return DaemonThread("visenc-device", compiled.configure)

@@ -20,6 +20,7 @@ ENGINE_RANKS = {
     "prepare": 0,
     "entries": 0,
     "items": 2,
+    # every video path (manifests stored, pinned, read, waited for): below the pins and the fetch path
     "videos": 3,
     "threads": 1,
     "budget": 1,
@@ -28,7 +29,7 @@ ENGINE_RANKS = {
     "claims": 2,
     "remote": 3,
     "coordination": 4,
-    # who L1 keeps an entry for, until its reader reads it: beside the stages, called by intake and core
+    # who L1 keeps an entry for, until its reader reads it: beside the stages, called by intake and core (reads)
     "pins": 4,
     # the stages, in the order data flows; the in-flight map and the fetch path beside the worker
     "outputs": 5,
@@ -81,6 +82,18 @@ def test_importing_the_api_does_not_import_torch():
     code = "import sys\n" + "".join(f"import {m}\n" for m in modules) + "print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False", f"importing {modules} imported torch"
+
+
+def test_the_engine_assembles_the_front_stages():
+    """Intake is handed the stages it shares (``core.py`` builds them) and does not import the worker."""
+    path = SERVICE / "engine" / "intake.py"
+    built = {
+        node.func.id
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.Call) and isinstance(node.func, ast.Name)
+    }
+    assert not built & {"EntryCheck", "InFlight", "Fetch", "Pins", "Videos", "Joins"}
+    assert "visenc.engine.worker" not in visenc_imports(path)
 
 
 def test_intake_reads_straight():

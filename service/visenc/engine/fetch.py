@@ -47,14 +47,15 @@ class Fetch:
             raise InvalidHash("hash must be 64 lowercase hex digits (SHA-256 of the image bytes)")
         match await self._locate(entry_key(namespace, self.fingerprint, image_hash), image_hash, follow=True):
             case Stored(Entry(kind="video") as manifest):
-                return await self.videos.rows(manifest, image_hash, namespace, self.by(namespace, timeout_s))
+                return await self.videos.rows(manifest, image_hash, namespace, self.lookup_in(namespace, timeout_s))
             case Stored(entry):
                 return entry
             case Encoding(job):
                 return await self._wait(job, image_hash, timeout_s)
         raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
 
-    def by(self, namespace: str, timeout_s: float | None) -> Callable[[str], Awaitable[Entry]]:
+    def lookup_in(self, namespace: str, timeout_s: float | None) -> Callable[[str], Awaitable[Entry]]:
+        """``lookup`` of a hash in ``namespace``."""
         return lambda image_hash: self.lookup(image_hash, namespace, timeout_s=timeout_s)
 
     async def locate(self, image_hash: str, namespace: str) -> Located:

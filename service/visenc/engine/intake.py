@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
+from functools import partial
 
 from visenc.config import Settings
 from visenc.engine.coordination import Coordination
@@ -100,7 +101,7 @@ class Intake:
             if wait:
                 await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
                 if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
-                    await self.videos.wait(request.work, namespace, self.fetch.by(namespace, timeout_s))
+                    await self.videos.wait(request.work, namespace, self.fetch.lookup_in(namespace, timeout_s))
         except BaseException:  # refused, past the deadline, or the client went away
             self.pins.unpin(request.held, namespace, reader.lease)
             raise
@@ -144,7 +145,7 @@ class Intake:
             it.key = entry_key(namespace, self.fingerprint, it.hash)
         todo = [it for it in live if self.inflight.joinable(it.looked_up) is None]
         step = self.index.batch_keys
-        locate = lambda tube: self.fetch.locate(tube, namespace)  # noqa: E731
+        locate = partial(self.fetch.locate, namespace=namespace)
         for lo in range(0, len(todo), step):  # one batch of Redis reads at a time (``redis_batch_bytes``)
             for it, got in zip(
                 todo[lo : lo + step], await self.index.get_many([it.looked_up for it in todo[lo : lo + step]])

@@ -210,7 +210,7 @@ def join_rows(manifest: Entry, video: str, tubes: Sequence[Entry]) -> Entry:
 
 class Joins:
     """Videos' rows joined for reads by the video's hash, at most ``max_bytes`` of them, least recently read
-    dropped first."""
+    evicted first."""
 
     def __init__(
         self, max_bytes: int, metrics: Metrics, tube_rows: Callable[[tuple[int, int, int]], int], row_bytes: int
@@ -238,16 +238,16 @@ class Joins:
             return held[1]
         nbytes = DATA_OFFSET + sum(t.rows for t in tubes) * tubes[0].row_bytes
         self._refuse(video, nbytes)
-        self._drop(key)
+        self._evict(key)
         while self.bytes + nbytes > self.max_bytes:
-            self._drop(next(iter(self._held)))
+            self._evict(next(iter(self._held)))
         entry = join_rows(manifest, video, tubes)
         self._held[key] = (source, entry)
         self.bytes += entry.nbytes
         self._metrics.joined_bytes.set(self.bytes)
         return entry
 
-    def _drop(self, key: str) -> None:
+    def _evict(self, key: str) -> None:
         held = self._held.pop(key, None)
         if held is not None:
             self.bytes -= held[1].nbytes

@@ -164,7 +164,7 @@ class DeviceWorker:
         call = asyncio.get_running_loop().run_in_executor(self._thread, fn)
         done, _ = await asyncio.wait({call}, timeout=self.stall_timeout_s if timeout_s is None else timeout_s)
         if not done:
-            call.add_done_callback(_drop_result)  # the late result of a stalled call is not used
+            call.add_done_callback(_ignore_result)  # the late result of a stalled call is not used
             self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the call
             self._thread = _device_thread()
             raise _Stalled
@@ -205,7 +205,7 @@ class DeviceWorker:
 
     def _stalled(self, run: asyncio.Future[Any]) -> Failure:
         self.device.retire()
-        run.add_done_callback(_drop_result)  # the late result of a stalled call is not used
+        run.add_done_callback(_ignore_result)  # the late result of a stalled call is not used
         self._thread.shutdown(wait=False)  # abandoned: a daemon, stuck in the call
         self._thread = _device_thread()
         batch = self.device.unfinished()
@@ -258,7 +258,7 @@ class _Stalled(Exception):
     """A device call ran past its time limit (``stall_timeout_s``; the warm-up has its own)."""
 
 
-def _drop_result(fut: asyncio.Future[Any]) -> None:
+def _ignore_result(fut: asyncio.Future[Any]) -> None:
     if not fut.cancelled():
         fut.exception()  # retrieved: a late failure is not logged as "never retrieved"
 

@@ -40,8 +40,8 @@ ERRORS = (OSError, http.client.HTTPException)
 KEEP_IDLE_S = 4.0
 #: a failed request is sent again only on a fresh connection, and only when a kept-alive one failed so
 STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
-#: guards each ``Body``'s one hand-back of its connection (held for a few instructions)
-_HAND_BACK = threading.Lock()
+#: guards each ``Body``'s one check-in of its connection (held for a few instructions)
+_CHECKIN = threading.Lock()
 
 
 def resolve(host: str, port: int, timeout_s: float | None) -> list[tuple]:
@@ -117,10 +117,10 @@ class Body:
         self._conn: http.client.HTTPConnection | None = conn
 
     def close(self) -> None:
-        with _HAND_BACK:
+        with _CHECKIN:
             conn, self._conn = self._conn, None
         if conn is not None:
-            self._pool._give_back(conn, self._response)
+            self._pool._checkin(conn, self._response)
 
     def _ended(self) -> None:
         """The body ended before ``len(view)`` bytes: cut short by the connection (fewer bytes than its
@@ -228,7 +228,7 @@ class Connections:
         conn.auto_open = 0  # never reconnected behind our back (nor past the connect timeout)
         return conn
 
-    def _give_back(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+    def _checkin(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
         if response.will_close or not response.isclosed() or conn.sock is None:
             _hang_up(conn)
             return

@@ -22,9 +22,8 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
 from visenc_client._exceptions import BadRequestError, NotFoundError, ProtocolError, TransportError, describe
-from visenc_client._protocol import NUMPY_DTYPES
 from visenc_client._types import Handle
-from visenc_client.format import DATA_OFFSET, CorruptEntry, entry_key
+from visenc_client.format import DATA_OFFSET, NUMPY_DTYPES, CorruptEntry, entry_key
 from visenc_client.format import parse_header as format_header
 
 #: what redis-py raises where Redis cannot be reached or stops answering (a cluster none of whose nodes

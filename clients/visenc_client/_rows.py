@@ -17,21 +17,12 @@ import msgpack
 import numpy as np
 
 from visenc_client._exceptions import ProtocolError
-from visenc_client._protocol import (
-    NUMPY_DTYPES,
-    AnyFlow,
-    byte_view,
-    failed_range,
-    fetch_many_flow,
-    raise_for_status,
-    ranges_request,
-    read_frame,
-    send_streamed,
-)
+from visenc_client._protocol import fetch_many_flow, ranges_request
 from visenc_client._shm import SegmentHandles, SegmentMaps
+from visenc_client._steps import AnyFlow, byte_view, failed_range, raise_for_status, read_frame, send_streamed
 from visenc_client._types import RowRange
 from visenc_client.chunks import ChunkPlan
-from visenc_client.format import tensor_words
+from visenc_client.format import NUMPY_DTYPES, tensor_words
 
 log = logging.getLogger("visenc_client")
 

@@ -22,10 +22,10 @@ from visenc_client._exceptions import (
     OverloadedError,
     ProtocolError,
 )
-from visenc_client._protocol import NUMPY_DTYPES, ImageInput, read_image
-from visenc_client._types import Handle
+from visenc_client._protocol import read_image
+from visenc_client._types import Handle, ImageInput
 from visenc_client.chunks import ImagePlacement
-from visenc_client.format import TORCH_NAMES, bfloat16_as_float32, words_tensor
+from visenc_client.format import NUMPY_DTYPES, TORCH_NAMES, bfloat16_as_float32, words_tensor
 
 T = TypeVar("T")
 

@@ -2,16 +2,13 @@
 
 Never worse than vLLM alone: everything that can fail (a look-up, the rows, their check against what vLLM
 reads) happens on the scheduler side before an image counts present; the worker side only copies tensors
-it was handed. Where rows come from, and what a replica or Redis that cannot be reached costs:
-``visenc_client._sources``. Its counters reach vLLM's log and ``/metrics`` (``visenc_client._vllm_stats``).
-Configuration and the failure contract: ``docs/integration-vllm.md``.
+it was handed. Configuration and the failure contract: ``docs/integration-vllm.md``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,10 +21,12 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from visenc_client._sources import Absent, Mismatch, RowSources, Served, Want
+from visenc_client._local_rows import LocalRows
+from visenc_client._vllm_config import ConnectorOptions, MiB, encoder_output_width
+from visenc_client._vllm_requests import encodable, item_grid, told_absent
 from visenc_client._vllm_stats import Reporter, VisencPromMetrics, VisencStats, counts
-from visenc_client._weights import ACCEPT_OPTION, EngineWeights, checkpoint_folder
-from visenc_client.format import ABSENT_KEY, is_valid_hash
+from visenc_client._wants import Absent, Mismatch, Want
+from visenc_client.format import is_valid_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,7 +35,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 #: how long an image found absent (missing, failed, unreachable) answers "not cached" without asking again
 ABSENT_TTL_S = 1.0
 #: absences remembered before the expired ones are dropped
@@ -73,82 +71,6 @@ class ConnectorStats:
     loaded_bytes: int = 0
 
 
-def encoder_output_width(model_config: Any) -> int:
-    """Width of one row of vLLM's encoder cache for this model: the LLM's input-embedding size,
-    times ``1 + levels`` for models that carry deepstack levels in each row (Qwen3-VL:
-    ``[main | ds_1 | ... | ds_k]``)."""
-    vision = getattr(model_config.hf_config, "vision_config", None)
-    levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
-    return int(model_config.get_inputs_embeds_size()) * (1 + levels)
-
-
-def _vllm_minor() -> str:
-    """``major.minor`` of the vLLM running this connector (``0.32``)."""
-    import vllm
-
-    return ".".join(vllm.__version__.split(".")[:2])
-
-
-def _item_grid(data: Any) -> tuple[int, ...] | None:
-    """The grid vLLM's processor gave an item (``image_grid_thw`` and the like), if it has one."""
-    if data is None:
-        return None
-    for key in ("image_grid_thw", "video_grid_thw"):
-        if key in data:
-            return tuple(int(x) for x in data[key].data.reshape(-1).tolist())
-    return None
-
-
-def told_absent(request: Any) -> frozenset[str]:
-    """The identifiers the request says visenc lacks (``ec_transfer_params["visenc_absent"]``);
-    anything malformed there says nothing."""
-    params = getattr(request, "ec_transfer_params", None)
-    listed = params.get(ABSENT_KEY) if isinstance(params, dict) else None
-    return frozenset(i for i in listed if isinstance(i, str)) if isinstance(listed, list) else frozenset()
-
-
-def _encodable(data: Any) -> bool:
-    """Whether vLLM holds what it needs to encode the item itself (pixels or embeddings), rather
-    than only its grid (an ``ec_consumer`` accepts grid-only images)."""
-    if data is None:
-        return True  # vLLM filled no data here: it came with the request, as pixels
-    return any(k.startswith("pixel_values") or k.endswith("_embeds") for k in data)
-
-
-class _LocalRows:
-    """Rows held in the scheduler's memory, least recently used first, within a byte budget.
-    Only the scheduler thread touches it. Pinned entries (counted present this step) are never
-    evicted: vLLM will read them."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.bytes = 0
-        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.pinned: set[str] = set()
-
-    def __contains__(self, identifier: str) -> bool:
-        return identifier in self._rows
-
-    def get(self, identifier: str) -> torch.Tensor | None:
-        rows = self._rows.get(identifier)
-        if rows is not None:
-            self._rows.move_to_end(identifier)
-        return rows
-
-    def put(self, identifier: str, rows: torch.Tensor) -> bool:
-        size = rows.numel() * rows.element_size()
-        for victim in [k for k in self._rows if k not in self.pinned]:
-            if self.bytes + size <= self.budget_bytes:
-                break
-            self.bytes -= self._rows[victim].numel() * self._rows[victim].element_size()
-            del self._rows[victim]
-        if self.bytes + size > self.budget_bytes:
-            return False
-        self._rows[identifier] = rows
-        self.bytes += size
-        return True
-
-
 class VisencConnector(ECConnectorBase):  # type: ignore[misc]
     def __init__(self, vllm_config: VllmConfig, role: ECConnectorRole) -> None:
         super().__init__(vllm_config=vllm_config, role=role)
@@ -166,30 +88,13 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             self._start_scheduler_side(vllm_config.ec_transfer_config)
 
     # --- scheduler side -------------------------------------------------------------------
-    def _start_scheduler_side(self, extra: Any) -> None:
-        option = extra.get_from_extra_config
-        urls = option("url", "http://127.0.0.1:8000")
-        self.urls: list[str] = [urls] if isinstance(urls, str) else list(urls)
-        self.defer_timeout_s = float(option("defer_timeout_s", 2.0))
-        self.wait_for_encoding = bool(option("wait_for_encoding", False))
-        transport = option("transport", "auto")
-        if transport not in ("auto", "http", "shm"):
-            raise ValueError(f"VisencConnector: transport must be 'auto', 'http' or 'shm', not {transport!r}")
-        weights = EngineWeights(self._model, checkpoint_folder(*self._checkpoint), bool(option(ACCEPT_OPTION, False)))
-        self._sources = RowSources(
-            self.urls,
-            served=Served(self._hidden, f"vllm-{_vllm_minor()}", option("expected_fingerprint", None), weights),
-            timeout_s=float(option("timeout_s", 10.0)),
-            connect_timeout_s=float(option("connect_timeout_s", 1.0)),
-            answer_timeout_s=float(option("answer_timeout_s", 2.0)),
-            transport=transport,
-            namespace=option("namespace", None),
-            api_key=option("api_key", None),
-            redis_url=option("redis_url", None),
-            redis_mode=option("redis_mode", "standalone"),
-            backoff_s=float(option("backoff_s", 1.0)),
-        )
-        self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))
+    def _start_scheduler_side(self, transfer_config: Any) -> None:
+        options = ConnectorOptions.read(transfer_config)
+        self.urls = options.urls
+        self.defer_timeout_s = options.defer_timeout_s
+        self.wait_for_encoding = options.wait_for_encoding
+        self._sources = options.sources(self._hidden, self._model, self._checkpoint)
+        self._local = LocalRows(options.local_cache_bytes)
         self._inflight: dict[str, Future[dict[str, torch.Tensor | Absent]]] = {}
         self._absent: dict[str, float] = {}  # identifier -> when it was found absent
         self._waiting_since: dict[str, float] = {}  # request id -> first step it was deferred
@@ -258,14 +163,14 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
                 continue
             if identifier in self._inflight:
                 in_flight = True
-            elif identifier in absent and _encodable(feature.data):
+            elif identifier in absent and encodable(feature.data):
                 told += 1  # vLLM encodes it now rather than after a look-up's answer
             elif is_valid_hash(identifier) and not self._is_absent(identifier, now):
-                want = Want(int(feature.mm_position.get_num_embeds()), _item_grid(feature.data))
-                wait = self.wait_for_encoding or not _encodable(feature.data)
+                want = Want(int(feature.mm_position.get_num_embeds()), item_grid(feature.data))
+                wait = self.wait_for_encoding or not encodable(feature.data)
                 batches.setdefault(wait, {})[identifier] = want
                 in_flight = True
-            if not _encodable(feature.data):
+            if not encodable(feature.data):
                 lacking.append(identifier)
         for wait, wants in batches.items():
             self._fetch(wants, wait)

@@ -23,13 +23,11 @@ log = logging.getLogger("visenc_client")
 #: a replica that does not accept costs this, not the read timeout
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
 DEFAULT_TIMEOUT = httpx.Timeout(connect=DEFAULT_CONNECT_TIMEOUT_S, read=300.0, write=60.0, pool=60.0)
-#: ``shared_memory``: ``True``, ``False``, or ``"auto"`` (shared memory when the service is on this host)
 SharedMemory = bool | Literal["auto"]
 
 
 def timeouts(timeout: httpx.Timeout | float | None, connect_timeout: float | None) -> httpx.Timeout:
-    """``timeout`` as an ``httpx.Timeout`` keeps its connect bound; as a number it bounds each read, write
-    and pool wait, connecting staying at ``DEFAULT_CONNECT_TIMEOUT_S``. ``connect_timeout`` overrides both."""
+    """``timeout`` as a number bounds all but connecting (``DEFAULT_CONNECT_TIMEOUT_S``); ``connect_timeout`` wins."""
     if isinstance(timeout, httpx.Timeout):
         connect = timeout.connect if connect_timeout is None else connect_timeout
         return httpx.Timeout(connect=connect, read=timeout.read, write=timeout.write, pool=timeout.pool)
@@ -41,7 +39,7 @@ def connecting(e: httpx.TransportError) -> bool:
 
 
 class ClientBase:
-    """The flows of each operation, built from the client's settings; the twins drive them."""
+    """Each operation's flow, built from the client's settings; the twins drive them."""
 
     _http: httpx.Client | httpx.AsyncClient
 
@@ -55,9 +53,7 @@ class ClientBase:
         custom_transport: bool,
     ) -> None:
         self.shared_memory = shared_memory is True
-        #: ``"auto"`` until the first rows are fetched, then settled by ``_choose``
         self._auto = shared_memory == "auto"
-        #: where images' rows sit in the service's segments (read again with no request)
         self._segments = SegmentHandles() if self.shared_memory else None
         #: ask for lease ids, so reads by hash alone unpin no other caller's pin
         self.headers: dict[str, str] = {LEASE_HEADER: "id"}
@@ -67,13 +63,12 @@ class ClientBase:
             self.headers["authorization"] = f"Bearer {api_key}"
         self.base_url = base_url
         self.timeout = timeout
-        #: rows stream through ``_http.Connections``, except where a custom transport stands in for the network
         self._conns = (
             None if custom_transport else Connections(base_url, connect_s=timeout.connect, read_s=timeout.read)
         )
 
     def _choose(self, model_info: dict[str, Any]) -> None:
-        """Settle ``shared_memory="auto"`` from ``/v1/model``: shared memory when its probe segment is readable here."""
+        """Settle ``shared_memory="auto"`` from ``/v1/model``."""
         self._auto = False
         self.shared_memory = same_host(model_info)
         self._segments = SegmentHandles() if self.shared_memory else None

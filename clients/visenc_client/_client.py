@@ -8,7 +8,6 @@ Example::
         handles = vc.encode([open("a.png", "rb").read()])   # hash-first
         rows = vc.fetch(handles[0], start=0, end=64)         # numpy [64, hidden]
 
-Both are pooled and safe to share across threads (``Client``) or tasks (``AsyncClient``).
 ``shared_memory=True`` reads rows from the service's segments (same host); ``"auto"`` asks the service.
 """
 
@@ -37,9 +36,8 @@ Out = TypeVar("Out")
 
 
 class Client(ClientBase):
-    """Blocking client. ``timeout``: seconds each read (a long-poll's wait included) or write may take, or an
-    ``httpx.Timeout``; ``connect_timeout``: seconds to connect (5 by default). Any failure of the network is a
-    ``TransportError`` naming the URL."""
+    """Blocking client. ``timeout``: seconds a read or write may take (or an ``httpx.Timeout``);
+    ``connect_timeout``: seconds to connect (5 by default)."""
 
     _http: httpx.Client
 
@@ -66,7 +64,7 @@ class Client(ClientBase):
 
     def _drive(self, flow: AnyFlow[T]) -> T:
         body: Body | ChunkBody | None = None
-        url: object = self.base_url  # of the request being answered
+        url: object = self.base_url
         try:
             step = next(flow)
             while True:
@@ -103,20 +101,17 @@ class Client(ClientBase):
         include_rows: bool = False,
         pin: bool = True,
     ) -> list[Handle]:
-        """``pin``: the service keeps each ready (or pending) image until this client reads it
-        (``Handle.lease``); false for a caller that will not read the rows from this service."""
+        """``pin``: the service keeps each image until this client reads it (false: it will not read here)."""
         return self._drive(self._encode_flow(images, wait, hash_first, include_rows, pin))
 
     def lookup(
         self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False, pin: bool = True
     ) -> list[Handle]:
-        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded).
-        ``wait``: pending images are waited for; ``include_rows``: ready ones carry their rows."""
+        """Where each image stands, by hash only (nothing is uploaded, nothing is encoded)."""
         return self._drive(self._lookup_flow(hashes, wait, include_rows, pin))
 
     def unpin(self, handles: Sequence[Handle]) -> None:
-        """Unpin ready ``handles`` whose rows this client will not read (one request). Best effort: a failure
-        is ignored, and the leases lapse."""
+        """Unpin ready ``handles`` whose rows this client will not read; on failure the leases lapse."""
         with contextlib.suppress(VisencClientError):
             self._drive(self._unpin_flow(handles))
 
@@ -168,9 +163,7 @@ class Client(ClientBase):
         dense: bool = False,
         wait: bool = True,
     ) -> Any:
-        """The rows prefill chunk ``[start, end)`` needs, in one round trip, into ``out`` (a ``[rows, hidden]``
-        numpy array or CPU torch tensor, ``rows`` from ``plan_chunk``; ``None`` allocates one). Pending images are
-        waited for, and moved to the front of the service's queue."""
+        """The rows prefill chunk ``[start, end)`` needs, in one round trip, into ``out`` (``None``: a new array)."""
         if self._auto:
             self._choose(self.model())
         return self._drive(self._fetch_chunk_flow(placements, start, end, out, dense, wait))
@@ -209,7 +202,6 @@ class AsyncClient(ClientBase):
         t = timeouts(timeout, connect_timeout)
         super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None)
         self._http = httpx.AsyncClient(base_url=base_url, timeout=t, transport=transport)
-        #: threads that read streamed rows (the socket reads release the GIL); made on first use
         self._io: ThreadPoolExecutor | None = None
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -233,7 +225,7 @@ class AsyncClient(ClientBase):
 
     async def _drive(self, flow: AnyFlow[T]) -> T:
         body: Body | AsyncChunkBody | None = None
-        url: object = self.base_url  # of the request being answered
+        url: object = self.base_url
         try:
             step = next(flow)
             while True:
@@ -267,17 +259,14 @@ class AsyncClient(ClientBase):
         include_rows: bool = False,
         pin: bool = True,
     ) -> list[Handle]:
-        """As ``Client.encode``."""
         return await self._drive(self._encode_flow(images, wait, hash_first, include_rows, pin))
 
     async def lookup(
         self, hashes: Sequence[str], *, wait: bool = False, include_rows: bool = False, pin: bool = True
     ) -> list[Handle]:
-        """As ``Client.lookup``."""
         return await self._drive(self._lookup_flow(hashes, wait, include_rows, pin))
 
     async def unpin(self, handles: Sequence[Handle]) -> None:
-        """As ``Client.unpin``."""
         with contextlib.suppress(VisencClientError):
             await self._drive(self._unpin_flow(handles))
 
@@ -329,7 +318,6 @@ class AsyncClient(ClientBase):
         dense: bool = False,
         wait: bool = True,
     ) -> Any:
-        """As ``Client.fetch_chunk``."""
         if self._auto:
             self._choose(await self.model())
         return await self._drive(self._fetch_chunk_flow(placements, start, end, out, dense, wait))

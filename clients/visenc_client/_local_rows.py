@@ -8,8 +8,7 @@ import torch
 
 
 class LocalRows:
-    """Rows in the scheduler's memory, least recently used first, within a byte budget. Scheduler thread only.
-    Pinned entries (counted present this step) are never evicted: vLLM will read them."""
+    """LRU within a byte budget, scheduler thread only; ``pinned`` entries (present this step) are never evicted."""
 
     def __init__(self, budget_bytes: int) -> None:
         self.budget_bytes = budget_bytes

@@ -1,8 +1,4 @@
-"""What the client says, one flow per operation, independent of I/O (``_steps`` says how flows are driven).
-
-Every answer that carries rows is streamed: a single range, a rows frame (several ranges, or an
-encode's ``include_rows``), a prefill chunk.
-"""
+"""What the client says, one flow per operation, independent of I/O (``_steps``); rows answers are streamed."""
 
 from __future__ import annotations
 
@@ -34,7 +30,6 @@ from visenc_client.format import LEASE_HEADER, MSGPACK, ROWS_MEDIA_TYPE
 
 
 def _item(image: ImageInput | Video) -> dict[str, Any]:
-    """An encode item with its hash and what it uploads (``data``, or a video's ``frames``)."""
     if isinstance(image, Video):
         frames = [read_image(f) for f in image.frames]
         return {"hash": video_hash([image_hash(f) for f in frames]), "frames": frames}
@@ -71,7 +66,6 @@ def _handles(resp: httpx.Response) -> list[Handle]:
 
 
 def _parse_handles(content: bytes) -> list[Handle]:
-    """Handles of a msgpack encode answer (rows inline, from a service that answers no rows frames)."""
     try:
         body = msgpack.unpackb(content)
         return [
@@ -87,8 +81,7 @@ def _parse_handles(content: bytes) -> list[Handle]:
 def _ask(
     client: httpx.Client | httpx.AsyncClient, payload: dict[str, Any], headers: dict[str, str] | None
 ) -> AnyFlow[list[Handle]]:
-    """One ``/v1/encode``. With ``include_rows`` the answer is a rows frame whose items are the handles,
-    each ready one's rows read into an array of its own."""
+    """One ``/v1/encode``; with ``include_rows``, a rows frame whose items are the handles."""
     if not payload.get("include_rows"):
         return _handles((yield msgpack_request(client, "/v1/encode", payload, headers)))
     request = msgpack_request(client, "/v1/encode", payload, headers, accept=f"{ROWS_MEDIA_TYPE}, {MSGPACK}")
@@ -118,8 +111,7 @@ def encode_flow(
     headers: dict[str, str] | None,
     include_rows: bool = False,
 ) -> AnyFlow[list[Handle]]:
-    """Hash-first: send hashes; upload bytes (a video's frames) only for items the index answers
-    ``missing``. ``include_rows``: ready handles carry their rows."""
+    """Hash-first: send hashes; upload bytes only for items the index answers ``missing``."""
     uploads = [_item(im) for im in images]
     options = {"wait": wait, **({"include_rows": True} if include_rows else {})}
     if not hash_first:
@@ -142,8 +134,7 @@ def encode_flow(
 def unpin_flow(
     client: httpx.Client | httpx.AsyncClient, handles: Sequence[Handle], headers: dict[str, str] | None
 ) -> AnyFlow[None]:
-    """Unpin ready ``handles`` whose rows will not be read: one request reading no rows at the end of
-    each image (a video: of each tube). An error answer is ignored (the lease lapses)."""
+    """Unpin ready ``handles`` whose rows will not be read: one read of no rows at the end of each image."""
     ranges: list[RowRange] = []
     for h in handles:
         if h.lease is None or h.status != "ready" or h.rows is not None or not h.num_tokens:
@@ -162,8 +153,7 @@ def lookup_hashes_flow(
     wait: bool = False,
     include_rows: bool = False,
 ) -> AnyFlow[list[Handle]]:
-    """One hash-only request, never uploading: ``ready``, ``pending`` or ``missing`` per hash.
-    ``wait``: a pending image is waited for; ``include_rows`` (needs ``wait``): ready handles carry their rows."""
+    """One hash-only request, never uploading: ``ready``, ``pending`` or ``missing`` per hash."""
     payload = {
         "items": [{"hash": h} for h in hashes],
         "wait": wait,
@@ -205,7 +195,6 @@ def fetch_flow(
     end: int | None,
     headers: dict[str, str] | None,
 ) -> AnyFlow[np.ndarray]:
-    """Rows ``[start, end)`` of one image, read into a new array."""
     h = image.hash if isinstance(image, Handle) else image
     lease = image.lease if isinstance(image, Handle) else None
     params = {k: v for k, v in (("start", start), ("end", end), ("lease", lease)) if v is not None}
@@ -232,13 +221,11 @@ def ranges_request(
     wait: bool,
     headers: dict[str, str] | None,
 ) -> httpx.Request:
-    """A request for several ranges (``/v1/embeddings/fetch`` or ``/v1/embeddings/shm``)."""
     payload = {"ranges": [_range(r) for r in ranges], "wait": wait}
     return msgpack_request(client, path, payload, headers)
 
 
 def _range(r: RowRange) -> dict[str, Any]:
-    """A range on the wire; its lease only where it has one (a service before leases takes none)."""
     out: dict[str, Any] = {"hash": r.hash, "start": r.start, "end": r.end}
     if r.lease is not None:
         out["lease"] = r.lease
@@ -246,14 +233,13 @@ def _range(r: RowRange) -> dict[str, Any]:
 
 
 def pinning(headers: dict[str, str] | None, pin: bool) -> dict[str, str]:
-    """``headers`` asking for a lease id on each ready or pending handle (``pin``), or for no pin at all."""
+    """``headers`` asking for a lease id on each handle (``pin``), or for no pin at all."""
     return {**(headers or {}), LEASE_HEADER: "id" if pin else "none"}
 
 
 def fetch_many_flow(
     client: httpx.Client | httpx.AsyncClient, ranges: Sequence[RowRange], *, wait: bool, headers: dict[str, str] | None
 ) -> AnyFlow[list[np.ndarray]]:
-    """Several ranges in one round trip, each read into a new array."""
     head = yield from send_streamed(ranges_request(client, "/v1/embeddings/fetch", ranges, wait=wait, headers=headers))
     arrays: list[np.ndarray] = []
 

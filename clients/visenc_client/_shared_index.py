@@ -13,8 +13,7 @@ log = logging.getLogger("visenc_client.vllm")
 
 
 class SharedIndex:
-    """Opened once the fingerprint its keys need is known; a read is bounded as a look-up that does not
-    wait is (it never waits for an encode)."""
+    """Opened once the fingerprint its keys need is known; read within a look-up's bounds."""
 
     def __init__(
         self, url: str | None, namespace: str, cluster: bool, connect_timeout_s: float, answer_timeout_s: float
@@ -24,16 +23,15 @@ class SharedIndex:
             "socket_connect_timeout": connect_timeout_s,
             "socket_timeout": answer_timeout_s,
         }
-        self._rows: Any = None  # RedisRows, once opened
-        self._fingerprint = ""  # the fingerprint it was (or is to be) opened with
+        self._rows: Any = None
+        self._fingerprint = ""
         self._lock = threading.Lock()
 
     def readable(self) -> bool:
-        """Whether there is an index, and a fingerprint known to read it by."""
         return self._rows is not None or bool(self._fingerprint)
 
     def open(self, fingerprint: str) -> TransportError | None:
-        """Open it (where ``url`` is set); the failure where it cannot be opened now."""
+        """The failure where it cannot be opened now."""
         if not self.url:
             return None
         from redis.backoff import NoBackoff
@@ -42,8 +40,7 @@ class SharedIndex:
 
         from visenc_client._redis import RedisRows
 
-        # one retry of a connection that failed at once (closed meanwhile, reset); never of a timeout
-        # (redis-py retries those too: a Redis that hangs would cost its timeout twice)
+        # never retry a timeout (redis-py does): a Redis that hangs would cost it twice
         retry = Retry(NoBackoff(), 1, supported_errors=(RedisConnectionError,))
         first, self._fingerprint = not self._fingerprint, fingerprint
         try:
@@ -55,20 +52,18 @@ class SharedIndex:
                 **self._options,
                 retry=retry,
             )
-        except TransportError as e:  # a Redis Cluster that does not answer yet: opened at a later look-up
+        except TransportError as e:  # opened at a later look-up
             if first:
                 log.warning("VisencConnector: the shared index cannot be reached yet (%s); asked again later", e)
             return e
         return None
 
     def open_once(self, fingerprint: str) -> None:
-        """Open it with ``fingerprint`` unless it is open (a replica answered the fingerprint)."""
         with self._lock:
             if self._rows is None and self.url:
                 self.open(fingerprint)
 
     def _opened(self) -> Any:
-        """Its client, opened now where it could not be before (``TransportError``)."""
         with self._lock:
             if self._rows is None:
                 failure = self.open(self._fingerprint)
@@ -77,8 +72,7 @@ class SharedIndex:
             return self._rows
 
     def read(self, wants: dict[str, Want], hidden: int) -> tuple[Answers, TransportError | None]:
-        """Each image's rows (same fingerprint, so the same image loader: only the shape is checked), and
-        the failure that stopped the reads, if one did."""
+        """Each image's rows (only the shape is checked: same fingerprint), and the failure that stopped the reads."""
         try:
             index = self._opened()
         except TransportError as e:

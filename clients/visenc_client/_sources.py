@@ -1,10 +1,5 @@
-"""Where ``VisencConnector`` gets images' rows: each visenc replica in turn, then the shared index.
-
-A source that cannot be reached is asked no more than it costs (``_backoff``; docs/internals.md,
-"Client"). A replica is checked (its model; for ``transport: auto``, whether it shares this host's
-memory) the first time it answers, at start-up or later. No vLLM import: rows are checked against
-what the engine reads (``Want``) and returned as CPU tensors.
-"""
+"""Where ``VisencConnector`` gets images' rows: each visenc replica in turn, then the shared index; how
+unreachable sources are met: docs/internals.md, "The client library"."""
 
 from __future__ import annotations
 
@@ -28,24 +23,18 @@ from visenc_client._weights import Served
 
 log = logging.getLogger("visenc_client.vllm")
 
-#: the shared index, among the sources' names
 INDEX = "redis"
 
 
 @dataclass
 class Replica:
-    """One visenc URL: a client for look-ups that wait (read timeout ``timeout_s``) and one for those
-    that do not (``answer_timeout_s``), one shared-memory decision for both."""
+    """One visenc URL: a client for look-ups that wait (``timeout_s``) and one for those that do not."""
 
     url: str
     waiting: Client
     prompt: Client
-    #: ``transport: auto``: whether it shares this host's memory is decided at each check
     auto: bool = False
-    #: its model was checked (and, for ``transport: auto``, the transport chosen); undone when it stops
-    #: answering or a shared-memory read fails (it may answer again from another host)
     checked: bool = False
-    #: why it is never asked (it serves another model); ``None`` while it may be
     refused: str | None = None
 
     def client(self, wait: bool) -> Client:
@@ -57,13 +46,11 @@ class Replica:
 
 
 def _costly(e: VisencClientError, started: float) -> bool:
-    """Whether a failure cost its caller time: a timeout, or ``COSTLY_S`` spent however it failed."""
     return isinstance(e, TransportError) and (e.timed_out or time.monotonic() - started >= COSTLY_S)
 
 
 class RowSources:
-    """Each replica in turn, then the shared index (the module docstring says how failures are met).
-    ``obtain`` is called from several threads at once."""
+    """``obtain`` is called from several threads at once."""
 
     def __init__(
         self,
@@ -100,16 +87,12 @@ class RowSources:
         self.backoff = Backoff(backoff_s)
         cluster = redis_mode == "cluster"
         self._index = SharedIndex(redis_url, namespace or "default", cluster, connect_timeout_s, answer_timeout_s)
-        self._down: set[str] = set()  # sources whose last ask failed (said once in the log)
+        self._down: set[str] = set()
         self._lock = threading.Lock()
         if served.fingerprint is not None:
             self._index.open(served.fingerprint)
 
-    # --- checking replicas ----------------------------------------------------------------
     def check_at_start(self) -> None:
-        """Check every replica that answers now: ``ValueError`` if one cannot be used (another model,
-        loader or fingerprint: the engine refuses to start); one that does not answer yet is checked
-        when it first does, and skipped meanwhile as any unreachable source."""
         for replica in self.replicas:
             started = time.monotonic()
             try:
@@ -126,7 +109,6 @@ class RowSources:
             log.warning("VisencConnector: no visenc reachable at start-up; images count as not cached until one is")
 
     def _check(self, replica: Replica, info: dict[str, Any]) -> bool:
-        """Accept a replica that answered ``info`` unless it serves other weights (then never asked)."""
         refusal = self.served.weights_refusal(replica.url, info)
         if refusal is None:
             self._accept(replica, info)
@@ -153,12 +135,7 @@ class RowSources:
             "shared memory" if replica.prompt.shared_memory else "HTTP",
         )
 
-    # --- reading rows -----------------------------------------------------------------------
     def obtain(self, wants: dict[str, Want], wait: bool) -> Answers:
-        """Several images' rows in one look-up per source, each checked against what the engine
-        reads: each replica in turn for what is still lacking, then the shared index; what none has
-        maps to ``Absent``, saying what each source answered. ``wait``: an image still being encoded
-        is waited for (else it is absent)."""
         results: Answers = {}
         causes: dict[str, list[str]] = {i: [] for i in wants}
         sources: list[tuple[str, Callable[[dict[str, Want]], Answers]]] = [
@@ -179,7 +156,6 @@ class RowSources:
         return results
 
     def _skip(self, name: str, wants: dict[str, Want]) -> Answers | None:
-        """``Absent`` for every image when ``name`` is not asked now (it could not be reached lately)."""
         if self.backoff.usable(name):
             return None
         why = f"not asked: it could not be reached lately (asked again in {self.backoff.skipped_for(name):.1f} s)"
@@ -196,18 +172,17 @@ class RowSources:
         try:
             return self._ask(replica, wants, wait)
         except TransportError as e:
-            if wait and e.timed_out and not e.connecting:  # it took the request: a slow wait, not a dead replica
+            if wait and e.timed_out and not e.connecting:  # a slow wait, not a dead replica
                 return {i: Absent(f"not ready within timeout_s ({self.timeout_s} s)") for i in wants}
             failure = e
-            replica.checked = False  # checked again when it answers, wherever from
+            replica.checked = False
             return {i: Absent(e.reason) for i in wants}
-        except VisencClientError as e:  # it answered, with an error
+        except VisencClientError as e:
             return {i: Absent(str(e)) for i in wants}
         finally:
             self._reached(replica.url, failure, started)
 
     def _reached(self, name: str, failure: TransportError | None, started: float) -> None:
-        """Report an ask to the back-off; say in the log when a source goes down or comes back."""
         reached, cost_s = failure is None, time.monotonic() - started
         self.backoff.done(name, reached, failure is not None and _costly(failure, started))
         with self._lock:
@@ -226,7 +201,6 @@ class RowSources:
             )
 
     def _ask(self, replica: Replica, wants: dict[str, Want], wait: bool) -> Answers:
-        """One look-up of ``wants`` at ``replica`` (checked first, the first time it answers)."""
         client = replica.client(wait)
         if not replica.checked:
             info = client.model()
@@ -239,28 +213,28 @@ class RowSources:
                 return {i: Absent(str(replica.refused)) for i in wants}
         handles = client.lookup(list(wants), wait=wait, include_rows=not client.shared_memory)
         answers: Answers = {}
-        rejected: list[Handle] = []  # ready, pinned for this caller, and never read
+        rejected: list[Handle] = []
         for (identifier, want), handle in zip(wants.items(), handles):
             try:
-                if handle.hash != identifier:  # rows of another image, whatever their shape: never taken
+                if handle.hash != identifier:
                     raise Absent(f"answered for image {handle.hash} in its place")
                 answers[identifier] = self._rows_of(client, handle, want)
             except Absent as e:
                 answers[identifier] = e
                 rejected.append(handle)
             except TransportError:
-                raise  # it stopped answering (a shared-memory read's request): the next replica
+                raise
             except VisencClientError as e:
                 answers[identifier] = Absent(str(e))
-                replica.checked = not client.shared_memory  # its segments may be on another host now
-        client.unpin(rejected)  # what the replica keeps for them goes now, not when their leases lapse
+                replica.checked = not client.shared_memory
+        client.unpin(rejected)
         return answers
 
     def _rows_of(self, client: Client, handle: Handle, want: Want) -> torch.Tensor:
         if handle.status != "ready":
             raise Absent(f"{handle.status}{f' ({handle.error})' if handle.error else ''}")
         check_handle(handle, want)
-        rows = handle.rows if handle.rows is not None else client.fetch(handle)  # its lease goes with the read
+        rows = handle.rows if handle.rows is not None else client.fetch(handle)
         return checked_rows(torch_rows(rows, handle.dtype), want, self.served.hidden)
 
     def _from_index(self, wants: dict[str, Want]) -> Answers:

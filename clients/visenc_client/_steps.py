@@ -1,12 +1,5 @@
-"""The steps a flow yields (``_protocol``), and the readers of streamed answers built on them.
-
-A flow is a generator that ``Client`` drives with blocking calls and ``AsyncClient`` with awaits:
-
-* an ``httpx.Request``: send it, read the whole body, send back the response;
-* ``Stream(request)``: send it, send back its ``Head``, the body unread;
-* ``ReadInto(view)``: fill ``view`` with the body's next ``len(view)`` bytes;
-* ``READ``: send back the next chunk of the body (``b""`` at the end).
-"""
+"""The steps a flow yields (``Client`` drives them with blocking calls, ``AsyncClient`` with awaits), and the
+readers of streamed answers built on them."""
 
 from __future__ import annotations
 
@@ -37,13 +30,13 @@ class Stream:
 
 @dataclass(frozen=True, slots=True)
 class ReadInto:
-    """Step: fill ``view`` with the streamed body's next ``len(view)`` bytes (``ProtocolError`` if it ends first)."""
+    """Step: fill ``view`` with the streamed body's next ``len(view)`` bytes."""
 
     view: memoryview
 
 
 class Read:
-    """Step: the next chunk of the streamed body, ``b""`` once it is exhausted."""
+    """Step: the next chunk of the streamed body, ``b""`` at its end."""
 
 
 READ = Read()
@@ -66,7 +59,6 @@ def read_exactly(n: int) -> Generator[ReadInto, Any, bytes]:
 
 
 def read_all() -> Generator[Read, Any, bytes]:
-    """The rest of a streamed body (small bodies only: error answers)."""
     parts = []
     while chunk := (yield from read_chunk()):
         parts.append(chunk)
@@ -79,8 +71,7 @@ def expect_end() -> Generator[Read, Any, None]:
 
 
 def read_frame(head: Head, place: Callable[[dict[str, Any]], memoryview]) -> Generator[Any, Any, list[dict[str, Any]]]:
-    """A streamed rows frame's items; each item's rows are read straight into ``place(item)``
-    (called in order, after the item's size is checked)."""
+    """A streamed rows frame's items; each item's rows are read straight into ``place(item)``."""
     if head.status_code >= 400:
         raise_for_status(head, (yield from read_all()))
     try:
@@ -108,12 +99,10 @@ def read_frame(head: Head, place: Callable[[dict[str, Any]], memoryview]) -> Gen
 
 
 def byte_view(array: np.ndarray) -> memoryview:
-    """A C-contiguous array's bytes, writable through (empty arrays included)."""
     return array.reshape(-1).view(np.uint8).data
 
 
 def owned_array(item: dict[str, Any]) -> np.ndarray:
-    """A new ``[rows, hidden]`` array for a rows item (checked by ``read_frame``)."""
     rows, hidden = (int(x) for x in item["shape"])
     return np.empty((rows, hidden), NUMPY_DTYPES[str(item["dtype"])])
 
@@ -139,5 +128,4 @@ def raise_for_status(resp: httpx.Response | Head, content: bytes | None = None) 
 
 
 def failed_range(item: dict[str, Any]) -> Exception:
-    """The exception of a range the service answered with an error in its place."""
     return error_for(int(item.get("status", 500)), "fetch_failed", f"{item.get('hash')}: {item.get('error')}")

@@ -1,5 +1,4 @@
-"""``VisencConnector``'s options (vLLM's ``ec_connector_extra_config``; docs/integration-vllm.md) and what it
-reads of vLLM's own config: the row width, the checkpoint, the vLLM version."""
+"""``VisencConnector``'s options (docs/integration-vllm.md) and what it reads of vLLM's own config."""
 
 from __future__ import annotations
 
@@ -30,7 +29,7 @@ def vllm_minor() -> str:
 
 @dataclass(frozen=True)
 class ConnectorOptions:
-    """The scheduler side's options, read from vLLM's ``ECTransferConfig`` (defaults as documented)."""
+    """The scheduler side's options, from vLLM's ``ec_connector_extra_config``."""
 
     urls: list[str]
     defer_timeout_s: float
@@ -50,7 +49,6 @@ class ConnectorOptions:
 
     @classmethod
     def read(cls, transfer_config: Any) -> ConnectorOptions:
-        """``ValueError`` for an unknown ``transport``."""
         option = transfer_config.get_from_extra_config
         urls = option("url", "http://127.0.0.1:8000")
         transport = option("transport", "auto")
@@ -75,7 +73,6 @@ class ConnectorOptions:
         )
 
     def sources(self, hidden: int, model: str, checkpoint: tuple[Any, ...]) -> RowSources:
-        """The row sources these options name, for a model of row width ``hidden`` read from ``checkpoint``."""
         weights = EngineWeights(model, checkpoint_folder(*checkpoint), self.accept_weights)
         return RowSources(
             self.urls,

@@ -18,16 +18,14 @@ def item_grid(data: Any) -> tuple[int, ...] | None:
 
 
 def told_absent(request: Any) -> frozenset[str]:
-    """The identifiers the request says visenc lacks (``ec_transfer_params["visenc_absent"]``);
-    anything malformed there says nothing."""
+    """The identifiers the request says visenc lacks (``ec_transfer_params["visenc_absent"]``)."""
     params = getattr(request, "ec_transfer_params", None)
     listed = params.get(ABSENT_KEY) if isinstance(params, dict) else None
     return frozenset(i for i in listed if isinstance(i, str)) if isinstance(listed, list) else frozenset()
 
 
 def encodable(data: Any) -> bool:
-    """Whether vLLM holds pixels or embeddings to encode the item itself, rather than only its grid
-    (an ``ec_consumer`` accepts grid-only images)."""
+    """Whether vLLM holds pixels or embeddings to encode the item itself, not only its grid."""
     if data is None:
         return True  # vLLM filled no data here: it came with the request, as pixels
     return any(k.startswith("pixel_values") or k.endswith("_embeds") for k in data)

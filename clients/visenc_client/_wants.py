@@ -13,27 +13,25 @@ from visenc_client.format import words_tensor
 
 @dataclass(frozen=True, slots=True)
 class Want:
-    """What the engine will read for one item: its row count and, where the item carries one, its grid."""
+    """What the engine will read for one item: its row count and grid."""
 
     rows: int
     grid: tuple[int, ...] | None
 
 
 class Absent(Exception):
-    """An image's rows cannot be had (said once per fetch, logged by the scheduler side)."""
+    """An image's rows cannot be had."""
 
 
 class Mismatch(Absent):
     """visenc's rows are not what the engine reads for the image (rows, width or grid): never loaded."""
 
 
-#: what one source made of each image asked of it: its rows, or why not
 Answers = dict[str, "torch.Tensor | Absent"]
 
 
 def torch_rows(rows: np.ndarray, dtype: str | None) -> torch.Tensor:
-    """The rows as a CPU tensor that owns its memory: a view of memory that is not ours (a shared-memory
-    segment) is copied once."""
+    """The rows as a CPU tensor that owns its memory (a shared-memory view is copied once)."""
     owned = rows if rows.flags.owndata and rows.flags.writeable else np.array(rows, copy=True)
     return words_tensor(owned, dtype or "float32")
 

@@ -1,9 +1,5 @@
-"""``VisencConnector``: vLLM's encoder-cache connector (``ec_consumer``), backed by a visenc service.
-
-Never worse than vLLM alone: everything that can fail (a look-up, the rows, their check against what vLLM
-reads) happens on the scheduler side before an image counts present; the worker side only copies tensors
-it was handed. Configuration and the failure contract: ``docs/integration-vllm.md``.
-"""
+"""``VisencConnector``: vLLM's encoder-cache connector (``ec_consumer``), backed by visenc
+(docs/integration-vllm.md). Everything that can fail happens on the scheduler side, before an image counts present."""
 
 from __future__ import annotations
 
@@ -37,9 +33,7 @@ log = logging.getLogger(__name__)
 
 #: how long an image found absent (missing, failed, unreachable) answers "not cached" without asking again
 ABSENT_TTL_S = 1.0
-#: absences remembered before the expired ones are dropped
 MAX_ABSENT = 10_000
-#: a step that schedules nothing while rows are in flight waits this long for one to land
 IDLE_WAIT_S = 0.005
 #: rows asked for in one look-up, at most (the service's bodies are capped, 256 MiB by default)
 MAX_FETCH_BYTES = 64 * MiB
@@ -47,27 +41,23 @@ MAX_FETCH_BYTES = 64 * MiB
 
 @dataclass
 class VisencConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]
-    """What one step's workers put into their encoder caches: ``(identifier, rows)`` pairs, the
-    rows already in this host's memory (CPU tensors, picklable for workers in other processes)."""
-
     items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
 class ConnectorStats:
-    """Counters of one connector (``VisencConnector.stats``; in vLLM's ``/metrics`` as ``vllm:visenc_*``,
-    with ``unreachable``: look-ups that found a replica or Redis unreachable)."""
+    """Counters of one connector, in vLLM's ``/metrics`` as ``vllm:visenc_*`` (docs/integration-vllm.md)."""
 
-    fetches: int = 0  # background look-ups started (one per request's images not held, rows permitting)
-    hits: int = 0  # images answered present (vLLM runs no encoder for them)
-    misses: int = 0  # images answered absent (vLLM encodes them itself)
-    told_absent: int = 0  # images not looked up: the request said visenc lacks them (``visenc_absent``)
-    failures: int = 0  # fetches that failed (visenc, Redis or network): the image is encoded by vLLM
-    rejected: int = 0  # rows refused: another shape or grid than vLLM reads
-    deferred: int = 0  # scheduler steps a request waited for rows in flight
-    timed_out: int = 0  # requests that stopped waiting (defer_timeout_s) and went on without the rows
-    unavailable: int = 0  # requests failed: an image without pixels whose rows could not be had
-    loaded: int = 0  # images put into the encoder cache by a worker
+    fetches: int = 0
+    hits: int = 0
+    misses: int = 0
+    told_absent: int = 0
+    failures: int = 0
+    rejected: int = 0
+    deferred: int = 0
+    timed_out: int = 0
+    unavailable: int = 0
+    loaded: int = 0
     loaded_bytes: int = 0
 
 
@@ -82,12 +72,10 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self._device = torch.device(vllm_config.device_config.device)
         self._model = str(model.model)
         load = getattr(vllm_config, "load_config", None)
-        #: where vLLM reads its checkpoint: the model (a folder or a hub id), its revision, a download dir
         self._checkpoint = (self._model, model.revision, getattr(load, "download_dir", None))
         if role == ECConnectorRole.SCHEDULER:
             self._start_scheduler_side(vllm_config.ec_transfer_config)
 
-    # --- scheduler side -------------------------------------------------------------------
     def _start_scheduler_side(self, transfer_config: Any) -> None:
         options = ConnectorOptions.read(transfer_config)
         self.urls = options.urls
@@ -96,20 +84,17 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self._sources = options.sources(self._hidden, self._model, self._checkpoint)
         self._local = LocalRows(options.local_cache_bytes)
         self._inflight: dict[str, Future[dict[str, torch.Tensor | Absent]]] = {}
-        self._absent: dict[str, float] = {}  # identifier -> when it was found absent
-        self._waiting_since: dict[str, float] = {}  # request id -> first step it was deferred
+        self._absent: dict[str, float] = {}
+        self._waiting_since: dict[str, float] = {}
         self._unavailable: set[str] = set()
         self._to_load: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="visenc-fetch")
         self._sources.check_at_start()
 
     def _obtain(self, wants: dict[str, Want], wait: bool) -> dict[str, torch.Tensor | Absent]:
-        """Several images' rows in one look-up per source (runs on a fetch thread): ``RowSources.obtain``."""
         return self._sources.obtain(wants, wait)
 
     def _collect(self) -> None:
-        """Move finished fetches into local memory (scheduler thread only); forget absences past
-        their time once there are many (images never asked again)."""
         if len(self._absent) > MAX_ABSENT:
             now = time.monotonic()
             self._absent = {i: t for i, t in self._absent.items() if now - t < ABSENT_TTL_S}
@@ -127,7 +112,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
                 )
                 self._absent[identifier] = time.monotonic()
                 continue
-            except Exception:  # a bug of the fetch path: the image is still only "not cached"
+            except Exception:  # a bug of the fetch path: still only "not cached"
                 log.exception("VisencConnector: fetching image %s failed", identifier)
                 self.stats.failures += 1
                 self._absent[identifier] = time.monotonic()
@@ -146,14 +131,12 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         return False
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Start fetching the rows of every image the request still needs (past
-        ``num_computed_tokens``) that is not held here, and defer the request while any is in
-        flight, at most ``defer_timeout_s``; then vLLM encodes what did not arrive."""
+        """Fetch the rows the request still needs; defer it while any is in flight, at most ``defer_timeout_s``."""
         self._collect()
         now = time.monotonic()
         in_flight = False
-        lacking: list[str] = []  # needed, not held, and not encodable by vLLM
-        batches: dict[bool, dict[str, Want]] = {}  # this request's new fetches, by whether they wait
+        lacking: list[str] = []
+        batches: dict[bool, dict[str, Want]] = {}
         absent, told = told_absent(request), 0
         for feature in request.mm_features:
             identifier = feature.identifier
@@ -164,7 +147,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             if identifier in self._inflight:
                 in_flight = True
             elif identifier in absent and encodable(feature.data):
-                told += 1  # vLLM encodes it now rather than after a look-up's answer
+                told += 1
             elif is_valid_hash(identifier) and not self._is_absent(identifier, now):
                 want = Want(int(feature.mm_position.get_num_embeds()), item_grid(feature.data))
                 wait = self.wait_for_encoding or not encodable(feature.data)
@@ -180,7 +163,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             return False
         if in_flight:
             self.stats.timed_out += 1
-        if lacking:  # vLLM cannot encode these itself: this request alone fails
+        if lacking:
             log.warning(
                 "VisencConnector: request %s fails: images %s came without pixels and visenc could not give their rows",
                 rid,
@@ -194,7 +177,6 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         return True
 
     def _fetch(self, wants: dict[str, Want], wait: bool) -> None:
-        """Start look-ups of ``wants``, as few as the rows' size allows (``MAX_FETCH_BYTES`` each)."""
         batch: dict[str, Want] = {}
         size = 0
         for identifier, want in [*wants.items(), ("", None)]:
@@ -211,7 +193,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
     def has_cache_item(self, identifier: str) -> bool:
         present = identifier in self._local
         if present:
-            self._local.pinned.add(identifier)  # vLLM will read it: not evicted before the step is built
+            self._local.pinned.add(identifier)
             self.stats.hits += 1
         else:
             self.stats.misses += 1
@@ -225,8 +207,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> VisencConnectorMetadata:
         if self._inflight and not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
-            # nothing runs this step, only rows are awaited: vLLM would step again at once, a core
-            # spinning beside the visenc that encodes them (on a small host, the same cores)
+            # nothing runs this step: vLLM would spin a core beside the visenc that encodes the rows
             futures.wait(list(self._inflight.values()), timeout=IDLE_WAIT_S, return_when=futures.FIRST_COMPLETED)
         meta = VisencConnectorMetadata(items=list(self._to_load.items()))
         self._to_load.clear()
@@ -242,9 +223,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self._waiting_since.pop(request.request_id, None)
         return False, None
 
-    # --- vLLM's stats (its log and its /metrics: vllm:visenc_*) ---------------------------------
     def get_ec_connector_stats(self) -> VisencStats | None:
-        """What this side counted since it last said (vLLM asks each step)."""
         if self.role == ECConnectorRole.SCHEDULER:
             return self._reporter.report(counts(self.stats, self._sources.backoff.unreachable))
         return self._reporter.report({"loaded": self.stats.loaded, "loaded_bytes": self.stats.loaded_bytes})
@@ -255,12 +234,9 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
 
     @classmethod
     def build_prom_metrics(cls, *args: Any) -> VisencPromMetrics:
-        """``vllm:visenc_*`` counters (vLLM passes its config, metric types, label names and values)."""
         return VisencPromMetrics(*args)
 
-    # --- worker side -----------------------------------------------------------------------
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        """Copy the rows the scheduler handed over into the encoder cache: local memory only."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, VisencConnectorMetadata):
             return
@@ -272,7 +248,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             self.stats.loaded_bytes += rows.numel() * rows.element_size()
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
-        return  # a consumer only loads
+        return
 
     def shutdown(self) -> None:
         if self.role != ECConnectorRole.SCHEDULER:

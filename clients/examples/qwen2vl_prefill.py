@@ -1,21 +1,5 @@
-"""A reference prefill worker: Qwen2-VL chunked prefill with image embeddings from visenc.
-
-The worker holds the language model only (token embeddings, decoder layers,
-``lm_head``); its vision tower is replaced by ``NoVisionTower``, which raises
-if anything calls it. Image rows come from visenc, chunk by chunk:
-
-1. ``VisencPrefill.prepare`` encodes the images hash-first without waiting and
-   expands each image placeholder into ``num_tokens`` pad tokens, from the
-   handles (the embeddings may still be pending);
-2. the 3-D M-RoPE position ids of the whole prompt come from the model's own
-   ``get_rope_index`` and the handles' ``grid_thw`` (no pixels needed);
-3. per chunk ``[start, end)``: text rows from the embedding table, image rows
-   fetched into the same ``inputs_embeds`` at the placeholder positions, one
-   forward of the language model over the chunk, the KV cache
-   (``DynamicCache``) carried to the next chunk.
-
-The logits equal the full model's single forward over ``input_ids`` +
-``pixel_values`` (tests/prefill). Run it against a server::
+"""A reference prefill worker: Qwen2-VL chunked prefill, its vision tower replaced by image rows from visenc.
+The logits equal the full model's single forward (tests/prefill). Run it against a server::
 
     python clients/examples/qwen2vl_prefill.py save-tiny /tmp/tiny-vlm
     visenc serve --model /tmp/tiny-vlm &
@@ -52,11 +36,7 @@ VOCAB_SIZE = 512
 
 
 def tiny_vlm_config(vision_config: dict[str, Any]) -> Qwen2VLConfig:
-    """A Qwen2-VL config with a tiny text model around ``vision_config``.
-
-    Text model: 2 layers, hidden 256 (= the merger's output width), 4 heads of
-    64 (M-RoPE sections 8/12/12 over the 32 rotary frequencies), 2 KV heads,
-    512-token vocabulary. sdpa attention everywhere, as visenc's towers."""
+    """A Qwen2-VL config with a tiny text model (hidden 256 = the merger's output width) around ``vision_config``."""
     config = Qwen2VLConfig(
         vision_config=vision_config,
         text_config={
@@ -81,7 +61,6 @@ def tiny_vlm_config(vision_config: dict[str, Any]) -> Qwen2VLConfig:
 
 
 def build_tiny_vlm(vision_config: dict[str, Any], seed: int) -> Qwen2VLForConditionalGeneration:
-    """The full tiny VLM with random weights drawn from ``torch.manual_seed(seed)`` (caller's RNG untouched)."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = Qwen2VLForConditionalGeneration(tiny_vlm_config(vision_config))
@@ -91,25 +70,19 @@ def build_tiny_vlm(vision_config: dict[str, Any], seed: int) -> Qwen2VLForCondit
 def save_tiny_vlm(
     model: Qwen2VLForConditionalGeneration, path: Path, processor_kwargs: dict[str, Any] | None = None
 ) -> None:
-    """``save_pretrained`` plus the image processor's ``preprocessor_config.json``
-    (visenc reads its resize and normalisation settings from there)."""
+    """``save_pretrained`` plus the ``preprocessor_config.json`` visenc reads its resize settings from."""
     model.save_pretrained(path)
     Qwen2VLImageProcessorPil(**(processor_kwargs or {})).save_pretrained(path)
 
 
 class NoVisionTower(torch.nn.Module):
-    """Stands in for ``model.visual`` in a worker that takes its image rows from visenc: no weights, never runs."""
+    """Stands in for ``model.visual``: no weights, never runs."""
 
     def forward(self, *args: object, **kwargs: object) -> torch.Tensor:
         raise RuntimeError("this prefill worker has no vision tower: image embeddings come from visenc")
 
 
 def _language_model_names(names: Sequence[str]) -> dict[str, str]:
-    """checkpoint tensor name → module state-dict name, vision tensors left out.
-
-    Qwen2-VL checkpoints (and transformers 5.x ``save_pretrained``) name the
-    text model ``model.*`` and the tower ``visual.*``; transformers 4.5x saves
-    ``model.language_model.*`` and ``model.visual.*``."""
     out = {}
     for name in names:
         if name.startswith(("visual.", "model.visual.")):
@@ -124,12 +97,7 @@ def _language_model_names(names: Sequence[str]) -> dict[str, str]:
 
 
 def load_language_model(path: Path) -> Qwen2VLForConditionalGeneration:
-    """The language model of a Qwen2-VL checkpoint, without its vision tower.
-
-    Only the text tensors are read (``safe_open`` per tensor; vision tensors are
-    never touched) and loaded with ``strict=True`` into a model whose
-    ``visual`` is a ``NoVisionTower``, so every language-model weight is
-    accounted for and no vision weight exists in this process."""
+    """The language model of a Qwen2-VL checkpoint, loaded ``strict``; no vision weight is read."""
     config = Qwen2VLConfig.from_pretrained(path)
     config._attn_implementation = "sdpa"
     with no_init_weights():
@@ -154,8 +122,7 @@ def load_language_model(path: Path) -> Qwen2VLForConditionalGeneration:
 
 
 def rope_positions(model: Qwen2VLForConditionalGeneration, layout: PromptLayout) -> torch.Tensor:
-    """``[3, 1, L]`` M-RoPE position ids of the whole prompt, from its token ids and the images' grids
-    (known from the handles before any embedding is ready)."""
+    """``[3, 1, L]`` M-RoPE position ids of the whole prompt, from its token ids and the handles' grids."""
     input_ids = torch.from_numpy(layout.input_ids)[None]
     grid = torch.tensor(layout.image_grid_thw, dtype=torch.long) if layout.placements else None
     mm_token_type_ids = (input_ids == layout.image_token_id).to(torch.int)
@@ -166,11 +133,7 @@ def rope_positions(model: Qwen2VLForConditionalGeneration, layout: PromptLayout)
 def chunked_prefill(
     model: Qwen2VLForConditionalGeneration, prefill: VisencPrefill, layout: PromptLayout, chunk_size: int
 ) -> torch.Tensor:
-    """Prefill the prompt ``chunk_size`` positions at a time; returns the ``[L, vocab]`` logits (fp32 on CPU).
-
-    Each chunk runs one language-model forward over ``inputs_embeds`` whose
-    image rows were fetched from visenc, attending to the earlier chunks
-    through the KV cache."""
+    """Prefill the prompt ``chunk_size`` positions at a time; returns the ``[L, vocab]`` logits (fp32 on CPU)."""
     if chunk_size < 1:
         raise ValueError("chunk_size must be >= 1")
     positions = rope_positions(model, layout)
@@ -194,7 +157,6 @@ def chunked_prefill(
 
 
 def demo_prompt(images: int, seed: int = 0) -> list[int]:
-    """Random text around ``images`` blocks of ``<vision_start> <image_pad> <vision_end>``."""
     rng = np.random.default_rng(seed)
     ids: list[int] = []
     for _ in range(images):
@@ -204,7 +166,6 @@ def demo_prompt(images: int, seed: int = 0) -> list[int]:
 
 
 def demo_images(seed: int = 0) -> list[bytes]:
-    """Three PNGs of different sizes (noise over gradients)."""
     rng = np.random.default_rng(seed)
     out = []
     for width, height in ((64, 96), (224, 140), (150, 300)):

@@ -9,8 +9,7 @@ Example::
         first = vc.fetch(h, 0, 16)                    # waits until encoded
         rows = vc.fetch_chunk([ImagePlacement.of(h, offset=7)], 0, 512)  # one prefill chunk's rows
 
-Extras are imported where used: ``RedisRows`` needs ``visenc-client[redis]``, ``visenc_client.vllm``
-needs vLLM (``visenc-client[vllm]``); without them ``import visenc_client`` still works.
+``RedisRows`` needs ``visenc-client[redis]``, ``visenc_client.vllm`` needs ``visenc-client[vllm]``.
 """
 
 from typing import TYPE_CHECKING, Any
@@ -36,7 +35,6 @@ from visenc_client.prefill import PromptLayout, VisencPrefill, expand_placeholde
 if TYPE_CHECKING:
     from visenc_client._redis import AsyncRedisRows, RedisRows, RowsInfo
 
-#: names imported on first use, and the extra that brings what they need
 _EXTRAS = {"AsyncRedisRows": "redis", "RedisRows": "redis", "RowsInfo": "redis"}
 
 

@@ -1,9 +1,7 @@
 """The client's exceptions::
 
 VisencClientError
-├── TransportError        the service could not be reached or stopped answering (``url``): refused,
-│                         reset, a name that does not resolve, a connect past ``connect_timeout``,
-│                         no byte for ``timeout``, a body cut short; retry, or ask another replica
+├── TransportError        the service could not be reached or stopped answering (``url``)
 ├── ProtocolError         the service answered something this client cannot read
 ├── ImageEncodeError      the service could not decode or encode one image (``hash``, ``message``)
 └── APIError              the service answered an error (``status_code``, ``kind``, ``message``)
@@ -23,19 +21,16 @@ class VisencClientError(Exception):
 
 
 class TransportError(VisencClientError):
-    """``url``: what was asked (a request's URL, a Redis server, a shared-memory segment); ``connecting``:
-    it failed before the server took the request (a name, a connect), not while it was answering."""
+    """``url``: what was asked; ``connecting``: it failed before the server took the request."""
 
     def __init__(self, message: str, url: str | None = None, *, connecting: bool = False) -> None:
         super().__init__(f"{url}: {message}" if url else message)
         self.url = url
-        #: what happened, without the URL
         self.reason = message
         self.connecting = connecting
 
     @property
     def timed_out(self) -> bool:
-        """Whether a connect or a read ran past its timeout (rather than failing at once)."""
         import httpx
         import redis
 
@@ -43,7 +38,6 @@ class TransportError(VisencClientError):
 
 
 def describe(e: BaseException) -> str:
-    """An OS or library error in a few words: its type, and its message where it has one."""
     return f"{type(e).__name__}: {e}" if str(e) else type(e).__name__
 
 
@@ -52,9 +46,7 @@ class ProtocolError(VisencClientError):
 
 
 class ImageEncodeError(VisencClientError):
-    """An ``error`` handle: this image cannot be encoded (bad bytes, over a pixel limit); do not retry.
-
-    ``reason`` is the service's stable code (``visenc_client.format.Reason``)."""
+    """An ``error`` handle: this image cannot be encoded; ``reason``: the service's stable code. Do not retry."""
 
     def __init__(self, image_hash: str, message: str, reason: str | None = None) -> None:
         super().__init__(f"image {image_hash}: {message}" + (f" ({reason})" if reason else ""))

@@ -1,21 +1,6 @@
-"""Bodies of rows read straight into the caller's buffers: HTTP/1.1 on the standard library's
-``http.client``, keep-alive connections in a small pool.
-
-A rows body is megabytes (a 1080p screenshot's rows are 19 MB at a 7B model's width). httpx hands
-a body over in 64 KiB chunks that are copied three times on the way (0.17-0.28 of a raw socket
-on loopback, ``bench/bench_rows.py``); ``http.client``'s ``readinto`` fills the destination from
-the socket directly (one copy, the kernel's). So the flows that move rows stream their answers
-through ``Connections`` whenever the client talks to a real server; httpx keeps every other
-request, and every request of a client given a custom httpx transport (an in-process app, a mock).
-
-A connect, the name look-up included, takes at most the connect timeout (``create_connection``): a
-name server that does not answer costs the connect timeout, not the resolver's own (seconds, retried).
-
-Thread-safe: a call takes an idle connection (or opens one) and gives it back once its body is
-read to the end; a connection whose body was not read to the end is closed. Every failure of the
-network (refused, reset, a name that does not resolve, a connect or a read past its timeout, a body
-cut short) is a ``TransportError`` naming the URL.
-"""
+"""Rows bodies read straight into the caller's buffers: ``http.client`` keep-alive connections in a small,
+thread-safe pool (why not httpx: docs/internals.md, "The client library"). Every network failure is a
+``TransportError`` naming the URL."""
 
 from __future__ import annotations
 
@@ -34,19 +19,16 @@ import httpx
 
 from visenc_client._exceptions import ProtocolError, TransportError, describe
 
-#: what a failed connection, request or answer raises here
 ERRORS = (OSError, http.client.HTTPException)
 #: an idle connection older than this is not reused (uvicorn closes kept-alive connections after 5 s)
 KEEP_IDLE_S = 4.0
 #: a failed request is sent again only on a fresh connection, and only when a kept-alive one failed so
 STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
-#: guards each ``Body``'s one hand-back of its connection (held for a few instructions)
-_HAND_BACK = threading.Lock()
+_CHECKIN = threading.Lock()
 
 
 def resolve(host: str, port: int, timeout_s: float | None) -> list[tuple]:
-    """``getaddrinfo`` for a TCP connect, within ``timeout_s`` (``TimeoutError`` past it: the look-up goes
-    on in a daemon thread, its answer dropped). An address literal needs no look-up."""
+    """``getaddrinfo`` within ``timeout_s`` (``TimeoutError`` past it; the look-up's answer is then dropped)."""
     try:
         ipaddress.ip_address(host.strip("[]"))
         return socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
@@ -75,7 +57,7 @@ def resolve(host: str, port: int, timeout_s: float | None) -> list[tuple]:
 def create_connection(
     address: tuple[str, int], timeout: float | None = None, source_address: tuple[str, int] | None = None
 ) -> socket.socket:
-    """``socket.create_connection`` whose ``timeout`` bounds the name look-up and the connects together."""
+    """``socket.create_connection`` whose ``timeout`` bounds the name look-up too."""
     timeout = timeout if isinstance(timeout, int | float) else None  # http.client's "no timeout given"
     deadline = None if timeout is None else time.monotonic() + timeout
     error: OSError = OSError(f"no address for {address[0]}")
@@ -98,17 +80,13 @@ def create_connection(
 
 @dataclass(frozen=True, slots=True)
 class Head:
-    """The status line and headers of a response whose body is read separately."""
-
     status_code: int
     reason_phrase: str
     headers: httpx.Headers
 
 
 class Body:
-    """One response's body from ``Connections``, read in order; ``close`` gives the connection back
-    (kept alive when the body was read to the end). ``close`` acts once, whoever calls it how often
-    from whichever threads: a connection is never in the pool twice."""
+    """One response's body, read in order; ``close`` checks the connection in once, from any thread."""
 
     def __init__(
         self, pool: Connections, conn: http.client.HTTPConnection, response: http.client.HTTPResponse, url: str
@@ -117,20 +95,17 @@ class Body:
         self._conn: http.client.HTTPConnection | None = conn
 
     def close(self) -> None:
-        with _HAND_BACK:
+        with _CHECKIN:
             conn, self._conn = self._conn, None
         if conn is not None:
-            self._pool._give_back(conn, self._response)
+            self._pool._checkin(conn, self._response)
 
     def _ended(self) -> None:
-        """The body ended before ``len(view)`` bytes: cut short by the connection (fewer bytes than its
-        ``Content-Length``, a ``TransportError``) or shorter than what it says it holds (``ProtocolError``)."""
-        if self._response.length:  # bytes the head announced and the socket never brought
+        if self._response.length:  # cut short by the connection, else shorter than it says it holds
             raise TransportError(f"the connection closed {self._response.length} bytes before the body's end", self.url)
         raise ProtocolError("the response body ended early")
 
     def readinto(self, view: memoryview) -> None:
-        """Fill ``view`` exactly."""
         filled = 0
         try:
             while filled < len(view):
@@ -142,7 +117,6 @@ class Body:
             raise TransportError(describe(e), self.url) from e
 
     def read(self, n: int = 1 << 16) -> bytes:
-        """Up to ``n`` bytes; ``b""`` at the end."""
         try:
             chunk = self._response.read(n)
         except ERRORS as e:
@@ -153,7 +127,7 @@ class Body:
 
 
 class ResolvingBackend(httpcore.SyncBackend):
-    """httpcore's blocking network, its name look-ups within the connect timeout (``resolve``)."""
+    """httpcore's blocking network, its name look-ups within the connect timeout."""
 
     def connect_tcp(
         self,
@@ -181,7 +155,7 @@ class ResolvingBackend(httpcore.SyncBackend):
 
 
 def resolving_transport() -> httpx.HTTPTransport:
-    """httpx's own transport, on ``ResolvingBackend`` (httpx names no resolver option: its pool's is set)."""
+    """httpx's own transport on ``ResolvingBackend`` (httpx has no resolver option)."""
     transport = httpx.HTTPTransport()
     pool = getattr(transport, "_pool", None)
     if hasattr(pool, "_network_backend"):
@@ -190,8 +164,7 @@ def resolving_transport() -> httpx.HTTPTransport:
 
 
 class Connections:
-    """Keep-alive ``http.client`` connections to one server (``base_url``). ``connect_s`` bounds
-    connecting (TCP and TLS); ``read_s`` each wait for the server's next bytes (``None``: no bound)."""
+    """Keep-alive connections to one server; ``read_s`` bounds each wait for its next bytes (``None``: none)."""
 
     def __init__(self, base_url: str, *, connect_s: float | None, read_s: float | None, max_idle: int = 32) -> None:
         url = httpx.URL(base_url)
@@ -200,7 +173,7 @@ class Connections:
         self._https = url.scheme == "https"
         self._host, self._port = url.host, url.port or (443 if self._https else 80)
         self._connect_s, self._read_s = connect_s, read_s
-        self._idle: list[tuple[http.client.HTTPConnection, float]] = []  # and since when, most recent last
+        self._idle: list[tuple[http.client.HTTPConnection, float]] = []
         self._max_idle = max_idle
         self._lock = threading.Lock()
 
@@ -210,7 +183,7 @@ class Connections:
                 conn, since = self._idle.pop()
                 if time.monotonic() - since < KEEP_IDLE_S:
                     return conn
-                conn.close()  # the server has likely closed it by now
+                conn.close()
         return None
 
     def _connect(self) -> http.client.HTTPConnection:
@@ -228,7 +201,7 @@ class Connections:
         conn.auto_open = 0  # never reconnected behind our back (nor past the connect timeout)
         return conn
 
-    def _give_back(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
+    def _checkin(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
         if response.will_close or not response.isclosed() or conn.sock is None:
             _hang_up(conn)
             return
@@ -239,8 +212,7 @@ class Connections:
         conn.close()
 
     def open(self, request: httpx.Request) -> tuple[Head, Body]:
-        """Send ``request``: its answer's head and its unread body (``close`` it once done, read or not).
-        Any failure to connect, send or read the head is a ``TransportError`` naming the URL."""
+        """Send ``request``: its answer's head and its unread body (``close`` it once done)."""
         headers = {k: v for k, v in request.headers.items() if k.lower() != "accept-encoding"}
         target = request.url.raw_path.decode("ascii")
         url = str(request.url)
@@ -258,7 +230,7 @@ class Connections:
                 break
             except ERRORS as e:
                 conn.close()
-                if not (kept and isinstance(e, STALE)):  # a kept-alive connection the server closed: again
+                if not (kept and isinstance(e, STALE)):
                     raise TransportError(describe(e), url) from e
         head = Head(response.status, response.reason, httpx.Headers(response.getheaders()))
         return head, Body(self, conn, response, url)
@@ -271,9 +243,7 @@ class Connections:
 
 
 def _hang_up(conn: http.client.HTTPConnection) -> None:
-    """Close ``conn`` at once, even while a thread still reads its body (a cancelled task's read): shut
-    down, the socket ends that read now, where closing alone waits for it (the response's reader holds
-    its lock until the read returns: up to the read timeout)."""
+    """Close ``conn`` now, even mid-read: ``close`` alone waits for a reading thread, up to the read timeout."""
     if conn.sock is not None:
         with contextlib.suppress(OSError):
             conn.sock.shutdown(socket.SHUT_RDWR)
@@ -281,20 +251,16 @@ def _hang_up(conn: http.client.HTTPConnection) -> None:
 
 
 class _Pending:
-    """What is left of the last chunk read, handed out before the next chunk is read."""
-
     def __init__(self) -> None:
         self._pending = memoryview(b"")
 
     def _take(self, chunk: bytes | None = None) -> bytes:
-        """The rest of the pending chunk, else ``chunk`` (``b""`` at the end)."""
         if self._pending:
             out, self._pending = bytes(self._pending), memoryview(b"")
             return out
         return chunk or b""
 
     def _fill(self, view: memoryview, filled: int, chunk: bytes | None) -> int:
-        """Copy into ``view`` from the pending chunk (``chunk`` once that is used up); the new fill."""
         if not self._pending:
             if not chunk:
                 raise ProtocolError("the response body ended early")
@@ -306,7 +272,7 @@ class _Pending:
 
 
 class ChunkBody(_Pending):
-    """A body that comes as chunks (an httpx stream: a custom transport), read like ``Body``."""
+    """A body that comes as chunks (an httpx stream: a custom transport)."""
 
     def __init__(self, chunks: Iterator[bytes], close: Callable[[], None]) -> None:
         super().__init__()
@@ -323,8 +289,6 @@ class ChunkBody(_Pending):
 
 
 class AsyncChunkBody(_Pending):
-    """The awaitable twin of ``ChunkBody`` (an httpx async stream)."""
-
     def __init__(self, chunks: AsyncIterator[bytes], close: Callable[[], Awaitable[None]]) -> None:
         super().__init__()
         self._chunks = chunks

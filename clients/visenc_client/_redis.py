@@ -1,11 +1,5 @@
-"""Direct reads of token rows from the shared Redis index, with no hop through the service.
-
-``RedisRows.fetch(handle, start, end)`` reads exactly the bytes ``GET /v1/embeddings/{hash}`` would answer,
-in one round trip (header and rows pipelined); only ready images are there: ``NotFoundError`` otherwise
-(fall back to ``Client.fetch``, which waits). A Redis that cannot be reached or stops answering is a
-``TransportError`` naming it, after redis-py's own retries (``from_url`` passes ``retry`` and the socket
-timeouts through: a cache read usually wants few).
-"""
+"""Direct reads of token rows from the shared Redis index, with no hop through the service
+(docs/internals.md, "Direct reads from Redis"). Only ready images are there: ``NotFoundError`` otherwise."""
 
 from __future__ import annotations
 
@@ -22,20 +16,16 @@ from redis.cluster import RedisCluster
 from redis.exceptions import RedisClusterException
 
 from visenc_client._exceptions import BadRequestError, NotFoundError, ProtocolError, TransportError, describe
-from visenc_client._protocol import NUMPY_DTYPES
 from visenc_client._types import Handle
-from visenc_client.format import DATA_OFFSET, CorruptEntry, entry_key
+from visenc_client.format import DATA_OFFSET, NUMPY_DTYPES, CorruptEntry, entry_key
 from visenc_client.format import parse_header as format_header
 
-#: what redis-py raises where Redis cannot be reached or stops answering (a cluster none of whose nodes
-#: answers: ``RedisClusterException``, no ``RedisError``)
+#: a cluster none of whose nodes answers raises ``RedisClusterException``, no ``RedisError``
 UNREACHABLE = (redis.RedisError, RedisClusterException, OSError)
 
 
 @dataclass(frozen=True, slots=True)
 class RowsInfo:
-    """The header of one stored value."""
-
     rows: int
     hidden: int
     dtype: str
@@ -49,7 +39,6 @@ class RowsInfo:
 
 
 def parse_header(prefix: bytes, *, fingerprint: str, image_hash: str) -> RowsInfo:
-    """The header of a value from its first ``DATA_OFFSET`` bytes; ``NotFoundError`` if there is none."""
     if not prefix:
         raise NotFoundError(404, "not_found", f"no embedding for image {image_hash} in redis")
     try:
@@ -73,7 +62,6 @@ def _range(info: RowsInfo, start: int | None, end: int | None) -> tuple[int, int
     return s, e
 
 
-#: inclusive ``GETRANGE`` byte bounds, one per command of a pipeline
 Bounds = tuple[int, int]
 ReadFlow = Generator[list[Bounds], list[bytes], tuple[RowsInfo, bytes]]
 _HEADER: Bounds = (0, DATA_OFFSET - 1)
@@ -84,12 +72,10 @@ def _rows_bounds(row_bytes: int, s: int, e: int) -> Bounds:
 
 
 def read_flow(image: str | Handle, start: int | None, end: int | None, *, fingerprint: str) -> ReadFlow:
-    """What one read sends (lists of ``GETRANGE`` bounds, each list one pipelined round trip) and how it
-    reads the replies, independent of I/O; ``RedisRows`` / ``AsyncRedisRows`` drive it."""
+    """One read's ``GETRANGE`` rounds and replies, independent of I/O; ``RedisRows`` / ``AsyncRedisRows`` drive it."""
     h = image.hash if isinstance(image, Handle) else image
     batch = [_HEADER]
     if isinstance(image, Handle) and image.num_tokens and image.hidden_size and image.dtype in NUMPY_DTYPES:
-        # the handle tells the shape: read the header and the rows in the same round trip
         known = RowsInfo(image.num_tokens, image.hidden_size, str(image.dtype), (0, 0, 0), "", h)
         s, e = _range(known, start, end)
         if e > s:
@@ -104,7 +90,7 @@ def read_flow(image: str | Handle, start: int | None, end: int | None, *, finger
         data = replies[1]
     else:
         (data,) = yield [want]
-    if len(data) != (e - s) * info.row_bytes:  # evicted between the reads, or gone since the header
+    if len(data) != (e - s) * info.row_bytes:  # evicted between the reads
         raise NotFoundError(404, "not_found", f"embedding for image {h} left redis during the read")
     return info, data
 
@@ -115,14 +101,12 @@ def _array(info: RowsInfo, data: bytes) -> np.ndarray:
 
 
 def _public(url: str) -> str:
-    """``url`` without its credentials."""
     parts = urlsplit(url)
     host = f"[{parts.hostname}]" if parts.hostname and ":" in parts.hostname else parts.hostname or ""
     return parts._replace(netloc=host + (f":{parts.port}" if parts.port else "")).geturl()
 
 
 def _address(client: Any) -> str:
-    """Where a redis-py client connects (``redis://host:port/db``, a socket path, or a cluster's first node)."""
     kwargs = getattr(getattr(client, "connection_pool", None), "connection_kwargs", None) or {}
     if "path" in kwargs:
         return f"unix://{kwargs['path']}"
@@ -140,7 +124,6 @@ class _Rows:
         self.redis = client
         self.fingerprint = fingerprint
         self.namespace = namespace
-        #: named by every ``TransportError`` of a read
         self.url = _address(client)
 
     def key(self, image: str | Handle) -> str:
@@ -148,7 +131,7 @@ class _Rows:
 
 
 class RedisRows(_Rows):
-    """Blocking reads of token rows straight from Redis (a ``redis.Redis`` or ``redis.cluster.RedisCluster``)."""
+    """Blocking reads of token rows straight from Redis (or a Redis Cluster)."""
 
     @classmethod
     def from_url(
@@ -175,11 +158,10 @@ class RedisRows(_Rows):
             raise TransportError(describe(e), self.url) from e
 
     def fetch_bytes(self, image: str | Handle, start: int | None = None, end: int | None = None) -> bytes:
-        """Rows ``[start, end)`` as raw little-endian bytes: the body ``GET /v1/embeddings/{hash}`` answers."""
         return self._drive(image, read_flow(image, start, end, fingerprint=self.fingerprint))[1]
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
-        """Rows ``[start, end)`` as a read-only numpy ``[rows, hidden]`` array (raw uint16 for bfloat16)."""
+        """Rows ``[start, end)`` as a read-only ``[rows, hidden]`` array (raw uint16 for bfloat16)."""
         return _array(*self._drive(image, read_flow(image, start, end, fingerprint=self.fingerprint)))
 
     def info(self, image: str | Handle) -> RowsInfo:
@@ -196,8 +178,6 @@ class RedisRows(_Rows):
 
 
 class AsyncRedisRows(_Rows):
-    """The awaitable twin of ``RedisRows`` (``redis.asyncio.Redis`` or ``redis.asyncio.cluster.RedisCluster``)."""
-
     @classmethod
     def from_url(
         cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False, **options: Any

@@ -1,11 +1,5 @@
-"""Flows that move embedding rows: chunk fetches into one buffer, shared-memory fetches.
-
-Copies, counted: over HTTP each row byte is copied once in this process, from the
-socket straight into its place in the destination buffer (``ReadInto``). Over shared
-memory ``fetch_many`` hands out read-only views of the mapped segments (no copy) and
-``fetch_chunk`` copies each row once, from the mapping into the buffer. Ranges the
-service cannot put into shared memory (its budget is full) are read over HTTP.
-"""
+"""Flows that move embedding rows: chunk fetches into one buffer, shared-memory fetches. Each row byte is
+copied once at most (docs/internals.md, "The client library")."""
 
 from __future__ import annotations
 
@@ -17,33 +11,20 @@ import msgpack
 import numpy as np
 
 from visenc_client._exceptions import ProtocolError
-from visenc_client._protocol import (
-    NUMPY_DTYPES,
-    AnyFlow,
-    byte_view,
-    failed_range,
-    fetch_many_flow,
-    raise_for_status,
-    ranges_request,
-    read_frame,
-    send_streamed,
-)
+from visenc_client._protocol import fetch_many_flow, ranges_request
 from visenc_client._shm import SegmentHandles, SegmentMaps
+from visenc_client._steps import AnyFlow, byte_view, failed_range, raise_for_status, read_frame, send_streamed
 from visenc_client._types import RowRange
 from visenc_client.chunks import ChunkPlan
-from visenc_client.format import tensor_words
+from visenc_client.format import NUMPY_DTYPES, tensor_words
 
 log = logging.getLogger("visenc_client")
 
-Client = Any  # httpx.Client | httpx.AsyncClient: only ``build_request`` is used
+Client = Any  # httpx.Client | httpx.AsyncClient
 
 
 def destination(out: Any, rows: int, hidden: int, dtype: str, dense: bool) -> tuple[np.ndarray, Any]:
-    """(a writable C-contiguous array viewing the buffer in the wire dtype, the object to return).
-
-    ``out`` may be a numpy array or a CPU torch tensor (written through its
-    numpy view; bfloat16 through its 16-bit words); ``None`` allocates one
-    (zeros for the dense layout, whose text rows are not written)."""
+    """(a writable array viewing ``out`` in the wire dtype, the object to return); ``None`` allocates one."""
     wire = NUMPY_DTYPES.get(dtype)
     if wire is None:
         raise ProtocolError(f"unknown dtype {dtype!r}")
@@ -74,8 +55,7 @@ def fetch_chunk_flow(
     shm: SegmentHandles | None,
     headers: dict[str, str] | None,
 ) -> AnyFlow[Any]:
-    """Every row ``plan`` needs, in one round trip (none for known segments), written into one buffer;
-    over shared memory when ``shm`` (the client's known segments) is given."""
+    """Every row ``plan`` needs, in one round trip (none for known segments), written into one buffer."""
     if not plan.pieces:
         if out is None and plan.hidden is None:
             raise ValueError("nothing to fetch and no hidden size known: pass out= or placements with handles")
@@ -91,7 +71,7 @@ def fetch_chunk_flow(
         return result
     head = yield from send_streamed(ranges_request(client, "/v1/embeddings/fetch", ranges, wait=wait, headers=headers))
     pieces = iter(plan.pieces)
-    target: list[Any] = []  # (array, result), made once the first item tells the width and dtype
+    target: list[Any] = []
 
     def place(item: dict[str, Any]) -> memoryview:
         piece = next(pieces)
@@ -120,10 +100,7 @@ def shm_fetch_flow(
     headers: dict[str, str] | None,
     known: SegmentHandles,
 ) -> AnyFlow[list[np.ndarray]]:
-    """Several ranges as read-only views of the service's shared-memory segments (no copy); no
-    request when ``known`` already knows every image's segment. Ranges the service could not put
-    into shared memory (429: its budget is full) are read over HTTP instead, counted in
-    ``known.http_fallbacks`` and said once in the log."""
+    """Several ranges as read-only views of the service's segments; those its budget could not hold, over HTTP."""
     if (views := known.views(ranges)) is not None:
         return views
     resp = yield ranges_request(client, "/v1/embeddings/shm", ranges, wait=wait, headers=headers)

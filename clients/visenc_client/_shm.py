@@ -1,9 +1,4 @@
-"""Mapping the service's shared-memory segments (same host, same user, Linux tmpfs).
-
-The client owns nothing: it maps a segment read-only and closes the descriptor at once, so one that exits
-or is killed leaves nothing behind. Mappings are cached per process, and a client reads later ranges of an
-image it knows with no request for half the segment's lease (``docs/internals.md``).
-"""
+"""Mapping the service's shared-memory segments read-only (docs/internals.md, "Shared-memory segments")."""
 
 from __future__ import annotations
 
@@ -21,10 +16,8 @@ import numpy as np
 from visenc_client._exceptions import ProtocolError, TransportError, describe
 from visenc_client._types import RowRange
 
-#: segment names are plain file names: never a path
 _NAME = re.compile(r"[A-Za-z0-9_.-]{1,200}")
-#: ``madvise(MADV_POPULATE_READ)`` (Linux 5.14+; Python names it from 3.12): map a range's pages in
-#: one call instead of one page fault per 4 KiB as the copy first touches them
+#: ``MADV_POPULATE_READ`` (Linux 5.14+; named in Python 3.12+): one call instead of a fault per page
 _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname == "Linux" else None)
 
 
@@ -32,11 +25,10 @@ _POPULATE_READ = getattr(mmap, "MADV_POPULATE_READ", 22 if os.uname().sysname ==
 class _Mapped:
     map: mmap.mmap
     populated: set[tuple[int, int]]
-    file: tuple[int, int]  #: (st_dev, st_ino) of the file it maps
+    file: tuple[int, int]
 
 
 def _file(path: str) -> tuple[int, int] | None:
-    """(st_dev, st_ino) of ``path``; ``None`` once it is unlinked."""
     try:
         st = os.stat(path)
     except OSError:
@@ -45,10 +37,7 @@ def _file(path: str) -> tuple[int, int] | None:
 
 
 class _MapCache:
-    """Process-wide LRU of segment mappings, thread-safe, bounded in mapped bytes (``max_bytes``:
-    ``VISENC_SHM_MAP_CACHE_BYTES``). A segment the service has unlinked (its lease reaped) is dropped, so
-    its tmpfs pages go once no array views it: at each use of it, and by a sweep of every map each
-    ``sweep_s`` (``VISENC_SHM_MAP_SWEEP_S``) while any is kept."""
+    """Process-wide LRU of segment mappings, bounded in mapped bytes; maps of unlinked segments are dropped."""
 
     def __init__(self, max_bytes: int, sweep_s: float) -> None:
         self.max_bytes, self.sweep_s = max_bytes, sweep_s
@@ -62,14 +51,13 @@ class _MapCache:
             found = self._maps.get(path)
             if found is None:
                 return None
-            if _file(path) != found.file:  # unlinked (or another file by now)
+            if _file(path) != found.file:
                 self._drop(path)
                 return None
             self._maps.move_to_end(path)
             return found
 
     def put(self, path: str, mapped: mmap.mmap, file: tuple[int, int]) -> _Mapped:
-        """Keep ``mapped`` (of ``file`` at ``path``), or the map of it another thread kept meanwhile."""
         entry = _Mapped(mapped, set(), file)
         with self._lock:
             kept = self._maps.get(path)
@@ -78,7 +66,7 @@ class _MapCache:
             if kept is not None:
                 self._drop(path)
             if len(mapped) > self.max_bytes:
-                return entry  # too big to keep: used for this call only
+                return entry  # too big to keep
             self._maps[path] = entry
             self._bytes += len(mapped)
             while self._bytes > self.max_bytes:
@@ -87,10 +75,9 @@ class _MapCache:
         return entry
 
     def _drop(self, path: str) -> None:
-        self._bytes -= len(self._maps.pop(path).map)  # unmapped once no array views it
+        self._bytes -= len(self._maps.pop(path).map)
 
     def sweep(self) -> None:
-        """Drop the maps of unlinked segments."""
         with self._lock:
             kept = list(self._maps.items())
         gone = [(path, entry) for path, entry in kept if _file(path) != entry.file]
@@ -100,7 +87,7 @@ class _MapCache:
                     self._drop(path)
 
     def _start_sweeper(self) -> None:
-        if self.sweep_s > 0 and (self._sweeper is None or not self._sweeper.is_alive()):  # dead in a forked child
+        if self.sweep_s > 0 and (self._sweeper is None or not self._sweeper.is_alive()):
             self._sweeper = threading.Thread(target=self._sweep_while_kept, name="visenc-shm-sweep", daemon=True)
             self._sweeper.start()
 
@@ -125,8 +112,6 @@ _CACHE = _MapCache(
 
 
 class SegmentMaps:
-    """Segments of one call's answer, each mapped once (and kept in the process's cache)."""
-
     def __init__(self, directory: str) -> None:
         self.directory = directory
 
@@ -140,9 +125,8 @@ class SegmentMaps:
         try:
             fd = os.open(path, os.O_RDONLY)
         except FileNotFoundError as e:
-            # its lease ran out before we got to it: the rows are still served over HTTP
             raise ProtocolError(f"shared-memory segment {name} is gone (lease expired)") from e
-        except OSError as e:  # shared memory is this read's transport
+        except OSError as e:
             raise TransportError(f"cannot open the segment: {describe(e)}", path) from e
         try:
             st = os.fstat(fd)
@@ -154,11 +138,9 @@ class SegmentMaps:
         return _CACHE.put(path, mapped, (st.st_dev, st.st_ino))
 
     def nbytes(self, name: str) -> int:
-        """The size of segment ``name`` (mapped, once)."""
         return len(self._map(name).map)
 
     def view(self, name: str, offset: int, nbytes: int, dtype: np.dtype, rows: int, hidden: int) -> np.ndarray:
-        """Rows as a read-only ``[rows, hidden]`` array over the mapping (no copy)."""
         if nbytes != rows * hidden * dtype.itemsize:
             raise ProtocolError(f"segment range of {nbytes} bytes does not hold [{rows}, {hidden}] {dtype}")
         if nbytes == 0:
@@ -175,40 +157,36 @@ class SegmentMaps:
 
 
 def _populate(mapped: mmap.mmap, offset: int, nbytes: int) -> None:
-    """Fault in the pages of ``[offset, offset + nbytes)`` at once (a no-op where unsupported)."""
     if _POPULATE_READ is None or nbytes < (1 << 20):
         return
     start = offset - offset % mmap.PAGESIZE
     try:
         mapped.madvise(_POPULATE_READ, start, offset + nbytes - start)
     except (OSError, ValueError):
-        pass  # an older kernel: pages fault in as they are read
+        pass
 
 
 @dataclass(frozen=True, slots=True)
 class _Known:
     directory: str
     segment: str
-    base: int  #: byte offset of the image's row 0 in the segment
+    base: int
     hidden: int
     dtype: np.dtype
     fresh_until: float  #: monotonic
 
 
 class SegmentHandles:
-    """Per client: the segment each image's rows were last named in (at most ``max_images``)."""
+    """Per client: the segment each image's rows were last named in."""
 
     def __init__(self, max_images: int = 4096) -> None:
         self.max_images = max_images
         self._known: OrderedDict[str, _Known] = OrderedDict()
-        #: the leases this client's requests handed back (a read naming one needs no request)
         self._spent: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._lock = threading.Lock()
-        #: ranges read over HTTP because the service's shared-memory budget was full
         self.http_fallbacks = 0
 
     def learn(self, directory: str, lease_s: float, item: dict, dtype: np.dtype) -> None:
-        """Remember the segment an answer's ``item`` named, for half its ``lease_s``."""
         hidden = int(item["shape"][1])
         base = int(item["offset"]) - int(item["start"]) * hidden * dtype.itemsize
         known = _Known(directory, str(item["segment"]), base, hidden, dtype, time.monotonic() + lease_s / 2)
@@ -219,7 +197,6 @@ class SegmentHandles:
                 self._known.popitem(last=False)
 
     def spend(self, ranges: Sequence[RowRange]) -> None:
-        """The leases ``ranges`` name were handed back (by the request that read them)."""
         with self._lock:
             for r in ranges:
                 if r.lease is not None:
@@ -228,15 +205,11 @@ class SegmentHandles:
                 self._spent.popitem(last=False)
 
     def knows(self, image_hash: str) -> bool:
-        """Whether this client reads the image's rows from a segment with no request now."""
         with self._lock:
             k = self._known.get(image_hash)
         return k is not None and time.monotonic() < k.fresh_until
 
     def views(self, ranges: Sequence[RowRange]) -> list[np.ndarray] | None:
-        """Every range as a view, with no request, if every image's segment is known, fresh and still
-        there, every range lies in its image and names no lease still to hand back (a pin the service
-        holds until a read reaches it); else ``None`` (ask the service)."""
         now, out = time.monotonic(), []
         for r in ranges:
             with self._lock:
@@ -249,15 +222,14 @@ class SegmentHandles:
             rows = (maps.nbytes(k.segment) - k.base) // row_bytes
             start, end = 0 if r.start is None else r.start, rows if r.end is None else r.end
             if not 0 <= start <= end <= rows:
-                return None  # the service answers the error
+                return None
             offset = k.base + start * row_bytes
             out.append(maps.view(k.segment, offset, (end - start) * row_bytes, k.dtype, end - start, k.hidden))
         return out
 
 
 def same_host(model_info: dict[str, object]) -> bool:
-    """Whether the service that answered ``/v1/model`` with ``model_info`` shares this host's shared
-    memory with this process: its probe segment is readable here and holds the token it names."""
+    """Whether the service that answered ``model_info`` shares this host's shared memory (its probe reads here)."""
     shm = model_info.get("shm")
     if not isinstance(shm, dict):
         return False

@@ -16,18 +16,15 @@ ImageInput = bytes | bytearray | memoryview | str | os.PathLike[str]
 
 @dataclass(frozen=True, slots=True)
 class Video:
-    """A video as the frames the caller sampled, in order (each an encoded image, all one size).
-
-    Sample on a fixed timeline and start clips at even frame offsets: tubes pair frames (0, 1),
-    (2, 3), ... from a clip's first frame, so two clips share the tubes they share pairs of."""
+    """A video as the frames the caller sampled, in order (encoded images of one size); tubes pair frames
+    (0, 1), (2, 3), ..., so clips that start at even offsets share tubes."""
 
     frames: Sequence[ImageInput]
 
 
 @dataclass(frozen=True, slots=True)
 class RowRange:
-    """Token rows ``[start, end)`` of one image (``None``: from the first / to the last row); ``lease``:
-    the handle's, so that the read renews (or, reaching the last row, releases) its pin."""
+    """Token rows ``[start, end)`` of one image; ``lease``: the handle's (reading the last row unpins it)."""
 
     hash: str
     start: int | None = None
@@ -36,7 +33,6 @@ class RowRange:
 
     @classmethod
     def of(cls, image: str | Handle, start: int | None = None, end: int | None = None) -> RowRange:
-        """The range of ``image``, a hash or a handle (whose lease it carries)."""
         if isinstance(image, Handle):
             return cls(image.hash, start, end, image.lease)
         return cls(image, start, end)

@@ -1,7 +1,5 @@
-"""``VisencConnector``'s counters in vLLM's own stats: the engine's log ("EC Transfer metrics: ...",
-each log interval) and its Prometheus ``/metrics`` (``vllm:visenc_<counter>_total``, one series per
-engine). Each side of the connector reports what changed since it last did; vLLM adds them up.
-"""
+"""``VisencConnector``'s counters in vLLM's log and ``/metrics`` (``vllm:visenc_<counter>_total``): each side
+reports what changed since it last did; vLLM adds them up."""
 
 from __future__ import annotations
 
@@ -29,8 +27,6 @@ COUNTERS = {
 
 
 class VisencStats(ECConnectorStats):  # type: ignore[misc]
-    """Counts since the last report, by ``COUNTERS`` name."""
-
     def reset(self) -> None:
         self.data: dict[str, Any] = {}
 
@@ -47,8 +43,6 @@ class VisencStats(ECConnectorStats):  # type: ignore[misc]
 
 
 class Reporter:
-    """What changed since the last report, of counters read by ``read()``."""
-
     def __init__(self) -> None:
         self._last: dict[str, int] = {}
 
@@ -59,7 +53,6 @@ class Reporter:
 
 
 def counts(stats: Any, unreachable: int) -> dict[str, int]:
-    """The counters of one side: its ``ConnectorStats`` and its sources' failures."""
     return {**asdict(stats), "unreachable": unreachable}
 
 

@@ -1,6 +1,4 @@
-"""What a connector expects of the visenc it reads (``Served``), its weights above all: the weights identity
-(``visenc_client.checkpoint``) of the vision tensors visenc names in ``/v1/model``, computed again over the
-engine's checkpoint files (``EngineWeights``)."""
+"""What a connector expects of the visenc it reads (``Served``), its weights above all (``EngineWeights``)."""
 
 from __future__ import annotations
 
@@ -19,8 +17,7 @@ ACCEPT_OPTION = "accept_other_weights"
 
 
 def checkpoint_folder(model: str, revision: str | None = None, cache_dir: str | None = None) -> Path | None:
-    """The local folder of the engine's checkpoint: ``model`` itself, or its hub cache snapshot (no
-    download); ``None`` where neither is found."""
+    """The local folder of the engine's checkpoint (``model``, or its hub cache snapshot); ``None`` if none."""
     path = Path(model).expanduser()
     if path.is_dir():
         return path
@@ -28,7 +25,7 @@ def checkpoint_folder(model: str, revision: str | None = None, cache_dir: str | 
         from huggingface_hub import snapshot_download
 
         found = snapshot_download(model, revision=revision, cache_dir=cache_dir, local_files_only=True)
-    except Exception as e:  # not cached, not a hub id, or no huggingface_hub: said in the refusal
+    except Exception as e:
         log.debug("VisencConnector: no local snapshot of %s (%s)", model, e)
         return None
     return Path(found)
@@ -36,8 +33,6 @@ def checkpoint_folder(model: str, revision: str | None = None, cache_dir: str | 
 
 @functools.lru_cache(maxsize=8)
 def _identity(folder: Path, names: tuple[str, ...]) -> str | None:
-    """The identity of ``names`` in ``folder``'s files; ``None`` when one of them is not there
-    (``ValueError`` where the folder has no safetensors files: nothing to compare)."""
     files = tensor_files(folder)
     if not files:
         raise ValueError(f"no safetensors files in {folder}")
@@ -48,15 +43,13 @@ def _identity(folder: Path, names: tuple[str, ...]) -> str | None:
 
 @dataclass(frozen=True)
 class EngineWeights:
-    """The engine's model (``model``, as the engine names it) and its checkpoint ``folder`` (``None``: not
-    found); ``accept_other``: a visenc serving other weights is used knowingly."""
+    """The engine's model and checkpoint ``folder``; ``accept_other``: a visenc serving other weights is used."""
 
     model: str
     folder: Path | None
     accept_other: bool = False
 
     def refusal(self, url: str, served: dict[str, Any]) -> str | None:
-        """Why the visenc at ``url`` (its ``/v1/model``: ``served``) does not serve the engine's weights."""
         theirs, name = served.get("weights"), served.get("name")
         why = self._difference(theirs)
         if why is None:
@@ -85,9 +78,7 @@ class EngineWeights:
 
 @dataclass(frozen=True)
 class Served:
-    """What a connector expects of the visenc it reads: ``hidden`` (row width), ``loader`` (the image
-    loader, ``vllm-0.32``), ``fingerprint`` (``None``: any), ``weights`` (the engine's own, which a replica
-    must serve: ``_weights.EngineWeights``; ``None``: not compared)."""
+    """What a connector expects of the visenc it reads (``None`` fingerprint or weights: not compared)."""
 
     hidden: int
     loader: str
@@ -95,7 +86,7 @@ class Served:
     weights: EngineWeights | None = None
 
     def refusal(self, url: str, served: dict[str, Any]) -> str | None:
-        """Why the visenc at ``url``, which answered ``served`` (its ``/v1/model``), cannot be used."""
+        """Why the visenc at ``url``, which answered ``served``, cannot be used."""
         hidden = int(served.get("hidden_size", -1))
         if hidden != self.hidden:
             return (
@@ -113,6 +104,4 @@ class Served:
         return None
 
     def weights_refusal(self, url: str, served: dict[str, Any]) -> str | None:
-        """Why the visenc at ``url`` serves other weights than the engine's (never asked then; the engine
-        encodes what it would have given)."""
         return None if self.weights is None else self.weights.refusal(url, served)

@@ -1,12 +1,5 @@
-"""A checkpoint's weights identity, computed the same way by visenc and by an engine's connector.
-
-``weights_identity(where)`` digests, for each named tensor in name order, its name, dtype, shape and a
-sample of its bytes (whole up to ``SAMPLE_BYTES``, else ``SAMPLES`` slices spread over it), read from the
-safetensors files either side already has: visenc's vision file or shards, the engine's own checkpoint.
-A few KiB a tensor, never the whole weights; another model or a fine-tune of the same shapes differs in
-every sampled slice of the tensors it changed. ``tensor_files(folder)`` says which file of a checkpoint
-folder holds each tensor, from its index or its files' headers alone.
-"""
+"""A checkpoint's weights identity, computed the same way by visenc and by an engine's connector: per tensor,
+its name, dtype, shape and a sample of its bytes (docs/integration-vllm.md)."""
 
 from __future__ import annotations
 
@@ -26,7 +19,6 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_header(file: Path) -> tuple[dict[str, Any], int]:
-    """A safetensors file's header and where its data starts (8 + the header's length)."""
     with open(file, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
         return json.loads(f.read(length)), 8 + length
@@ -52,8 +44,7 @@ def _sample(fd: int, start: int, nbytes: int) -> bytes:
 
 
 def weights_identity(where: Mapping[str, Path]) -> str:
-    """128-bit digest (32 hex) of the tensors ``where`` names (name → its safetensors file).
-    ``KeyError`` when a file does not hold a tensor it is said to."""
+    """128-bit digest (32 hex) of the tensors ``where`` names (name → its safetensors file)."""
     digest = hashlib.sha256()
     headers: dict[Path, tuple[dict[str, Any], int]] = {}
     fds: dict[Path, int] = {}

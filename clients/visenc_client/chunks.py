@@ -1,9 +1,4 @@
-"""Chunk planner: which token rows of which images a prefill chunk ``[start, end)`` needs.
-
-Pure arithmetic: from each image that overlaps the chunk, exactly the overlapping rows, packed (image rows
-only) or dense (one row per position); ``Client.fetch_chunk`` fetches a plan in one round trip
-(``docs/internals.md``).
-"""
+"""Chunk planner: which token rows of which images a prefill chunk ``[start, end)`` needs (docs/internals.md)."""
 
 from __future__ import annotations
 
@@ -16,9 +11,7 @@ from visenc_client._types import Handle
 
 @dataclass(frozen=True, slots=True)
 class ImagePlacement:
-    """One image in a prompt: its rows sit at positions ``[offset, offset + num_tokens)``, or,
-    with ``runs``, at the runs ``(position, count)`` in order (rows 0.. fill them one after
-    another; ``offset`` is then the first run's position)."""
+    """One image in a prompt: its rows at ``[offset, offset + num_tokens)``, or at ``runs`` ``(position, count)``."""
 
     image: str | Handle
     offset: int
@@ -38,9 +31,7 @@ class ImagePlacement:
     def from_span(
         cls, image: str | Handle, offset: int, span: Sequence[dict[str, object]], count_text: Callable[[str], int]
     ) -> ImagePlacement:
-        """Place an image whose placeholder span starts at ``offset``: ``span`` is the layout's
-        ``[{"rows": n} | {"text": s}]``, ``count_text(s)`` the tokens the engine's tokenizer makes
-        of a text piece (e.g. ``len(tok(s, add_special_tokens=False).input_ids)``)."""
+        """Place an image whose layout ``span`` starts at ``offset``; ``count_text(s)``: the tokens of ``s``."""
         runs, at = [], offset
         for piece in span:
             if "rows" in piece:
@@ -52,12 +43,10 @@ class ImagePlacement:
         return cls(image, runs[0][0] if runs else offset, sum(n for _, n in runs), tuple(runs))
 
     def row_runs(self) -> tuple[tuple[int, int], ...]:
-        """``(position, count)`` of each run of rows (one run for a contiguous image)."""
         return self.runs if self.runs is not None else ((self.offset, self.num_tokens),)
 
     @classmethod
     def of(cls, handle: Handle, offset: int) -> ImagePlacement:
-        """Place a handle (its ``num_tokens`` is known even while it is pending)."""
         if handle.num_tokens is None:
             raise ValueError(f"handle {handle.hash} has no num_tokens (status {handle.status})")
         return cls(handle, offset, handle.num_tokens)
@@ -68,15 +57,12 @@ class ImagePlacement:
 
     @property
     def end(self) -> int:
-        """One past the last row's position."""
         last, count = self.row_runs()[-1]
         return last + count
 
 
 @dataclass(frozen=True, slots=True)
 class ChunkPiece:
-    """Rows ``[start, end)`` of one image, written to buffer rows ``[dest, dest + end - start)``."""
-
     hash: str
     start: int
     end: int
@@ -89,11 +75,6 @@ class ChunkPiece:
 
 @dataclass(frozen=True, slots=True)
 class ChunkPlan:
-    """What chunk ``[start, end)`` needs: pieces in prompt order and the buffer's row count.
-
-    ``hidden`` / ``dtype`` come from the placements' handles when they carry them
-    (needed only to allocate a buffer when nothing has to be fetched)."""
-
     start: int
     end: int
     dense: bool
@@ -101,12 +82,10 @@ class ChunkPlan:
     pieces: tuple[ChunkPiece, ...]
     hidden: int | None = None
     dtype: str | None = None
-    #: the lease of each hash a placement's handle carries (a video's: its tubes'), for the reads to name
     leases: Mapping[str, str] = field(default_factory=dict, compare=False)
 
 
 def _by_tube(piece: ChunkPiece, video: Handle | None) -> list[ChunkPiece]:
-    """A video's piece as pieces of the tubes it covers (a chunk fetches only its tubes' rows)."""
     if video is None or not video.tubes or not video.num_tokens:
         return [piece]
     per = video.num_tokens // len(video.tubes)
@@ -120,12 +99,8 @@ def _by_tube(piece: ChunkPiece, video: Handle | None) -> list[ChunkPiece]:
 
 
 def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, dense: bool = False) -> ChunkPlan:
-    """The rows chunk ``[start, end)`` needs from ``placements`` (any order; they must not overlap).
-
-    Invariants: pieces are in prompt order; each is non-empty; in packed layout
-    their ``dest`` ranges tile ``[0, rows)``; in dense layout piece rows land at
-    ``position - start``. Images with no position in ``[start, end)`` get no piece. A video placed by
-    its handle is fetched tube by tube: its pieces name the tubes the chunk overlaps."""
+    """The rows chunk ``[start, end)`` needs from ``placements`` (non-overlapping). Pieces are in prompt order and
+    non-empty; packed, their ``dest`` ranges tile ``[0, rows)``; dense, rows land at ``position - start``."""
     if not 0 <= start <= end:
         raise ValueError(f"chunk [{start}, {end}) is not a range of prompt positions")
     ordered = sorted((p for p in placements if p.num_tokens > 0), key=lambda p: p.offset)
@@ -145,7 +120,7 @@ def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, de
                 piece = ChunkPiece(p.hash, row + lo - at, row + hi - at, lo - start if dense else packed)
                 last = pieces[-1] if pieces else None
                 if last and last.hash == p.hash and last.end == piece.start and last.dest + last.rows == piece.dest:
-                    piece = ChunkPiece(p.hash, last.start, piece.end, last.dest)  # contiguous rows: one range
+                    piece = ChunkPiece(p.hash, last.start, piece.end, last.dest)
                     pieces.pop()
                 pieces.append(piece)
                 packed += hi - lo
@@ -168,5 +143,4 @@ def plan_chunk(placements: Sequence[ImagePlacement], start: int, end: int, *, de
 
 
 def _hashes(handle: Handle) -> tuple[str, ...]:
-    """The hashes a handle's rows are read by: its own, or a video's tubes'."""
     return handle.tubes or (handle.hash,)

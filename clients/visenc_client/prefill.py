@@ -1,9 +1,5 @@
-"""Prefill integration: lay a multimodal prompt out from visenc handles, fill each chunk's image rows.
-
-``prepare`` encodes a request's images hash-first without waiting and expands each placeholder into its
-rows (known while pending); ``fill_chunk`` fetches the rows one prefill chunk needs, in one round trip, into
-its ``inputs_embeds``. Usage, failures and retries: ``docs/integration-prefill.md``, ``docs/internals.md``.
-"""
+"""Prefill integration: lay a multimodal prompt out from visenc handles, fill each chunk's image rows
+(docs/integration-prefill.md)."""
 
 from __future__ import annotations
 
@@ -22,10 +18,10 @@ from visenc_client._exceptions import (
     OverloadedError,
     ProtocolError,
 )
-from visenc_client._protocol import NUMPY_DTYPES, ImageInput, read_image
-from visenc_client._types import Handle
+from visenc_client._protocol import read_image
+from visenc_client._types import Handle, ImageInput
 from visenc_client.chunks import ImagePlacement
-from visenc_client.format import TORCH_NAMES, bfloat16_as_float32, words_tensor
+from visenc_client.format import NUMPY_DTYPES, TORCH_NAMES, bfloat16_as_float32, words_tensor
 
 T = TypeVar("T")
 
@@ -33,11 +29,7 @@ T = TypeVar("T")
 def expand_placeholders(
     token_ids: Sequence[int] | np.ndarray, image_token_id: int, num_tokens: Sequence[int]
 ) -> tuple[np.ndarray, list[int]]:
-    """Expand image ``k``'s single placeholder into ``num_tokens[k]`` placeholders.
-
-    Returns the expanded ids (int64) and each image's first position in them.
-    ``token_ids`` must hold exactly ``len(num_tokens)`` placeholders, one per
-    image in prompt order (``ValueError`` otherwise)."""
+    """Expand image ``k``'s single placeholder into ``num_tokens[k]``: the ids and each image's first position."""
     ids = np.asarray(token_ids, dtype=np.int64).reshape(-1)
     where = np.flatnonzero(ids == image_token_id)
     if len(where) != len(num_tokens):
@@ -52,23 +44,18 @@ def expand_placeholders(
 
 
 def tokens_for_grid(grid_thw: Sequence[int], merge_size: int) -> int:
-    """Placeholder count of an image of patch grid ``(t, h, w)`` merged ``merge_size x merge_size``."""
     t, h, w = grid_thw
     return int(t * h * w) // (merge_size * merge_size)
 
 
 @dataclass(frozen=True)
 class PromptLayout:
-    """A prompt whose image placeholders are expanded: what every chunk of its prefill needs.
-
-    Invariants: ``placements`` are in prompt order, each covers
-    ``[offset, offset + num_tokens)`` of ``input_ids``, all of it
-    ``image_token_id``; no other position holds ``image_token_id``."""
+    """A prompt whose image placeholders are expanded (``placements`` in prompt order): what each chunk needs."""
 
     input_ids: np.ndarray
     placements: tuple[ImagePlacement, ...]
     image_token_id: int
-    #: the images' bytes, kept to re-upload one the service evicted before its rows were fetched
+    #: the images' bytes, to re-upload one the service evicted before its rows were fetched
     images: tuple[bytes, ...] = field(repr=False)
 
     @property
@@ -81,26 +68,19 @@ class PromptLayout:
 
     @property
     def image_grid_thw(self) -> list[tuple[int, int, int]]:
-        """Each image's ``(t, h, w)`` patch grid (``[]`` when the service's tower has none)."""
         return [h.grid_thw for h in self.handles if h.grid_thw is not None]
 
     @property
     def mm_token_type_ids(self) -> np.ndarray:
-        """``0`` for text, ``1`` for image positions (int32, as transformers' processors return)."""
         return (self.input_ids == self.image_token_id).astype(np.int32)
 
     def image_positions(self, start: int, end: int) -> np.ndarray:
-        """Image positions in ``[start, end)``, relative to ``start``, in prompt order (= fetched row order)."""
         return np.flatnonzero(self.input_ids[start:end] == self.image_token_id)
 
 
 class VisencPrefill:
-    """Integration of one visenc ``Client`` into a prefill worker (see the module docstring).
-
-    ``image_token_id``: the placeholder token id; ``merge_size``: when given,
-    each handle's ``num_tokens`` is checked against its ``grid_thw`` (the
-    service's tower must merge patches as the LLM expects); ``attempts``: tries
-    per encode / fetch before a retryable error propagates."""
+    """One visenc ``Client`` in a prefill worker. ``merge_size``: when given, each handle's ``num_tokens`` is
+    checked against its grid; ``attempts``: tries per encode or fetch before a retryable error propagates."""
 
     def __init__(
         self, client: Client, *, image_token_id: int, merge_size: int | None = None, attempts: int = 3
@@ -113,11 +93,7 @@ class VisencPrefill:
         self.attempts = attempts
 
     def prepare(self, token_ids: Sequence[int] | np.ndarray, images: Sequence[ImageInput]) -> PromptLayout:
-        """Encode ``images`` (hash-first, ``wait=False``) and lay the prompt out from their handles.
-
-        Returns without waiting for any embedding. Raises ``ImageEncodeError``
-        for an image the service rejected, ``ValueError`` when the prompt's
-        placeholders do not match ``images``."""
+        """Encode ``images`` (hash-first, not waiting) and lay the prompt out from their handles."""
         datas = tuple(read_image(im) for im in images)
         handles = self._encode(datas)
         expanded, offsets = expand_placeholders(token_ids, self.image_token_id, [h.num_tokens or 0 for h in handles])
@@ -125,13 +101,7 @@ class VisencPrefill:
         return PromptLayout(expanded, placements, self.image_token_id, datas)
 
     def fill_chunk(self, layout: PromptLayout, start: int, end: int, inputs_embeds: Any) -> None:
-        """Write the image rows of chunk ``[start, end)`` into ``inputs_embeds`` (``[end - start, hidden]``).
-
-        ``inputs_embeds``: a numpy array or torch tensor (any device/dtype)
-        already holding the chunk's text embeddings; only image positions
-        are written. A CPU buffer in the embeddings' dtype is filled in place
-        by the fetch (one copy from the network); any other is filled from a
-        staging buffer (fetch, then one scatter with dtype/device conversion)."""
+        """Write the image rows of chunk ``[start, end)`` into ``inputs_embeds`` (numpy or torch, any device)."""
         if not 0 <= start <= end <= layout.num_positions:
             raise ValueError(f"chunk [{start}, {end}) is outside the prompt's {layout.num_positions} positions")
         if len(inputs_embeds) != end - start:
@@ -145,8 +115,6 @@ class VisencPrefill:
             return
         rows = self._retrying(layout, lambda: self.client.fetch_chunk(layout.placements, start, end))
         _scatter(inputs_embeds, layout.image_positions(start, end), rows, layout.handles[0].dtype or "float32")
-
-    # --- internals
 
     def _encode(self, datas: Sequence[bytes]) -> list[Handle]:
         handles = self._retrying(None, lambda: self.client.encode(datas, wait=False))
@@ -182,8 +150,6 @@ class VisencPrefill:
         raise AssertionError("unreachable")
 
     def _reupload(self, layout: PromptLayout) -> None:
-        """Encode the layout's images again (hash-first: only the evicted ones are uploaded);
-        their layout must not have changed."""
         for before, after in zip(layout.handles, self._encode(layout.images)):
             if (before.num_tokens, before.hidden_size) != (after.num_tokens, after.hidden_size):
                 raise ProtocolError(f"{before.hash}: re-encoded with a different shape; the service's model changed")
@@ -196,13 +162,13 @@ class VisencPrefill:
         device = getattr(out, "device", None)
         return (
             getattr(device, "type", None) == "cpu"
-            and str(out.dtype) == TORCH_NAMES.get(wire or "")  # rows of that dtype go in without a conversion
+            and str(out.dtype) == TORCH_NAMES.get(wire or "")
             and bool(out.is_contiguous())
         )
 
 
 def _scatter(out: Any, positions: np.ndarray, rows: np.ndarray, wire_dtype: str) -> None:
-    """``out[positions] = rows``, converting dtype (bfloat16 rows arrive as 16-bit words) and device."""
+    """``out[positions] = rows``, converting dtype (bfloat16 rows come as 16-bit words) and device."""
     if isinstance(out, np.ndarray):
         out[positions] = bfloat16_as_float32(rows) if wire_dtype == "bfloat16" else rows
         return

@@ -1,17 +1,10 @@
-"""``VisencConnector``: vLLM's encoder-cache connector (``ec_consumer``), backed by a visenc service.
-
-Never worse than vLLM alone: everything that can fail (a look-up, the rows, their check against what vLLM
-reads) happens on the scheduler side before an image counts present; the worker side only copies tensors
-it was handed. Where rows come from, and what a replica or Redis that cannot be reached costs:
-``visenc_client._sources``. Its counters reach vLLM's log and ``/metrics`` (``visenc_client._vllm_stats``).
-Configuration and the failure contract: ``docs/integration-vllm.md``.
-"""
+"""``VisencConnector``: vLLM's encoder-cache connector (``ec_consumer``), backed by visenc
+(docs/integration-vllm.md). Everything that can fail happens on the scheduler side, before an image counts present."""
 
 from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from concurrent import futures
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -24,10 +17,12 @@ from vllm.distributed.ec_transfer.ec_connector.base import (
     ECConnectorRole,
 )
 
-from visenc_client._sources import Absent, Mismatch, RowSources, Served, Want
+from visenc_client._local_rows import LocalRows
+from visenc_client._vllm_config import ConnectorOptions, MiB, encoder_output_width
+from visenc_client._vllm_requests import encodable, item_grid, told_absent
 from visenc_client._vllm_stats import Reporter, VisencPromMetrics, VisencStats, counts
-from visenc_client._weights import ACCEPT_OPTION, EngineWeights, checkpoint_folder
-from visenc_client.format import ABSENT_KEY, is_valid_hash
+from visenc_client._wants import Absent, Mismatch, Want
+from visenc_client.format import is_valid_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -36,12 +31,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 #: how long an image found absent (missing, failed, unreachable) answers "not cached" without asking again
 ABSENT_TTL_S = 1.0
-#: absences remembered before the expired ones are dropped
 MAX_ABSENT = 10_000
-#: a step that schedules nothing while rows are in flight waits this long for one to land
 IDLE_WAIT_S = 0.005
 #: rows asked for in one look-up, at most (the service's bodies are capped, 256 MiB by default)
 MAX_FETCH_BYTES = 64 * MiB
@@ -49,104 +41,24 @@ MAX_FETCH_BYTES = 64 * MiB
 
 @dataclass
 class VisencConnectorMetadata(ECConnectorMetadata):  # type: ignore[misc]
-    """What one step's workers put into their encoder caches: ``(identifier, rows)`` pairs, the
-    rows already in this host's memory (CPU tensors, picklable for workers in other processes)."""
-
     items: list[tuple[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
 class ConnectorStats:
-    """Counters of one connector (``VisencConnector.stats``; in vLLM's ``/metrics`` as ``vllm:visenc_*``,
-    with ``unreachable``: look-ups that found a replica or Redis unreachable)."""
+    """Counters of one connector, in vLLM's ``/metrics`` as ``vllm:visenc_*`` (docs/integration-vllm.md)."""
 
-    fetches: int = 0  # background look-ups started (one per request's images not held, rows permitting)
-    hits: int = 0  # images answered present (vLLM runs no encoder for them)
-    misses: int = 0  # images answered absent (vLLM encodes them itself)
-    told_absent: int = 0  # images not looked up: the request said visenc lacks them (``visenc_absent``)
-    failures: int = 0  # fetches that failed (visenc, Redis or network): the image is encoded by vLLM
-    rejected: int = 0  # rows refused: another shape or grid than vLLM reads
-    deferred: int = 0  # scheduler steps a request waited for rows in flight
-    timed_out: int = 0  # requests that stopped waiting (defer_timeout_s) and went on without the rows
-    unavailable: int = 0  # requests failed: an image without pixels whose rows could not be had
-    loaded: int = 0  # images put into the encoder cache by a worker
+    fetches: int = 0
+    hits: int = 0
+    misses: int = 0
+    told_absent: int = 0
+    failures: int = 0
+    rejected: int = 0
+    deferred: int = 0
+    timed_out: int = 0
+    unavailable: int = 0
+    loaded: int = 0
     loaded_bytes: int = 0
-
-
-def encoder_output_width(model_config: Any) -> int:
-    """Width of one row of vLLM's encoder cache for this model: the LLM's input-embedding size,
-    times ``1 + levels`` for models that carry deepstack levels in each row (Qwen3-VL:
-    ``[main | ds_1 | ... | ds_k]``)."""
-    vision = getattr(model_config.hf_config, "vision_config", None)
-    levels = len(getattr(vision, "deepstack_visual_indexes", None) or ())
-    return int(model_config.get_inputs_embeds_size()) * (1 + levels)
-
-
-def _vllm_minor() -> str:
-    """``major.minor`` of the vLLM running this connector (``0.32``)."""
-    import vllm
-
-    return ".".join(vllm.__version__.split(".")[:2])
-
-
-def _item_grid(data: Any) -> tuple[int, ...] | None:
-    """The grid vLLM's processor gave an item (``image_grid_thw`` and the like), if it has one."""
-    if data is None:
-        return None
-    for key in ("image_grid_thw", "video_grid_thw"):
-        if key in data:
-            return tuple(int(x) for x in data[key].data.reshape(-1).tolist())
-    return None
-
-
-def told_absent(request: Any) -> frozenset[str]:
-    """The identifiers the request says visenc lacks (``ec_transfer_params["visenc_absent"]``);
-    anything malformed there says nothing."""
-    params = getattr(request, "ec_transfer_params", None)
-    listed = params.get(ABSENT_KEY) if isinstance(params, dict) else None
-    return frozenset(i for i in listed if isinstance(i, str)) if isinstance(listed, list) else frozenset()
-
-
-def _encodable(data: Any) -> bool:
-    """Whether vLLM holds what it needs to encode the item itself (pixels or embeddings), rather
-    than only its grid (an ``ec_consumer`` accepts grid-only images)."""
-    if data is None:
-        return True  # vLLM filled no data here: it came with the request, as pixels
-    return any(k.startswith("pixel_values") or k.endswith("_embeds") for k in data)
-
-
-class _LocalRows:
-    """Rows held in the scheduler's memory, least recently used first, within a byte budget.
-    Only the scheduler thread touches it. Pinned entries (counted present this step) are never
-    evicted: vLLM will read them."""
-
-    def __init__(self, budget_bytes: int) -> None:
-        self.budget_bytes = budget_bytes
-        self.bytes = 0
-        self._rows: OrderedDict[str, torch.Tensor] = OrderedDict()
-        self.pinned: set[str] = set()
-
-    def __contains__(self, identifier: str) -> bool:
-        return identifier in self._rows
-
-    def get(self, identifier: str) -> torch.Tensor | None:
-        rows = self._rows.get(identifier)
-        if rows is not None:
-            self._rows.move_to_end(identifier)
-        return rows
-
-    def put(self, identifier: str, rows: torch.Tensor) -> bool:
-        size = rows.numel() * rows.element_size()
-        for victim in [k for k in self._rows if k not in self.pinned]:
-            if self.bytes + size <= self.budget_bytes:
-                break
-            self.bytes -= self._rows[victim].numel() * self._rows[victim].element_size()
-            del self._rows[victim]
-        if self.bytes + size > self.budget_bytes:
-            return False
-        self._rows[identifier] = rows
-        self.bytes += size
-        return True
 
 
 class VisencConnector(ECConnectorBase):  # type: ignore[misc]
@@ -160,51 +72,29 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self._device = torch.device(vllm_config.device_config.device)
         self._model = str(model.model)
         load = getattr(vllm_config, "load_config", None)
-        #: where vLLM reads its checkpoint: the model (a folder or a hub id), its revision, a download dir
         self._checkpoint = (self._model, model.revision, getattr(load, "download_dir", None))
         if role == ECConnectorRole.SCHEDULER:
             self._start_scheduler_side(vllm_config.ec_transfer_config)
 
-    # --- scheduler side -------------------------------------------------------------------
-    def _start_scheduler_side(self, extra: Any) -> None:
-        option = extra.get_from_extra_config
-        urls = option("url", "http://127.0.0.1:8000")
-        self.urls: list[str] = [urls] if isinstance(urls, str) else list(urls)
-        self.defer_timeout_s = float(option("defer_timeout_s", 2.0))
-        self.wait_for_encoding = bool(option("wait_for_encoding", False))
-        transport = option("transport", "auto")
-        if transport not in ("auto", "http", "shm"):
-            raise ValueError(f"VisencConnector: transport must be 'auto', 'http' or 'shm', not {transport!r}")
-        weights = EngineWeights(self._model, checkpoint_folder(*self._checkpoint), bool(option(ACCEPT_OPTION, False)))
-        self._sources = RowSources(
-            self.urls,
-            served=Served(self._hidden, f"vllm-{_vllm_minor()}", option("expected_fingerprint", None), weights),
-            timeout_s=float(option("timeout_s", 10.0)),
-            connect_timeout_s=float(option("connect_timeout_s", 1.0)),
-            answer_timeout_s=float(option("answer_timeout_s", 2.0)),
-            transport=transport,
-            namespace=option("namespace", None),
-            api_key=option("api_key", None),
-            redis_url=option("redis_url", None),
-            redis_mode=option("redis_mode", "standalone"),
-            backoff_s=float(option("backoff_s", 1.0)),
-        )
-        self._local = _LocalRows(int(option("local_cache_bytes", 256 * MiB)))
+    def _start_scheduler_side(self, transfer_config: Any) -> None:
+        options = ConnectorOptions.read(transfer_config)
+        self.urls = options.urls
+        self.defer_timeout_s = options.defer_timeout_s
+        self.wait_for_encoding = options.wait_for_encoding
+        self._sources = options.sources(self._hidden, self._model, self._checkpoint)
+        self._local = LocalRows(options.local_cache_bytes)
         self._inflight: dict[str, Future[dict[str, torch.Tensor | Absent]]] = {}
-        self._absent: dict[str, float] = {}  # identifier -> when it was found absent
-        self._waiting_since: dict[str, float] = {}  # request id -> first step it was deferred
+        self._absent: dict[str, float] = {}
+        self._waiting_since: dict[str, float] = {}
         self._unavailable: set[str] = set()
         self._to_load: dict[str, torch.Tensor] = {}
         self._pool = ThreadPoolExecutor(max_workers=4, thread_name_prefix="visenc-fetch")
         self._sources.check_at_start()
 
     def _obtain(self, wants: dict[str, Want], wait: bool) -> dict[str, torch.Tensor | Absent]:
-        """Several images' rows in one look-up per source (runs on a fetch thread): ``RowSources.obtain``."""
         return self._sources.obtain(wants, wait)
 
     def _collect(self) -> None:
-        """Move finished fetches into local memory (scheduler thread only); forget absences past
-        their time once there are many (images never asked again)."""
         if len(self._absent) > MAX_ABSENT:
             now = time.monotonic()
             self._absent = {i: t for i, t in self._absent.items() if now - t < ABSENT_TTL_S}
@@ -222,7 +112,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
                 )
                 self._absent[identifier] = time.monotonic()
                 continue
-            except Exception:  # a bug of the fetch path: the image is still only "not cached"
+            except Exception:  # a bug of the fetch path: still only "not cached"
                 log.exception("VisencConnector: fetching image %s failed", identifier)
                 self.stats.failures += 1
                 self._absent[identifier] = time.monotonic()
@@ -241,14 +131,12 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         return False
 
     def ensure_cache_available(self, request: Request, num_computed_tokens: int) -> bool:
-        """Start fetching the rows of every image the request still needs (past
-        ``num_computed_tokens``) that is not held here, and defer the request while any is in
-        flight, at most ``defer_timeout_s``; then vLLM encodes what did not arrive."""
+        """Fetch the rows the request still needs; defer it while any is in flight, at most ``defer_timeout_s``."""
         self._collect()
         now = time.monotonic()
         in_flight = False
-        lacking: list[str] = []  # needed, not held, and not encodable by vLLM
-        batches: dict[bool, dict[str, Want]] = {}  # this request's new fetches, by whether they wait
+        lacking: list[str] = []
+        batches: dict[bool, dict[str, Want]] = {}
         absent, told = told_absent(request), 0
         for feature in request.mm_features:
             identifier = feature.identifier
@@ -258,14 +146,14 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
                 continue
             if identifier in self._inflight:
                 in_flight = True
-            elif identifier in absent and _encodable(feature.data):
-                told += 1  # vLLM encodes it now rather than after a look-up's answer
+            elif identifier in absent and encodable(feature.data):
+                told += 1
             elif is_valid_hash(identifier) and not self._is_absent(identifier, now):
-                want = Want(int(feature.mm_position.get_num_embeds()), _item_grid(feature.data))
-                wait = self.wait_for_encoding or not _encodable(feature.data)
+                want = Want(int(feature.mm_position.get_num_embeds()), item_grid(feature.data))
+                wait = self.wait_for_encoding or not encodable(feature.data)
                 batches.setdefault(wait, {})[identifier] = want
                 in_flight = True
-            if not _encodable(feature.data):
+            if not encodable(feature.data):
                 lacking.append(identifier)
         for wait, wants in batches.items():
             self._fetch(wants, wait)
@@ -275,7 +163,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             return False
         if in_flight:
             self.stats.timed_out += 1
-        if lacking:  # vLLM cannot encode these itself: this request alone fails
+        if lacking:
             log.warning(
                 "VisencConnector: request %s fails: images %s came without pixels and visenc could not give their rows",
                 rid,
@@ -289,7 +177,6 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         return True
 
     def _fetch(self, wants: dict[str, Want], wait: bool) -> None:
-        """Start look-ups of ``wants``, as few as the rows' size allows (``MAX_FETCH_BYTES`` each)."""
         batch: dict[str, Want] = {}
         size = 0
         for identifier, want in [*wants.items(), ("", None)]:
@@ -306,7 +193,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
     def has_cache_item(self, identifier: str) -> bool:
         present = identifier in self._local
         if present:
-            self._local.pinned.add(identifier)  # vLLM will read it: not evicted before the step is built
+            self._local.pinned.add(identifier)
             self.stats.hits += 1
         else:
             self.stats.misses += 1
@@ -320,8 +207,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> VisencConnectorMetadata:
         if self._inflight and not getattr(scheduler_output, "total_num_scheduled_tokens", 1):
-            # nothing runs this step, only rows are awaited: vLLM would step again at once, a core
-            # spinning beside the visenc that encodes them (on a small host, the same cores)
+            # nothing runs this step: vLLM would spin a core beside the visenc that encodes the rows
             futures.wait(list(self._inflight.values()), timeout=IDLE_WAIT_S, return_when=futures.FIRST_COMPLETED)
         meta = VisencConnectorMetadata(items=list(self._to_load.items()))
         self._to_load.clear()
@@ -337,9 +223,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
         self._waiting_since.pop(request.request_id, None)
         return False, None
 
-    # --- vLLM's stats (its log and its /metrics: vllm:visenc_*) ---------------------------------
     def get_ec_connector_stats(self) -> VisencStats | None:
-        """What this side counted since it last said (vLLM asks each step)."""
         if self.role == ECConnectorRole.SCHEDULER:
             return self._reporter.report(counts(self.stats, self._sources.backoff.unreachable))
         return self._reporter.report({"loaded": self.stats.loaded, "loaded_bytes": self.stats.loaded_bytes})
@@ -350,12 +234,9 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
 
     @classmethod
     def build_prom_metrics(cls, *args: Any) -> VisencPromMetrics:
-        """``vllm:visenc_*`` counters (vLLM passes its config, metric types, label names and values)."""
         return VisencPromMetrics(*args)
 
-    # --- worker side -----------------------------------------------------------------------
     def start_load_caches(self, encoder_cache: dict[str, torch.Tensor], **kwargs: Any) -> None:
-        """Copy the rows the scheduler handed over into the encoder cache: local memory only."""
         meta = self._get_connector_metadata()
         if not isinstance(meta, VisencConnectorMetadata):
             return
@@ -367,7 +248,7 @@ class VisencConnector(ECConnectorBase):  # type: ignore[misc]
             self.stats.loaded_bytes += rows.numel() * rows.element_size()
 
     def save_caches(self, encoder_cache: dict[str, torch.Tensor], mm_hash: str, **kwargs: Any) -> None:
-        return  # a consumer only loads
+        return
 
     def shutdown(self) -> None:
         if self.role != ECConnectorRole.SCHEDULER:

@@ -1,9 +1,4 @@
-"""What the service and its clients agree on, defined once: the stored value of an embedding
-(``entry``), the wire's dtypes (``dtypes``), index keys, hashes and namespaces (``keys``), video
-manifests (``manifest``), the handle and its statuses and reasons (``handle``), media types and the
-rows frame (``frame``). Pure Python + numpy + msgpack (no torch, no I/O): the service, every client,
-the engine connectors and the load tests import these same definitions, by these names.
-"""
+"""What the service and its clients agree on, defined once (pure Python + numpy + msgpack, no I/O)."""
 
 from visenc_client.format.dtypes import (
     NUMPY_DTYPES,

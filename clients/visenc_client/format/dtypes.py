@@ -1,6 +1,4 @@
-"""The wire's dtypes, defined once: one table per purpose, each named for what it maps (the numpy type that
-carries a dtype's raw values, bfloat16 as 16-bit words since numpy has none; the name torch gives it),
-and the conversions to and from torch without a copy."""
+"""The wire's dtypes, defined once, and their conversions to and from torch without a copy."""
 
 from __future__ import annotations
 
@@ -8,13 +6,13 @@ from typing import Any
 
 import numpy as np
 
-#: wire dtype -> the numpy dtype that carries its raw values (its itemsize is the wire's): the wire's dtypes
+#: wire dtype -> the numpy dtype that carries its raw values
 NUMPY_DTYPES: dict[str, np.dtype] = {
     "float32": np.dtype("<f4"),
     "float16": np.dtype("<f2"),
     "bfloat16": np.dtype("<u2"),  # numpy has no bfloat16: carried as raw 16-bit words
 }
-#: wire dtype -> the name torch gives it (``str(tensor.dtype)``; ``torch.<name>`` is the dtype itself)
+#: wire dtype -> the name torch gives it (``str(tensor.dtype)``)
 TORCH_NAMES: dict[str, str] = {name: f"torch.{name}" for name in NUMPY_DTYPES}
 
 
@@ -24,8 +22,7 @@ def bfloat16_as_float32(words: np.ndarray) -> np.ndarray:
 
 
 def tensor_words(t: Any) -> np.ndarray:
-    """A CPU torch tensor's values as numpy without a copy, as the wire carries them (bfloat16 as its
-    16-bit words)."""
+    """A CPU torch tensor's values as numpy without a copy, as the wire carries them."""
     import torch
 
     t = t.detach()
@@ -33,7 +30,6 @@ def tensor_words(t: Any) -> np.ndarray:
 
 
 def words_tensor(rows: np.ndarray, dtype: str) -> Any:
-    """Raw wire values (numpy, bfloat16 as 16-bit words) as a torch tensor of ``dtype``, sharing memory."""
     import torch
 
     if dtype == "bfloat16":

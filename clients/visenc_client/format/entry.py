@@ -9,9 +9,7 @@
     12+n    ...   zero padding up to DATA_OFFSET
     256     rows * hidden * itemsize   the rows, C-contiguous, little-endian
 
-Rows start at ``DATA_OFFSET``, so token rows ``[start, end)`` are one byte range: one Redis ``GETRANGE``
-or one ``memoryview`` slice. A value whose length, magic, version or header does not match is corrupt:
-a miss, never served.
+A value that does not match its header is corrupt: a miss, never served.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ VERSION = 1
 DATA_OFFSET = 256
 _PREFIX = struct.Struct("<4sB3xI")
 
-#: what a stored value holds: token rows, or a video's manifest
 KINDS = ("rows", "video")
 
 
@@ -49,7 +46,6 @@ class Entry:
     grid_thw: tuple[int, int, int]
     fingerprint: str
     hash: str
-    #: ``rows``: an image's (or a tube's) rows; ``video``: a video's manifest (``pack_manifest``)
     kind: str = "rows"
 
     @property
@@ -58,11 +54,9 @@ class Entry:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the stored value (header + rows): what a cache budget counts."""
         return len(self.blob)
 
     def rows_view(self, start: int = 0, end: int | None = None) -> memoryview:
-        """Token rows ``[start, end)`` as a view into the stored value (no copy)."""
         end = self.rows if end is None else end
         rb = self.row_bytes
         return memoryview(self.blob)[DATA_OFFSET + start * rb : DATA_OFFSET + end * rb]
@@ -81,11 +75,7 @@ def pack_entry(
     hash: str,
     kind: str = "rows",
 ) -> Entry:
-    """Build a stored value from a ``[rows, hidden]`` array, or from such arrays one after another
-    (a video's tubes), copying the rows once.
-
-    ``rows`` holds the tensor's raw values (for bfloat16, its 16-bit words); ``kind`` is written
-    into the header unless it is ``rows`` (so rows' values are as they always were)."""
+    """A stored value from ``[rows, hidden]`` arrays (raw values: bfloat16 as 16-bit words), copied once."""
     if kind not in KINDS:
         raise ValueError(f"unknown entry kind {kind!r}")
     if dtype not in NUMPY_DTYPES:
@@ -116,7 +106,6 @@ def pack_entry(
 
 
 def parse_header(prefix: bytes | bytearray | memoryview) -> dict:
-    """Parse the header from the first ``DATA_OFFSET`` bytes of a stored value."""
     if len(prefix) < _PREFIX.size:
         raise CorruptEntry("value shorter than its prefix")
     magic, version, header_len = _PREFIX.unpack_from(prefix, 0)
@@ -142,7 +131,7 @@ def parse_header(prefix: bytes | bytearray | memoryview) -> dict:
 
 
 def unpack_entry(blob: bytes | bytearray, *, fingerprint: str | None = None, hash: str | None = None) -> Entry:
-    """Check a stored value against its header (and the expected key) and wrap it without copying."""
+    """Check a stored value against its header and the expected key; wrap it without copying."""
     header = parse_header(memoryview(blob)[:DATA_OFFSET])
     rows, hidden = header["shape"]
     dtype = header["dtype"]

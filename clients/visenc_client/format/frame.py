@@ -14,16 +14,13 @@ from typing import Any
 
 import msgpack
 
-# --- media types ----------------------------------------------------------------------------
 JSON = "application/json"
 MSGPACK = "application/msgpack"
 #: every name msgpack goes by that the service accepts (``MSGPACK`` is the one it answers with)
 MSGPACK_TYPES = (MSGPACK, "application/x-msgpack", "application/vnd.msgpack")
-#: the rows frame (module docstring)
 ROWS_MEDIA_TYPE = "application/x-visenc-rows"
 
 _FRAME_PREFIX = struct.Struct("<I")
-#: bytes of the frame's length prefix
 FRAME_PREFIX_BYTES = _FRAME_PREFIX.size
 
 
@@ -32,20 +29,17 @@ class CorruptFrame(ValueError):
 
 
 def frame_head(items: list[dict[str, Any]]) -> bytes:
-    """The frame's length prefix and header; the items' rows follow, back to back."""
     header = msgpack.packb({"items": items})
     return _FRAME_PREFIX.pack(len(header)) + header
 
 
 def frame_header_length(prefix: bytes | memoryview) -> int:
-    """The header length a frame's first ``FRAME_PREFIX_BYTES`` announce."""
     if len(prefix) < FRAME_PREFIX_BYTES:
         raise CorruptFrame("body shorter than the frame's length prefix")
     return int(_FRAME_PREFIX.unpack_from(prefix, 0)[0])
 
 
 def frame_items(header: bytes | memoryview) -> list[dict[str, Any]]:
-    """The item list of a frame's header."""
     try:
         items = msgpack.unpackb(header)["items"]
     except Exception as e:
@@ -56,7 +50,7 @@ def frame_items(header: bytes | memoryview) -> list[dict[str, Any]]:
 
 
 def split_frame(body: bytes | memoryview) -> list[tuple[dict[str, Any], memoryview | None]]:
-    """A whole rows frame as (item header, view of its rows | ``None`` for a failed item) pairs, in order."""
+    """A rows frame as (item header, view of its rows or ``None``) pairs, in order."""
     view = memoryview(body)
     hlen = frame_header_length(view)
     base = FRAME_PREFIX_BYTES + hlen

@@ -7,44 +7,30 @@ from typing import Any, Literal, get_args
 
 import numpy as np
 
-#: ``ready``: fetch now; ``pending``: being encoded (a fetch waits); ``missing``: not in the
-#: index and no bytes were sent; ``error``: this item failed (see ``reason``)
 Status = Literal["ready", "pending", "missing", "error"]
 STATUSES: tuple[str, ...] = get_args(Status)
 
-#: the stable reason code of an item whose ``status`` is ``error`` (the table is in docs/api.md)
+#: the stable reason code of an item whose ``status`` is ``error`` (docs/api.md)
 Reason = Literal[
-    "invalid_hash",  # 'hash' is not 64 lowercase hex digits
-    "hash_mismatch",  # the uploaded bytes hash to another value than the given 'hash'
-    "invalid_image",  # the bytes are not a decodable image (empty, unknown format, corrupt, truncated)
-    "invalid_video",  # a video the tower does not take (no video processor, frames of two sizes, no frames)
-    "image_too_large",  # over max_image_bytes, or over max_image_pixels (decided from the header)
-    "encode_failed",  # the image decoded but the model could not encode it
-    "out_of_memory",  # the image alone does not fit in the device's memory (batches are split and retried first)
+    "invalid_hash",
+    "hash_mismatch",
+    "invalid_image",
+    "invalid_video",
+    "image_too_large",
+    "encode_failed",
+    "out_of_memory",
 ]
 REASONS: tuple[str, ...] = get_args(Reason)
 
-#: the encode request header that says how its answers are kept for the caller (ready images, and
-#: pending ones it waits for or uploaded): ``id``, under a lease id each such handle carries and the
-#: caller's reads name; ``none``, not at all (a caller that will not read the rows from this service);
-#: absent, under pins the first read of an image's last row that names no lease releases (callers from
-#: before leases)
+#: the encode request header saying how answers are pinned for the caller: ``id`` (a lease per handle),
+#: ``none``; absent: the first read of an image's last row that names no lease unpins (docs/api.md)
 LEASE_HEADER = "X-Visenc-Lease"
 
 
 @dataclass(frozen=True, slots=True)
 class Handle:
-    """One image's embedding handle: what a caller learns about one image, enough to lay out its prompt.
-
-    ``status`` is ``ready`` (fetch now), ``pending`` (being encoded; a fetch
-    waits), ``missing`` (not in the index and no bytes were sent) or ``error``
-    (``reason`` says why: ``Reason``). ``num_tokens`` / ``grid_thw`` are known
-    even while pending, so a prompt can be laid out before the embeddings exist.
-    ``rows`` (client side) holds the embedding itself (a read-only ``[num_tokens,
-    hidden]`` array) when the encode asked for ``include_rows`` and the image was
-    ready; it travels beside the wire fields, not among them. ``lease``: the id of the pin that keeps a
-    ready (or pending) image in the service's memory until this caller reads it; a read that names it
-    releases the pin (``docs/api.md``)."""
+    """One image's embedding handle: its status, and enough to lay out its prompt even while pending.
+    ``rows``: the embedding, where the encode asked ``include_rows``; ``lease``: the pin a read names to unpin."""
 
     hash: str
     status: Status
@@ -55,13 +41,11 @@ class Handle:
     error: str | None = None
     reason: Reason | None = None
     rows: np.ndarray | None = field(default=None, compare=False, repr=False)
-    #: a video's tubes' hashes, in order (``grid_thw[0]`` of them, ``num_tokens / grid_thw[0]`` rows
-    #: each); ``None`` for an image
+    #: a video's tubes' hashes, in order (``num_tokens / grid_thw[0]`` rows each); ``None`` for an image
     tubes: tuple[str, ...] | None = None
     lease: str | None = None
 
     def to_wire(self) -> dict[str, Any]:
-        """The handle's wire fields (``error`` and ``reason`` only on an error; ``tubes`` null for an image)."""
         out: dict[str, Any] = {
             "hash": self.hash,
             "status": self.status,
@@ -79,7 +63,6 @@ class Handle:
 
     @classmethod
     def from_wire(cls, d: dict[str, Any], rows: np.ndarray | None = None) -> Handle:
-        """A handle from its wire fields (``KeyError`` / ``ValueError`` / ``TypeError`` if malformed)."""
         if d["status"] not in STATUSES:
             raise ValueError(f"unknown handle status {d['status']!r}")
         grid = d.get("grid_thw")
@@ -98,7 +81,6 @@ class Handle:
         )
 
 
-#: the wire fields of a handle (``Handle.to_wire``), in order; the rows travel beside them
 HANDLE_FIELDS: tuple[str, ...] = (
     "hash",
     "status",

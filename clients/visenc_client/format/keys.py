@@ -1,8 +1,5 @@
 """Index keys ``visenc:{namespace}:{fingerprint}:{image_hash}``, image and video hashes, namespaces.
-
-The fingerprint covers the model, its weights, dtype and preprocessing, so two models or two resolutions
-never share an entry; the namespace isolates tenants. No part contains ``:``: a key splits back.
-"""
+No part contains ``:``, so a key splits back."""
 
 from __future__ import annotations
 
@@ -15,9 +12,7 @@ NAMESPACE_PATTERN = r"^[A-Za-z0-9_.-]{1,64}$"
 NAMESPACE_RULE = "1-64 characters of [A-Za-z0-9_.-]"
 _NAMESPACE_RE = re.compile(NAMESPACE_PATTERN)
 #: the key of a vLLM request's ``ec_transfer_params`` that lists the images visenc lacks
-#: (``visenc proxy`` writes it, ``VisencConnector`` reads it)
 ABSENT_KEY = "visenc_absent"
-#: an image hash: SHA-256 of the raw image bytes, 64 lowercase hex digits
 HASH_PATTERN = r"^[0-9a-f]{64}$"
 _HASH_RE = re.compile(HASH_PATTERN)
 
@@ -28,8 +23,7 @@ def image_hash(data: bytes | bytearray | memoryview) -> str:
 
 
 def video_hash(frame_hashes: Sequence[str]) -> str:
-    """A video's key, from its frames' ``image_hash`` values in order (so a client computes it from
-    the frames it sends): SHA-256 of a tag and the frames' raw digests."""
+    """A video's key, from its frames' ``image_hash`` values in order."""
     h = hashlib.sha256(b"visenc-video\0")
     for frame in frame_hashes:
         h.update(bytes.fromhex(frame))
@@ -45,12 +39,10 @@ def is_valid_namespace(value: str) -> bool:
 
 
 def entry_key(namespace: str, fingerprint: str, image_hash: str) -> str:
-    """The index key of one image's embedding."""
     return f"visenc:{namespace}:{fingerprint}:{image_hash}"
 
 
 def split_key(key: str) -> tuple[str, str, str]:
-    """``(namespace, fingerprint, image_hash)`` of an entry key."""
     prefix, namespace, fingerprint, image_hash = key.split(":")
     if prefix != "visenc":
         raise ValueError(f"not an entry key: {key!r}")

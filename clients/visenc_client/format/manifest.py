@@ -12,10 +12,7 @@ _DIGEST_BYTES = 32
 
 
 def pack_manifest(tubes: Sequence[str], *, grid_thw: tuple[int, int, int], fingerprint: str, video: str) -> Entry:
-    """A video's manifest, stored under the video's hash like an image's rows: a value of kind
-    ``video`` whose rows are its tubes' raw 32-byte digests, in order (``grid_thw``: the video's
-    ``(tubes, grid_h, grid_w)``), checked like any value when read. One key answers a look-up by
-    hash, image or video."""
+    """A value of kind ``video`` whose rows are its tubes' raw 32-byte digests, in order."""
     digests = np.frombuffer(b"".join(bytes.fromhex(t) for t in tubes), dtype="<f4").reshape(len(tubes), -1)
     return pack_entry(digests, dtype="float32", grid_thw=grid_thw, fingerprint=fingerprint, hash=video, kind="video")
 

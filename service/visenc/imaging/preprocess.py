@@ -1,9 +1,4 @@
-"""Fast numpy preprocessing shared by the towers, bit-identical to transformers' PIL processors.
-
-The same resize call; rescale and normalise through a per-channel lookup table built with transformers'
-own arithmetic (a fused multiply-add would differ by 1e-7); layout moves on uint8 (``docs/internals.md``).
-HWC uint8 in, float32 out.
-"""
+"""Fast numpy preprocessing shared by the towers, bit-identical to transformers' PIL processors."""
 
 from __future__ import annotations
 

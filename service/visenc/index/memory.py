@@ -213,7 +213,7 @@ class MemoryCache:
             self._until.move_to_end((key, lease))
 
     def unpin(self, key: str, lease: str | None = None) -> None:
-        """Drop one pin of ``key``: ``lease``'s, or the oldest that names no lease. Moves nothing."""
+        """Unpin ``key`` once: ``lease``'s pin, or the oldest that names no lease. Moves nothing."""
         pins = self._pins.get(key, {})
         if lease is None:
             lease = next((i for i, p in pins.items() if not p.named), None)
@@ -275,7 +275,7 @@ class MemoryCache:
         self._metrics.cache_pinned_bytes.set(self.pinned_bytes)
 
     def health(self) -> dict[str, object]:
-        """What it holds now: lapsed leases are dropped first (and the budget kept), so a replica that
+        """What it holds now: lapsed leases are unpinned first (and the budget kept), so a replica that
         stores nothing meanwhile still reports its pins as they are."""
         self._evict()
         return {

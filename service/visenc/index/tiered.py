@@ -53,7 +53,7 @@ class Index:
         self.local.read(key, lease, last=last)
 
     def unpin(self, key: str, lease: str | None = None) -> None:
-        """Drop a pin of ``key`` whose caller will not read it (``lease``, or one naming none)."""
+        """Unpin ``key`` for a caller that will not read it (``lease``, or one naming none)."""
         self.local.unpin(key, lease)
 
     def discard(self, key: str) -> None:

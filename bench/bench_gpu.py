@@ -77,7 +77,7 @@ def build_towers(vision: dict[str, Any], device: Any, dtype: Any) -> dict[str, A
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 
-    from visenc.models.building import build_seeded, set_attention
+    from visenc.models.construct import build_seeded, set_attention
     from visenc.models.qwen2vl import QwenPreprocess, QwenVisionTower
 
     def tower() -> Any:

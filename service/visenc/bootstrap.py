@@ -1,10 +1,4 @@
-"""``create_app(settings)``: the one place where every part is built and wired.
-
-Nothing happens at import time: the tower is loaded (off the event loop), the
-index and the engine are built and started in the app's lifespan, and stopped
-in reverse order at shutdown. The HTTP layer (``visenc.api``) only ever sees
-the engine through ``EngineAPI``.
-"""
+"""``create_app(settings)``: the one place where every part is built and wired."""
 
 from __future__ import annotations
 

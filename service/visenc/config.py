@@ -1,9 +1,4 @@
-"""Settings: one typed place for every option.
-
-Every field is a ``visenc serve --flag-name`` option and a ``VISENC_FLAG_NAME``
-environment variable (the flag wins). Invalid values fail at start-up.
-Secrets (the Redis URL's password, API keys) are ``SecretStr`` and never logged.
-"""
+"""Settings: one typed place for every option."""
 
 from __future__ import annotations
 
@@ -130,7 +125,7 @@ class Settings(BaseSettings):
         30.0,
         gt=0,
         description="How long an image answered ready stays in L1 for its caller to read, whatever the budget "
-        "(released earlier once read to its last row).",
+        "(unpinned earlier once read to its last row).",
     )
     redis_url: SecretStr | None = Field(
         None, description="redis:// or rediss:// URL of the shared index (L2); unset = in-process only."

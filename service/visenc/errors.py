@@ -1,35 +1,4 @@
-"""One error hierarchy for the whole service, mapped to HTTP status in one place.
-
-    VisencError                 500  base; ``kind`` labels the failure counter
-    ├── BadRequest              400  malformed header, bad range
-    │   ├── InvalidHash         400  'hash' is not 64 lowercase hex digits        (item: invalid_hash)
-    │   ├── InvalidImage        400  corrupt or unsupported image bytes           (item: invalid_image)
-    │   ├── HashMismatch        400  uploaded bytes do not hash to the given hash (item: hash_mismatch)
-    │   └── InvalidBody         422  the body does not match its schema
-    │       └── InvalidParams   422  query or path parameters refused
-    ├── Unauthorized            401  missing or unknown API key
-    ├── NotFound                404  no such embedding (never encoded, or evicted)
-    │   └── TransportDisabled   404  an optional transport (shared memory) is switched off
-    ├── PayloadTooLarge         413  body or item count over a limit
-    │   └── ImageTooLarge       413  one image's bytes or pixels over a limit     (item: image_too_large)
-    ├── UnsupportedMediaType    415  content type we do not speak
-    ├── Overloaded              429  admission queue full (``retry_after_s``)
-    ├── Cancelled               499  every request waiting for an image went away; it was dropped
-    ├── ClientClosed            499  the client went away before the answer (nothing is sent)
-    ├── EncodeFailed            500  the model could not encode this image        (item: encode_failed)
-    │   └── OutOfMemory         500  the image alone does not fit in device memory (item: out_of_memory)
-    ├── NotReady                503  model loading, device worker failed/stalled/restarting, shutting down
-    └── DeadlineExceeded        504  the result was not ready within the deadline
-
-An error with an ``item_reason`` is about one image: inside an encode request
-it becomes that item's ``{"status": "error", "reason", "error"}`` and the other
-items proceed; only a malformed or oversized *body* fails a whole request.
-Messages are written for the caller: they say which limit was hit and its value.
-A 500 never echoes internals (the handler logs them and answers a generic text).
-
-``ModelUnavailable`` stands apart: it is raised at start-up, before any request, when the model
-named by ``--model`` cannot be served; ``visenc serve`` prints its one line and exits non-zero.
-"""
+"""One error hierarchy for the whole service, mapped to HTTP status in one place."""
 
 from __future__ import annotations
 

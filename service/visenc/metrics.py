@@ -1,11 +1,4 @@
-"""Prometheus metrics, named once.
-
-Each app gets its own ``CollectorRegistry`` (several apps can live in one test
-process). Names are ``visenc_*``; durations are ``*_seconds`` with geometric
-buckets; batch sizes use powers of two. Every labelled family is created with
-its label values already present (value 0), so ``/metrics`` shows a sample for
-each family from the start and a fresh dashboard never reads "no data".
-"""
+"""Prometheus metrics, named once."""
 
 from __future__ import annotations
 
@@ -42,7 +35,7 @@ TRANSPORTS = ("http", "shm", "inline")
 COMPILE_CAUSES = ("setting", "toolchain", "backend", "warm_up_timeout", "warm_up_error")
 COMPILE_STATES = (("warming", "none"), ("compiled", "none"), *(("eager", c) for c in COMPILE_CAUSES))
 LOOKUP_RESULTS = ("hit", "miss", "corrupt", "error")
-REDIS_OPS = ("get", "set", "queue", "claim", "look", "renew", "release")
+REDIS_OPS = ("get", "set", "queue", "claim", "look", "renew", "unclaim")
 CLAIM_OUTCOMES = ("owned", "held", "ready", "takeover", "timeout", "unavailable", "fetch_wait")
 #: the background tasks whose failures are counted (``visenc.tasks.spawn``)
 BACKGROUND_TASKS = (

@@ -1,16 +1,4 @@
-"""One memory budget per process: how large it is, and how it is split.
-
-Everything visenc keeps in host memory for the rows it serves lives inside one budget
-(``process_memory_bytes``): the in-process index (L1), the pinned entries it may hold beyond L1
-(``overflow``: past it the oldest pins are cut), the shared-memory segments (tmpfs pages, charged to
-the container like any other), and the tower inputs staged for the device. The model, the runtime and
-the forward's working memory (``memory_budget_bytes``: the device's) are not in it.
-
-The default is ``PROCESS_SHARE`` of the memory the process may use: the container's limit where it
-has one (compose and k8s give every replica one), else the host's memory divided by its GPU count, as
-NVML counts them (every GPU of the host, whatever ``CUDA_VISIBLE_DEVICES`` says: a GPU host runs one
-visenc per GPU, each seeing one). No NVML or no GPU: one. The rule and its figures: ``docs/operations.md``.
-"""
+"""One memory budget per process: how large it is, and how it is split."""
 
 from __future__ import annotations
 
@@ -21,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from visenc.config import Settings
-from visenc.engine.limits import CGROUP_ROOT, PROC_CGROUP, cgroup_memory_limit, host_memory_bytes
+from visenc.engine.host import CGROUP_ROOT, PROC_CGROUP, cgroup_memory_limit, host_memory_bytes
 from visenc.errors import VisencError
 from visenc_client.format import DATA_OFFSET
 

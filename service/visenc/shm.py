@@ -1,12 +1,4 @@
-"""Same-host shared memory: index entries exported as tmpfs files, leased to clients.
-
-The service owns every segment (written once, mode 0600, unlinked after its lease or at shutdown; a dead
-service's are swept by the next one); a client only maps one read-only, and a mapping outlives the file.
-A segment is keyed by index key and entry, so it always holds what the HTTP fetch of that entry serves; a
-video's rows are one joined entry while they are read (``visenc.engine.videos.Joins``): its reads share a
-segment.
-The lifetime rules: ``docs/internals.md``.
-"""
+"""Same-host shared memory: index entries exported as tmpfs files, leased to clients."""
 
 from __future__ import annotations
 

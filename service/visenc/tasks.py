@@ -1,11 +1,4 @@
-"""Background tasks whose failures are never lost.
-
-Every asyncio task the service starts and does not await right away goes through ``spawn``: if it
-ends with an exception, the exception is logged with its traceback and counted in
-``visenc_background_failures{task}`` (alert rule ``VisencBackgroundTaskFailed``). A cancelled
-task is not a failure. ``stop_task`` ends a task and re-raises what it raised before the
-cancellation reached it, instead of dropping it.
-"""
+"""Background tasks whose failures are never lost."""
 
 from __future__ import annotations
 

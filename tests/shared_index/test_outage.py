@@ -112,6 +112,6 @@ async def test_service_survives_a_redis_restart_under_traffic(tiny_tower):
             errors = sum(
                 metric(t, "visenc_redis_errors_total", op=op)
                 for t in texts
-                for op in ("get", "set", "claim", "renew", "release")
+                for op in ("get", "set", "claim", "renew", "unclaim")
             )
             assert errors > 0  # the outage was seen, and counted

@@ -163,9 +163,9 @@ async def test_claim_script_semantics(raw, redis_url):
     for mode in ("claim", "queue", "look"):  # the entry, read in the same script
         (got,) = await idx.states([k1], mode, "you", 5000)
         assert bytes(got.blob) == bytes(e.blob)
-    await idx.release_claims([k1, k2], "you")  # not theirs: kept
+    await idx.unclaim([k1, k2], "you")  # not theirs: kept
     assert await raw.exists(claim_key(k2)) == 1
-    await idx.release_claims([k2], "me")
+    await idx.unclaim([k2], "me")
     assert await raw.exists(claim_key(k2)) == 0
     assert await idx.states([k2], "look", "you", 5000) == [S.QUEUED]  # the mark outlives the claim
     assert await idx.states([k2], "claim", "you", 5000) == [S.OURS]

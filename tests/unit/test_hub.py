@@ -17,9 +17,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from visenc.errors import ModelUnavailable
-from visenc.models import fetch
-from visenc.models.fetch import RemoteFile, Span, parts, plan, size_text
+from visenc.models import hub_fetch
 from visenc.models.hub import parse_spec
+from visenc.models.hub_fetch import RemoteFile, Span, parts, plan, size_text
 
 
 @pytest.mark.parametrize(
@@ -85,11 +85,11 @@ def test_adjacent_tensors_are_one_range_and_gaps_split_them(tmp_path: Path) -> N
 
 
 def test_a_vision_file_holds_the_tensors_as_their_shards_do(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(fetch, "PART_BYTES", 16)  # several parts a range, written out of order
+    monkeypatch.setattr(hub_fetch, "PART_BYTES", 16)  # several parts a range, written out of order
     big = torch.arange(40, dtype=torch.bfloat16).reshape(5, 8)
     one = shard(tmp_path / "1.safetensors", **{"lm": torch.ones(9), "vis.w": big, "vis.b": torch.arange(3.0)})
     dest = tmp_path / "out" / "vision.safetensors"
-    done = fetch.fetch_tensors(dest, {one: ["vis.b", "vis.w"]}, {"repo": "org/name"}, "test")
+    done = hub_fetch.fetch_tensors(dest, {one: ["vis.b", "vis.w"]}, {"repo": "org/name"}, "test")
     assert done.tensor_bytes == 80 + 12 and done.shards == 1
     with safe_open(str(dest), framework="pt") as f:
         assert sorted(f.keys()) == ["vis.b", "vis.w"]
@@ -159,7 +159,7 @@ def test_a_transfer_cut_short_resumes_where_it_stopped(
 
     from visenc.models.loading import load_tower
 
-    monkeypatch.setattr(fetch, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(hub_fetch, "RETRY_PAUSE_S", 0.0)
     folder = hub_layout("qwen2_5_vl", tmp_path / "q")
     with LoopbackHub() as hub:
         hub.publish("acme/q", folder)
@@ -222,7 +222,7 @@ def test_a_hub_that_stops_answering_ends_the_fetch(
     from visenc.models.loading import load_tower
 
     monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)
-    monkeypatch.setattr(fetch, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(hub_fetch, "RETRY_PAUSE_S", 0.0)
     folder = hub_layout("qwen2_5_vl", tmp_path / "q")
     with LoopbackHub() as hub:
         hub.publish("acme/q", folder)
@@ -231,8 +231,8 @@ def test_a_hub_that_stops_answering_ends_the_fetch(
         with pytest.raises(ModelUnavailable, match="is unreachable"):
             load_tower("acme/q", hub_wait_s=0)
         unanswered = [r for r in hub.served(SHARDS[0]) if r.status == 0]
-    assert fetch.STALLED_TRIES * constants.DEFAULT_DOWNLOAD_TIMEOUT < 60
-    assert len(unanswered) == fetch.STALLED_TRIES < fetch.PART_TRIES
+    assert hub_fetch.STALLED_TRIES * constants.DEFAULT_DOWNLOAD_TIMEOUT < 60
+    assert len(unanswered) == hub_fetch.STALLED_TRIES < hub_fetch.PART_TRIES
 
 
 @pytest.mark.parametrize("layout", ["sharded", "single file"])

@@ -16,8 +16,8 @@ from tests.support.hub_checkpoints import SHARDS, hub_layout, safetensors_header
 from tests.support.hub_repos import Busy
 
 from visenc.errors import ModelUnavailable
-from visenc.models import fetch, hub_errors, resume
-from visenc.models.fetch import RemoteFile
+from visenc.models import hub_errors, hub_fetch, resume
+from visenc.models.hub_fetch import RemoteFile
 from visenc.models.loading import load_tower
 
 
@@ -25,7 +25,7 @@ from visenc.models.loading import load_tower
 def hub_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Callable[[str], None]:
     """Point this process's huggingface_hub at a hub URL, with a cache under ``tmp_path``; pauses short."""
     monkeypatch.setattr(hub_errors, "FIRST_PAUSE_S", 0.05, raising=False)
-    monkeypatch.setattr(fetch, "RETRY_PAUSE_S", 0.0)
+    monkeypatch.setattr(hub_fetch, "RETRY_PAUSE_S", 0.0)
 
     def use(url: str) -> None:
         point_hub_at(monkeypatch, tmp_path, url)
@@ -135,10 +135,12 @@ def test_a_resumed_fetch_keeps_only_the_blocks_it_checked(
     block = resume.block_bytes(end - begin)
     assert block == 256
     clean = tmp_path / "clean" / "vision.safetensors"
-    fetch.fetch_tensors(clean, {LocalRemote(path): ["vis"]}, {"repo": "r"}, "clean")
+    hub_fetch.fetch_tensors(clean, {LocalRemote(path): ["vis"]}, {"repo": "r"}, "clean")
     dest = tmp_path / "out" / "vision.safetensors"
     with pytest.raises(RuntimeError, match="killed"):
-        fetch.fetch_tensors(dest, {LocalRemote(path, fails_at=begin + 10 * block + 50): ["vis"]}, {"repo": "r"}, "t")
+        hub_fetch.fetch_tensors(
+            dest, {LocalRemote(path, fails_at=begin + 10 * block + 50): ["vis"]}, {"repo": "r"}, "t"
+        )
     partial = dest.with_name(dest.name + resume.INCOMPLETE)
     logged = partial.with_name(partial.name + resume.BLOCKS).read_text().splitlines()[1:]
     assert len(logged) == 10  # the blocks whole when it died
@@ -150,7 +152,7 @@ def test_a_resumed_fetch_keeps_only_the_blocks_it_checked(
         raw[len(raw) - (end - begin) + 4 * block + 7] ^= 1
         partial.write_bytes(bytes(raw))
     again = LocalRemote(path, etag="e2" if change == "another version of the shard" else "e1")
-    done = fetch.fetch_tensors(dest, {again: ["vis"]}, {"repo": "r"}, "t")
+    done = hub_fetch.fetch_tensors(dest, {again: ["vis"]}, {"repo": "r"}, "t")
     assert dest.read_bytes() == clean.read_bytes()
     assert not partial.exists() and not list(dest.parent.glob("*.blocks"))
     tensor_asks = [a for a in again.asked if a[0] >= data]

@@ -17,7 +17,7 @@ SERVICE = ROOT / "service" / "visenc"
 ENGINE_RANKS = {
     "interface": 0,
     "job": 1,
-    "limits": 0,
+    "host": 0,
     "prepare": 0,
     "entries": 0,
     "items": 2,

@@ -17,7 +17,7 @@ from visenc import process_memory
 from visenc.bootstrap import staged
 from visenc.config import Settings
 from visenc.engine.budget import STAGED_LINE_FACTOR, STAGING_SHARE
-from visenc.engine.limits import host_memory_bytes
+from visenc.engine.host import host_memory_bytes
 
 GiB = 1 << 30
 

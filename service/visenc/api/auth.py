@@ -1,9 +1,4 @@
-"""Optional API keys: bearer tokens, each mapped to a tenant namespace.
-
-With keys configured every ``/v1`` request needs one and its namespace is the key's tenant (the namespace
-header is ignored); probes and ``/metrics`` stay open. Keys are compared in constant time and never logged
-(``docs/operations.md``, ``docs/internals.md``).
-"""
+"""Optional API keys: bearer tokens, each mapped to a tenant namespace."""
 
 from __future__ import annotations
 

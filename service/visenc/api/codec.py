@@ -1,9 +1,4 @@
-"""Request and response encodings: JSON or msgpack, chosen by Content-Type / Accept.
-
-The multi-range fetch answers a rows frame (``application/x-visenc-rows``), not
-msgpack in full: its layout, and the media types, are defined once in
-``visenc_client.format``, which the clients parse with.
-"""
+"""Request and response encodings: JSON or msgpack, chosen by Content-Type / Accept."""
 
 from __future__ import annotations
 

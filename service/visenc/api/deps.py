@@ -67,7 +67,7 @@ def lease_mode(request: Request) -> LeaseMode:
 
 def read_lease(request: Request, lease: str | None) -> str | None:
     """The lease a read names: its own; ``""`` where it names none but its caller hands leases back
-    (``X-Visenc-Lease`` sent: it releases no pin that names none, another caller's); ``None`` from a
+    (``X-Visenc-Lease`` sent: it unpins no pin that names none, another caller's); ``None`` from a
     caller before leases."""
     if lease is None and request.headers.get(LEASE_HEADER) is not None:
         return ""

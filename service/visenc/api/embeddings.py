@@ -36,7 +36,7 @@ async def get_embedding(
     start: int | None = Query(None, ge=0, le=MAX_ROW, description="First token row."),
     end: int | None = Query(None, ge=0, le=MAX_ROW, description="One past the last token row."),
     lease: str | None = Query(
-        None, max_length=64, description="The lease its handle carried: renewed, or released by a read to the last row."
+        None, max_length=64, description="The lease its handle carried: renewed, or unpinned by a read to the last row."
     ),
 ) -> Response:
     """Token rows ``[start, end)`` of one image as raw bytes, waiting while it is pending."""

@@ -59,7 +59,7 @@ async def encode(request: Request) -> Response:
     )
     inputs = [EncodeItem(it.hash, it.data, it.frames) for it in body.items]
     timing = Timing()
-    # rows inline are read by this answer: kept only until then, under a lease it releases itself
+    # rows inline are read by this answer: kept only until then, under a lease it unpins itself
     lease = "inline" if body.include_rows else lease_mode(request)
     # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
     # cancels the wait if the client goes away first

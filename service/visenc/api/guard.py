@@ -1,9 +1,4 @@
-"""Deadlines and client disconnects for handlers that wait (uvicorn does not cancel a handler itself).
-
-``guarded`` runs the wait beside a listener on the ASGI receive channel: the client going away cancels the
-work (its queued images nobody else wants are dropped); the deadline cancels it with 504. Call it only
-once the body has been read (``docs/internals.md``).
-"""
+"""Deadlines and client disconnects for handlers that wait (uvicorn does not cancel a handler itself)."""
 
 from __future__ import annotations
 

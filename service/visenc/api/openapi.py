@@ -1,13 +1,4 @@
-"""The OpenAPI document, completed so that a fuzzer can hold the service to it.
-
-FastAPI derives most of it from the routes; the handlers parse their own
-bodies (JSON or msgpack) and render their own responses, so this adds what it
-cannot see: both request media types with their schemas, both response media
-types, the raw-rows responses and their headers, the error body of every
-status each endpoint can answer (``Retry-After`` on 429 and 503), the
-``X-Visenc-Namespace`` header, and the bearer scheme when API keys are on.
-``tests/reliability/test_fuzz.py`` runs schemathesis against it.
-"""
+"""The OpenAPI document, completed so that a fuzzer can hold the service to it."""
 
 from __future__ import annotations
 

@@ -1,10 +1,4 @@
-"""Wire schemas, shared by the JSON and msgpack encodings of every endpoint.
-
-Bytes travel as raw ``bin`` in msgpack and as base64 strings in JSON.
-Validation is strict (no coercion: ``"true"`` is not a boolean, ``1.0`` not an
-integer, a msgpack ``str`` not image bytes), so what the schema says is what
-the service accepts.
-"""
+"""Wire schemas, shared by the JSON and msgpack encodings of every endpoint."""
 
 from __future__ import annotations
 
@@ -83,8 +77,8 @@ class FetchRange(_Wire):
     lease: str | None = Field(
         None,
         max_length=64,
-        description="The lease the image's handle carried: this read renews its pin, or releases it when it "
-        "reaches the last row (a shared-memory export releases it at once). Unknown or spent: ignored.",
+        description="The lease the image's handle carried: this read renews its pin, or unpins it when it "
+        "reaches the last row (a shared-memory export unpins it at once). Unknown or spent: ignored.",
     )
 
 

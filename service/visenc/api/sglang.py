@@ -1,14 +1,5 @@
 """SGLang's encoder endpoints: visenc as an ``--encoder-urls`` target of an SGLang language
-server (``--language-only``). The protocol and its state live in ``visenc.epd``.
-
-- ``POST /encode``: one part of a request; answered ``null`` (200) once its rows are delivered,
-  else ``{"status": "error", "message", "req_id"}`` with a 4xx/5xx status.
-- ``POST /scheduler_receive_url``: a scheduler rank's receive address for a part.
-- ``GET /health``: 200 once the model serves (SGLang's prober), else 503.
-
-SGLang sends no credentials: with API keys on, these routes serve only where
-``--sglang-namespace`` names the tenant whose entries SGLang may use, and refuse otherwise.
-"""
+server (``--language-only``). The protocol and its state live in ``visenc.epd``."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""``POST /v1/embeddings/shm``: rows handed out as shared-memory segments (same host).
-
-On unless ``shm_enabled`` is false; the segment pool (``visenc.shm``) is built in the
-app's lifespan and closed (every segment unlinked) at shutdown. ``/v1/model`` names its probe
-segment (``SegmentPool.describe``): a client that reads the same token from it is on this host.
-"""
+"""``POST /v1/embeddings/shm``: rows handed out as shared-memory segments (same host)."""
 
 from __future__ import annotations
 

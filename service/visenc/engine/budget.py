@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from visenc.engine.limits import usable_memory_bytes
+from visenc.engine.host import usable_memory_bytes
 from visenc.models.base import VisionTower
 
 log = logging.getLogger(__name__)

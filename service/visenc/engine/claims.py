@@ -1,9 +1,4 @@
-"""This replica's cross-replica encode claims: mark queued, claim at encode start, renew, unclaim.
-
-The single-flight map stops one replica encoding an image twice; claims stop two replicas doing so. A
-claim lapses only when its owner dies; with Redis down every image is encoded here (correct, wasteful).
-The protocol: ``docs/internals.md``; its Redis script: ``index/redis_claims.py``.
-"""
+"""This replica's cross-replica encode claims: mark queued, claim at encode start, renew, unclaim."""
 
 from __future__ import annotations
 
@@ -99,7 +94,7 @@ class Claims:
     async def unclaim(self, key: str) -> None:
         """The entry of ``key`` is written (or its encode failed): let the claim go (if it is ours)."""
         if self._owned.pop(key, None) is not None:
-            await self.store.release_claims([key], self.token)
+            await self.store.unclaim([key], self.token)
 
     # --- renewal loop ------------------------------------------------------------------
     def start(self) -> None:
@@ -111,7 +106,7 @@ class Claims:
         owned, self._owned, self._queued = list(self._owned), {}, {}
         if owned:  # let other replicas take over at once instead of after the claims lapse
             with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self.store.release_claims(owned, self.token), timeout=2.0)
+                await asyncio.wait_for(self.store.unclaim(owned, self.token), timeout=2.0)
 
     async def _renew_loop(self) -> None:
         while True:

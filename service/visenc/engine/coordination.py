@@ -1,9 +1,4 @@
-"""What the stages need to know of other replicas sharing the index: one interface, built once.
-
-``LocalCoordination`` (one replica: every image encoded here, no-ops) or ``SharedCoordination`` (claims and
-waits for other replicas, so replicas sharing an index never encode an image twice). It never calls a
-stage back: a wait answers through the callback its asker passed (``docs/design.md``).
-"""
+"""What the stages need to know of other replicas sharing the index: one interface, built once."""
 
 from __future__ import annotations
 

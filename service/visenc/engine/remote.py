@@ -1,9 +1,4 @@
-"""Images another replica is encoding: wait for its entry, or take over.
-
-One background loop polls every watched image's state in one pipelined round trip of the state script,
-backing off to ``claim_poll_ms``; a wait ends with the entry, with an encode here (the owner is gone, or
-``claim_wait_s`` passed), or ``Cancelled``. Why polling, not pub/sub: ``docs/internals.md``.
-"""
+"""Images another replica is encoding: wait for its entry, or take over."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
-from visenc.engine.limits import usable_cores
+from visenc.engine.host import usable_cores
 
 T = TypeVar("T")
 

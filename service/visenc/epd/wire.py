@@ -1,10 +1,4 @@
-"""Frame 0 of an SGLang embedding push, written opcode by opcode.
-
-SGLang reads it with an unpickler that admits a fixed list of globals (``safe_pickle_loads``):
-``EmbeddingData``, ``Modality``, torch dtypes. ``embedding_data_frame`` names exactly those, so that
-visenc needs neither SGLang (a CUDA-only install) nor a general pickler. Pinned against SGLang's own
-pickling by ``tests/with_sglang/test_sglang_epd.py::test_frame_zero_is_what_sglangs_encoder_pickles``.
-"""
+"""Frame 0 of an SGLang embedding push, written opcode by opcode."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""Image bytes to an RGB ``PIL.Image``, loaded exactly as the serving engine's loader loads it.
-
-``probe``/``read_header`` read the header only, so the pixel limit (``ImageTooLarge``) is decided before any
-decode; anything that is not a decodable image is ``InvalidImage``. The loaders: ``LOADERS``, ``docs/internals.md``.
-"""
+"""Image bytes to an RGB ``PIL.Image``, loaded exactly as the serving engine's loader loads it."""
 
 from __future__ import annotations
 
@@ -14,10 +10,7 @@ from PIL import ExifTags, Image, ImageOps, UnidentifiedImageError
 
 from visenc.errors import ImageTooLarge, InvalidImage
 
-# What Pillow raises on bad input: header parse errors (SyntaxError from some
-# plugins), truncated/corrupt streams (OSError), bad parameters (ValueError),
-# odd plugin internals (struct.error is a subclass of Exception; EOFError and
-# IndexError have been seen from fuzzed GIF/TIFF headers).
+# what Pillow raises on bad input (EOFError, IndexError: seen from fuzzed GIF/TIFF headers)
 _PIL_ERRORS = (OSError, SyntaxError, ValueError, EOFError, IndexError, TypeError, KeyError)
 
 
@@ -27,8 +20,7 @@ def _open(data: bytes, max_pixels: int, formats: tuple[str, ...] | None = None) 
     try:
         image = Image.open(io.BytesIO(data), formats=formats)
     except Image.DecompressionBombError as e:
-        # Pillow refuses sizes above 2 * MAX_IMAGE_PIXELS at open, before we can
-        # read the size: such an image is over any sane limit.
+        # Pillow refuses sizes above 2 * MAX_IMAGE_PIXELS at open, before the size can be read
         raise ImageTooLarge(f"image has more pixels than the limit max_image_pixels={max_pixels}") from e
     except UnidentifiedImageError as e:
         raise InvalidImage("unsupported or unrecognised image format") from e
@@ -44,11 +36,8 @@ def _open(data: bytes, max_pixels: int, formats: tuple[str, ...] | None = None) 
     return image
 
 
-#: host bytes per source pixel held at the peak of decoding an image and making its tower input
-#: from it, beyond the input itself (Pillow's decoded image at 4 bytes a pixel, the loader's
-#: conversion to RGB, the array copies of the tower's preprocessing, the decoder's own buffer),
-#: by what the header tells: ``bench/bench_memory.py --decode`` measures each kind and
-#: ``tests/e2e/test_memory_budget.py`` pins these above the measurements
+#: peak host bytes per source pixel of decoding and preprocessing, beyond the input itself, measured by
+#: ``bench/bench_memory.py --decode`` and pinned above that by ``tests/e2e/test_memory_budget.py``
 DECODE_BYTES_PER_PIXEL = {"opaque": 16, "transparent": 21, "webp": 28}
 
 
@@ -147,9 +136,7 @@ def rgb_like_sglang(image: Image.Image) -> Image.Image:
 
 
 def _opaque(rgb: Image.Image) -> Image.Image:
-    """``convert("RGB")`` of a palette image with transparency keeps the transparent colour as
-    ``info["transparency"]``; the engines' processors ignore it on an RGB image, while newer ones
-    composite it onto white. The loader dropped the alpha: so must the image."""
+    """Drop the ``transparency`` entry ``convert("RGB")`` keeps: the loader dropped the alpha."""
     rgb.info.pop("transparency", None)
     return rgb
 

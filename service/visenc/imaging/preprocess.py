@@ -1,9 +1,4 @@
-"""Fast numpy preprocessing shared by the towers, bit-identical to transformers' PIL processors.
-
-The same resize call; rescale and normalise through a per-channel lookup table built with transformers'
-own arithmetic (a fused multiply-add would differ by 1e-7); layout moves on uint8 (``docs/internals.md``).
-HWC uint8 in, float32 out.
-"""
+"""Fast numpy preprocessing shared by the towers, bit-identical to transformers' PIL processors."""
 
 from __future__ import annotations
 
@@ -130,13 +125,8 @@ def qwen_pixels_torchvision(
     merge_size: int,
     temporal_patch_size: int,
 ) -> np.ndarray:
-    """Qwen2-VL ``pixel_values`` as the fast processor computes them: bit-identical, multi-threaded.
-
-    Each value goes through the processor's own arithmetic (the same uint8 resize, then
-    ``(float(x) - mean/r) / (std/r)`` in float32), but in a cheaper order: the resized uint8
-    image is cut into patches and cast in one copy, normalised in the patch layout (contiguous,
-    where the processor's per-channel ops on its channels-last image are slow), and copied T
-    times last. Elementwise float ops round the same whatever the layout, so the bits agree."""
+    """Qwen2-VL ``pixel_values`` as the fast processor computes them, bit-identical: the same uint8
+    resize, then ``qwen_patches``' arithmetic, copied T times last."""
     t = resize_tensor(uint8_tensor(np.asarray(image)), height, width, resample)
     x = qwen_patches(t, patch_size=patch_size, merge_size=merge_size, rescale_factor=rescale_factor, mean=mean, std=std)
     n, c, _, p, _ = x.shape

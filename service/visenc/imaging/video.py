@@ -1,9 +1,4 @@
-"""Video preprocessing for the Qwen-VL towers, cut into 2-frame tubes, equal to transformers' video processors.
-
-Attention never crosses tubes, so a video's rows are its tubes' rows, and a tube is keyed by its two resized
-frames, its grid and the settings: clips share a tube only where the tower sees the very same input
-(``docs/internals.md``; pinned by ``tests/golden/test_video_tubes.py``).
-"""
+"""Video preprocessing for the Qwen-VL towers, cut into 2-frame tubes, equal to transformers' video processors."""
 
 from __future__ import annotations
 

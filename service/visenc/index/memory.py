@@ -1,38 +1,4 @@
-"""In-process, byte-budgeted cache: the L1 tier and the embedded default index.
-
-**Eviction: LRU with a dynamic insertion policy** (DIP; Qureshi et al., "Adaptive Insertion
-Policies for High Performance Caching", ISCA 2007). Entries leave from the least recently used
-end until the bytes held fit ``max_bytes``. A new entry goes in at the most recently used end
-(LRU), or, while the bimodal policy (BIP) wins, at the least recently used end, except one in
-``BIMODAL_EVERY``. Two shadow directories of keys and sizes (no rows) run LRU and BIP on the same
-look-ups, and a saturating counter (``psel``) follows whichever hit more lately. Agent workloads,
-where recent screenshots come back, keep LRU's hit rate; a cyclic pass over more than the cache,
-where LRU evicts every entry before its reuse, keeps most of the cache resident under BIP
-(``bench/bench_eviction.py``).
-
-**What moves an entry.** A look-up by key (``lookup``: an image named in an encode request, or a
-read that no pin was taken for) is a reference: the entry goes to the most recently used end and
-the shadows learn from it. A read that a pin was taken for (``read`` naming that pin) is the second
-half of the look-up that took it and moves nothing: a reference counted twice would move every
-entry BIP put at the least recently used end to the other end as soon as its caller read it.
-``peek`` moves nothing either; ``get`` is a plain LRU get (a reference without the shadows).
-
-**Pins.** An entry answered ``ready`` to a caller that will read it is pinned under a lease
-(``Lease``: an id, and whether the caller was handed it); it stays until that caller reads it to
-its last row (``read``, renewed by a partial read) or ``pin_lease_s`` passes, whatever the budget.
-A pinned entry keeps its place in the recency order (where DIP put it, or where a look-up moved
-it); eviction skips it; when its last pin goes (read, lapsed or cut) it stays where it is. So a
-pin delays an entry's eviction and never changes its rank. The cache holds more than ``max_bytes``
-only while pinned entries alone do, and never more than ``max_bytes + overflow_bytes``: past that
-the oldest pins are cut (``visenc_cache_pins_cut``). A pin that names no lease id (``named``
-false: a caller that does not hand leases back) is released by the first read of the entry's last
-row that names none.
-
-An entry larger than ``max_bytes`` is not stored (``store`` says so: its image is then not answered ready;
-start-up refuses an L1 smaller than one image's largest entry). Bytes are those of the stored value
-(``Entry.nbytes``). Entries are immutable and shared by reference: serving one hands out views of
-its buffer, never copies. Only the event loop thread touches it: no lock.
-"""
+"""In-process, byte-budgeted cache: the L1 tier and the embedded default index."""
 
 from __future__ import annotations
 
@@ -85,7 +51,7 @@ class Shadow:
 @dataclass(frozen=True, slots=True)
 class Lease:
     """Who a pin is held for: ``id`` is unique per caller's request; ``named``: the caller was handed
-    the id and hands it back when it reads (else the first read naming no lease releases it)."""
+    the id and hands it back when it reads (else the first read naming no lease unpins it)."""
 
     id: str
     named: bool = True
@@ -226,7 +192,7 @@ class MemoryCache:
 
     def read(self, key: str, lease: str | None, *, last: bool) -> None:
         """A caller read ``key``'s rows (to the last row when ``last``). Naming a lease id: that pin
-        is released (``last``) or renewed, and nothing moves; an unknown, lapsed or released id is
+        is unpinned (``last``) or renewed, and nothing moves; an unknown, lapsed or unpinned id is
         ignored. Naming none (``None``: a caller that does not hand leases back): the oldest pin that
         names no lease is, likewise; where there is no such pin, or the caller hands leases back but
         this read names none (``""``), the read is a look-up of its own (a reference)."""
@@ -247,7 +213,7 @@ class MemoryCache:
             self._until.move_to_end((key, lease))
 
     def unpin(self, key: str, lease: str | None = None) -> None:
-        """Drop one pin of ``key``: ``lease``'s, or the oldest that names no lease. Moves nothing."""
+        """Unpin ``key`` once: ``lease``'s pin, or the oldest that names no lease. Moves nothing."""
         pins = self._pins.get(key, {})
         if lease is None:
             lease = next((i for i, p in pins.items() if not p.named), None)
@@ -309,7 +275,7 @@ class MemoryCache:
         self._metrics.cache_pinned_bytes.set(self.pinned_bytes)
 
     def health(self) -> dict[str, object]:
-        """What it holds now: lapsed leases are dropped first (and the budget kept), so a replica that
+        """What it holds now: lapsed leases are unpinned first (and the budget kept), so a replica that
         stores nothing meanwhile still reports its pins as they are."""
         self._evict()
         return {

@@ -1,14 +1,4 @@
-"""Cross-replica encode claims, stored in Redis beside the entries.
-
-Two keys sit beside an entry: its **claim** ``{visenc:ns:fp:hash}:claim`` (the
-one replica encoding the image) and its **queued** mark ``{visenc:ns:fp:hash}:queued``
-(some replica has the image queued, not started). Each wraps the whole entry key
-in a hash tag, so on Redis Cluster they live in the *same slot* as the entry and
-one Lua script reads the entry and reads or takes the claim atomically; the scripts of one call are
-pipelined (one round trip for all of a request's new images; on a cluster, one
-concurrent call per key). Every method
-answers ``None`` (or nothing) while Redis is unavailable: see ``redis_conn.py``.
-"""
+"""Cross-replica encode claims, stored in Redis beside the entries."""
 
 from __future__ import annotations
 
@@ -60,7 +50,7 @@ if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[
 return 0
 """
 #: KEYS = (claim,), ARGV = (token,): delete the claim if it is still ours.
-RELEASE_SCRIPT = """
+UNCLAIM_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
 """
@@ -145,6 +135,6 @@ class RedisClaims:
         """Extend the claims on ``keys`` that are still held by ``token``."""
         await self._scripts("renew", RENEW_SCRIPT, [(claim_key(k),) for k in keys], (token, ttl_ms))
 
-    async def release_claims(self, keys: Sequence[str], token: str) -> None:
-        """Drop the claims on ``keys`` that are still held by ``token``."""
-        await self._scripts("release", RELEASE_SCRIPT, [(claim_key(k),) for k in keys], (token,))
+    async def unclaim(self, keys: Sequence[str], token: str) -> None:
+        """Unclaim ``keys`` where ``token`` still holds the claim."""
+        await self._scripts("unclaim", UNCLAIM_SCRIPT, [(claim_key(k),) for k in keys], (token,))

@@ -1,9 +1,4 @@
-"""One Redis connection (standalone or cluster) and its failure policy, shared by the entry store and the claims.
-
-An outage degrades, never fails: it is counted and Redis is skipped for ``redis_retry_s`` (operations answer
-``None`` at once), then tried again. An error no outage explains (a failing script) is a bug: logged, counted
-and raised as a 500 (``docs/internals.md``).
-"""
+"""One Redis connection (standalone or cluster) and its failure policy, shared by the entry store and the claims."""
 
 from __future__ import annotations
 

@@ -1,20 +1,4 @@
-"""Redis: the shared entry store (L2) every replica reads and writes.
-
-Values are exactly the stored format of ``visenc_client.format`` (versioned
-header, rows from ``DATA_OFFSET``), so a client can read a chunk's rows with
-one ``GETRANGE``. Contracts:
-
-* **Atomic writes.** An entry is one ``SET key value EX ttl``: a reader sees the
-  whole value or none. ``cache_ttl_s`` bounds how long an entry lives; Redis'
-  ``maxmemory-policy allkeys-lru`` evicts earlier under memory pressure.
-* **Nothing wrong is served.** A value read back is checked against its header
-  and against the key it was read under (fingerprint, image hash, length):
-  a corrupt, truncated or mismatched value is a miss, counted as ``corrupt``.
-* **One round trip per batch.** ``get_many`` is one ``MGET`` (standalone) or one
-  ``MGET`` per slot, pipelined to every node at once (cluster); the index asks it for
-  batches bounded in bytes (``tiered.py``).
-* Outages: see ``redis_conn.py``; a lookup then misses and a write is dropped.
-"""
+"""Redis: the shared entry store (L2) every replica reads and writes."""
 
 from __future__ import annotations
 

@@ -1,22 +1,5 @@
 """The index the engine uses: the in-process LRU (L1), optionally in front of
-the shared Redis store (L2). One class, one interface, whatever is configured.
-
-* ``peek``: L1 only, synchronous, no I/O; not a reference (moves nothing in L1's recency order).
-* ``get_many``: L1 first, then the L1 misses from Redis in batches of at most
-  ``batch_keys`` keys (``batch_by``: as many of the model's largest entries as
-  ``redis_batch_bytes`` holds), one round trip each; each batch's hits are promoted
-  into L1 before the next batch is read, so the next lookup costs no I/O.
-* ``store_local``: L1 only (synchronous; ``peek`` sees it at once), pinned for the callers that
-  will read it; ``pin`` / ``read`` / ``unpin``: an entry answered ready is kept until its caller
-  reads it, and keeps its rank meanwhile (``memory.py``).
-* ``write_through``: one atomic Redis ``SET ... EX`` when there is a shared
-  store; a failure is counted, never raised (the entry still lives in L1).
-* ``health``: ``ok`` is false while Redis is skipped after a failure: the
-  service still answers from L1 and by encoding (``/readyz`` says degraded).
-
-Entries are not checked here: the engine checks every entry it reads against
-its header and key (``engine/intake.py``) and ``discard``s a corrupt one.
-"""
+the shared Redis store (L2). One class, one interface, whatever is configured."""
 
 from __future__ import annotations
 
@@ -66,11 +49,11 @@ class Index:
         return self.local.pin(key, 1 if lease is None else lease)
 
     def read(self, key: str, lease: str | None, *, last: bool) -> None:
-        """A caller read ``key``'s rows (to the last when ``last``): its pin is renewed or released."""
+        """A caller read ``key``'s rows (to the last when ``last``): its pin is renewed or unpinned."""
         self.local.read(key, lease, last=last)
 
     def unpin(self, key: str, lease: str | None = None) -> None:
-        """Drop a pin of ``key`` whose caller will not read it (``lease``, or one naming none)."""
+        """Unpin ``key`` for a caller that will not read it (``lease``, or one naming none)."""
         self.local.unpin(key, lease)
 
     def discard(self, key: str) -> None:

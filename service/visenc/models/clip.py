@@ -1,11 +1,4 @@
-"""Fixed-resolution towers: CLIP and SigLIP image embeddings (one row per image).
-
-Every image is resized (CLIP: short side, then center crop; SigLIP: straight
-to height x width) to the model's input size, so all images share one bucket
-and batch by stacking. The output is the model's image embedding as
-``CLIPModel.get_image_features`` / ``SiglipModel.get_image_features`` define
-it: ``[1, projection_dim]`` (CLIP) or ``[1, hidden_size]`` (SigLIP pooled).
-"""
+"""Fixed-resolution towers: CLIP and SigLIP image embeddings (one row per image)."""
 
 from __future__ import annotations
 
@@ -39,7 +32,7 @@ from visenc.imaging.preprocess import (
 )
 from visenc.models import memory
 from visenc.models.base import Prepared, TokenLayout, VisionTower
-from visenc.models.building import cast_module, config_fields
+from visenc.models.construct import cast_module, config_fields
 
 
 @dataclass(frozen=True)

@@ -1,19 +1,4 @@
-"""A compiled tower: each repeated transformer block through ``torch.compile`` with dynamic shapes.
-
-The graphs are bounded. Shapes are symbolic from the first call (``dynamic=True``), so a new image
-size or batch size reuses the graph instead of recompiling. The blocks of a tower share one code
-object and their weights are graph inputs, so they share graphs too. Dynamo still specialises sizes
-0 and 1 (a batch of one image beside a batch of several), which gives one or two graphs for a tower.
-Past ``RECOMPILE_LIMIT`` graphs per block, dynamo runs the block eagerly instead of compiling again.
-
-Whether a tower runs compiled is never silent: ``Status`` says so and why not (the compile setting,
-a host without the compiler toolchain, a backend that failed, a warm-up past its time limit), and the
-device worker reports it in the log, ``/readyz`` and ``visenc_compile_state``. A tower that does not
-run compiled runs eagerly with the same rows.
-
-Packed attention stays one custom op inside the graph (``models/varlen.py``), so the norms, rotary
-embeddings, casts and activations around it fuse into a few kernels.
-"""
+"""A compiled tower: each repeated transformer block through ``torch.compile`` with dynamic shapes."""
 
 from __future__ import annotations
 

@@ -1,13 +1,4 @@
-"""A model named by its hub id (``ORG/NAME[@REVISION]``): ``open_repo``.
-
-Config and processor files go through ``hf_hub_download`` into the hub cache's standard layout
-(``HF_HUB_CACHE``); of the weights only the vision tensors' bytes are fetched, into one vision-only
-safetensors file per repository and commit under ``$HF_HOME/visenc``, which later starts read. Shards
-already in the hub cache (a checkpoint an engine downloaded) are read where they are. With the hub
-unreachable or saying "try later" (408, 429, 5xx), or ``HF_HUB_OFFLINE`` set, the commit the revision
-last resolved to is served from the caches; what they lack is asked again within ``Patience``. Every
-failure is a one-line ``ModelUnavailable``. Reasoning: ``docs/internals.md``.
-"""
+"""A model named by its hub id (``ORG/NAME[@REVISION]``): ``open_repo``."""
 
 from __future__ import annotations
 
@@ -24,7 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from visenc.errors import ModelUnavailable
-from visenc.models.fetch import (
+from visenc.models.hub_errors import Offline, Patience, Unreachable, first_line, hub_answers
+from visenc.models.hub_fetch import (
     DATA_SHA256,
     RangesNotServed,
     RemoteFile,
@@ -33,7 +25,6 @@ from visenc.models.fetch import (
     leftovers,
     size_text,
 )
-from visenc.models.hub_errors import Offline, Patience, Unreachable, first_line, hub_answers
 from visenc.models.weights import INDEX_FILE, SINGLE_FILE, Checkpoint, header, shard_map, tensor_names
 
 log = logging.getLogger("visenc")
@@ -333,7 +324,7 @@ class HubWeights:
 
 def whole_file(file: Path) -> dict[str, Any] | None:
     """The header of the vision file ``file`` where the file is whole: as long as its header says,
-    its data's checksum the one it was written with (``fetch.DATA_SHA256``). ``None`` where it is
+    its data's checksum the one it was written with (``hub_fetch.DATA_SHA256``). ``None`` where it is
     not there, or damaged (truncated, overwritten, a disk error: a warning says which); a damaged
     file is never read, and the next fetch replaces it."""
     try:

@@ -1,10 +1,5 @@
 """``load_tower``: a built-in tower by name, or the vision tower of a checkpoint (a local folder, or a
-hub id: ``models/hub.py``).
-
-Only the vision tower is built and only its tensors are read (the language model is never instantiated);
-where they sit in the checkpoint is derived from its names, never assumed. Supported checkpoints and the
-weights digest: ``docs/models.md``, ``docs/internals.md``.
-"""
+hub id: ``models/hub.py``)."""
 
 from __future__ import annotations
 
@@ -23,8 +18,8 @@ from visenc.errors import ModelUnavailable
 from visenc.imaging.video import VideoPreprocess, video_config, video_rule
 from visenc.models import hub, sim
 from visenc.models.base import VisionTower
-from visenc.models.building import build_empty, resolve_dtype, set_attention
 from visenc.models.clip import FixedPreprocess, FixedResolutionTower
+from visenc.models.construct import build_empty, resolve_dtype, set_attention
 from visenc.models.families import FAMILIES
 from visenc.models.qwen2vl import ARCHITECTURES, QwenPreprocess, QwenVisionTower
 from visenc.models.registry import REGISTRY, build_registered

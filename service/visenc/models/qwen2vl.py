@@ -1,16 +1,4 @@
-"""Qwen2-VL / Qwen2.5-VL vision towers: variable resolution, packable.
-
-An image is resized (``smart_resize``) to multiples of ``patch * merge``
-pixels, cut into ``grid_h * grid_w`` patches of ``C * T * P * P`` values (a
-still image is its frame repeated ``T`` times), encoded by the ViT and merged
-``merge x merge`` → ``grid_h * grid_w // merge**2`` LLM-ready token rows of
-``hidden_size`` (the merger's output width = the LLM's hidden size).
-
-Many images share one forward: their patches are concatenated and
-``grid_thw`` tells the model where each image starts, so attention never
-crosses images (``cu_seqlens``; on the sdpa/eager path transformers splits
-the sequence per image, with flash-attn it uses varlen kernels).
-"""
+"""Qwen2-VL / Qwen2.5-VL vision towers: variable resolution, packable."""
 
 from __future__ import annotations
 
@@ -41,7 +29,7 @@ from visenc.imaging.preprocess import (
 )
 from visenc.models import memory, varlen
 from visenc.models.base import Prepared, Rows, Segment, TokenLayout, VisionTower
-from visenc.models.building import cast_module, config_fields
+from visenc.models.construct import cast_module, config_fields
 
 log = logging.getLogger(__name__)
 

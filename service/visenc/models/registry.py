@@ -1,18 +1,4 @@
-"""Built-in towers: real architectures, downsized, with seeded random weights.
-
-They need no download and run on a 2-core CPU. Weights are a pure function
-of (name, seed, torch version): ``build_seeded`` draws them from
-``torch.manual_seed(seed)`` inside ``fork_rng``.
-
-=================  ===========================================  ==============
-name               architecture                                 tokens/image
-=================  ===========================================  ==============
-tiny-qwen2-vl      Qwen2-VL ViT + merger (default), hidden 256   variable
-tiny-qwen2.5-vl    Qwen2.5-VL ViT (window attn) + merger, 256    variable
-tiny-clip          CLIP ViT-B-ish/16 at 224 + projection, 256    1
-tiny-siglip        SigLIP ViT/16 at 224, pooled, 256             1
-=================  ===========================================  ==============
-"""
+"""Built-in towers: real architectures, downsized, with seeded random weights."""
 
 from __future__ import annotations
 
@@ -23,8 +9,8 @@ import torch
 from transformers import CLIPVisionModelWithProjection, SiglipVisionModel
 
 from visenc.models.base import VisionTower
-from visenc.models.building import build_seeded, set_attention
 from visenc.models.clip import FixedPreprocess, FixedResolutionTower, tiny_clip_config, tiny_siglip_config
+from visenc.models.construct import build_seeded, set_attention
 from visenc.models.qwen2vl import (
     DEFAULT_MAX_PIXELS,
     Qwen2_5_VisionTransformerPretrainedModel,

@@ -1,13 +1,4 @@
-"""A vision file being fetched, kept across processes: ``Partial``.
-
-The file is written in place under one name per destination (``vision.safetensors.incomplete``).
-Beside it, an append-only log (``.blocks``) names the fetch it belongs to (``identity``: the file's
-header, each source's ETag and size, the spans) and then, for each block whose bytes are written, its
-range and sha256, appended only once those bytes are synced to disk. A later fetch of the same plan
-keeps each logged block whose bytes still hash to what was logged, and fetches the rest; anything
-else (another plan, a file of another size or header, a torn log line) is fetched again.
-Reasoning: ``docs/models.md`` ("A fetch that stops").
-"""
+"""A vision file being fetched, kept across processes: ``Partial``."""
 
 from __future__ import annotations
 
@@ -20,7 +11,7 @@ from types import TracebackType
 
 log = logging.getLogger("visenc")
 
-#: the largest block (a power of two: it divides ``fetch.PART_BYTES``), the smallest, and how many
+#: the largest block (a power of two: it divides ``hub_fetch.PART_BYTES``), the smallest, and how many
 #: blocks a fetch is cut into at least
 BLOCK_BYTES = 4 << 20
 MIN_BLOCK_BYTES = 16 << 10

@@ -1,15 +1,4 @@
-"""A simulated device, to time the engine's loop without one: ``--model sim:`` or ``sim:KEY=VALUE,...``.
-
-Its forward spends ``launch_ms`` of Python with the GIL held (the launch), then queues ``token_us`` a token
-of device time on a simulated stream, which its own thread runs with the GIL released, and returns at
-once, as a CUDA forward does. The outputs are written when the stream reaches them: only ``record_event``'s
-``synchronize`` (or ``SimDevice.synchronize``) makes them safe to read, as CUDA's events and host copies.
-The stream keeps each forward's launch, queue, start and end (``SimDevice.stats``), and appends them to
-``timeline=PATH`` as JSON lines, so the device's busy share is known from outside the process too.
-Keys: ``launch_ms`` (1), ``token_us`` (100), ``patch`` (16 pixels a token side), ``max_side`` (512:
-larger images are scaled down), ``hidden`` (64), ``sync`` (0; 1: the forward waits for its device work,
-as one with a host sync inside does), ``timeline``. Rows: ``docs/internals.md``.
-"""
+"""A simulated device, to time the engine's loop without one: ``--model sim:`` or ``sim:KEY=VALUE,...``."""
 
 from __future__ import annotations
 

@@ -1,25 +1,5 @@
 """Packed attention: every segment of a packed sequence (an image, or one window of it) attends to
-itself alone, through a varlen kernel over ``cu_seqlens``. No path builds an N x N mask.
-
-Three kernels sit behind one custom op (``visenc::varlen_attention``), which ``torch.compile``
-treats as opaque, so a compiled block is one graph whatever the kernel:
-
-- ``torch-varlen``: ``torch.nn.attention.varlen.varlen_attn``, torch's own flash kernel (CUDA,
-  fp16/bf16, GPUs it supports);
-- ``flash-attn``: flash-attn's ``flash_attn_varlen_func``, where the package is installed and
-  measured faster than torch's on this device;
-- ``per-segment``: SDPA segment by segment (equal-length neighbours, such as Qwen2.5-VL's windows,
-  in one call), as transformers' own path does: CPUs, fp32, GPUs without a varlen kernel.
-
-``kernel_for`` picks one per device, dtype and head size, once: each CUDA candidate is run on a
-small packed sample and checked against the per-segment result before it is trusted.
-
-Towers register ``VARLEN`` as the vision config's attention implementation. Its name contains
-"flash", so transformers hands the attention function ``cu_seqlens`` and the maximum lengths instead
-of splitting the sequence itself. ``packed_kwargs`` computes everything transformers' Qwen forwards
-would derive from ``grid_thw`` (positions, ``cu_seqlens``, window indices) on the CPU beforehand:
-with the CUDA kernels a forward reads nothing back from the device.
-"""
+itself alone, through a varlen kernel over ``cu_seqlens``. No path builds an N x N mask."""
 
 from __future__ import annotations
 

@@ -1,9 +1,4 @@
-"""The vision path of a full VLM, run by transformers' own code: ``FamilyTower``.
-
-A family (``models/families/``) says which vision submodules to build, which image processor and defaults
-to call, how many rows an image becomes, and how images batch; the rows are the base model's
-``get_image_features``, what the VLM writes at the image's placeholders (``docs/internals.md``).
-"""
+"""The vision path of a full VLM, run by transformers' own code: ``FamilyTower``."""
 
 from __future__ import annotations
 
@@ -18,7 +13,7 @@ from visenc.errors import InvalidImage
 from visenc.imaging.decode import rgb_like_transformers
 from visenc.models import memory, varlen
 from visenc.models.base import Prepared, TokenLayout, VisionTower
-from visenc.models.building import cast_module, config_fields
+from visenc.models.construct import cast_module, config_fields
 
 
 def vision_only(model_class: type, config: Any, modules: dict[str, Any]) -> torch.nn.Module:

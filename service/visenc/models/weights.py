@@ -1,10 +1,4 @@
-"""Where a checkpoint's tensors are, and which of them a vision module takes: ``Checkpoint``.
-
-A checkpoint is a folder of config and processor files plus ``Weights``: every tensor name it holds,
-and local safetensors files for the tensors a module wants (a local folder's own shards; a hub
-checkpoint's cached shards, or its vision-only file, fetched first where needed: ``models/hub.py``).
-Which tensors a module takes is decided here alone (``derive_renames``), from the names.
-"""
+"""Where a checkpoint's tensors are, and which of them a vision module takes: ``Checkpoint``."""
 
 from __future__ import annotations
 

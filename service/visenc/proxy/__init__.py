@@ -1,13 +1,4 @@
-"""``visenc proxy``: an OpenAI-compatible front for vLLM replicas that use visenc as their encoder.
-
-For ``POST /v1/chat/completions`` it tags every image part with its visenc hash as ``uuid``
-(``images.py``: data: URLs, and http(s) URLs under an allow-list) and forwards the request at once
-(``upstream.py``); vLLM's ``VisencConnector`` loads the rows visenc holds, and vLLM encodes the
-others itself. Once the answer is through, the images go to visenc hash-first, in the background
-(``handover.py``): a request never waits for visenc. The one thing a visenc failure may cost is a
-cache hit. Module by concern: ``settings`` · ``errors`` · ``memory`` (what it remembers between
-requests) · ``images`` · ``handover`` · ``upstream`` · ``core`` (the parts, wired) · ``app`` (routes).
-"""
+"""``visenc proxy``: an OpenAI-compatible front for vLLM replicas that use visenc as their encoder."""
 
 from __future__ import annotations
 

@@ -7,9 +7,9 @@ import contextlib
 
 import httpx
 
+from visenc.proxy.affinity import Memo, Upstreams
 from visenc.proxy.handover import Handover
 from visenc.proxy.images import Images
-from visenc.proxy.memory import Memo, Upstreams
 from visenc.proxy.settings import ProxySettings
 from visenc.proxy.upstream import Forwarder
 from visenc_client import AsyncClient

@@ -7,8 +7,8 @@ import asyncio
 import logging
 from collections.abc import Sequence
 
+from visenc.proxy.affinity import Memo
 from visenc.proxy.images import Image, Images
-from visenc.proxy.memory import Memo
 from visenc.proxy.settings import ProxySettings
 from visenc_client import AsyncClient, VisencClientError
 

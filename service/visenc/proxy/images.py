@@ -10,8 +10,8 @@ from typing import Any
 import httpx
 
 from visenc.media import MediaError, base64_bytes, data_url_bytes, fetch, is_allowed_url
+from visenc.proxy.affinity import Memo
 from visenc.proxy.errors import ProxyError
-from visenc.proxy.memory import Memo
 from visenc.proxy.settings import ProxySettings
 from visenc_client import Video
 from visenc_client.format import image_hash, video_hash

@@ -1,5 +1,5 @@
 """Forwarding to the vLLM upstreams: the healthy one that last saw most of a request's images (cache
-affinity, ``memory.Upstreams``), else round robin; streamed answers streamed through; health checks."""
+affinity, ``affinity.Upstreams``), else round robin; streamed answers streamed through; health checks."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import orjson
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from visenc.proxy.affinity import Upstreams
 from visenc.proxy.errors import ProxyError, upstream_failed
-from visenc.proxy.memory import Upstreams
 from visenc.proxy.settings import ProxySettings
 from visenc_client.format import ABSENT_KEY
 

@@ -1,11 +1,7 @@
 """Idefics3 and SmolVLM: the image is resized and split into square tiles (row-major) plus
 the whole image, downsized, last; each tile runs SigLIP, pixel shuffle (``scale_factor``)
 and the connector's projection into ``image_seq_len`` rows. Tiles have one size, so every
-image is one bucket.
-
-Span: per tile ``<fake_token_around_image><row_R_col_C>`` then its rows, ``\\n`` after each
-tile row, then ``\\n<fake_token_around_image><global-img>``, the global rows and
-``<fake_token_around_image>``; an unsplit image is the global part alone (no newline)."""
+image is one bucket."""
 
 from __future__ import annotations
 

@@ -5,10 +5,7 @@ its image processor), encoded at that size with 2-D rotary positions, features f
 sizes (the bucket is the resized size). On an accelerator images of different sizes share a
 forward too (padded to the largest; the ViT crops each to its own size). Attention runs on the
 varlen kernels (``models/varlen.py``), each image within itself, never under Pixtral's block mask
-over the whole batch; on a CPU, where that kernel is a per-image loop, only equal sizes batch.
-
-Span: each row of merged patches is followed by ``[IMG_BREAK]``; the last by ``[IMG_END]``
-instead. Rows are the image-token positions only."""
+over the whole batch; on a CPU, where that kernel is a per-image loop, only equal sizes batch."""
 
 from __future__ import annotations
 

@@ -1,12 +1,4 @@
-"""Qwen3-VL (and its MoE sibling): dynamic resolution, packed, with deepstack rows.
-
-The processor resizes to multiples of ``patch * merge`` (``smart_resize``) and
-patchifies; many images pack into one forward by ``image_grid_thw``. A row is
-the merger's output concatenated along the hidden axis with each deepstack
-level's merged features: ``[main | ds_1 | ... | ds_k]``, vLLM's layout (the
-language model adds ``ds_i`` into decoder layer ``i``).
-Span: ``<|vision_start|>`` rows ``<|vision_end|>``.
-"""
+"""Qwen3-VL (and its MoE sibling): dynamic resolution, packed, with deepstack rows."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Small helpers the tower builders share: dtype names, seeded init, config fields."""
+"""How a tower is constructed: dtype names, attention kernel, seeded or empty init, casting, config fields."""
 
 from __future__ import annotations
 
@@ -46,16 +46,13 @@ def config_fields(config: Any) -> dict[str, Any]:
 
 
 def set_attention(config: Any, implementation: str = "sdpa") -> None:
-    """Pick the attention kernel before building. On CPU both eager and sdpa split
-    packed images per image (only flash-attn uses ``cu_seqlens`` varlen);
-    sdpa is the faster of the two and runs everywhere."""
+    """Pick the attention kernel before building (sdpa: the faster of eager and sdpa on CPU)."""
     config._attn_implementation = implementation
 
 
 def build_seeded(factory: Callable[[], M], seed: int) -> M:
-    """Build a module with random weights drawn from ``torch.manual_seed(seed)``,
-    without touching the caller's global RNG state (``fork_rng``). Same torch
-    version and seed → bit-identical weights in every process."""
+    """Build a module with weights from ``torch.manual_seed(seed)``, the caller's RNG untouched:
+    the same torch version and seed give bit-identical weights in every process."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = factory()
@@ -63,9 +60,7 @@ def build_seeded(factory: Callable[[], M], seed: int) -> M:
 
 
 def build_empty(factory: Callable[[], M]) -> M:
-    """Build a module whose parameters will all be overwritten by a checkpoint:
-    random init is skipped (``no_init_weights``), buffers computed in
-    ``__init__`` (rotary frequencies, position ids) are kept."""
+    """Build a module for a checkpoint to fill: no random init, ``__init__``'s buffers kept."""
     with no_init_weights():
         module = factory()
     return module.eval()

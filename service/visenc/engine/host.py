@@ -1,14 +1,4 @@
-"""What this process may use: memory and CPU, as the container sees them.
-
-In a container the host's RAM and core count are not what the process gets:
-the cgroup's memory limit and CPU quota are. Sizing a memory budget from host
-RAM inside a 4 GiB container gets the process OOM-killed; sizing thread pools
-from 64 host cores under a 2-CPU quota makes every forward wait for throttled
-threads. Both limits are read here, for cgroup v2 (``memory.max``,
-``cpu.max``) and v1 (``memory.limit_in_bytes``, ``cpu.cfs_quota_us`` /
-``cpu.cfs_period_us``), at the process's own cgroup and at the root of the
-cgroup mount (what a container with its own cgroup namespace sees).
-"""
+"""What this process may use: memory and CPU, as the container sees them."""
 
 from __future__ import annotations
 

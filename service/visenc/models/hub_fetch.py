@@ -1,12 +1,4 @@
-"""Byte ranges of a hub file, and a vision-only safetensors file built from them: ``fetch_tensors``.
-
-Each shard's header is read with two ranged GETs (its 8-byte length, then the JSON), then only the
-wanted tensors' bytes, adjacent tensors in one range, large ranges cut into parts fetched side by side
-and written in place (``os.pwrite``). The file is written under a temporary name and renamed when
-complete: a reader sees a whole file or none. A fetch that stopped (a process killed, a hub gone)
-resumes at its last logged block, each kept block checked first (``resume.Partial``). Reasoning:
-``docs/internals.md``.
-"""
+"""Byte ranges of a hub file, and a vision-only safetensors file built from them: ``fetch_tensors``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""What ``visenc proxy`` remembers between requests: which upstream saw which images (cache
-affinity), and each data: URL's image hash with the hashes visenc accepted (``Memo``)."""
+"""Affinity of ``visenc proxy``: which upstream saw which images (``Upstreams``), and each data:
+URL's image hash with the hashes visenc accepted (``Memo``)."""
 
 from __future__ import annotations
 

@@ -25,10 +25,10 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-if str(ROOT) not in sys.path:  # the waits and the free port the tests use too
+if str(ROOT) not in sys.path:  # harness: the waits and the free port the tests use too
     sys.path.insert(0, str(ROOT))
 
-from tests.support.waits import free_port, wait_ready  # noqa: E402 - benches call c.free_port, c.wait_ready
+from harness.waits import free_port, wait_ready  # noqa: E402 - benches call c.free_port, c.wait_ready
 
 
 def spread(values: list[float], unit: str = "x") -> str:

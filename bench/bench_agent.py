@@ -28,8 +28,8 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-from tests.support.images import png_bytes  # noqa: E402
-from tests.support.processes import serve_process  # noqa: E402
+from harness.images import png_bytes  # noqa: E402
+from harness.processes import serve_process  # noqa: E402
 
 from visenc_client import Client  # noqa: E402
 

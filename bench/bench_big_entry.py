@@ -38,8 +38,8 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
 import _common as c  # noqa: E402
-from tests.support.processes import redis_process, serve_process  # noqa: E402
-from tests.support.waits import free_port  # noqa: E402
+from harness.processes import redis_process, serve_process  # noqa: E402
+from harness.waits import free_port  # noqa: E402
 
 from visenc_client import Client, ImagePlacement, RowRange  # noqa: E402
 from visenc_client._shm import SegmentHandles  # noqa: E402
@@ -132,17 +132,26 @@ def main() -> None:
             call()
         assert shm.fetch_chunk(placement, 0, rows).tobytes() == data.tobytes()
         assert http.fetch_chunk(placement, 0, rows).tobytes() == data.tobytes()
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for rnd in range(args.rounds):
-            for name in list(runs)[:: 1 if rnd % 2 == 0 else -1]:
-                t0 = time.perf_counter()
-                runs[name]()
-                times[name].append(time.perf_counter() - t0)
+        times = timed(runs, args.rounds)
+    report(times, rows, hidden, nbytes, args.rounds)
 
+
+def timed(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each run per round, the order alternating round by round."""
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for rnd in range(rounds):
+        for name in list(runs)[:: 1 if rnd % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def report(times: dict[str, list[float]], rows: int, hidden: int, nbytes: int, rounds: int) -> None:
     def ratio(a: str, b: str) -> list[float]:
         return [y / x for x, y in zip(times[a], times[b])]  # throughput a / throughput b
 
-    print(f"one entry of {rows} rows x {hidden} float32 = {nbytes / 2**20:.0f} MiB, {args.rounds} rounds")
+    print(f"one entry of {rows} rows x {hidden} float32 = {nbytes / 2**20:.0f} MiB, {rounds} rounds")
     for name, ts in times.items():
         print(f"  {name:18s} {nbytes / min(ts) / 1e9:6.2f} GB/s best")
     print(f"  shm fetch_chunk / memcpy     {c.spread(ratio('shm fetch_chunk', 'memcpy'))}   goal >= 0.8")

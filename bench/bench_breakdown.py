@@ -34,6 +34,8 @@ sys.path[:0] = [str(ROOT / "service"), str(ROOT / "bench")]
 import _common as c  # noqa: E402
 
 STAGES = ("decode", "preprocess", "queue", "forward", "d2h + pack", "index + rest")
+#: a compiled tower's warm-up on a slow GPU host takes minutes; past this the bench gives up
+WARM_UP_TIMEOUT_S = 900.0
 
 
 def sample(metrics: object, name: str) -> float:
@@ -87,9 +89,12 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     metrics = Metrics()
     engine = Engine(tower, Index(MemoryCache(settings.cache_bytes or 1 << 30, metrics)), settings, metrics)
     await engine.start()
+    deadline = time.monotonic() + WARM_UP_TIMEOUT_S
     while (why := engine.not_ready_reason()) is not None:  # a compiled tower warms up first
         if "warming" not in why:
             raise RuntimeError(why)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not ready within {WARM_UP_TIMEOUT_S:.0f} s: {why}")
         await asyncio.sleep(0.5)
     out: dict[str, list[float]] = {s: [] for s in (*STAGES, "wall", "batch")}
     try:

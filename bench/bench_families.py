@@ -1,6 +1,6 @@
 """Every VLM family: batched vs per-image forward at 8 mixed images, and the service vs the bare forward.
 
-Each family is a tiny seeded full-VLM checkpoint (``tests/support/tiny_families.py``: the real
+Each family is a tiny seeded full-VLM checkpoint (``harness/tiny_families.py``: the real
 transformers classes, small widths) saved to a temporary folder and served with
 ``--model FOLDER``: what a user's checkpoint goes through, language model included on disk.
 
@@ -70,7 +70,7 @@ def main() -> int:
     p.add_argument("--images", type=int, default=24, help="images per service round")
     args = p.parse_args()
     import torch
-    from tests.support.tiny_families import BUILDERS, save_family
+    from harness.tiny_families import BUILDERS, save_family
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -35,8 +35,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-from tests.support.images import png_bytes  # noqa: E402
-from tests.support.processes import redis_process, serve_process  # noqa: E402
+from harness.images import png_bytes  # noqa: E402
+from harness.processes import redis_process, serve_process  # noqa: E402
 
 from visenc_client import Client, ImagePlacement, RowRange  # noqa: E402
 

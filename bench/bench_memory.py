@@ -36,6 +36,7 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "bench")]
@@ -155,13 +156,13 @@ def decode_peaks(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-async def measure(args: argparse.Namespace) -> dict[str, object]:
+async def start_engine(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The engine ``visenc serve`` would build under the bench's budget, started; with its tower and metrics."""
     import torch
 
     from visenc import heap
     from visenc.config import Settings
     from visenc.engine.core import Engine
-    from visenc.engine.interface import EncodeItem
     from visenc.index.memory import MemoryCache
     from visenc.index.tiered import Index
     from visenc.metrics import Metrics
@@ -180,6 +181,13 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
     metrics = Metrics()
     encoder = Engine(tower, Index(MemoryCache(settings.cache_bytes or 1 << 30, metrics)), settings, metrics)
     await encoder.start()
+    return encoder, tower, metrics
+
+
+async def measure(args: argparse.Namespace) -> dict[str, object]:
+    from visenc.engine.interface import EncodeItem
+
+    encoder, tower, metrics = await start_engine(args)
     try:
         warm = [EncodeItem(data=jpeg(10_000, 320, 240))]
         await encoder.encode(warm, "warm", wait=True)

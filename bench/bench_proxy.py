@@ -62,6 +62,11 @@ def body(datas: list[bytes]) -> bytes:
     return json.dumps({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": content}]}).encode()
 
 
+def proxy_cmd(port: int, visenc: str, upstream: str) -> list[str]:
+    flags = ["--port", str(port), "--log-level", "warning", "--visenc", visenc, "--upstream", upstream]
+    return [sys.executable, "-m", "visenc", "proxy", *flags]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=8)
@@ -82,20 +87,7 @@ def main() -> int:
         c.server(c.visenc_cmd("tiny-qwen2-vl", ports["visenc"]), urls["visenc"] + "/readyz", c.service_env()),
         c.server([sys.executable, __file__, "--upstream-server", str(ports["upstream"])], urls["upstream"] + "/health"),
         c.server(
-            [
-                sys.executable,
-                "-m",
-                "visenc",
-                "proxy",
-                "--port",
-                str(ports["proxy"]),
-                "--log-level",
-                "warning",
-                "--visenc",
-                urls["visenc"],
-                "--upstream",
-                urls["upstream"],
-            ],
+            proxy_cmd(ports["proxy"], urls["visenc"], urls["upstream"]),
             urls["proxy"] + "/health",
             c.service_env(),
         ) as proxy,

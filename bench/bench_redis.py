@@ -37,8 +37,8 @@ import httpx  # noqa: E402
 import numpy as np  # noqa: E402
 import redis  # noqa: E402
 import redis.asyncio as aioredis  # noqa: E402
+from harness.processes import redis_process  # noqa: E402
 from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
-from tests.support.processes import redis_process  # noqa: E402
 
 from visenc.bootstrap import build_index, create_app  # noqa: E402
 from visenc.config import Settings  # noqa: E402
@@ -114,7 +114,7 @@ async def hit_latency(url: str, rounds: int, reps: int) -> None:
     from visenc.models.loading import load_tower
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from tests.support.images import png_bytes
+    from harness.images import png_bytes
 
     tower = load_tower("tiny-qwen2-vl")
     image = png_bytes(1, 224, 224)

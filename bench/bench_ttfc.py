@@ -33,8 +33,8 @@ sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROO
 
 import _common as c  # noqa: E402
 import httpx  # noqa: E402
-from tests.support.images import png_bytes  # noqa: E402
-from tests.support.processes import serve_process  # noqa: E402
+from harness.images import png_bytes  # noqa: E402
+from harness.processes import serve_process  # noqa: E402
 
 from visenc_client import Client, ImagePlacement  # noqa: E402
 

@@ -35,9 +35,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
 import httpx  # noqa: E402
 from _common import spread  # noqa: E402
-from tests.support.images import jpeg_bytes  # noqa: E402
-from tests.support.processes import serve_process  # noqa: E402
-from tests.support.waits import metric  # noqa: E402
+from harness.images import jpeg_bytes  # noqa: E402
+from harness.processes import serve_process  # noqa: E402
+from harness.waits import metric  # noqa: E402
 
 from visenc_client import Client, Video  # noqa: E402
 

@@ -41,7 +41,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import hashlib
 import json
 import os
@@ -50,7 +49,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -60,12 +58,12 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "with_vllm"), str(HERE)]
 
 import _common as c  # noqa: E402
+from _vllm_deploy import MAX_MODEL_LEN, VLLM_ENV, deployment, only, vllm_cmd  # noqa: E402
 
 #: ``twin``: a second, identical vLLM alone (an A/A control: twin ÷ alone is this host's floor);
 #: ``inert``: the connector's vLLM itself, sent the request straight and untagged (vLLM encodes every
 #: image, the connector ignores it): cold ÷ inert compares within one vLLM process
 MODES = ("alone", "twin", "inert", "cold", "warm")
-SYSTEMS = {"alone": ["alone"], "twin": ["twin"], "cold": ["visenc", "behind", "proxy"]}
 URLS = {"alone": "alone", "twin": "twin", "inert": "behind", "cold": "proxy", "warm": "proxy"}
 
 
@@ -93,69 +91,6 @@ def ttft(client: httpx.Client, url: str, payload: dict) -> float:
     elapsed = time.perf_counter() - t0
     r.raise_for_status()
     return elapsed
-
-
-#: the longest prompt the vLLMs take (``--max-model-len``; real row sizes need more)
-MAX_MODEL_LEN = {"value": 4096}
-
-
-def vllm_cmd(model: Path, port: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        *("--model", str(model), "--host", "127.0.0.1", "--port", str(port)),
-        *("--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN["value"]), "--seed", "0"),
-        *("--limit-mm-per-prompt", json.dumps({"image": 8, "video": 0})),
-        *extra,
-    ]
-
-
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
-
-
-@contextlib.contextmanager
-def deployment(model: Path, logs: Path) -> Iterator[tuple[dict[str, str], dict]]:
-    """visenc, vLLM alone, vLLM with the connector and ``visenc proxy`` in front of it. The
-    processes of the system not being measured are paused (``only``), as they share the cores."""
-    from openai_servers import connector_config
-
-    ports = {k: c.free_port() for k in ("visenc", "alone", "twin", "behind", "proxy")}
-    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    procs = {}
-    with contextlib.ExitStack() as stack:
-        procs["visenc"] = stack.enter_context(
-            c.server(
-                c.visenc_cmd(str(model), ports["visenc"], "--max-wait-ms", "1"),
-                urls["visenc"] + "/readyz",
-                c.service_env(),
-                logs / "visenc.log",
-            )
-        )
-        config = connector_config(urls["visenc"])
-        for name, extra in (("alone", ()), ("twin", ()), ("behind", ("--ec-transfer-config", config))):
-            cmd = vllm_cmd(model, ports[name], *extra)
-            procs[name] = stack.enter_context(c.server(cmd, urls[name] + "/health", VLLM_ENV, logs / f"{name}.log"))
-        proxy = [sys.executable, "-m", "visenc", "proxy", "--port", str(ports["proxy"])]
-        proxy += ["--visenc", urls["visenc"], "--upstream", urls["behind"]]
-        procs["proxy"] = stack.enter_context(
-            c.server(proxy, urls["proxy"] + "/health", c.service_env(), logs / "proxy.log")
-        )
-        yield urls, procs
-
-
-@contextlib.contextmanager
-def only(procs: dict, mode: str) -> Iterator[None]:
-    """Pause the processes of the other systems while ``mode``'s runs."""
-    mine = SYSTEMS.get(mode, SYSTEMS["cold"])
-    others = [name for system in SYSTEMS.values() for name in system if name not in mine]
-    for name in others:
-        c.pause(procs[name])
-    try:
-        yield
-    finally:
-        for name in others:
-            c.resume(procs[name])
 
 
 def agent(
@@ -321,7 +256,7 @@ def second_replica(model: Path, urls: dict[str, str], logs: Path, turns: int, si
     return result
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--towers", default="tiny,vit-b,vit-l")
     p.add_argument("--turns", type=int, default=8)
@@ -336,7 +271,41 @@ def main() -> int:
     p.add_argument("--count-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--visenc", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seeds", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def report(tower: str, args: argparse.Namespace, times: dict, cost: dict[str, float], replica: dict) -> None:
+    width = args.row_width or 128
+    print(f"\n[{tower} tower, rows {width} wide] TTFT per turn, ms (median over rounds), and ÷ alone")
+    for k in range(args.turns):
+        alone = [r[k] for r in times["alone"]]
+        line = f"  turn {k + 1}: alone {statistics.median(alone) * 1e3:6.1f}"
+        for mode in ("twin", "inert", "cold", "warm"):
+            mine = [r[k] for r in times[mode]]
+            ratios = [a / b for a, b in zip(mine, alone)]
+            line += f" | {mode} {statistics.median(mine) * 1e3:6.1f} ({c.spread(ratios)})"
+        inert = [r[k] for r in times["inert"]]
+        same = [a / b for a, b in zip([r[k] for r in times["cold"]], inert)]
+        print(line + f" | cold ÷ inert {c.spread(same)}")
+    turn = statistics.median(r[-1] for r in times["warm"]) * 1e3
+    print(f"  visenc path, one request of {args.turns} warm screenshots (TTFT {turn:.1f} ms):")
+    for key, label in (
+        ("hop", "proxy hop (a prefix-cached request via the proxy - direct)"),
+        ("hash", "hashing the images"),
+        ("fetch", "look-up + rows of every image, one round trip"),
+        ("copy", "rows into the encoder cache"),
+    ):
+        print(f"    {label:50s} {cost[key]:6.2f} ms  ({cost[key] / turn:.1%} of TTFT)")
+    print(
+        f"  second replica, {args.turns} screenshots visenc knows: TTFT with visenc / alone "
+        f"{replica['visenc'] / replica['alone']:.2f} ({replica['visenc'] * 1e3:.0f} / {replica['alone'] * 1e3:.0f}"
+        f" ms); images vLLM encoded itself: {replica['encoded']['visenc']} with visenc, "
+        f"{replica['encoded']['alone']} alone"
+    )
+
+
+def main() -> int:
+    args = parse_args()
     size = tuple(int(x) for x in args.size.split("x"))
     if args.count_worker:
         MAX_MODEL_LEN["value"] = args.max_model_len or MAX_MODEL_LEN["value"]
@@ -377,33 +346,7 @@ def main() -> int:
             finally:
                 for name in ("alone", "twin", "behind", "proxy"):
                     c.resume(procs[name])
-        width = args.row_width or 128
-        print(f"\n[{tower} tower, rows {width} wide] TTFT per turn, ms (median over rounds), and ÷ alone")
-        for k in range(args.turns):
-            alone = [r[k] for r in times["alone"]]
-            line = f"  turn {k + 1}: alone {statistics.median(alone) * 1e3:6.1f}"
-            for mode in ("twin", "inert", "cold", "warm"):
-                mine = [r[k] for r in times[mode]]
-                ratios = [a / b for a, b in zip(mine, alone)]
-                line += f" | {mode} {statistics.median(mine) * 1e3:6.1f} ({c.spread(ratios)})"
-            inert = [r[k] for r in times["inert"]]
-            same = [a / b for a, b in zip([r[k] for r in times["cold"]], inert)]
-            print(line + f" | cold ÷ inert {c.spread(same)}")
-        turn = statistics.median(r[-1] for r in times["warm"]) * 1e3
-        print(f"  visenc path, one request of {args.turns} warm screenshots (TTFT {turn:.1f} ms):")
-        for key, label in (
-            ("hop", "proxy hop (a prefix-cached request via the proxy - direct)"),
-            ("hash", "hashing the images"),
-            ("fetch", "look-up + rows of every image, one round trip"),
-            ("copy", "rows into the encoder cache"),
-        ):
-            print(f"    {label:50s} {cost[key]:6.2f} ms  ({cost[key] / turn:.1%} of TTFT)")
-        print(
-            f"  second replica, {args.turns} screenshots visenc knows: TTFT with visenc / alone "
-            f"{replica['visenc'] / replica['alone']:.2f} ({replica['visenc'] * 1e3:.0f} / {replica['alone'] * 1e3:.0f}"
-            f" ms); images vLLM encoded itself: {replica['encoded']['visenc']} with visenc, "
-            f"{replica['encoded']['alone']} alone"
-        )
+        report(tower, args, times, cost, replica)
     return 0
 
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 import re
 import subprocess
 
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 TOP = ("service", "clients", "tests", "bench", "deploy", "loadtest")
 PACKAGES = ("engine", "index", "api", "models", "imaging", "epd", "proxy")

@@ -11,9 +11,9 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+from harness.images import png_bytes
+from harness.waits import until
 from tests.support.api import encode_json, fetch_rows, running_app, sha
-from tests.support.images import png_bytes
-from tests.support.waits import until
 
 from visenc.imaging.decode import decode
 from visenc.models import sim

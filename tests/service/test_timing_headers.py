@@ -5,9 +5,9 @@ from __future__ import annotations
 import time
 
 import pytest
+from harness.images import png_bytes
+from harness.waits import metric
 from tests.support.api import encode_json, running_app
-from tests.support.images import png_bytes
-from tests.support.waits import metric
 
 
 def timings(r) -> tuple[float, float]:

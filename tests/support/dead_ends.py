@@ -28,7 +28,7 @@ import struct
 import threading
 from typing import Any
 
-from tests.support.waits import free_port
+from harness.waits import free_port
 
 #: a host name that never resolves (RFC 2606 reserves ``.invalid``)
 UNRESOLVABLE = "visenc-nowhere.invalid"

@@ -25,7 +25,7 @@ from collections import Counter
 import aiohttp
 import msgpack
 from aiohttp import web
-from tests.support.waits import free_port
+from harness.waits import free_port
 
 MODES = ("pass", "503", "reset", "hang", "slow")
 

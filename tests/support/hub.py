@@ -40,8 +40,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from harness.waits import free_port
 from tests.support.hub_repos import Blob, Busy, Repo, Request, blob_fields, entry, folder_entry, tree
-from tests.support.waits import free_port
 
 
 class LoopbackHub:

@@ -15,8 +15,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from harness.tiny_families import save_family
 from safetensors.torch import load_file, save_file
-from tests.support.tiny_families import save_family
 
 #: per kind: the prefixes of its vision tensors (tower and projector), as its checkpoint names them
 VISION_PREFIXES = {

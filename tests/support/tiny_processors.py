@@ -11,10 +11,25 @@ processor expands it into the image's placeholder span), ``.image_token`` the pl
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+#: the image-processor backends, as test parameters (torchvision's skipped where it is not installed)
+BACKENDS = [
+    "pil",
+    pytest.param(
+        "torchvision",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("torchvision") is None,
+            reason="the torchvision backend needs torchvision installed",
+        ),
+    ),
+]
 
 
 def byte_tokenizer(specials: list[str], **kwargs: Any) -> Any:
@@ -216,7 +231,7 @@ def save_with_processor(name: str, outdir: str | Path, seed: int = 0, vision_see
     the language model's embeddings grow to its vocabulary. ``vision_seed`` redraws the image path
     (everything but the language model): a copy whose own image embeddings are wrong."""
     import torch
-    from tests.support.tiny_families import build_family
+    from harness.tiny_families import build_family
 
     spec = PROCESSORS[name]
     out = Path(outdir)

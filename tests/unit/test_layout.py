@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 SERVICE = ROOT / "service" / "visenc"
 #: engine modules by stage: a module may import only modules of a lower rank (data flows one way)

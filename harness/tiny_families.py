@@ -11,25 +11,12 @@ along the hidden axis): the definition of an image's embedding that visenc must 
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
-#: the image-processor backends, as test parameters (torchvision's skipped where it is not installed)
-BACKENDS = [
-    "pil",
-    pytest.param(
-        "torchvision",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("torchvision") is None,
-            reason="the torchvision backend needs torchvision installed",
-        ),
-    ),
-]
 IMAGE_TOKEN = 5  # every tiny family's image placeholder id; vocab 64
 TEXT_HIDDEN = 64
 

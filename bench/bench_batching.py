@@ -1,14 +1,6 @@
 """Batched forward vs a per-image loop, 8 images, same resolution and mixed, every built-in tower.
 
-Forward only (inputs preprocessed beforehand), one process, torch threads as the
-service would set them on this host; "batched" is the 8 images cut into forwards as the
-engine's plan cuts them (on CPU a packed Qwen forward is capped at 4096 patch tokens, and
-Qwen images over 512 patches get a forward each, so there "batched" is mostly the loop).
-For the Qwen towers "packed" forces every image of a batch into ONE varlen forward (what a
-GPU runs), measured for real against the loop. Rounds alternate the ways; each ratio is the
-median of per-round ratios (images/s / images/s looped), with min and max.
-
-    python bench/bench_batching.py
+python bench/bench_batching.py
 """
 
 from __future__ import annotations

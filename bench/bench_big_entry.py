@@ -1,23 +1,6 @@
 """One big entry (default 64 MiB of rows) fetched through each transport, against its fair floor.
 
-A real ``visenc serve`` (shared Redis index, shared memory on) and a real ``redis-server``; the
-entry is written into Redis in the stored format for the served model (a 64 MiB entry would take
-an image of ~50 Mpx through the tiny tower), so the service finds it there, as a replica finds an
-image another replica encoded. Side by side, rounds alternating, each moving the entry's rows
-into one preallocated buffer (or handing back views where said):
-
-* memcpy: ``np.copyto`` of the same number of bytes (the floor of every transport);
-* shm: ``Client(shared_memory=True).fetch_chunk`` of an image the client read before (the
-  segment is known: no request, one copy), the same with the client's known segments
-  forgotten each time (a request for the handle first, as for an image's first chunk), and
-  ``fetch_many`` (mapped read-only views, no copy), vs memcpy;
-* Redis: ``GETRANGE`` of the rows into the buffer, vs a raw redis-py ``GET`` of the same key;
-* HTTP: ``Client.fetch_chunk`` into the buffer, vs a raw loopback transfer of the same bytes
-  (httpx GET of a bare ASGI app on the same uvicorn that returns them).
-
-Each ratio is the median over rounds, with min and max.
-
-    python bench/bench_big_entry.py [--mib 64] [--rounds 7]
+python bench/bench_big_entry.py [--mib 64] [--rounds 7]
 """
 
 from __future__ import annotations

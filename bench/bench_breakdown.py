@@ -1,21 +1,6 @@
 """Where a cold request spends its time: decode, preprocess, queue, forward, device-to-host +
 pack, index and the rest, per image, as a text bar chart.
 
-Runs the real engine in-process (index, scheduler, preprocessing pool, device worker) and sends
-``--images`` distinct JPEGs from ``--concurrency`` concurrent single-image ``wait=true``
-requests, as callers do. Per image, in milliseconds:
-
-* decode: the JPEG decode alone (timed on the same images, same loader, outside the engine);
-* preprocess: the engine's decode + preprocess time minus decode;
-* queue: admission to the start of the image's forward, minus decode and preprocess;
-* forward: the duration of the forward the image ran in;
-* d2h + pack: the outputs stage's copy to the host and packing into the stored value;
-* index + rest: what remains of the request's wall time (storing in the index, resolving the
-  waiters, the request's own bookkeeping).
-
-Each figure is the median over ``--rounds`` rounds (fresh namespace each, so every image is
-cold), with min and max.
-
     python bench/bench_breakdown.py [--model tiny-qwen2-vl] [--images 64] [--size 640x480]
 """
 

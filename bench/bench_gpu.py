@@ -1,23 +1,6 @@
 """A Qwen2.5-VL-7B-sized vision tower on a GPU: transformers' own path, visenc eager and visenc
 compiled, side by side, with the share of the device's bf16 FLOP limit each reaches.
 
-The tower is Qwen2.5-VL-7B's vision config (32 blocks, width 1280, window attention, merger to
-3584) with seeded random weights in bf16: speed does not depend on the weights. Scenarios: 720p x8,
-1080p x1, 1080p x4 and a mixed batch of six screenshot sizes (resized by the processor's rules,
-``max_pixels`` 12.8 Mpx). Paths, each on the same prepared inputs:
-
-- ``transformers``: the model's own forward of the batch (attention split image by image);
-- ``visenc eager``: one packed forward on the varlen kernel (``models/varlen.py``);
-- ``visenc compiled``: the same, blocks compiled (``models/compiled.py``), warmed up first;
-- ``compiled per-image``: the compiled tower, one forward per image.
-
-Rounds alternate the order of the paths; each figure is the median over rounds, ratios with min
-and max. Peak memory is the allocator's peak above the weights during one pass. FLOPs per image
-are counted from the config (``bench/flops.py``); MFU = images/s x FLOPs per image / peak.
-
-Prints "no CUDA device" and exits 0 where there is none, unless ``--device cpu`` (with ``--tower
-tiny``: a smoke run of this script's own code on a CPU, no figures worth reading).
-
     python bench/bench_gpu.py [--rounds 5] [--peak-tflops 989] [--profile] [--json]
 """
 

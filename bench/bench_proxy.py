@@ -3,9 +3,6 @@ URLs, an agent's turn) sent straight to an upstream and through the proxy, alter
 upstream that answers at once (a stand-in for vLLM, so only the hop is timed) and a real visenc
 (tiny tower) the proxy hands the images to after each answer, as deployed.
 
-Prints the median hop (through the proxy − straight) in ms with min and max over rounds, and the
-proxy's CPU time per request.
-
     .venv/bin/python bench/bench_proxy.py [--images 8] [--rounds 40] [--size 1280x720]
 """
 

@@ -1,19 +1,6 @@
 """Redis tier: fetch throughput against a raw redis-py GET, and hit-path encode latency.
 
-Starts its own redis-server on a free loopback port (no persistence) and prints,
-measured side by side in one run (alternating rounds, medians):
-
-1. **Fetch throughput** of one stored entry (default: a Qwen2.5-VL-7B-class
-   image, 1196 tokens x 3584 hidden, bfloat16 = 8.6 MB): the service's Redis
-   tier (``RedisStore.get_many``: GET + header/key checks, no copy) and the
-   client's direct read (``RedisRows.fetch_bytes``: GETRANGE of the rows), each
-   as a ratio of a raw redis-py GET of the same bytes (both with hiredis).
-2. **Hit-path encode latency** (``POST /v1/encode`` with one known hash, the real
-   app in-process with the tiny default tower): in-process index only, Redis
-   configured but the entry in L1, and an L2 hit (L1 disabled: every lookup is
-   one Redis round trip).
-
-    python bench/bench_redis.py [--rounds 7] [--tokens 1196 --hidden 3584]
+python bench/bench_redis.py [--rounds 7] [--tokens 1196 --hidden 3584]
 """
 
 from __future__ import annotations

@@ -1,28 +1,6 @@
 """Rows at a 7B model's size through every path that moves them, each against its floor, in one run.
 
-The tower has a real output width and next to no compute: Qwen2.5-VL's architecture, two blocks of
-width 64, merger to 3584, bf16 rows (a 1080p screenshot: 2,691 rows, 19.3 MB), so that only the
-transport shows. One ``visenc serve`` with a shared Redis index and shared memory, a second one that
-loads images as SGLang does (for its encoder protocol), and a real ``redis-server``. Screenshots at
-720p, 1080p and 1440p are encoded once; then, at 1 and 16 concurrent callers, each path moves them
-again, side by side with its floor, rounds alternating the order:
-
-=============================  ====================================================================
-path                           floor
-=============================  ====================================================================
-HTTP ``Client.fetch``          a raw socket: a sender thread ``sendall``s the same bytes, the
-HTTP ``AsyncClient.fetch``     receiver ``recv_into``s a buffer (one connection per caller)
-``include_rows`` look-up       the same raw socket
-shm ``fetch_chunk``            ``memcpy`` (``np.copyto``) of the same bytes
-Redis ``RedisRows.fetch``      a raw redis-py ``GET`` of the same value
-SGLang ``/encode`` + ZMQ push  a raw ZMQ ``PUSH`` of the same frames to a ``PULL`` socket
-``VisencConnector``            per image: its look-up of the rows and their load into the encoder
-                               cache (run in ``.venv-vllm``; skipped where vLLM is not installed)
-=============================  ====================================================================
-
-Each ratio is path throughput ÷ floor throughput in the same round: median (min, max) over rounds.
-
-    python bench/bench_rows.py [--rounds 3] [--sizes 720p 1080p 1440p] [--json]
+python bench/bench_rows.py [--rounds 3] [--sizes 720p 1080p 1440p] [--json]
 """
 
 from __future__ import annotations

@@ -1,37 +1,10 @@
 """Service throughput, side by side in one run: visenc vs the bare in-process forward,
 vs a naive FastAPI handler, and (given its folder) vs the Infinity peer.
 
-All systems get the SAME tower and the SAME JPEGs. Rates (images/s):
-
-* bare       in-process loop: decode + preprocess + forward at the best batch size
-             and torch thread count, sequential: what a caller reaches without a service;
-* forward    the same without decode/preprocess (pure device time, for reference);
-* visenc     ``visenc serve``, 8 concurrent clients, one image per request, cold
-             (bytes sent, encoded, rows fetched); a fresh namespace per round;
-* repeat     the same images again: every visenc request is an index hit;
-* naive      ``bench/naive_server.py``: per-request preprocess + batch-1 forward;
-* infinity   ``infinity_emb v2`` on the same CLIP folder, 8 concurrent single-image clients;
-* infinity_heap  (``--infinity-heap``) the same with the C-heap setting visenc makes
-             (``visenc/heap.py``) given by glibc's environment variables.
-
-The bare loop runs with visenc's C-heap setting too (``heap.hold_freed``): a freed
-activation is reused, not faulted in again (``bench/bench_heap.py``: tiny CLIP's forward
-1.22x faster than under glibc's defaults).
-
-The bare loop's best batch size per torch thread count is picked once by calibration;
-then each round measures every system once, in turn, with the other servers paused
-(SIGSTOP: an idle server still polls and steals cycles from a 2-core host), and the printed ratios are the medians over
-rounds of the per-round ratios (a shared machine's load drifts; neighbours in time see
-about the same load).
-
     python bench/bench_service.py                                  # tiny-clip, 2 rounds
     python bench/bench_service.py --model tiny-qwen2-vl --images 48
     python bench/bench_service.py --infinity /work/peer-infinity   # CLIP folder built by the peer's setup.sh
     python bench/bench_service.py --before /tmp/visenc-before      # this tree vs another (git worktree)
-
-``--before PATH`` adds ``visenc_before``: the same ``visenc serve`` run from the source tree at PATH
-(``git worktree add /tmp/visenc-before <commit>``), measured in the same rounds: a change's
-before and after, side by side (``visenc / visenc_before``).
 """
 
 from __future__ import annotations

@@ -2,21 +2,6 @@
 worker (now): how many 720p-1440p screenshots each lets the pool make at once, and ``visenc serve``'s
 cold images/s under each, side by side in one run.
 
-The scheduler starts an image's preprocessing while the staged total (each image's input, plus its
-decode while it is made) stays within ``prefetch_tokens``. A screenshot's line is 12k-50k tokens,
-one to three 16k-token batches: under two batches, one or two are made at once whatever the pool's
-width, and a 16-core host's service is capped by one core's preprocessing.
-
-First the arithmetic, from the real Qwen2.5-VL processor (the costs the scheduler charges). Then
-two servers (``--tower 7b`` on CUDA: Qwen2.5-VL-7B's vision config, random bf16 weights, compiled;
-``--tower cheap``: one narrow block with the real 3584-wide merger, so a CPU forward costs little
-beside the service path), one with ``VISENC_PREFETCH_TOKENS`` at the old bound and one with the
-default, each measured in turn (the other paused), with ``--clients`` ``wait=true`` callers that
-fetch each image's rows with a GET (``inline=False``, as ``bench_gpu_service.py``).
-
-On a CPU the default bound is a quarter batch (unchanged), so there both bounds are given
-explicitly; the forward shares the cores with preprocessing there, so the rates show little.
-
     python bench/bench_staging.py [--device cuda] [--tower 7b] [--images 96] [--rounds 3] [--clients 16]
 """
 

@@ -1,37 +1,6 @@
 """vLLM alone vs vLLM + visenc, deployed as the docs deploy them: ``vllm serve`` with
 ``VisencConnector`` behind ``visenc proxy``, against a plain ``vllm serve``.
 
-Needs the vLLM environment (``make vllm``); run it with ``.venv-vllm/bin/python``. Models: Qwen2-VL
-checkpoints of ``tests/with_vllm/tiny_vlm.py`` (random weights, CPU, fp32, prefix caching on, as
-vLLM's default) with a vision tower of each size asked for: ``tiny`` (2 layers, 64 wide), ``vit-b``
-(12 x 768) and ``vit-l`` (24 x 1024); screenshots of ``--size`` (resized by the checkpoint's
-processor to at most 256 rows).
-
-* **Agent, same replica**: turn ``k`` sends screenshots ``1..k`` (one new screenshot a turn, the
-  earlier ones resent) over the OpenAI chat API and asks for one token. TTFT per turn for vLLM
-  alone (straight to it), visenc **cold** (the new screenshot is new to visenc too: the proxy
-  tells the connector so, and hands it to visenc after the answer) and visenc **warm** (the new
-  screenshot is already in visenc's index: another replica saw it), and **twin**: a second
-  ``vllm serve`` alone, identical to the first, run the same way (an A/A control: twin ÷ alone
-  is how far two identical systems differ on this host, the floor under any ratio), and **inert**:
-  the connector's own vLLM sent the request straight, untagged (it encodes every image itself, the
-  connector ignores them): cold ÷ inert compares within one process. Each round uses new
-  screenshots (vLLM's prefix cache would cover repeats); the three conversations of a round run
-  turn by turn, their order rotating every turn. Ratios are per turn: medians over rounds, with
-  min and max.
-* **Second replica**: a fresh vLLM given the last turn's conversation (every screenshot known to
-  visenc): TTFT alone vs with visenc, and the images each vLLM encodes itself (counted by a
-  forward hook on its vision tower, offline ``LLM``, as ``vllm serve`` exposes no such counter).
-* **Cost of the visenc path** (one request of ``--turns`` screenshots visenc holds): the proxy
-  hop (the same request, already in vLLM's prefix cache, sent through the proxy and straight to
-  the connector's vLLM, alternating), hashing the images, the connector's look-up (every image's
-  rows in one round trip) and the copy of the rows into vLLM's encoder cache, in ms and as a
-  share of the warm TTFT at the last turn.
-
-Real row sizes (``--row-width 3584``): the language model is as wide as a 7B model's, so each image's
-rows are what a 7B model's are (``--size 1920x1080``, ``--max-image-tokens 2700``: 2,691 rows of
-3584 float32, 38.6 MB an image), while the tower stays tiny; only moving the rows shows.
-
     .venv-vllm/bin/python bench/bench_vllm.py [--towers tiny,vit-b,vit-l] [--turns 8] [--rounds 5]
     .venv-vllm/bin/python bench/bench_vllm.py --towers tiny --row-width 3584 --size 1920x1080 \
         --max-image-tokens 2700 --turns 3 --rounds 3

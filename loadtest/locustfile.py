@@ -1,33 +1,4 @@
-"""Locust scenarios that look like prefill-worker traffic against visenc.
-
-Pick one with ``--scenario NAME`` (or Locust's own ``--tags NAME`` or by class
-name on the command line)::
-
-    agent   multi-turn conversation: each turn adds one new screenshot and
-            resends every earlier one by hash, then fetches the embeddings
-            chunk by chunk (``--chunk-tokens`` rows per prefill chunk)
-    probe   one request of 1, 2, ... ``--probe-max`` new images at
-            ``--image-size``; records time-to-first-chunk and time-to-all per N
-    cold    every image new
-    hot     every image already cached (a shared pool warmed at start)
-    mixed   each image from the hot pool with probability ``--hit-ratio``
-
-Chunks are fetched with one ``POST /v1/embeddings/fetch`` each (``--fetch-mode
-get``: one ``GET /v1/embeddings/{hash}?start=&end=`` per image range). Every
-request goes hash-first (hashes only; upload bytes only for the items
-answered ``missing``) unless ``--upload bytes``; encodes use ``wait=false`` so
-the first chunk's fetch waits only for the images it covers. A 200 whose body
-does not answer the request is reported as a failure (see ``payloads``).
-
-Custom entries in Locust's stats (request type / name):
-
-    TTFC / n=NN      time from the turn's first encode to the first chunk's rows
-    TTA / n=NN       ... to the last chunk's rows (NN = images in the request)
-    server / queue   X-Visenc-Queue-Time of encode answers, when the service sends it
-    server / encode  X-Visenc-Encode-Time, likewise
-    images / hit     one per image the index already held (hash-first answer not missing)
-    images / miss    one per image that had to be uploaded
-"""
+"""Locust scenarios that look like prefill-worker traffic against visenc."""
 
 from __future__ import annotations
 

@@ -1,19 +1,4 @@
-"""What the load test sends and how it checks the answers; no Locust, no I/O.
-
-Kept free of Locust (and so of gevent's monkey-patching) so the test suite can
-import and check it directly. Everything here is deterministic:
-
-* images are synthetic *screenshots* (flat panels, title bars, lines of
-  "text"), a pure function of ``(seed, width, height)``; the seed is also
-  stamped into the top pixel row so two seeds never give the same bytes;
-* the chunk plan splits the concatenated token rows of a request's images
-  into prefill chunks of ``chunk_tokens`` rows, each chunk a list of
-  ``(image index, start, end)`` ranges in prompt order;
-* the checks raise :class:`PayloadError` for a response that is well-formed
-  HTTP (200) but wrong for the request: wrong item count or order, an
-  unexpected status, byte counts that disagree with ``rows * hidden * itemsize``,
-  shape or dtype headers that disagree with the handle.
-"""
+"""What the load test sends and how it checks the answers; no Locust, no I/O."""
 
 from __future__ import annotations
 

@@ -13,7 +13,7 @@ import subprocess
 
 from harness.paths import ROOT
 
-TOP = ("service", "clients", "tests", "bench", "deploy", "loadtest")
+TOP = ("service", "clients", "tests", "bench", "deploy", "loadtest", "harness")
 PACKAGES = ("engine", "index", "api", "models", "imaging", "epd", "proxy")
 _ROOTS = "|".join((*TOP, *PACKAGES, "visenc_client", "visenc", "docs"))
 _POINTER = re.compile(r"`{1,2}((?:" + _ROOTS + r")/[\w./-]*)`{1,2}")

@@ -1,13 +1,4 @@
-"""Tiny seeded full-VLM checkpoints of each served family, and transformers' own placeholder rows.
-
-``save_family(name, outdir)`` writes a folder as ``save_pretrained`` does (config.json,
-model.safetensors with the language model too, preprocessor_config.json), built from
-the family's real transformers classes with small widths and seeded weights: nothing
-is downloaded. ``placeholder_rows(model, inputs, n)`` runs the whole VLM on a prompt of
-``n`` image tokens and returns the rows transformers places into ``inputs_embeds`` at
-the image's placeholder positions (for Qwen3-VL with the deepstack levels appended
-along the hidden axis): the definition of an image's embedding that visenc must meet.
-"""
+"""Tiny seeded full-VLM checkpoints of each served family, and transformers' own placeholder rows."""
 
 from __future__ import annotations
 

@@ -1,11 +1,5 @@
 """Each tiny family's own transformers ``Processor`` (image processor + a tokenizer), saved beside its
 checkpoint, so that transformers' ``AutoProcessor`` and vLLM's multimodal processor both load it.
-
-``byte_tokenizer(specials)`` is a byte-level tokenizer (256 byte tokens, no merges: nothing to
-download) with the family's special tokens; ``save_with_processor(name, outdir)`` writes a
-``tiny_families`` checkpoint whose config takes the tokenizer's ids for its special tokens, and the
-family's ``Processor``. ``PROCESSORS[name].prompt`` is the text a prompt carries for one image (the
-processor expands it into the image's placeholder span), ``.image_token`` the placeholder of a row.
 """
 
 from __future__ import annotations

@@ -17,10 +17,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-from harness.images import png_bytes  # noqa: E402
-from harness.processes import serve_process  # noqa: E402
+from harness.images import png_bytes
+from harness.processes import serve_process
 
-from visenc_client import Client  # noqa: E402
+from visenc_client import Client
 
 
 def counter(url: str, name: str) -> float:

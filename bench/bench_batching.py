@@ -14,7 +14,7 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
 SAME = [(640, 480)] * 8
 MIXED = [(640, 480), (448, 448), (800, 600), (336, 560), (1024, 576), (512, 512), (600, 400), (720, 720)]

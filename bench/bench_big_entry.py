@@ -20,13 +20,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-from harness.processes import redis_process, serve_process  # noqa: E402
-from harness.waits import free_port  # noqa: E402
+import _common as c
+from harness.processes import redis_process, serve_process
+from harness.waits import free_port
 
-from visenc_client import Client, ImagePlacement, RowRange  # noqa: E402
-from visenc_client._shm import SegmentHandles  # noqa: E402
-from visenc_client.format import DATA_OFFSET, entry_key, image_hash, pack_entry  # noqa: E402
+from visenc_client import Client, ImagePlacement, RowRange
+from visenc_client._shm import SegmentHandles
+from visenc_client.format import DATA_OFFSET, entry_key, image_hash, pack_entry
 
 RAW_APP = """
 import os

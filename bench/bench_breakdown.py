@@ -16,7 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
+import _common as c
 
 STAGES = ("decode", "preprocess", "queue", "forward", "d2h + pack", "index + rest")
 #: a compiled tower's warm-up on a slow GPU host takes minutes; past this the bench gives up

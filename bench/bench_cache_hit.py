@@ -18,8 +18,8 @@ import msgpack
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-from harness.images import png_bytes  # noqa: E402
-from harness.processes import serve_process  # noqa: E402
+from harness.images import png_bytes
+from harness.processes import serve_process
 
 MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
 

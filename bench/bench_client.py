@@ -17,11 +17,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-import httpx  # noqa: E402
-import msgpack  # noqa: E402
+import _common as c
+import httpx
+import msgpack
 
-from visenc_client import AsyncClient  # noqa: E402
+from visenc_client import AsyncClient
 
 Run = Callable[[str, list[bytes], int], Awaitable[None]]
 NAMESPACE = "client"

@@ -17,10 +17,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
-from visenc.models.sim import Span, stats  # noqa: E402
-from visenc_client import AsyncClient  # noqa: E402
+from visenc.models.sim import Span, stats
+from visenc_client import AsyncClient
 
 SPEC = "sim:launch_ms=1,token_us={token_us:g},patch=16,hidden=64,sync={sync}"
 

@@ -21,8 +21,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-from visenc.index.memory import MemoryCache  # noqa: E402
-from visenc.metrics import Metrics  # noqa: E402
+from visenc.index.memory import MemoryCache
+from visenc.metrics import Metrics
 
 MB = 1 << 20
 SIZES = [int(8.6 * MB), int(19.3 * MB), int(33.9 * MB)]

@@ -17,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
-from bench_batching import MIXED, engine_batches  # noqa: E402
+import _common as c
+from bench_batching import MIXED, engine_batches
 
 
 def batched_vs_loop(folder: Path, rounds: int) -> tuple[int, list[float]]:

@@ -19,10 +19,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-from harness.images import png_bytes  # noqa: E402
-from harness.processes import redis_process, serve_process  # noqa: E402
+from harness.images import png_bytes
+from harness.processes import redis_process, serve_process
 
-from visenc_client import Client, ImagePlacement, RowRange  # noqa: E402
+from visenc_client import Client, ImagePlacement, RowRange
 
 HAS_REDIS_INDEX = importlib.util.find_spec("visenc.index.redis") is not None
 

@@ -18,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-import bench_gpu  # noqa: E402
+import _common as c
+import bench_gpu
 
 #: run in a fresh process per reader: argv = clients folder, reader, url, reads, images file
 READER = r"""

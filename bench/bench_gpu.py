@@ -16,7 +16,7 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
 #: Qwen2.5-VL-7B-Instruct's vision_config
 QWEN2_5_VL_7B_VISION = {

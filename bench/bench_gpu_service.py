@@ -18,8 +18,8 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
-import bench_gpu  # noqa: E402
+import _common as c
+import bench_gpu
 
 #: screenshot sizes the images cycle through
 SCREENS = [(1280, 720), (1920, 1080), (2560, 1440), (1366, 768), (1440, 900), (1600, 900)]

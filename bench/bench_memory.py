@@ -21,7 +21,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "bench")]
 
-from _common import jpeg  # noqa: E402
+from _common import jpeg
 
 MiB = 1 << 20
 

@@ -22,7 +22,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common as c  # noqa: E402
+import _common as c
 
 ANSWER = json.dumps(
     {

@@ -20,20 +20,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "clients"), str(ROOT)]
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
-import redis.asyncio as aioredis  # noqa: E402
-from harness.processes import redis_process  # noqa: E402
-from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
+import httpx
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+from harness.processes import redis_process
+from redis.utils import HIREDIS_AVAILABLE
 
-from visenc.bootstrap import build_index, create_app  # noqa: E402
-from visenc.config import Settings  # noqa: E402
-from visenc.index.redis_conn import RedisConnection  # noqa: E402
-from visenc.index.redis_store import RedisStore  # noqa: E402
-from visenc.metrics import Metrics  # noqa: E402
-from visenc_client import Handle, RedisRows  # noqa: E402
-from visenc_client.format import entry_key, pack_entry  # noqa: E402
+from visenc.bootstrap import build_index, create_app
+from visenc.config import Settings
+from visenc.index.redis_conn import RedisConnection
+from visenc.index.redis_store import RedisStore
+from visenc.metrics import Metrics
+from visenc_client import Handle, RedisRows
+from visenc_client.format import entry_key, pack_entry
 
 
 async def median_s(fn: Callable[[], Awaitable[object]], n: int) -> float:

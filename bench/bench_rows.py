@@ -22,13 +22,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-import bench_gpu  # noqa: E402
-from _rows_floors import RawReceiver, RawSender, Zmq, gathered_on, threaded  # noqa: E402
-from harness.processes import redis_process  # noqa: E402
+import _common as c
+import bench_gpu
+from _rows_floors import RawReceiver, RawSender, Zmq, gathered_on, threaded
+from harness.processes import redis_process
 
-from visenc_client import AsyncClient, Client, Handle, ImagePlacement, RedisRows  # noqa: E402
-from visenc_client.format import entry_key  # noqa: E402
+from visenc_client import AsyncClient, Client, Handle, ImagePlacement, RedisRows
+from visenc_client.format import entry_key
 
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080), "1440p": (2560, 1440)}
 #: a tower with a 7B model's row width and next to no compute

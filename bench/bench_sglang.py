@@ -21,9 +21,9 @@ import zmq.asyncio
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common as c  # noqa: E402
+import _common as c
 
-from visenc_client import image_hash  # noqa: E402
+from visenc_client import image_hash
 
 LOADS = ("cold", "hit", "hit by hash")
 PROTOCOLS = ("sglang", "v1")

@@ -17,9 +17,9 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
-import bench_gpu  # noqa: E402
-from bench_gpu_service import SCREENS  # noqa: E402
+import _common as c
+import bench_gpu
+from bench_gpu_service import SCREENS
 
 #: one narrow block, windowed attention only, the real 3584-wide rows: a forward that costs little
 CHEAP_VISION = {**bench_gpu.TINY_VISION, "depth": 1, "fullatt_block_indexes": [], "hidden_size": 16}
@@ -27,11 +27,8 @@ CHEAP_VISION.update(intermediate_size=32, num_heads=1)
 
 
 def gate_table(prep: Any, workers: int, bounds: dict[str, int]) -> None:
-    """Each screen size's cost, staged line, one thread's decode + preprocess time, and how many the
-    gate admits at once under each bound; then each bound's preprocessing ceiling (Little's law on the
-    staging ledger: staged tokens on average = images/s x mean(line x seconds), at most the bound, or
-    one image's line when it runs alone), and the pool's (workers / mean seconds). An upper bound: it
-    leaves out the input a made image holds until its forward, and the host's other work."""
+    """Per screen size: cost, staged line, preprocess time and admissions under each bound; then each
+    bound's preprocessing ceiling by Little's law on the staging ledger, and the pool's."""
     import torch
 
     threads = torch.get_num_threads()

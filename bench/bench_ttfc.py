@@ -15,12 +15,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-import httpx  # noqa: E402
-from harness.images import png_bytes  # noqa: E402
-from harness.processes import serve_process  # noqa: E402
+import _common as c
+import httpx
+from harness.images import png_bytes
+from harness.processes import serve_process
 
-from visenc_client import Client, ImagePlacement  # noqa: E402
+from visenc_client import Client, ImagePlacement
 
 #: mixed resolutions (width, height): 64 .. ~390 tokens each on the tiny Qwen tower
 SIZES = [(224, 224), (448, 336), (320, 480), (640, 480), (256, 256), (512, 384), (300, 200), (480, 640)]

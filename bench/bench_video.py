@@ -15,13 +15,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-import httpx  # noqa: E402
-from _common import spread  # noqa: E402
-from harness.images import jpeg_bytes  # noqa: E402
-from harness.processes import serve_process  # noqa: E402
-from harness.waits import metric  # noqa: E402
+import httpx
+from _common import spread
+from harness.images import jpeg_bytes
+from harness.processes import serve_process
+from harness.waits import metric
 
-from visenc_client import Client, Video  # noqa: E402
+from visenc_client import Client, Video
 
 _namespaces = itertools.count()
 

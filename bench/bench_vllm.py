@@ -26,8 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "with_vllm"), str(HERE)]
 
-import _common as c  # noqa: E402
-from _vllm_deploy import MAX_MODEL_LEN, VLLM_ENV, deployment, only, vllm_cmd  # noqa: E402
+import _common as c
+from _vllm_deploy import MAX_MODEL_LEN, VLLM_ENV, deployment, only, vllm_cmd
 
 #: ``twin``: a second, identical vLLM alone (an A/A control: twin ÷ alone is this host's floor);
 #: ``inert``: the connector's vLLM itself, sent the request straight and untagged (vLLM encodes every

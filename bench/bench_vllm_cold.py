@@ -18,8 +18,8 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "tests" / "with_vllm"), str(HERE)]
 
-import _common as c  # noqa: E402
-import bench_vllm as b  # noqa: E402
+import _common as c
+import bench_vllm as b
 
 
 def main() -> int:

@@ -145,10 +145,8 @@ def _add_arguments(parser: Any) -> None:
 
 @events.init.add_listener
 def _select_users(environment: Any, **_: Any) -> None:
-    """Keep the user class ``--scenario`` names, else those ``--tags`` / ``--exclude-tags`` select.
-
-    Each class's one task is tagged with its scenario; Locust filters tasks by
-    tag only later and would still start (and crash) users left without one."""
+    """Keep the user class ``--scenario`` names, else those ``--tags`` / ``--exclude-tags`` select
+    (Locust filters by tag only later, and would start users left without a task)."""
     options = environment.parsed_options
     if options is None:
         return
@@ -264,11 +262,8 @@ class VisencUser(FastHttpUser):
         return handles
 
     def prefill(self, images: list[_Image], fetch_from: int = 0) -> bool:
-        """Encode ``images`` then fetch rows chunk by chunk, as a prefill worker would.
-
-        Only images ``fetch_from..`` are fetched (earlier ones sit in the LLM's
-        prefix cache). Records TTFC and TTA under ``n=<len(images)>``. True when
-        every step passed its checks."""
+        """Encode ``images``, then fetch the rows of ``images[fetch_from:]`` chunk by chunk, as a prefill
+        worker would; records TTFC and TTA. True when every step passed its checks."""
         t0 = time.perf_counter()
         handles = self.encode(images)
         if handles is None:

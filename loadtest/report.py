@@ -57,10 +57,8 @@ class Run:
         return [r for r in self.stats if r["Type"] in wanted and r["Name"] != "Aggregated"]
 
     def series(self, type_: str, name: str, column: str, active_only: bool = False) -> tuple[list[float], list[float]]:
-        """(seconds since start, value) of one history column of one entry.
-
-        ``active_only`` leaves out seconds whose window saw no request of the
-        entry (Locust repeats stale percentiles there)."""
+        """(seconds since start, value) of one history column of one entry; ``active_only`` leaves out
+        seconds with no request (Locust repeats stale percentiles there)."""
         xs, ys = [], []
         for r in self.history:
             if r["Type"] == type_ and r["Name"] == name:

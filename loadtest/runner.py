@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python loadtest/runner.py`: make `loadtest.*` importable
     sys.path.insert(0, str(ROOT))
 
-from harness.waits import free_port, wait_ready  # noqa: E402
-from loadtest.payloads import DEFAULT_STAGES, parse_stages, parse_timespan  # noqa: E402 - after the path fix
-from loadtest.report import Run, brief, render  # noqa: E402
+from harness.waits import free_port, wait_ready
+from loadtest.payloads import DEFAULT_STAGES, parse_stages, parse_timespan
+from loadtest.report import Run, brief, render
 
 SCRAPED = (
     "visenc_cache_lookups_total",

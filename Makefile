@@ -8,7 +8,7 @@ HOST ?= 127.0.0.1
 PORT ?= 8000
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 PYTEST_ARGS ?=
-# the main suite's workers (pytest-xdist): one a core on the 2-core CI host; `serial` tests run alone after
+# pytest-xdist workers for the main suite, a module each (module fixtures start once); `serial` tests run after
 PYTEST_WORKERS ?= 2
 
 .PHONY: run test lint install install-test system-deps bench clean
@@ -67,7 +67,7 @@ lint: $(VENV)/.test
 SUBMAKE := $(MAKE) --no-print-directory
 test: install-test
 	@$(SUBMAKE) sglang > $(VENV)/vllm-install.log 2>&1 & installing=$$!; \
-	status=0; $(SUBMAKE) lint && $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) -m "not serial" $(PYTEST_ARGS) \
+	status=0; $(SUBMAKE) lint && $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "not serial" $(PYTEST_ARGS) \
 	  && $(BIN)/python -m pytest -q -m serial $(PYTEST_ARGS) || status=$$?; \
 	wait $$installing || { cat $(VENV)/vllm-install.log; echo "make vllm sglang failed"; exit 1; }; \
 	exit $$status

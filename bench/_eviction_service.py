@@ -123,9 +123,8 @@ class Service:
 
 
 def lru_hits(refs: list[tuple[Image, str]], max_bytes: int) -> list[bool]:
-    """LRU on the same references: a miss stores the entry, by its size in the service (its rows and
-    the entry's header, as L1 counts them: at a cache of 1x the working set, 256 bytes an entry are
-    the difference between fitting the last screenshot or not)."""
+    """LRU on the same references, each entry by its size in the service (rows and header, as L1
+    counts them: at 1x the working set, 256 bytes an entry decide whether the last screenshot fits)."""
     held: OrderedDict[str, int] = OrderedDict()
     total, hits = 0, []
     for image, _ in refs:

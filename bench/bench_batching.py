@@ -21,9 +21,8 @@ MIXED = [(640, 480), (448, 448), (800, 600), (336, 560), (1024, 576), (512, 512)
 
 
 def engine_batches(tower: Any, prepared: list[Any]) -> list[list[Any]]:
-    """The images cut into batches as the engine's plan would: a tower that cannot pack images of
-    different buckets batches each bucket apart (fixed-resolution towers have one bucket), and
-    every batch stays under the token cap (on CPU)."""
+    """The images cut into batches as the engine's plan would: per bucket where the tower cannot pack
+    buckets together, each batch under the token cap."""
     from visenc.engine.budget import plan_budget
 
     cap = plan_budget(tower, 1 << 34, max_batch_tokens=16384).max_batch_tokens

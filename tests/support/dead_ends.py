@@ -129,10 +129,8 @@ class Peer:
 
 
 class Switch:
-    """One loopback port whose behaviour changes on ``set(mode)``: ``forward`` (a TCP relay to
-    ``upstream``, a healthy replica), ``refused`` (nothing listens), ``connect-hangs`` (a full accept
-    queue, as ``Blackhole``) or ``silent`` (accepts, never answers). ``connections`` counts what it
-    accepted in ``silent`` and ``forward`` modes."""
+    """One loopback port whose behaviour ``set(mode)`` changes: ``forward`` (to ``upstream``),
+    ``refused``, ``connect-hangs`` or ``silent``; ``connections`` counts what it accepted."""
 
     MODES = ("forward", "refused", "connect-hangs", "silent")
 

@@ -25,10 +25,10 @@ from PIL import Image
 
 ROOT = Path(__file__).resolve().parents[1]
 PYTHON = sys.executable
-if str(ROOT) not in sys.path:  # the waits and the free port the tests use too
+if str(ROOT) not in sys.path:  # harness: the waits and the free port the tests use too
     sys.path.insert(0, str(ROOT))
 
-from tests.support.waits import free_port, wait_ready  # noqa: E402 - benches call c.free_port, c.wait_ready
+from harness.waits import free_port, wait_ready  # benches call c.free_port, c.wait_ready
 
 
 def spread(values: list[float], unit: str = "x") -> str:
@@ -111,11 +111,8 @@ async def in_flight(items: list[bytes], concurrency: int, send: Callable[[bytes]
 
 
 async def clients_rate(images: list[bytes], send: Send, concurrency: int = 8) -> float:
-    """images/s for ``concurrency`` clients, each sending one image per request until all are sent.
-
-    The clients share the host's cores with the server they measure, so they are aiohttp's:
-    about a fifth of httpx's async client's CPU a request (``bench/bench_client.py``, round 7
-    of ``bench/RESULTS.md``). Every system gets the same clients."""
+    """images/s for ``concurrency`` clients, each sending one image per request until all are sent
+    (aiohttp: a fifth of httpx's CPU a request, ``bench/bench_client.py``)."""
     connector = aiohttp.TCPConnector(limit=concurrency)
     async with aiohttp.ClientSession(connector=connector, timeout=aiohttp.ClientTimeout(total=300.0)) as client:
         t0 = time.perf_counter()
@@ -136,10 +133,7 @@ def encode_request(data: bytes, namespace: str, inline: bool = True) -> tuple[by
 
 
 def visenc_sender(base: str, namespace: str, inline: bool = True) -> Send:
-    """Cold encode with the bytes (msgpack), wait, and get the rows: what a caller needs.
-
-    ``inline``: the rows come in the encode answer (``include_rows``, one request per
-    image, as the peers answer); else a second request fetches them."""
+    """Cold encode with the bytes (msgpack), wait, and get the rows; ``inline``: in the encode answer."""
     import msgpack
 
     async def send(client: aiohttp.ClientSession, data: bytes) -> None:
@@ -164,12 +158,8 @@ def serve_rates(
     concurrency: int = 8,
     inline: bool = True,
 ) -> list[list[float]]:
-    """Cold images/s of ``visenc serve`` under each (environment, flags) configuration, per round.
-
-    Every server starts first (then warms up); each round measures each once, the order reversed
-    every other round, with ``concurrency`` single-image clients and a fresh namespace, while the
-    others are paused (an idle server still polls and steals cycles from a small host). ``inline``: as
-    ``visenc_sender``'s."""
+    """Cold images/s of ``visenc serve`` under each (environment, flags) configuration, per round; the
+    servers not measured are paused (an idle server still polls). ``inline``: as ``visenc_sender``'s."""
     with contextlib.ExitStack() as stack:
         servers = []
         for env, flags in configs:
@@ -218,9 +208,8 @@ def bare_rate(
     preprocess: bool = True,
     threads: tuple[int, ...] | None = None,
 ) -> tuple[tuple[int, int], float, dict[tuple[int, int], float]]:
-    """In-process loop over the images at each (torch threads, batch size): decode + preprocess
-    (if asked) + forward, sequentially in one Python thread. Returns the best (threads, batch
-    size), its images/s, and every rate: the ceiling a caller reaches without a service."""
+    """Decode + preprocess (if asked) + forward in one thread at each (torch threads, batch size): the
+    best (threads, batch), its images/s, and every rate."""
     import torch
 
     from visenc.imaging.decode import decode
@@ -247,9 +236,8 @@ def bare_rate(
 
 
 def write_qwen25_checkpoint(path: Path, vision: dict[str, Any], seed: int = 0, max_pixels: int = 12845056) -> Path:
-    """A Qwen2.5-VL checkpoint folder visenc serves (``--model PATH``): ``config.json`` with ``vision``
-    as its vision config, the vision tower's seeded random weights (no language model), and the
-    processor's settings. Written once per folder (kept when it exists)."""
+    """A Qwen2.5-VL vision-only checkpoint folder with ``vision`` as its config and seeded weights
+    (kept when it exists)."""
     import torch
     from safetensors.torch import save_file
     from transformers import Qwen2_5_VLConfig

@@ -1,23 +1,4 @@
-"""The in-process index's hit rates through the service's own request path (``bench_eviction.py --service``).
-
-A real ``visenc serve`` (a tower with a 7B model's row width, 3584 bf16, and next to no compute) is driven
-over HTTP by the callers that exist, written here as plain HTTP requests that name no lease id, as a
-caller from before leases would (the one exception below is the proxy's header):
-
-- **http**: a hash-first look-up (``/v1/encode`` with the hash alone), the bytes on ``missing``, then a
-  ``GET /v1/embeddings/{hash}`` of every row (one caller, or 16 at once);
-- **proxy+connector**: the proxy's hand-over (hash-first ``wait=false`` encode, never read, with the
-  ``X-Visenc-Lease: none`` header ``visenc proxy`` sends; a service from before leases ignores it),
-  then the connector's look-up with rows (``include_rows``, waiting);
-- **shm**: a hash-first look-up, the rows as a shared-memory segment (``/v1/embeddings/shm``), then the
-  segment read again ``SHM_REREADS`` times without a request, as a client does with a segment it knows.
-
-A reference is a hit when its first look-up answers ``ready``. LRU is simulated on the same references
-with the entries' own sizes and the same budget. Workloads: a cyclic pass over 1.5x the cache; an agent
-workload (conversations whose turns resend their last screenshots); and "hot and read once", where
-screenshots read every round (by the proxy and the connector, with a 1 s lease that lapses between rounds)
-share the cache with ones read once (the target: no hot one is ever evicted; LRU evicts none either).
-"""
+"""The in-process index's hit rates through the service's own request path (``bench_eviction.py --service``)."""
 
 from __future__ import annotations
 
@@ -142,9 +123,8 @@ class Service:
 
 
 def lru_hits(refs: list[tuple[Image, str]], max_bytes: int) -> list[bool]:
-    """LRU on the same references: a miss stores the entry, by its size in the service (its rows and
-    the entry's header, as L1 counts them: at a cache of 1x the working set, 256 bytes an entry are
-    the difference between fitting the last screenshot or not)."""
+    """LRU on the same references, each entry by its size in the service (rows and header, as L1
+    counts them: at 1x the working set, 256 bytes an entry decide whether the last screenshot fits)."""
     held: OrderedDict[str, int] = OrderedDict()
     total, hits = 0, []
     for image, _ in refs:

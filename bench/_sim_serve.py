@@ -1,10 +1,4 @@
-"""``visenc serve``'s app on the simulated device (``models/sim.py``), with a loop hog beside it.
-
-Started by ``bench_device_busy.py``: ``python bench/_sim_serve.py SPEC PORT [--hog-ms 20 --period-ms 40]``.
-The hog keeps the server's event loop busy (Python, the GIL held) ``hog_ms`` of every ``period_ms``, as a
-loop parsing uploads and serving rows is. A source tree from before the simulated device (``--before``)
-gets this tree's ``sim.py``, and its outputs wait for the simulated stream before reading the rows.
-"""
+"""``visenc serve``'s app on the simulated device (``models/sim.py``), with a loop hog beside it."""
 
 from __future__ import annotations
 

@@ -1,12 +1,6 @@
 """Two ``visenc serve`` configurations side by side: does a flag or an environment
 variable change cold throughput on this machine?
 
-Both servers run the same tower on the same JPEGs; each round measures A and B once
-(order alternating, the other server paused with SIGSTOP: ``_common.serve_rates``), with ``--concurrency``
-single-image clients, cold (a fresh namespace per round). Prints the median of the
-per-round ratios B / A with min and max. Run it with two equal specs first: the spread
-of that A / A run is the smallest difference this machine can show.
-
     python bench/bench_ab.py "" "--max-wait-ms 0"
     python bench/bench_ab.py "" "OMP_WAIT_POLICY=PASSIVE" --model /tmp/infinity/tiny-clip
     python bench/bench_ab.py "" ""                                     # A / A: the noise floor
@@ -21,7 +15,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
 
 def parse_spec(spec: str) -> tuple[dict[str, str], list[str]]:

@@ -1,17 +1,6 @@
 """Multi-turn agent replay: forwards per turn and encode latency, turn 8 vs turn 1.
 
-Starts a real ``visenc serve`` (embedded default) on a free loopback port and
-replays ``--conversations`` agent conversations of ``--turns`` turns. Turn k
-sends k screenshots: the k-1 earlier ones again plus one new one, hash-first
-(``Client.encode``: every hash in one request, bytes only for the one the
-index does not have). A per-image index makes every turn cost exactly one
-forward (the new screenshot) and the same latency, however long the
-conversation; a per-request cache would re-encode everything every turn.
-
-Prints, per turn, the forwards the service ran (``visenc_forwards_total``
-delta; must be 1) and the median encode latency, then turn 8 / turn 1.
-
-    python bench/bench_agent.py [--turns 8] [--conversations 9] [--size 448x448]
+python bench/bench_agent.py [--turns 8] [--conversations 9] [--size 448x448]
 """
 
 from __future__ import annotations
@@ -28,10 +17,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-from tests.support.images import png_bytes  # noqa: E402
-from tests.support.processes import serve_process  # noqa: E402
+from harness.images import png_bytes
+from harness.processes import serve_process
 
-from visenc_client import Client  # noqa: E402
+from visenc_client import Client
 
 
 def counter(url: str, name: str) -> float:

@@ -1,14 +1,6 @@
 """Batched forward vs a per-image loop, 8 images, same resolution and mixed, every built-in tower.
 
-Forward only (inputs preprocessed beforehand), one process, torch threads as the
-service would set them on this host; "batched" is the 8 images cut into forwards as the
-engine's plan cuts them (on CPU a packed Qwen forward is capped at 4096 patch tokens, and
-Qwen images over 512 patches get a forward each, so there "batched" is mostly the loop).
-For the Qwen towers "packed" forces every image of a batch into ONE varlen forward (what a
-GPU runs), measured for real against the loop. Rounds alternate the ways; each ratio is the
-median of per-round ratios (images/s / images/s looped), with min and max.
-
-    python bench/bench_batching.py
+python bench/bench_batching.py
 """
 
 from __future__ import annotations
@@ -22,16 +14,15 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
 SAME = [(640, 480)] * 8
 MIXED = [(640, 480), (448, 448), (800, 600), (336, 560), (1024, 576), (512, 512), (600, 400), (720, 720)]
 
 
 def engine_batches(tower: Any, prepared: list[Any]) -> list[list[Any]]:
-    """The images cut into batches as the engine's plan would: a tower that cannot pack images of
-    different buckets batches each bucket apart (fixed-resolution towers have one bucket), and
-    every batch stays under the token cap (on CPU)."""
+    """The images cut into batches as the engine's plan would: per bucket where the tower cannot pack
+    buckets together, each batch under the token cap."""
     from visenc.engine.budget import plan_budget
 
     cap = plan_budget(tower, 1 << 34, max_batch_tokens=16384).max_batch_tokens

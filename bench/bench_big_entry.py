@@ -1,23 +1,6 @@
 """One big entry (default 64 MiB of rows) fetched through each transport, against its fair floor.
 
-A real ``visenc serve`` (shared Redis index, shared memory on) and a real ``redis-server``; the
-entry is written into Redis in the stored format for the served model (a 64 MiB entry would take
-an image of ~50 Mpx through the tiny tower), so the service finds it there, as a replica finds an
-image another replica encoded. Side by side, rounds alternating, each moving the entry's rows
-into one preallocated buffer (or handing back views where said):
-
-* memcpy: ``np.copyto`` of the same number of bytes (the floor of every transport);
-* shm: ``Client(shared_memory=True).fetch_chunk`` of an image the client read before (the
-  segment is known: no request, one copy), the same with the client's known segments
-  forgotten each time (a request for the handle first, as for an image's first chunk), and
-  ``fetch_many`` (mapped read-only views, no copy), vs memcpy;
-* Redis: ``GETRANGE`` of the rows into the buffer, vs a raw redis-py ``GET`` of the same key;
-* HTTP: ``Client.fetch_chunk`` into the buffer, vs a raw loopback transfer of the same bytes
-  (httpx GET of a bare ASGI app on the same uvicorn that returns them).
-
-Each ratio is the median over rounds, with min and max.
-
-    python bench/bench_big_entry.py [--mib 64] [--rounds 7]
+python bench/bench_big_entry.py [--mib 64] [--rounds 7]
 """
 
 from __future__ import annotations
@@ -37,13 +20,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-from tests.support.processes import redis_process, serve_process  # noqa: E402
-from tests.support.waits import free_port  # noqa: E402
+import _common as c
+from harness.processes import redis_process, serve_process
+from harness.waits import free_port
 
-from visenc_client import Client, ImagePlacement, RowRange  # noqa: E402
-from visenc_client._shm import SegmentHandles  # noqa: E402
-from visenc_client.format import DATA_OFFSET, entry_key, image_hash, pack_entry  # noqa: E402
+from visenc_client import Client, ImagePlacement, RowRange
+from visenc_client._shm import SegmentHandles
+from visenc_client.format import DATA_OFFSET, entry_key, image_hash, pack_entry
 
 RAW_APP = """
 import os
@@ -132,17 +115,26 @@ def main() -> None:
             call()
         assert shm.fetch_chunk(placement, 0, rows).tobytes() == data.tobytes()
         assert http.fetch_chunk(placement, 0, rows).tobytes() == data.tobytes()
-        times: dict[str, list[float]] = {k: [] for k in runs}
-        for rnd in range(args.rounds):
-            for name in list(runs)[:: 1 if rnd % 2 == 0 else -1]:
-                t0 = time.perf_counter()
-                runs[name]()
-                times[name].append(time.perf_counter() - t0)
+        times = timed(runs, args.rounds)
+    report(times, rows, hidden, nbytes, args.rounds)
 
+
+def timed(runs: dict[str, Callable[[], object]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each run per round, the order alternating round by round."""
+    times: dict[str, list[float]] = {k: [] for k in runs}
+    for rnd in range(rounds):
+        for name in list(runs)[:: 1 if rnd % 2 == 0 else -1]:
+            t0 = time.perf_counter()
+            runs[name]()
+            times[name].append(time.perf_counter() - t0)
+    return times
+
+
+def report(times: dict[str, list[float]], rows: int, hidden: int, nbytes: int, rounds: int) -> None:
     def ratio(a: str, b: str) -> list[float]:
         return [y / x for x, y in zip(times[a], times[b])]  # throughput a / throughput b
 
-    print(f"one entry of {rows} rows x {hidden} float32 = {nbytes / 2**20:.0f} MiB, {args.rounds} rounds")
+    print(f"one entry of {rows} rows x {hidden} float32 = {nbytes / 2**20:.0f} MiB, {rounds} rounds")
     for name, ts in times.items():
         print(f"  {name:18s} {nbytes / min(ts) / 1e9:6.2f} GB/s best")
     print(f"  shm fetch_chunk / memcpy     {c.spread(ratio('shm fetch_chunk', 'memcpy'))}   goal >= 0.8")

@@ -1,21 +1,6 @@
 """Where a cold request spends its time: decode, preprocess, queue, forward, device-to-host +
 pack, index and the rest, per image, as a text bar chart.
 
-Runs the real engine in-process (index, scheduler, preprocessing pool, device worker) and sends
-``--images`` distinct JPEGs from ``--concurrency`` concurrent single-image ``wait=true``
-requests, as callers do. Per image, in milliseconds:
-
-* decode: the JPEG decode alone (timed on the same images, same loader, outside the engine);
-* preprocess: the engine's decode + preprocess time minus decode;
-* queue: admission to the start of the image's forward, minus decode and preprocess;
-* forward: the duration of the forward the image ran in;
-* d2h + pack: the outputs stage's copy to the host and packing into the stored value;
-* index + rest: what remains of the request's wall time (storing in the index, resolving the
-  waiters, the request's own bookkeeping).
-
-Each figure is the median over ``--rounds`` rounds (fresh namespace each, so every image is
-cold), with min and max.
-
     python bench/bench_breakdown.py [--model tiny-qwen2-vl] [--images 64] [--size 640x480]
 """
 
@@ -31,9 +16,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
+import _common as c
 
 STAGES = ("decode", "preprocess", "queue", "forward", "d2h + pack", "index + rest")
+#: a compiled tower's warm-up on a slow GPU host takes minutes; past this the bench gives up
+WARM_UP_TIMEOUT_S = 900.0
 
 
 def sample(metrics: object, name: str) -> float:
@@ -87,9 +74,12 @@ async def measure(args: argparse.Namespace) -> dict[str, list[float]]:
     metrics = Metrics()
     engine = Engine(tower, Index(MemoryCache(settings.cache_bytes or 1 << 30, metrics)), settings, metrics)
     await engine.start()
+    deadline = time.monotonic() + WARM_UP_TIMEOUT_S
     while (why := engine.not_ready_reason()) is not None:  # a compiled tower warms up first
         if "warming" not in why:
             raise RuntimeError(why)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"not ready within {WARM_UP_TIMEOUT_S:.0f} s: {why}")
         await asyncio.sleep(0.5)
     out: dict[str, list[float]] = {s: [] for s in (*STAGES, "wall", "batch")}
     try:

@@ -1,16 +1,6 @@
 """Cache-hit encode throughput, measured side by side with the HTTP floor and cold encodes.
 
-Starts a real ``visenc serve`` (embedded default) on a free loopback port and
-runs, in one process, with the same pooled client and concurrency:
-
-* ``/healthz`` requests/s: the HTTP floor of this stack on this machine;
-* hash-only encode requests/s for images already in the index (the hit path of
-  a multi-turn agent: it resends every earlier screenshot by hash);
-* cold encode images/s for new images of the same size.
-
-Prints hit req/s as a ratio of the floor and hit vs cold speedup.
-
-    python bench/bench_cache_hit.py [--images 8] [--size 448x448] [--seconds 5] [--concurrency 8]
+python bench/bench_cache_hit.py [--images 8] [--size 448x448] [--seconds 5] [--concurrency 8]
 """
 
 from __future__ import annotations
@@ -28,8 +18,8 @@ import msgpack
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-from tests.support.images import png_bytes  # noqa: E402
-from tests.support.processes import serve_process  # noqa: E402
+from harness.images import png_bytes
+from harness.processes import serve_process
 
 MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
 

@@ -1,19 +1,6 @@
 """What a client costs on the caller's side: CPU per request, side by side in one run.
 
-One ``visenc serve`` (the registry's tiny CLIP) holds the images; every round, each client
-sends them all again, ``--concurrency`` requests in flight, and the CPU time of this process
-(user + system) is divided by the requests sent. Clients, each asking for the image's rows
-inline (``include_rows``: one round trip, an index hit on the service):
-
-* aiohttp            aiohttp's session, the msgpack body built by hand (the benches' clients);
-* httpx              httpx's async client, the same body;
-* visenc_client      ``visenc_client.AsyncClient.encode(..., include_rows=True)``.
-
-The benches' clients share the host's cores with the servers they measure, so they are
-the cheapest of these. Run it without the ``sniffio`` package to see what that dependency
-saves httpx's async client (``pyproject.toml``).
-
-    python bench/bench_client.py --rounds 5
+python bench/bench_client.py --rounds 5
 """
 
 from __future__ import annotations
@@ -30,11 +17,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-import httpx  # noqa: E402
-import msgpack  # noqa: E402
+import _common as c
+import httpx
+import msgpack
 
-from visenc_client import AsyncClient  # noqa: E402
+from visenc_client import AsyncClient
 
 Run = Callable[[str, list[bytes], int], Awaitable[None]]
 NAMESPACE = "client"

@@ -1,18 +1,6 @@
 """Busy share of the simulated device (``models/sim.py``) under the service and prefill-like clients.
 
-The service (``visenc serve``'s app, ``_sim_serve.py``) runs on a simulated device: 1 ms of launch (Python,
-GIL held) a forward and 100 us of device time a token (GIL released); 512x512 JPEGs of 1024 tokens (102 ms of
-device time each, against a few ms of host work: decode, preprocess, three requests). The forward either
-returns at once (``sync=0``, a CUDA launch) or once its device work is done (``sync=1``, a forward with a
-host sync inside). Each client does what a prefill worker does: ``AsyncClient.encode(wait=True)`` of one
-image, then ``fetch`` of its rows over HTTP; every image is distinct. Each round, for each tree (this one,
-and ``--before PATH``'s) and each loop (quiet, and kept busy ``--hog-ms`` of every 40 ms by a task in the
-server's process), a fresh server runs one pass. The device's busy share is read from its timeline while
-every client is still sending (from the first forward to the last image sent), with what the idle time
-went to: ``late`` (the host reached the next launch after the device drained: between forwards, or nothing
-was ready), ``launch`` (the launch itself, not hidden), and the images a forward.
-
-    python bench/bench_device_busy.py [--before /tmp/visenc-before] [--rounds 3] [--clients 16 64]
+python bench/bench_device_busy.py [--before /tmp/visenc-before] [--rounds 3] [--clients 16 64]
 """
 
 from __future__ import annotations
@@ -29,10 +17,10 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
-from visenc.models.sim import Span, stats  # noqa: E402
-from visenc_client import AsyncClient  # noqa: E402
+from visenc.models.sim import Span, stats
+from visenc_client import AsyncClient
 
 SPEC = "sim:launch_ms=1,token_us={token_us:g},patch=16,hidden=64,sync={sync}"
 

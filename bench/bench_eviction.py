@@ -1,25 +1,7 @@
 """Hit rates of the L1 eviction policy (``visenc.index.memory.MemoryCache``: LRU with a dynamic
 insertion policy) against LRU and S3-FIFO on the workloads visenc serves, at real row sizes.
 
-Entries are the rows of a 7B model's screenshots (3584 bf16 values a row): 720p 8.6 MB, 1080p
-19.3 MB, 1440p 33.9 MB, drawn at random. Every look-up that misses stores the entry (an encode).
-
-- **agent**: ``sessions`` conversations at once, turns interleaved at random; each turn sends the
-  conversation's last ``history`` screenshots again and one new one; a conversation ends after up to
-  ``turns`` turns and a new one starts. The cache is sized at 0.5x, 1x and 2x the working set
-  (sessions x (history + 1) screenshots).
-- **agent + scan**: the same, with a pass over never-repeated images as large as the cache every 40
-  rounds (a batch job beside the agents).
-- **cyclic**: the same screenshots in the same order, pass after pass, 1.5x and 3x the cache (1 GiB);
-  the first pass is not counted.
-
-Hit rates count look-ups after the first quarter of the trace (cyclic: after the first pass). The
-policies are simulated on keys and sizes only; visenc's own class runs the trace.
-
     python bench/bench_eviction.py [--rounds 300] [--json]
-
-``--service`` runs the same policies through a real ``visenc serve`` and its callers instead
-(``_eviction_service.py``); ``--before PATH`` serves another source tree beside this one:
 
     python bench/bench_eviction.py --service [--before /tmp/visenc-before] [--json]
 """
@@ -39,8 +21,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-from visenc.index.memory import MemoryCache  # noqa: E402
-from visenc.metrics import Metrics  # noqa: E402
+from visenc.index.memory import MemoryCache
+from visenc.metrics import Metrics
 
 MB = 1 << 20
 SIZES = [int(8.6 * MB), int(19.3 * MB), int(33.9 * MB)]

@@ -1,20 +1,7 @@
 """Every VLM family: batched vs per-image forward at 8 mixed images, and the service vs the bare forward.
 
-Each family is a tiny seeded full-VLM checkpoint (``tests/support/tiny_families.py``: the real
-transformers classes, small widths) saved to a temporary folder and served with
-``--model FOLDER``: what a user's checkpoint goes through, language model included on disk.
-
-* batched / per-image: forward only (inputs preprocessed beforehand), the 8 mixed-size images in
-  the forwards the engine's plan cuts them into, vs one forward per image; rounds alternate the
-  two ways;
-* service / bare (``--service``): ``bench/bench_service.py`` on the family's folder (8 concurrent
-  single-image clients, cold, vs the in-process decode + preprocess + forward loop at its best
-  batch size), per round.
-
-Each ratio is the median over rounds, with min and max.
-
-    python bench/bench_families.py                       # batched vs per-image, 7 rounds
-    python bench/bench_families.py --service --rounds 5  # and service vs bare (minutes per family)
+python bench/bench_families.py                       # batched vs per-image, 7 rounds
+python bench/bench_families.py --service --rounds 5  # and service vs bare (minutes per family)
 """
 
 from __future__ import annotations
@@ -30,8 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
-from bench_batching import MIXED, engine_batches  # noqa: E402
+import _common as c
+from bench_batching import MIXED, engine_batches
 
 
 def batched_vs_loop(folder: Path, rounds: int) -> tuple[int, list[float]]:
@@ -70,7 +57,7 @@ def main() -> int:
     p.add_argument("--images", type=int, default=24, help="images per service round")
     args = p.parse_args()
     import torch
-    from tests.support.tiny_families import BUILDERS, save_family
+    from harness.tiny_families import BUILDERS, save_family
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()

@@ -1,22 +1,6 @@
 """Fetch throughput per transport, each as a ratio of a plain memcpy of the same bytes.
 
-Starts a real ``visenc serve`` (embedded default, ``--shm-enabled true``) on a
-free loopback port, encodes ``--images`` images, and then, side by side in one
-run, moves the same rows (every row of every image, one prefill chunk) into
-one preallocated ``[rows, hidden]`` buffer, ``--reps`` times each:
-
-* memcpy: ``np.copyto`` of an array of the same size (the floor);
-* http: ``Client.fetch_chunk`` (one POST, body streamed straight into the buffer);
-* http views: ``Client.fetch_many`` (whole body kept, views handed back, no buffer);
-* shm: ``Client(shared_memory=True).fetch_chunk`` (one POST for the handles, map,
-  one copy from the mapping into the buffer);
-* shm views: ``fetch_many`` over shared memory (read-only views, no copy at all);
-* redis GETRANGE: the rows read straight from the shared Redis index, when the
-  Redis index is part of this checkout (otherwise skipped with a note).
-
-Prints GB/s (median over reps) and the ratio to memcpy.
-
-    python bench/bench_fetch.py [--images 8] [--size 448x448] [--reps 30]
+python bench/bench_fetch.py [--images 8] [--size 448x448] [--reps 30]
 """
 
 from __future__ import annotations
@@ -35,10 +19,10 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-from tests.support.images import png_bytes  # noqa: E402
-from tests.support.processes import redis_process, serve_process  # noqa: E402
+from harness.images import png_bytes
+from harness.processes import redis_process, serve_process
 
-from visenc_client import Client, ImagePlacement, RowRange  # noqa: E402
+from visenc_client import Client, ImagePlacement, RowRange
 
 HAS_REDIS_INDEX = importlib.util.find_spec("visenc.index.redis") is not None
 

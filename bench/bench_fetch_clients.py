@@ -1,16 +1,6 @@
 """``Client.fetch`` of a 7B model's rows against a plain aiohttp ``GET`` of the same answer.
 
-One ``visenc serve`` (this tree) on a tower with Qwen2.5-VL-7B's row width and next to no compute
-(as ``bench_rows.py``), a few screenshots encoded once; then each reader, in its own process and
-in turn (the order reversed every other round), reads their rows ``--reads`` times, one at a time:
-
-* ``aiohttp``: ``GET /v1/embeddings/{hash}`` with an aiohttp session, the body read whole (the floor);
-* ``client``: ``visenc_client.Client.fetch`` of this tree;
-* ``before`` (given ``--before PATH``): ``Client.fetch`` of the tree at PATH (``git worktree add``).
-
-Prints each reader's GB/s and its ratio to aiohttp's in the same round: median (min, max).
-
-    python bench/bench_fetch_clients.py [--size 1920x1080] [--rounds 5] [--before /tmp/visenc-before]
+python bench/bench_fetch_clients.py [--size 1920x1080] [--rounds 5] [--before /tmp/visenc-before]
 """
 
 from __future__ import annotations
@@ -28,8 +18,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-import bench_gpu  # noqa: E402
+import _common as c
+import bench_gpu
 
 #: run in a fresh process per reader: argv = clients folder, reader, url, reads, images file
 READER = r"""

@@ -1,23 +1,6 @@
 """A Qwen2.5-VL-7B-sized vision tower on a GPU: transformers' own path, visenc eager and visenc
 compiled, side by side, with the share of the device's bf16 FLOP limit each reaches.
 
-The tower is Qwen2.5-VL-7B's vision config (32 blocks, width 1280, window attention, merger to
-3584) with seeded random weights in bf16: speed does not depend on the weights. Scenarios: 720p x8,
-1080p x1, 1080p x4 and a mixed batch of six screenshot sizes (resized by the processor's rules,
-``max_pixels`` 12.8 Mpx). Paths, each on the same prepared inputs:
-
-- ``transformers``: the model's own forward of the batch (attention split image by image);
-- ``visenc eager``: one packed forward on the varlen kernel (``models/varlen.py``);
-- ``visenc compiled``: the same, blocks compiled (``models/compiled.py``), warmed up first;
-- ``compiled per-image``: the compiled tower, one forward per image.
-
-Rounds alternate the order of the paths; each figure is the median over rounds, ratios with min
-and max. Peak memory is the allocator's peak above the weights during one pass. FLOPs per image
-are counted from the config (``bench/flops.py``); MFU = images/s x FLOPs per image / peak.
-
-Prints "no CUDA device" and exits 0 where there is none, unless ``--device cpu`` (with ``--tower
-tiny``: a smoke run of this script's own code on a CPU, no figures worth reading).
-
     python bench/bench_gpu.py [--rounds 5] [--peak-tflops 989] [--profile] [--json]
 """
 
@@ -33,7 +16,7 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
 #: Qwen2.5-VL-7B-Instruct's vision_config
 QWEN2_5_VL_7B_VISION = {
@@ -104,7 +87,7 @@ def build_towers(vision: dict[str, Any], device: Any, dtype: Any) -> dict[str, A
     return {"transformers": own, "visenc eager": eager, "visenc compiled": fast, "compiled per-image": fast}
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--peak-tflops", type=float, default=None, help="override the device's bf16 peak")
@@ -113,13 +96,95 @@ def main() -> int:
     p.add_argument("--scenarios", nargs="*", default=list(SCENARIOS), choices=list(SCENARIOS))
     p.add_argument("--profile", action="store_true", help="print the top kernels of compiled 1080p x1")
     p.add_argument("--json", action="store_true", help="also print one JSON line of every figure")
-    args = p.parse_args()
+    return p.parse_args()
+
+
+class Runner:
+    """Forwards a batch on each path's tower, synchronised with the device."""
+
+    def __init__(self, towers: dict[str, Any], device: Any) -> None:
+        self.towers, self.device, self.cuda = towers, device, device.type == "cuda"
+
+    def sync(self) -> None:
+        import torch
+
+        if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def run(self, path: str, batch: list[Any]) -> None:
+        tower = self.towers[path]
+        for part in [[x] for x in batch] if path == "compiled per-image" else [batch]:
+            tower.forward(part)
+        self.sync()
+
+    def timed(self, path: str, batch: list[Any]) -> float:
+        self.sync()
+        t0 = time.perf_counter()
+        self.run(path, batch)
+        return len(batch) / (time.perf_counter() - t0)
+
+    def peak_bytes(self, path: str, batch: list[Any]) -> float | None:
+        import torch
+
+        if not self.cuda:
+            return None
+        self.sync()
+        torch.cuda.reset_peak_memory_stats(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        self.run(path, batch)
+        return float(torch.cuda.max_memory_allocated(self.device) - base)
+
+
+def scenario(label: str, rounds: int, runner: Runner, config: Any, peak: float | None) -> dict[str, Any]:
+    """Every path's rate, MFU and peak memory on ``label``'s images, printed; and their ratios."""
+    from flops import qwen_vision_flops
+
+    from visenc.imaging.decode import decode
+
+    sizes = SCENARIOS[label]
+    prepared = [
+        runner.towers["visenc eager"].preprocess(decode(c.jpeg(i, w, h), max_pixels=1 << 30))
+        for i, (w, h) in enumerate(sizes)
+    ]
+    flops = sum(qwen_vision_flops(config, x.layout.grid_thw) for x in prepared) / len(prepared)
+    for path in PATHS:
+        runner.run(path, prepared)  # warm-up: kernels, allocator, the compiled graphs' shapes
+    memory = {path: runner.peak_bytes(path, prepared) for path in PATHS}
+    rates: dict[str, list[float]] = {path: [] for path in PATHS}
+    for r in range(rounds):
+        for path in PATHS if r % 2 == 0 else reversed(PATHS):
+            rates[path].append(runner.timed(path, prepared))
+    print(f"  {label}: grids {sorted({x.layout.grid_thw for x in prepared})}, {flops / 1e12:.3f} TFLOP/image")
+    figures: dict[str, Any] = {}
+    for path in PATHS:
+        rate = statistics.median(rates[path])
+        mfu = rate * flops / (peak * 1e12) if peak else None
+        gib = None if memory[path] is None else memory[path] / 2**30
+        figures[path] = {"img_s": rate, "mfu": mfu, "peak_gib": gib}
+        line = f"    {path:<20} {rate:8.2f} img/s"
+        line += f"  MFU {mfu:.3f}" if mfu is not None else ""
+        line += f"  peak {gib:.2f} GiB" if gib is not None else ""
+        print(line)
+    ratios = {
+        "compiled / transformers": [a / b for a, b in zip(rates["visenc compiled"], rates["transformers"])],
+        "eager / transformers": [a / b for a, b in zip(rates["visenc eager"], rates["transformers"])],
+        "compiled / eager": [a / b for a, b in zip(rates["visenc compiled"], rates["visenc eager"])],
+        "batched / per-image (compiled)": [
+            a / b for a, b in zip(rates["visenc compiled"], rates["compiled per-image"])
+        ],
+    }
+    for what, values in ratios.items():
+        print(f"    {what}: {c.spread(values)}")
+    return {"paths": figures, "ratios": {k: statistics.median(v) for k, v in ratios.items()}}
+
+
+def main() -> int:
+    args = parse_args()
     import torch
 
     if args.device == "cuda" and not torch.cuda.is_available():
         print("no CUDA device")
         return 0
-    from flops import qwen_vision_flops
     from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
 
     from visenc.imaging.decode import decode
@@ -136,69 +201,10 @@ def main() -> int:
     head_dim = config.hidden_size // config.num_heads
     kernel = varlen.kernel_for(varlen.device_key(device), dtype, head_dim)
     print(f"{name}, {dtype}, packed attention: {kernel}, bf16 peak {peak} TFLOP/s, {args.rounds} rounds")
-
-    def sync() -> None:
-        if cuda:
-            torch.cuda.synchronize(device)
-
-    def run(path: str, batch: list[Any]) -> None:
-        tower = towers[path]
-        for part in [[x] for x in batch] if path == "compiled per-image" else [batch]:
-            tower.forward(part)
-        sync()
-
-    def timed(path: str, batch: list[Any]) -> float:
-        sync()
-        t0 = time.perf_counter()
-        run(path, batch)
-        return len(batch) / (time.perf_counter() - t0)
-
-    def peak_bytes(path: str, batch: list[Any]) -> float | None:
-        if not cuda:
-            return None
-        sync()
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-        run(path, batch)
-        return float(torch.cuda.max_memory_allocated(device) - base)
-
+    runner = Runner(towers, device)
     report: dict[str, Any] = {"device": name, "kernel": kernel, "rounds": args.rounds, "scenarios": {}}
     for label in args.scenarios:
-        sizes = SCENARIOS[label]
-        prepared = [
-            towers["visenc eager"].preprocess(decode(c.jpeg(i, w, h), max_pixels=1 << 30))
-            for i, (w, h) in enumerate(sizes)
-        ]
-        flops = sum(qwen_vision_flops(config, x.layout.grid_thw) for x in prepared) / len(prepared)
-        for path in PATHS:
-            run(path, prepared)  # warm-up: kernels, allocator, the compiled graphs' shapes
-        memory = {path: peak_bytes(path, prepared) for path in PATHS}
-        rates: dict[str, list[float]] = {path: [] for path in PATHS}
-        for r in range(args.rounds):
-            for path in PATHS if r % 2 == 0 else reversed(PATHS):
-                rates[path].append(timed(path, prepared))
-        print(f"  {label}: grids {sorted({x.layout.grid_thw for x in prepared})}, {flops / 1e12:.3f} TFLOP/image")
-        figures: dict[str, Any] = {}
-        for path in PATHS:
-            rate = statistics.median(rates[path])
-            mfu = rate * flops / (peak * 1e12) if peak else None
-            gib = None if memory[path] is None else memory[path] / 2**30
-            figures[path] = {"img_s": rate, "mfu": mfu, "peak_gib": gib}
-            line = f"    {path:<20} {rate:8.2f} img/s"
-            line += f"  MFU {mfu:.3f}" if mfu is not None else ""
-            line += f"  peak {gib:.2f} GiB" if gib is not None else ""
-            print(line)
-        ratios = {
-            "compiled / transformers": [a / b for a, b in zip(rates["visenc compiled"], rates["transformers"])],
-            "eager / transformers": [a / b for a, b in zip(rates["visenc eager"], rates["transformers"])],
-            "compiled / eager": [a / b for a, b in zip(rates["visenc compiled"], rates["visenc eager"])],
-            "batched / per-image (compiled)": [
-                a / b for a, b in zip(rates["visenc compiled"], rates["compiled per-image"])
-            ],
-        }
-        for what, values in ratios.items():
-            print(f"    {what}: {c.spread(values)}")
-        report["scenarios"][label] = {"paths": figures, "ratios": {k: statistics.median(v) for k, v in ratios.items()}}
+        report["scenarios"][label] = scenario(label, args.rounds, runner, config, peak)
     if args.profile:
         profile(
             towers["visenc compiled"],

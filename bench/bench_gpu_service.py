@@ -1,18 +1,6 @@
 """``visenc serve`` on a GPU with a Qwen2.5-VL-7B-sized checkpoint under prefill-like clients, against the
 bare compiled forward of the same images on the same device: cold and hits, 16 and 64 clients.
 
-The checkpoint (seeded random bf16 weights, Qwen2.5-VL-7B's vision config, ``bench_gpu.py``) is
-written once to ``--checkpoint``. Screenshots are JPEGs from 720p to 1440p, all distinct. Each
-round: the bare loop (the same images preprocessed beforehand, then forwarded in batches of up to
-``max_batch_tokens`` patches, in order, through a compiled and warmed tower in this process, the server
-paused), then for each client count a cold pass and a hits pass. A client does what a prefill worker
-does: ``AsyncClient.encode(wait=True)`` of one image (hash first), then ``fetch`` of its rows over HTTP;
-the cold pass runs in a fresh namespace (every image cold), the hits pass sends the same images again.
-The service runs with its defaults (compiled, warmed before it is ready).
-
-Prints "no CUDA device" and exits 0 where there is none, unless ``--device cpu`` (with ``--tower
-tiny``: a smoke run of this script's own code).
-
     python bench/bench_gpu_service.py [--images 96] [--rounds 3] [--clients 16 64]
 """
 
@@ -30,8 +18,8 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
-import bench_gpu  # noqa: E402
+import _common as c
+import bench_gpu
 
 #: screenshot sizes the images cycle through
 SCREENS = [(1280, 720), (1920, 1080), (2560, 1440), (1366, 768), (1440, 900), (1600, 900)]

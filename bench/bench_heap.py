@@ -1,14 +1,8 @@
 """The C heap under a CPU forward: glibc's defaults against visenc's setting (``visenc/heap.py``).
 
-Each measurement is a fresh process (glibc's thresholds move with a process's history and
-cannot be reset): it loads the tower, sets the heap as asked, then runs ``--forwards``
-forwards of ``--batch`` preprocessed images on a worker thread (as the device worker
-does) after three warm-ups, and reports ms an image. Rounds alternate the two settings,
-the order reversed every other round; prints the median of the per-round ratios.
-
-    python bench/bench_heap.py                                   # tiny CLIP, batch 8
-    python bench/bench_heap.py --model /tmp/infinity/clip-b16 --forwards 5
-    python bench/bench_heap.py --model tiny-qwen2-vl --batch 4
+python bench/bench_heap.py                                   # tiny CLIP, batch 8
+python bench/bench_heap.py --model /tmp/infinity/clip-b16 --forwards 5
+python bench/bench_heap.py --model tiny-qwen2-vl --batch 4
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
 
 def child(model: str, keep: int, batch: int, forwards: int) -> None:

@@ -1,29 +1,9 @@
 """Peak memory of one request carrying many large images, against the memory budget.
 
-Runs the real engine in-process (index, scheduler, preprocessing pool, device
-worker) on the CPU, sends ONE encode request with ``--images`` distinct
-``--width x --height`` JPEGs and waits for every embedding. Prints the peak
-resident memory growth during the request (VmHWM after resetting it, minus
-the resident size just before), the configured budget, the output embeddings
-held in the index, and the tower's own estimate of its largest batch.
-
-``--queued``: the images go in as ``wait=false`` requests of 100 (all queued at once), then
-``--bumps`` of them, picked from the back of the queue, are fetched while the rest wait (each
-fetch moves its image past the prefetch gate), then every image is awaited: the queue, the
-preprocessing pool and the bump staging must all stay inside the budget.
-
-Pass: ``peak growth <= budget + output embeddings``.
-
-``--decode``: one image at a time, of each kind the header tells apart (JPEG, PNG, GIF, BMP, TIFF
-and WebP; opaque and with transparency), the peak growth of decoding it and making its tower input,
-less the input itself, per source pixel, against what the scheduler charges for it
-(``ImagePrep.inspect``'s ``decode_cost``: its header's ``DECODE_BYTES_PER_PIXEL`` and the input
-once more). Pass: every measurement within its charge.
-
-    python bench/bench_memory.py                                # 64 x 1920x1080, tiny Qwen2-VL, 512 MiB
-    python bench/bench_memory.py --max-pixels 100352 --json     # quick variant (the test uses it)
-    python bench/bench_memory.py --queued --images 1000 --width 640 --height 480 --bumps 200
-    python bench/bench_memory.py --decode --model tiny-clip
+python bench/bench_memory.py                                # 64 x 1920x1080, tiny Qwen2-VL, 512 MiB
+python bench/bench_memory.py --max-pixels 100352 --json     # quick variant (the test uses it)
+python bench/bench_memory.py --queued --images 1000 --width 640 --height 480 --bumps 200
+python bench/bench_memory.py --decode --model tiny-clip
 """
 
 from __future__ import annotations
@@ -36,11 +16,12 @@ import json
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "bench")]
 
-from _common import jpeg  # noqa: E402
+from _common import jpeg
 
 MiB = 1 << 20
 
@@ -155,13 +136,13 @@ def decode_peaks(args: argparse.Namespace) -> dict[str, object]:
     }
 
 
-async def measure(args: argparse.Namespace) -> dict[str, object]:
+async def start_engine(args: argparse.Namespace) -> tuple[Any, Any, Any]:
+    """The engine ``visenc serve`` would build under the bench's budget, started; with its tower and metrics."""
     import torch
 
     from visenc import heap
     from visenc.config import Settings
     from visenc.engine.core import Engine
-    from visenc.engine.interface import EncodeItem
     from visenc.index.memory import MemoryCache
     from visenc.index.tiered import Index
     from visenc.metrics import Metrics
@@ -180,6 +161,13 @@ async def measure(args: argparse.Namespace) -> dict[str, object]:
     metrics = Metrics()
     encoder = Engine(tower, Index(MemoryCache(settings.cache_bytes or 1 << 30, metrics)), settings, metrics)
     await encoder.start()
+    return encoder, tower, metrics
+
+
+async def measure(args: argparse.Namespace) -> dict[str, object]:
+    from visenc.engine.interface import EncodeItem
+
+    encoder, tower, metrics = await start_engine(args)
     try:
         warm = [EncodeItem(data=jpeg(10_000, 320, 240))]
         await encoder.encode(warm, "warm", wait=True)

@@ -1,13 +1,6 @@
 """Preprocessing speed vs transformers' image processors, and equality, for both backends.
 
-For an RGB image of each ``--size`` (decoded once, outside the timing): per-image time of
-the transformers processor (the fast torchvision one for ``--image-backend
-torchvision``, the PIL one for ``pil``) vs the tower's ``preprocess`` with the
-same backend, their ratio and the max abs difference of the outputs; then the
-tower's forward time. The torchvision processors need torchvision
-(``make install-test`` installs it); without it those rows are skipped.
-
-    python bench/bench_preprocess.py [--rounds 5] [--repeat 15] [--size 640x480,1280x720]
+python bench/bench_preprocess.py [--rounds 5] [--repeat 15] [--size 640x480,1280x720]
 """
 
 from __future__ import annotations

@@ -3,9 +3,6 @@ URLs, an agent's turn) sent straight to an upstream and through the proxy, alter
 upstream that answers at once (a stand-in for vLLM, so only the hop is timed) and a real visenc
 (tiny tower) the proxy hands the images to after each answer, as deployed.
 
-Prints the median hop (through the proxy − straight) in ms with min and max over rounds, and the
-proxy's CPU time per request.
-
     .venv/bin/python bench/bench_proxy.py [--images 8] [--rounds 40] [--size 1280x720]
 """
 
@@ -25,7 +22,7 @@ import psutil
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common as c  # noqa: E402
+import _common as c
 
 ANSWER = json.dumps(
     {
@@ -62,6 +59,11 @@ def body(datas: list[bytes]) -> bytes:
     return json.dumps({"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": content}]}).encode()
 
 
+def proxy_cmd(port: int, visenc: str, upstream: str) -> list[str]:
+    flags = ["--port", str(port), "--log-level", "warning", "--visenc", visenc, "--upstream", upstream]
+    return [sys.executable, "-m", "visenc", "proxy", *flags]
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--images", type=int, default=8)
@@ -82,20 +84,7 @@ def main() -> int:
         c.server(c.visenc_cmd("tiny-qwen2-vl", ports["visenc"]), urls["visenc"] + "/readyz", c.service_env()),
         c.server([sys.executable, __file__, "--upstream-server", str(ports["upstream"])], urls["upstream"] + "/health"),
         c.server(
-            [
-                sys.executable,
-                "-m",
-                "visenc",
-                "proxy",
-                "--port",
-                str(ports["proxy"]),
-                "--log-level",
-                "warning",
-                "--visenc",
-                urls["visenc"],
-                "--upstream",
-                urls["upstream"],
-            ],
+            proxy_cmd(ports["proxy"], urls["visenc"], urls["upstream"]),
             urls["proxy"] + "/health",
             c.service_env(),
         ) as proxy,

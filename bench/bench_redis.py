@@ -1,19 +1,6 @@
 """Redis tier: fetch throughput against a raw redis-py GET, and hit-path encode latency.
 
-Starts its own redis-server on a free loopback port (no persistence) and prints,
-measured side by side in one run (alternating rounds, medians):
-
-1. **Fetch throughput** of one stored entry (default: a Qwen2.5-VL-7B-class
-   image, 1196 tokens x 3584 hidden, bfloat16 = 8.6 MB): the service's Redis
-   tier (``RedisStore.get_many``: GET + header/key checks, no copy) and the
-   client's direct read (``RedisRows.fetch_bytes``: GETRANGE of the rows), each
-   as a ratio of a raw redis-py GET of the same bytes (both with hiredis).
-2. **Hit-path encode latency** (``POST /v1/encode`` with one known hash, the real
-   app in-process with the tiny default tower): in-process index only, Redis
-   configured but the entry in L1, and an L2 hit (L1 disabled: every lookup is
-   one Redis round trip).
-
-    python bench/bench_redis.py [--rounds 7] [--tokens 1196 --hidden 3584]
+python bench/bench_redis.py [--rounds 7] [--tokens 1196 --hidden 3584]
 """
 
 from __future__ import annotations
@@ -33,20 +20,20 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT / "service"), str(ROOT / "clients"), str(ROOT)]
 
-import httpx  # noqa: E402
-import numpy as np  # noqa: E402
-import redis  # noqa: E402
-import redis.asyncio as aioredis  # noqa: E402
-from redis.utils import HIREDIS_AVAILABLE  # noqa: E402
-from tests.support.processes import redis_process  # noqa: E402
+import httpx
+import numpy as np
+import redis
+import redis.asyncio as aioredis
+from harness.processes import redis_process
+from redis.utils import HIREDIS_AVAILABLE
 
-from visenc.bootstrap import build_index, create_app  # noqa: E402
-from visenc.config import Settings  # noqa: E402
-from visenc.index.redis_conn import RedisConnection  # noqa: E402
-from visenc.index.redis_store import RedisStore  # noqa: E402
-from visenc.metrics import Metrics  # noqa: E402
-from visenc_client import Handle, RedisRows  # noqa: E402
-from visenc_client.format import entry_key, pack_entry  # noqa: E402
+from visenc.bootstrap import build_index, create_app
+from visenc.config import Settings
+from visenc.index.redis_conn import RedisConnection
+from visenc.index.redis_store import RedisStore
+from visenc.metrics import Metrics
+from visenc_client import Handle, RedisRows
+from visenc_client.format import entry_key, pack_entry
 
 
 async def median_s(fn: Callable[[], Awaitable[object]], n: int) -> float:
@@ -114,7 +101,7 @@ async def hit_latency(url: str, rounds: int, reps: int) -> None:
     from visenc.models.loading import load_tower
 
     sys.path.insert(0, str(ROOT / "tests"))
-    from tests.support.images import png_bytes
+    from harness.images import png_bytes
 
     tower = load_tower("tiny-qwen2-vl")
     image = png_bytes(1, 224, 224)

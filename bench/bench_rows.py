@@ -1,28 +1,6 @@
 """Rows at a 7B model's size through every path that moves them, each against its floor, in one run.
 
-The tower has a real output width and next to no compute: Qwen2.5-VL's architecture, two blocks of
-width 64, merger to 3584, bf16 rows (a 1080p screenshot: 2,691 rows, 19.3 MB), so that only the
-transport shows. One ``visenc serve`` with a shared Redis index and shared memory, a second one that
-loads images as SGLang does (for its encoder protocol), and a real ``redis-server``. Screenshots at
-720p, 1080p and 1440p are encoded once; then, at 1 and 16 concurrent callers, each path moves them
-again, side by side with its floor, rounds alternating the order:
-
-=============================  ====================================================================
-path                           floor
-=============================  ====================================================================
-HTTP ``Client.fetch``          a raw socket: a sender thread ``sendall``s the same bytes, the
-HTTP ``AsyncClient.fetch``     receiver ``recv_into``s a buffer (one connection per caller)
-``include_rows`` look-up       the same raw socket
-shm ``fetch_chunk``            ``memcpy`` (``np.copyto``) of the same bytes
-Redis ``RedisRows.fetch``      a raw redis-py ``GET`` of the same value
-SGLang ``/encode`` + ZMQ push  a raw ZMQ ``PUSH`` of the same frames to a ``PULL`` socket
-``VisencConnector``            per image: its look-up of the rows and their load into the encoder
-                               cache (run in ``.venv-vllm``; skipped where vLLM is not installed)
-=============================  ====================================================================
-
-Each ratio is path throughput ÷ floor throughput in the same round: median (min, max) over rounds.
-
-    python bench/bench_rows.py [--rounds 3] [--sizes 720p 1080p 1440p] [--json]
+python bench/bench_rows.py [--rounds 3] [--sizes 720p 1080p 1440p] [--json]
 """
 
 from __future__ import annotations
@@ -31,15 +9,11 @@ import argparse
 import asyncio
 import contextlib
 import json
-import socket
 import statistics
-import struct
 import sys
 import tempfile
 import threading
-import time
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -48,12 +22,13 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-import bench_gpu  # noqa: E402
-from tests.support.processes import redis_process  # noqa: E402
+import _common as c
+import bench_gpu
+from _rows_floors import RawReceiver, RawSender, Zmq, gathered_on, threaded
+from harness.processes import redis_process
 
-from visenc_client import AsyncClient, Client, Handle, ImagePlacement, RedisRows, image_hash  # noqa: E402
-from visenc_client.format import entry_key  # noqa: E402
+from visenc_client import AsyncClient, Client, Handle, ImagePlacement, RedisRows
+from visenc_client.format import entry_key
 
 SIZES = {"720p": (1280, 720), "1080p": (1920, 1080), "1440p": (2560, 1440)}
 #: a tower with a 7B model's row width and next to no compute
@@ -61,59 +36,7 @@ WIDE = bench_gpu.TINY_VISION
 TARGETS = {"http": 0.7, "shm": 0.8, "redis": 0.7, "zmq": 0.7}
 
 
-# --- floors -----------------------------------------------------------------------------------
-class RawSender:
-    """A loopback server that answers each 8-byte request (a byte count) with that many bytes."""
-
-    def __init__(self, payload: bytes) -> None:
-        self.payload = memoryview(payload)
-        self.sock = socket.create_server(("127.0.0.1", 0))
-        self.port = self.sock.getsockname()[1]
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                conn, _ = self.sock.accept()
-            except OSError:
-                return
-            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        with conn:
-            while ask := conn.recv(8):
-                conn.sendall(self.payload[: struct.unpack("<Q", ask)[0]])
-
-
-class RawReceiver:
-    """One caller's connection to a ``RawSender``: asks for n bytes and reads them into a buffer."""
-
-    def __init__(self, port: int, nbytes: int) -> None:
-        self.sock = socket.create_connection(("127.0.0.1", port))
-        self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.buffer = memoryview(bytearray(nbytes))
-
-    def get(self, n: int) -> None:
-        self.sock.sendall(struct.pack("<Q", n))
-        got = 0
-        while got < n:
-            got += self.sock.recv_into(self.buffer[got:n])
-
-
 # --- the run -----------------------------------------------------------------------------------
-#: the callers' threads, kept across passes as a caller's threads are (a fresh thread starts on a fresh
-#: heap arena, and its first arrays fault their pages in)
-_POOLS: dict[int, ThreadPoolExecutor] = {}
-
-
-def threaded(concurrency: int, jobs: list[Callable[[], Any]]) -> float:
-    """Seconds to run ``jobs`` on ``concurrency`` threads (each takes the next job)."""
-    pool = _POOLS.get(concurrency) or _POOLS.setdefault(concurrency, ThreadPoolExecutor(concurrency))
-    t0 = time.perf_counter()
-    list(pool.map(lambda job: job(), jobs))
-    return time.perf_counter() - t0
-
-
 class Paths:
     """Every path and floor for one set of handles, callable as (seconds for ``n`` transfers)."""
 
@@ -182,18 +105,6 @@ class Paths:
         return threaded(self.c, [lambda h=h: self.env.connector(h) for h in self._each(n)])
 
 
-async def gathered_on(concurrency: int, jobs: list[Callable[[], Awaitable[Any]]]) -> float:
-    queue = list(reversed(jobs))
-
-    async def one() -> None:
-        while queue:
-            await queue.pop()()
-
-    t0 = time.perf_counter()
-    await asyncio.gather(*(one() for _ in range(concurrency)))
-    return time.perf_counter() - t0
-
-
 #: (label, path, floor, target kind)
 PAIRS = [
     ("HTTP Client.fetch", "http_sync", "raw_socket", "http"),
@@ -204,58 +115,6 @@ PAIRS = [
     ("SGLang /encode + ZMQ push", "zmq_visenc", "zmq_raw", "zmq"),
     ("VisencConnector (per image)", "connector", "raw_socket", ""),
 ]
-
-
-class Zmq:
-    """The SGLang rank's receive socket (the visenc path's destination) and a raw PUSH beside it."""
-
-    def __init__(self, sglang_url: str) -> None:
-        import zmq
-
-        self.url = sglang_url
-        self.context = zmq.Context()
-        self.pull = self.context.socket(zmq.PULL)
-        self.port = self.pull.bind_to_random_port("tcp://127.0.0.1")
-        self.push = self.context.socket(zmq.PUSH)
-        self.push.connect(f"tcp://127.0.0.1:{self.port}")
-        self.header = b"x" * 320  # frame 0 of a one-image part is about this size
-        self.count = 0
-        self.lock = threading.Lock()
-        import httpx
-
-        self.http = httpx.Client(base_url=sglang_url, timeout=60)
-
-    def _receive(self, n: int) -> None:
-        for _ in range(n):
-            self.pull.recv_multipart(copy=False)
-
-    def raw(self, concurrency: int, n: int, nbytes: int) -> float:
-        rows = np.zeros(nbytes, np.uint8)
-        t0 = time.perf_counter()
-        for start in range(0, n, concurrency):
-            k = min(concurrency, n - start)
-            for _ in range(k):
-                self.push.send_multipart([self.header, rows], copy=False)
-            self._receive(k)
-        return time.perf_counter() - t0
-
-    def visenc(self, concurrency: int, images: list[bytes]) -> float:
-        def part(data: bytes) -> None:
-            with self.lock:
-                self.count += 1
-                rid = f"rows-{self.count}"
-            register = {"req_id": rid, "receive_count": 1, "receive_url": f"127.0.0.1:{self.port}", "modality": "IMAGE"}
-            item = {"url": "http://images.invalid/x.png", "content_hash": "sha256:" + image_hash(data)}
-            encode = {"req_id": rid, "num_parts": 1, "part_idx": 0, "mm_items": [item], "modality": "IMAGE"}
-            self.http.post("/scheduler_receive_url", json=register).raise_for_status()
-            self.http.post("/encode", json=encode).raise_for_status()
-
-        t0 = time.perf_counter()
-        for start in range(0, len(images), concurrency):
-            batch = images[start : start + concurrency]
-            threaded(len(batch), [lambda d=d: part(d) for d in batch])
-            self._receive(len(batch))
-        return time.perf_counter() - t0
 
 
 class Env:

@@ -1,37 +1,10 @@
 """Service throughput, side by side in one run: visenc vs the bare in-process forward,
 vs a naive FastAPI handler, and (given its folder) vs the Infinity peer.
 
-All systems get the SAME tower and the SAME JPEGs. Rates (images/s):
-
-* bare       in-process loop: decode + preprocess + forward at the best batch size
-             and torch thread count, sequential: what a caller reaches without a service;
-* forward    the same without decode/preprocess (pure device time, for reference);
-* visenc     ``visenc serve``, 8 concurrent clients, one image per request, cold
-             (bytes sent, encoded, rows fetched); a fresh namespace per round;
-* repeat     the same images again: every visenc request is an index hit;
-* naive      ``bench/naive_server.py``: per-request preprocess + batch-1 forward;
-* infinity   ``infinity_emb v2`` on the same CLIP folder, 8 concurrent single-image clients;
-* infinity_heap  (``--infinity-heap``) the same with the C-heap setting visenc makes
-             (``visenc/heap.py``) given by glibc's environment variables.
-
-The bare loop runs with visenc's C-heap setting too (``heap.hold_freed``): a freed
-activation is reused, not faulted in again (``bench/bench_heap.py``: tiny CLIP's forward
-1.22x faster than under glibc's defaults).
-
-The bare loop's best batch size per torch thread count is picked once by calibration;
-then each round measures every system once, in turn, with the other servers paused
-(SIGSTOP: an idle server still polls and steals cycles from a 2-core host), and the printed ratios are the medians over
-rounds of the per-round ratios (a shared machine's load drifts; neighbours in time see
-about the same load).
-
     python bench/bench_service.py                                  # tiny-clip, 2 rounds
     python bench/bench_service.py --model tiny-qwen2-vl --images 48
     python bench/bench_service.py --infinity /work/peer-infinity   # CLIP folder built by the peer's setup.sh
     python bench/bench_service.py --before /tmp/visenc-before      # this tree vs another (git worktree)
-
-``--before PATH`` adds ``visenc_before``: the same ``visenc serve`` run from the source tree at PATH
-(``git worktree add /tmp/visenc-before <commit>``), measured in the same rounds: a change's
-before and after, side by side (``visenc / visenc_before``).
 """
 
 from __future__ import annotations
@@ -47,10 +20,11 @@ import sys
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
 
 def source_env(tree: Path) -> dict[str, str]:
@@ -73,7 +47,7 @@ def infinity_cmd(peer: Path, model: str, port: int) -> list[str]:
     return [exe, "v2", "--model-id", model, "--port", str(port), *flags.split()]
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument(
         "--model",
@@ -90,32 +64,11 @@ def main() -> int:
     p.add_argument("--serve-args", default="", help="extra `visenc serve` flags, e.g. '--max-wait-ms 5'")
     p.add_argument("--json", type=Path, default=None, help="also write the figures here")
     p.add_argument("--before", type=Path, default=None, help="another source tree: its visenc, side by side")
-    args = p.parse_args()
+    return p.parse_args()
 
-    import torch
 
-    from visenc import heap
-    from visenc.config import Settings
-    from visenc.models.loading import load_tower
-
-    keep = Settings().heap_keep_bytes
-    heap.hold_freed(keep)
-
-    peer = args.infinity
-    if peer is not None and not (peer / "venv" / "bin" / "infinity_emb").exists():
-        print(f"note: no Infinity install under {peer} (run shared/peers/infinity/setup.sh {peer}); skipping the peer")
-        peer = None
-    model = args.model or (str(peer / "tiny-clip") if peer else "tiny-clip")
-    w, h = (int(x) for x in args.size.split("x"))
-    images = [c.jpeg(i, w, h) for i in range(args.images)]
-    torch.set_num_threads(os.cpu_count() or 1)
-    tower = load_tower(model)
-    print(
-        f"model {model} ({tower.describe()['name']}), {args.images} images {args.size}, "
-        f"{args.concurrency} concurrent single-image clients, {args.rounds} rounds, {os.cpu_count()} cores"
-    )
-
-    # calibrate the bare loop once (each config twice, median), then keep the best config
+def calibrate(tower: Any, images: list[bytes]) -> tuple[tuple[int, int], ...]:
+    """The bare loop's best (threads, batch) per thread count: each config measured twice, median."""
     _, _, first = c.bare_rate(tower, images[:32], (1, 4, 8, 16))
     _, _, second = c.bare_rate(tower, images[:32], (1, 4, 8, 16))
     calib = {k: statistics.median([first[k], second[k]]) for k in first}
@@ -124,67 +77,84 @@ def main() -> int:
         f"bare loop calibration (img/s): {', '.join(f't{t}b{b} {v:.1f}' for (t, b), v in calib.items())}"
         f" -> per round, the better of {configs} (threads, batch)"
     )
+    return configs
+
+
+def start_servers(
+    stack: contextlib.ExitStack, args: argparse.Namespace, model: str, peer: Path | None, keep: int
+) -> tuple[dict[str, Callable[[int], c.Send]], dict[str, subprocess.Popen[bytes]]]:
+    """Every server measured, started on ``stack``; a sender maker (round -> send) and the process of each."""
+    from visenc import heap
 
     logs = Path(tempfile.mkdtemp(prefix="visenc-bench-"))
     env = c.service_env()
     nport = c.free_port()
     senders: dict[str, Callable[[int], c.Send]] = {}
     procs: dict[str, subprocess.Popen[bytes]] = {}
-    with contextlib.ExitStack() as stack:
-        trees = {"visenc": env, **({"visenc_before": source_env(args.before)} if args.before else {})}
-        for key, tree_env in trees.items():
+    trees = {"visenc": env, **({"visenc_before": source_env(args.before)} if args.before else {})}
+    for key, tree_env in trees.items():
+        port = c.free_port()
+        cmd = c.visenc_cmd(model, port, *args.serve_args.split())
+        url = f"http://127.0.0.1:{port}"
+        procs[key] = stack.enter_context(c.server(cmd, f"{url}/readyz", tree_env, logs / f"{key}.log"))
+        senders[key] = lambda r, url=url: c.visenc_sender(url, f"bench{r}")
+    if not args.no_naive:
+        procs["naive"] = stack.enter_context(
+            c.server(
+                [c.PYTHON, str(c.ROOT / "bench" / "naive_server.py"), "--model", model, "--port", str(nport)],
+                f"http://127.0.0.1:{nport}/healthz",
+                env,
+                logs / "naive.log",
+            )
+        )
+        senders["naive"] = lambda r: c.raw_sender(f"http://127.0.0.1:{nport}/encode")
+    if peer is not None:
+        served = "/".join(Path(model).parts[-2:])
+        runs = {"infinity": {}, **({"infinity_heap": heap.environment(keep)} if args.infinity_heap else {})}
+        for key, extra in runs.items():
             port = c.free_port()
-            cmd = c.visenc_cmd(model, port, *args.serve_args.split())
-            url = f"http://127.0.0.1:{port}"
-            procs[key] = stack.enter_context(c.server(cmd, f"{url}/readyz", tree_env, logs / f"{key}.log"))
-            senders[key] = lambda r, url=url: c.visenc_sender(url, f"bench{r}")
-        if not args.no_naive:
-            procs["naive"] = stack.enter_context(
+            procs[key] = stack.enter_context(
                 c.server(
-                    [c.PYTHON, str(c.ROOT / "bench" / "naive_server.py"), "--model", model, "--port", str(nport)],
-                    f"http://127.0.0.1:{nport}/healthz",
-                    env,
-                    logs / "naive.log",
+                    infinity_cmd(peer, model, port),
+                    f"http://127.0.0.1:{port}/health",
+                    {**infinity_env(peer), **extra},
+                    logs / f"{key}.log",
                 )
             )
-            senders["naive"] = lambda r: c.raw_sender(f"http://127.0.0.1:{nport}/encode")
-        if peer is not None:
-            served = "/".join(Path(model).parts[-2:])
-            runs = {"infinity": {}, **({"infinity_heap": heap.environment(keep)} if args.infinity_heap else {})}
-            for key, extra in runs.items():
-                port = c.free_port()
-                procs[key] = stack.enter_context(
-                    c.server(
-                        infinity_cmd(peer, model, port),
-                        f"http://127.0.0.1:{port}/health",
-                        {**infinity_env(peer), **extra},
-                        logs / f"{key}.log",
-                    )
-                )
-                base = f"http://127.0.0.1:{port}"
-                senders[key] = lambda r, base=base: c.infinity_sender(base, served)
-        for make in senders.values():  # first requests (lazy init, thread pools) are not measured
-            asyncio.run(c.clients_rate([c.jpeg(10_000 + i, w, h) for i in range(8)], make(-1), args.concurrency))
+            base = f"http://127.0.0.1:{port}"
+            senders[key] = lambda r, base=base: c.infinity_sender(base, served)
+    return senders, procs
 
-        rows: dict[str, list[float]] = {}
-        for proc in procs.values():  # only the system being measured runs (idle servers still poll)
-            c.pause(proc)
-        for r in range(args.rounds):
-            bare = [c.bare_rate(tower, images, (b,), threads=(t,))[1] for t, b in configs]
-            fwd = [c.bare_rate(tower, images, (b,), preprocess=False, threads=(t,))[1] for t, b in configs]
-            rows.setdefault("bare", []).append(max(bare))
-            rows.setdefault("forward", []).append(max(fwd))
-            for key, make in senders.items():
-                c.resume(procs[key])
-                send = make(r)
-                rows.setdefault(key, []).append(asyncio.run(c.clients_rate(images, send, args.concurrency)))
-                if key in ("visenc", "visenc_before", "infinity"):  # the same images again
-                    rows.setdefault(f"{key}_repeat", []).append(
-                        asyncio.run(c.clients_rate(images, send, args.concurrency))
-                    )
-                c.pause(procs[key])
-            print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()) + " img/s")
 
+def measure(
+    args: argparse.Namespace,
+    tower: Any,
+    images: list[bytes],
+    configs: tuple[tuple[int, int], ...],
+    senders: dict[str, Callable[[int], c.Send]],
+    procs: dict[str, subprocess.Popen[bytes]],
+) -> dict[str, list[float]]:
+    """Images/s of the bare loop, the forward alone and each server, round by round."""
+    rows: dict[str, list[float]] = {}
+    for proc in procs.values():  # only the system being measured runs (idle servers still poll)
+        c.pause(proc)
+    for r in range(args.rounds):
+        bare = [c.bare_rate(tower, images, (b,), threads=(t,))[1] for t, b in configs]
+        fwd = [c.bare_rate(tower, images, (b,), preprocess=False, threads=(t,))[1] for t, b in configs]
+        rows.setdefault("bare", []).append(max(bare))
+        rows.setdefault("forward", []).append(max(fwd))
+        for key, make in senders.items():
+            c.resume(procs[key])
+            send = make(r)
+            rows.setdefault(key, []).append(asyncio.run(c.clients_rate(images, send, args.concurrency)))
+            if key in ("visenc", "visenc_before", "infinity"):  # the same images again
+                rows.setdefault(f"{key}_repeat", []).append(asyncio.run(c.clients_rate(images, send, args.concurrency)))
+            c.pause(procs[key])
+        print(f"round {r}: " + ", ".join(f"{k} {v[-1]:.1f}" for k, v in rows.items()) + " img/s")
+    return rows
+
+
+def report(args: argparse.Namespace, model: str, rows: dict[str, list[float]]) -> None:
     # ratios per round (both sides measured minutes apart at most), then the median over rounds
     def ratio(a: str, b: str) -> list[float]:
         return [x / y for x, y in zip(rows[a], rows[b])]
@@ -213,6 +183,40 @@ def main() -> int:
         medians = {k: statistics.median(v) for k, v in ratios.items()}
         doc = {"model": model, "images_per_s": med, "ratios": medians, "rounds": ratios}
         args.json.write_text(json.dumps(doc, indent=2))
+
+
+def main() -> int:
+    args = parse_args()
+
+    import torch
+
+    from visenc import heap
+    from visenc.config import Settings
+    from visenc.models.loading import load_tower
+
+    keep = Settings().heap_keep_bytes
+    heap.hold_freed(keep)
+
+    peer = args.infinity
+    if peer is not None and not (peer / "venv" / "bin" / "infinity_emb").exists():
+        print(f"note: no Infinity install under {peer} (run shared/peers/infinity/setup.sh {peer}); skipping the peer")
+        peer = None
+    model = args.model or (str(peer / "tiny-clip") if peer else "tiny-clip")
+    w, h = (int(x) for x in args.size.split("x"))
+    images = [c.jpeg(i, w, h) for i in range(args.images)]
+    torch.set_num_threads(os.cpu_count() or 1)
+    tower = load_tower(model)
+    print(
+        f"model {model} ({tower.describe()['name']}), {args.images} images {args.size}, "
+        f"{args.concurrency} concurrent single-image clients, {args.rounds} rounds, {os.cpu_count()} cores"
+    )
+    configs = calibrate(tower, images)
+    with contextlib.ExitStack() as stack:
+        senders, procs = start_servers(stack, args, model, peer, keep)
+        for make in senders.values():  # first requests (lazy init, thread pools) are not measured
+            asyncio.run(c.clients_rate([c.jpeg(10_000 + i, w, h) for i in range(8)], make(-1), args.concurrency))
+        rows = measure(args, tower, images, configs, senders, procs)
+    report(args, model, rows)
     return 0
 
 

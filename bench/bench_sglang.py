@@ -1,21 +1,6 @@
 """SGLang's encoder protocol against visenc's own API, on one ``visenc serve`` (tiny Qwen2-VL).
 
-``--parts`` one-image parts, ``--concurrency`` at a time, as SGLang's language server sends them
-(``zmq_to_scheduler``: the rank registers its receive URL, then ``POST /encode``; the part counts as
-delivered when its rows arrive on the rank's ZMQ socket), against the same images over
-``POST /v1/encode`` (wait, rows inline, msgpack: delivered when the answer is read). Three loads,
-each in a fresh namespace:
-
-* **cold**: images visenc never saw (decode, preprocess, forward);
-* **hit**: the same images again, sent as SGLang sends them without content hashes (bytes: decoded
-  for the hash only, no forward);
-* **hit by hash**: with ``content_hash`` (SGLang's ``mm_content_hashes``) and a URL visenc may not
-  fetch: nothing but the look-up (``/v1/encode``: the hash alone).
-
-Prints images/s and p50/p99 delivery latency per load and protocol, medians over ``--rounds``
-alternating rounds, and the ratios measured side by side: hit ÷ cold, SGLang protocol ÷ /v1/encode.
-
-    .venv/bin/python bench/bench_sglang.py [--parts 64] [--concurrency 8] [--rounds 3]
+.venv/bin/python bench/bench_sglang.py [--parts 64] [--concurrency 8] [--rounds 3]
 """
 
 from __future__ import annotations
@@ -36,9 +21,9 @@ import zmq.asyncio
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import _common as c  # noqa: E402
+import _common as c
 
-from visenc_client import image_hash  # noqa: E402
+from visenc_client import image_hash
 
 LOADS = ("cold", "hit", "hit by hash")
 PROTOCOLS = ("sglang", "v1")

@@ -2,21 +2,6 @@
 worker (now): how many 720p-1440p screenshots each lets the pool make at once, and ``visenc serve``'s
 cold images/s under each, side by side in one run.
 
-The scheduler starts an image's preprocessing while the staged total (each image's input, plus its
-decode while it is made) stays within ``prefetch_tokens``. A screenshot's line is 12k-50k tokens,
-one to three 16k-token batches: under two batches, one or two are made at once whatever the pool's
-width, and a 16-core host's service is capped by one core's preprocessing.
-
-First the arithmetic, from the real Qwen2.5-VL processor (the costs the scheduler charges). Then
-two servers (``--tower 7b`` on CUDA: Qwen2.5-VL-7B's vision config, random bf16 weights, compiled;
-``--tower cheap``: one narrow block with the real 3584-wide merger, so a CPU forward costs little
-beside the service path), one with ``VISENC_PREFETCH_TOKENS`` at the old bound and one with the
-default, each measured in turn (the other paused), with ``--clients`` ``wait=true`` callers that
-fetch each image's rows with a GET (``inline=False``, as ``bench_gpu_service.py``).
-
-On a CPU the default bound is a quarter batch (unchanged), so there both bounds are given
-explicitly; the forward shares the cores with preprocessing there, so the rates show little.
-
     python bench/bench_staging.py [--device cuda] [--tower 7b] [--images 96] [--rounds 3] [--clients 16]
 """
 
@@ -32,9 +17,9 @@ from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
-import bench_gpu  # noqa: E402
-from bench_gpu_service import SCREENS  # noqa: E402
+import _common as c
+import bench_gpu
+from bench_gpu_service import SCREENS
 
 #: one narrow block, windowed attention only, the real 3584-wide rows: a forward that costs little
 CHEAP_VISION = {**bench_gpu.TINY_VISION, "depth": 1, "fullatt_block_indexes": [], "hidden_size": 16}
@@ -42,11 +27,8 @@ CHEAP_VISION.update(intermediate_size=32, num_heads=1)
 
 
 def gate_table(prep: Any, workers: int, bounds: dict[str, int]) -> None:
-    """Each screen size's cost, staged line, one thread's decode + preprocess time, and how many the
-    gate admits at once under each bound; then each bound's preprocessing ceiling (Little's law on the
-    staging ledger: staged tokens on average = images/s x mean(line x seconds), at most the bound, or
-    one image's line when it runs alone), and the pool's (workers / mean seconds). An upper bound: it
-    leaves out the input a made image holds until its forward, and the host's other work."""
+    """Per screen size: cost, staged line, preprocess time and admissions under each bound; then each
+    bound's preprocessing ceiling by Little's law on the staging ledger, and the pool's."""
     import torch
 
     threads = torch.get_num_threads()

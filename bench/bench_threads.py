@@ -1,11 +1,7 @@
 """How to split a small host's cores between torch and the preprocessing pool.
 
-Serves the tower with each (torch threads, preprocess workers) split in turn and
-drives it with 8 concurrent single-image clients (cold); prints images/s and the
-ratio to the default split (``engine/threads.py``), rounds interleaved (``_common.serve_rates``).
-
-    python bench/bench_threads.py                      # tiny-clip, 640x480
-    python bench/bench_threads.py --model tiny-qwen2-vl
+python bench/bench_threads.py                      # tiny-clip, 640x480
+python bench/bench_threads.py --model tiny-qwen2-vl
 """
 
 from __future__ import annotations
@@ -17,7 +13,7 @@ from pathlib import Path
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
-import _common as c  # noqa: E402
+import _common as c
 
 
 def main() -> int:

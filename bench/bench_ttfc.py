@@ -1,22 +1,6 @@
 """Time to first chunk: a 32-image request, lazy per-chunk fetch vs waiting for the whole request.
 
-Starts a real ``visenc serve`` (embedded default: tiny Qwen2-VL tower, CPU) on a
-free loopback port. Each round sends 32 *new* images of mixed resolutions, laid
-out in one prompt (``--text`` text tokens before each image), and walks the
-prompt in prefill chunks of ``--chunk`` positions, as a prefill worker does:
-
-* lazy: ``encode(wait=False)`` (handles at once, ``num_tokens`` known), then
-  ``fetch_chunk`` for chunk 1, 2, ... (each waits only for its own images and
-  moves them to the front of the queue);
-* naive: ``encode(wait=True)`` (the whole request), then the same chunk fetches.
-
-For each it records when chunk 1's rows are in hand and when the last chunk's
-are (all 32 images), from the moment the request is sent, and prints the
-ratio first-chunk / all-images. For scale it also times encoding only the
-images chunk 1 overlaps, alone (new copies). Medians over ``--rounds``; lazy
-and naive alternate so machine drift hits both.
-
-    python bench/bench_ttfc.py [--rounds 3] [--chunk 512] [--text 16] [--serve-args '...']
+python bench/bench_ttfc.py [--rounds 3] [--chunk 512] [--text 16] [--serve-args '...']
 """
 
 from __future__ import annotations
@@ -31,12 +15,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
 
-import _common as c  # noqa: E402
-import httpx  # noqa: E402
-from tests.support.images import png_bytes  # noqa: E402
-from tests.support.processes import serve_process  # noqa: E402
+import _common as c
+import httpx
+from harness.images import png_bytes
+from harness.processes import serve_process
 
-from visenc_client import Client, ImagePlacement  # noqa: E402
+from visenc_client import Client, ImagePlacement
 
 #: mixed resolutions (width, height): 64 .. ~390 tokens each on the tiny Qwen tower
 SIZES = [(224, 224), (448, 336), (320, 480), (640, 480), (256, 256), (512, 384), (300, 200), (480, 640)]

@@ -1,24 +1,6 @@
 """Video caching per tube vs per whole video vs none, side by side in one run.
 
-Starts a real ``visenc serve`` (embedded default: tiny Qwen2-VL, CPU) on a free loopback port and
-plays, in alternating rounds, the same request streams under three caching policies:
-
-* **tube**: visenc as built: every tube of a clip is looked up and only missing tubes are encoded;
-* **whole**: what engines do today (one key per video): a clip seen before, frame for frame, is a
-  hit; any other clip is encoded from its first frame (here: in a namespace of its own);
-* **none**: every clip encoded from scratch.
-
-Workloads (frames of one synthetic stream, sampled on a fixed timeline):
-
-* **sliding window**: each request is the last ``--window`` frames of the stream, advanced by one
-  tube (2 frames) per request, as a live-stream assistant asks;
-* **re-asked**: the same clip asked again (a new question about it): hit ÷ cold;
-* **grown**: the same clip grown by 2 frames (the stream went on): tube ÷ whole.
-
-Prints, per workload, the median over rounds of encoder work (tubes a forward ran, from the
-service's own ``visenc_encoded_images_total``) and of request latency, as ratios.
-
-    python bench/bench_video.py [--window 16] [--steps 6] [--size 320x240] [--rounds 5]
+python bench/bench_video.py [--window 16] [--steps 6] [--size 320x240] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -33,13 +15,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients")]
 
-import httpx  # noqa: E402
-from _common import spread  # noqa: E402
-from tests.support.images import jpeg_bytes  # noqa: E402
-from tests.support.processes import serve_process  # noqa: E402
-from tests.support.waits import metric  # noqa: E402
+import httpx
+from _common import spread
+from harness.images import jpeg_bytes
+from harness.processes import serve_process
+from harness.waits import metric
 
-from visenc_client import Client, Video  # noqa: E402
+from visenc_client import Client, Video
 
 _namespaces = itertools.count()
 

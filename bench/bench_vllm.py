@@ -1,37 +1,6 @@
 """vLLM alone vs vLLM + visenc, deployed as the docs deploy them: ``vllm serve`` with
 ``VisencConnector`` behind ``visenc proxy``, against a plain ``vllm serve``.
 
-Needs the vLLM environment (``make vllm``); run it with ``.venv-vllm/bin/python``. Models: Qwen2-VL
-checkpoints of ``tests/with_vllm/tiny_vlm.py`` (random weights, CPU, fp32, prefix caching on, as
-vLLM's default) with a vision tower of each size asked for: ``tiny`` (2 layers, 64 wide), ``vit-b``
-(12 x 768) and ``vit-l`` (24 x 1024); screenshots of ``--size`` (resized by the checkpoint's
-processor to at most 256 rows).
-
-* **Agent, same replica**: turn ``k`` sends screenshots ``1..k`` (one new screenshot a turn, the
-  earlier ones resent) over the OpenAI chat API and asks for one token. TTFT per turn for vLLM
-  alone (straight to it), visenc **cold** (the new screenshot is new to visenc too: the proxy
-  tells the connector so, and hands it to visenc after the answer) and visenc **warm** (the new
-  screenshot is already in visenc's index: another replica saw it), and **twin**: a second
-  ``vllm serve`` alone, identical to the first, run the same way (an A/A control: twin ÷ alone
-  is how far two identical systems differ on this host, the floor under any ratio), and **inert**:
-  the connector's own vLLM sent the request straight, untagged (it encodes every image itself, the
-  connector ignores them): cold ÷ inert compares within one process. Each round uses new
-  screenshots (vLLM's prefix cache would cover repeats); the three conversations of a round run
-  turn by turn, their order rotating every turn. Ratios are per turn: medians over rounds, with
-  min and max.
-* **Second replica**: a fresh vLLM given the last turn's conversation (every screenshot known to
-  visenc): TTFT alone vs with visenc, and the images each vLLM encodes itself (counted by a
-  forward hook on its vision tower, offline ``LLM``, as ``vllm serve`` exposes no such counter).
-* **Cost of the visenc path** (one request of ``--turns`` screenshots visenc holds): the proxy
-  hop (the same request, already in vLLM's prefix cache, sent through the proxy and straight to
-  the connector's vLLM, alternating), hashing the images, the connector's look-up (every image's
-  rows in one round trip) and the copy of the rows into vLLM's encoder cache, in ms and as a
-  share of the warm TTFT at the last turn.
-
-Real row sizes (``--row-width 3584``): the language model is as wide as a 7B model's, so each image's
-rows are what a 7B model's are (``--size 1920x1080``, ``--max-image-tokens 2700``: 2,691 rows of
-3584 float32, 38.6 MB an image), while the tower stays tiny; only moving the rows shows.
-
     .venv-vllm/bin/python bench/bench_vllm.py [--towers tiny,vit-b,vit-l] [--turns 8] [--rounds 5]
     .venv-vllm/bin/python bench/bench_vllm.py --towers tiny --row-width 3584 --size 1920x1080 \
         --max-image-tokens 2700 --turns 3 --rounds 3
@@ -41,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import base64
-import contextlib
 import hashlib
 import json
 import os
@@ -50,7 +18,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -59,13 +26,13 @@ ROOT = Path(__file__).resolve().parents[1]
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(ROOT), str(ROOT / "tests" / "with_vllm"), str(HERE)]
 
-import _common as c  # noqa: E402
+import _common as c
+from _vllm_deploy import MAX_MODEL_LEN, VLLM_ENV, deployment, only, vllm_cmd
 
 #: ``twin``: a second, identical vLLM alone (an A/A control: twin ÷ alone is this host's floor);
 #: ``inert``: the connector's vLLM itself, sent the request straight and untagged (vLLM encodes every
 #: image, the connector ignores it): cold ÷ inert compares within one vLLM process
 MODES = ("alone", "twin", "inert", "cold", "warm")
-SYSTEMS = {"alone": ["alone"], "twin": ["twin"], "cold": ["visenc", "behind", "proxy"]}
 URLS = {"alone": "alone", "twin": "twin", "inert": "behind", "cold": "proxy", "warm": "proxy"}
 
 
@@ -93,69 +60,6 @@ def ttft(client: httpx.Client, url: str, payload: dict) -> float:
     elapsed = time.perf_counter() - t0
     r.raise_for_status()
     return elapsed
-
-
-#: the longest prompt the vLLMs take (``--max-model-len``; real row sizes need more)
-MAX_MODEL_LEN = {"value": 4096}
-
-
-def vllm_cmd(model: Path, port: int, *extra: str) -> list[str]:
-    return [
-        sys.executable,
-        "-m",
-        "vllm.entrypoints.openai.api_server",
-        *("--model", str(model), "--host", "127.0.0.1", "--port", str(port)),
-        *("--dtype", "float32", "--enforce-eager", "--max-model-len", str(MAX_MODEL_LEN["value"]), "--seed", "0"),
-        *("--limit-mm-per-prompt", json.dumps({"image": 8, "video": 0})),
-        *extra,
-    ]
-
-
-VLLM_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2", "VLLM_LOGGING_LEVEL": "WARNING", "HF_HUB_OFFLINE": "1"}
-
-
-@contextlib.contextmanager
-def deployment(model: Path, logs: Path) -> Iterator[tuple[dict[str, str], dict]]:
-    """visenc, vLLM alone, vLLM with the connector and ``visenc proxy`` in front of it. The
-    processes of the system not being measured are paused (``only``), as they share the cores."""
-    from openai_servers import connector_config
-
-    ports = {k: c.free_port() for k in ("visenc", "alone", "twin", "behind", "proxy")}
-    urls = {k: f"http://127.0.0.1:{p}" for k, p in ports.items()}
-    procs = {}
-    with contextlib.ExitStack() as stack:
-        procs["visenc"] = stack.enter_context(
-            c.server(
-                c.visenc_cmd(str(model), ports["visenc"], "--max-wait-ms", "1"),
-                urls["visenc"] + "/readyz",
-                c.service_env(),
-                logs / "visenc.log",
-            )
-        )
-        config = connector_config(urls["visenc"])
-        for name, extra in (("alone", ()), ("twin", ()), ("behind", ("--ec-transfer-config", config))):
-            cmd = vllm_cmd(model, ports[name], *extra)
-            procs[name] = stack.enter_context(c.server(cmd, urls[name] + "/health", VLLM_ENV, logs / f"{name}.log"))
-        proxy = [sys.executable, "-m", "visenc", "proxy", "--port", str(ports["proxy"])]
-        proxy += ["--visenc", urls["visenc"], "--upstream", urls["behind"]]
-        procs["proxy"] = stack.enter_context(
-            c.server(proxy, urls["proxy"] + "/health", c.service_env(), logs / "proxy.log")
-        )
-        yield urls, procs
-
-
-@contextlib.contextmanager
-def only(procs: dict, mode: str) -> Iterator[None]:
-    """Pause the processes of the other systems while ``mode``'s runs."""
-    mine = SYSTEMS.get(mode, SYSTEMS["cold"])
-    others = [name for system in SYSTEMS.values() for name in system if name not in mine]
-    for name in others:
-        c.pause(procs[name])
-    try:
-        yield
-    finally:
-        for name in others:
-            c.resume(procs[name])
 
 
 def agent(
@@ -321,7 +225,7 @@ def second_replica(model: Path, urls: dict[str, str], logs: Path, turns: int, si
     return result
 
 
-def main() -> int:
+def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--towers", default="tiny,vit-b,vit-l")
     p.add_argument("--turns", type=int, default=8)
@@ -336,7 +240,41 @@ def main() -> int:
     p.add_argument("--count-worker", default=None, help=argparse.SUPPRESS)
     p.add_argument("--visenc", default=None, help=argparse.SUPPRESS)
     p.add_argument("--seeds", default=None, help=argparse.SUPPRESS)
-    args = p.parse_args()
+    return p.parse_args()
+
+
+def report(tower: str, args: argparse.Namespace, times: dict, cost: dict[str, float], replica: dict) -> None:
+    width = args.row_width or 128
+    print(f"\n[{tower} tower, rows {width} wide] TTFT per turn, ms (median over rounds), and ÷ alone")
+    for k in range(args.turns):
+        alone = [r[k] for r in times["alone"]]
+        line = f"  turn {k + 1}: alone {statistics.median(alone) * 1e3:6.1f}"
+        for mode in ("twin", "inert", "cold", "warm"):
+            mine = [r[k] for r in times[mode]]
+            ratios = [a / b for a, b in zip(mine, alone)]
+            line += f" | {mode} {statistics.median(mine) * 1e3:6.1f} ({c.spread(ratios)})"
+        inert = [r[k] for r in times["inert"]]
+        same = [a / b for a, b in zip([r[k] for r in times["cold"]], inert)]
+        print(line + f" | cold ÷ inert {c.spread(same)}")
+    turn = statistics.median(r[-1] for r in times["warm"]) * 1e3
+    print(f"  visenc path, one request of {args.turns} warm screenshots (TTFT {turn:.1f} ms):")
+    for key, label in (
+        ("hop", "proxy hop (a prefix-cached request via the proxy - direct)"),
+        ("hash", "hashing the images"),
+        ("fetch", "look-up + rows of every image, one round trip"),
+        ("copy", "rows into the encoder cache"),
+    ):
+        print(f"    {label:50s} {cost[key]:6.2f} ms  ({cost[key] / turn:.1%} of TTFT)")
+    print(
+        f"  second replica, {args.turns} screenshots visenc knows: TTFT with visenc / alone "
+        f"{replica['visenc'] / replica['alone']:.2f} ({replica['visenc'] * 1e3:.0f} / {replica['alone'] * 1e3:.0f}"
+        f" ms); images vLLM encoded itself: {replica['encoded']['visenc']} with visenc, "
+        f"{replica['encoded']['alone']} alone"
+    )
+
+
+def main() -> int:
+    args = parse_args()
     size = tuple(int(x) for x in args.size.split("x"))
     if args.count_worker:
         MAX_MODEL_LEN["value"] = args.max_model_len or MAX_MODEL_LEN["value"]
@@ -377,33 +315,7 @@ def main() -> int:
             finally:
                 for name in ("alone", "twin", "behind", "proxy"):
                     c.resume(procs[name])
-        width = args.row_width or 128
-        print(f"\n[{tower} tower, rows {width} wide] TTFT per turn, ms (median over rounds), and ÷ alone")
-        for k in range(args.turns):
-            alone = [r[k] for r in times["alone"]]
-            line = f"  turn {k + 1}: alone {statistics.median(alone) * 1e3:6.1f}"
-            for mode in ("twin", "inert", "cold", "warm"):
-                mine = [r[k] for r in times[mode]]
-                ratios = [a / b for a, b in zip(mine, alone)]
-                line += f" | {mode} {statistics.median(mine) * 1e3:6.1f} ({c.spread(ratios)})"
-            inert = [r[k] for r in times["inert"]]
-            same = [a / b for a, b in zip([r[k] for r in times["cold"]], inert)]
-            print(line + f" | cold ÷ inert {c.spread(same)}")
-        turn = statistics.median(r[-1] for r in times["warm"]) * 1e3
-        print(f"  visenc path, one request of {args.turns} warm screenshots (TTFT {turn:.1f} ms):")
-        for key, label in (
-            ("hop", "proxy hop (a prefix-cached request via the proxy - direct)"),
-            ("hash", "hashing the images"),
-            ("fetch", "look-up + rows of every image, one round trip"),
-            ("copy", "rows into the encoder cache"),
-        ):
-            print(f"    {label:50s} {cost[key]:6.2f} ms  ({cost[key] / turn:.1%} of TTFT)")
-        print(
-            f"  second replica, {args.turns} screenshots visenc knows: TTFT with visenc / alone "
-            f"{replica['visenc'] / replica['alone']:.2f} ({replica['visenc'] * 1e3:.0f} / {replica['alone'] * 1e3:.0f}"
-            f" ms); images vLLM encoded itself: {replica['encoded']['visenc']} with visenc, "
-            f"{replica['encoded']['alone']} alone"
-        )
+        report(tower, args, times, cost, replica)
     return 0
 
 

@@ -1,20 +1,6 @@
 """One cold agent turn through ``visenc proxy``, with and without its word on what visenc lacks,
 against the same vLLM sent the request straight.
 
-Needs the vLLM environment (``make vllm``); run it with ``.venv-vllm/bin/python``. One ``vllm serve``
-with ``VisencConnector`` (the tiny Qwen2-VL of ``bench_vllm.py``) and three ways to it, in turn:
-
-* **told**: ``visenc proxy`` as deployed: it asks visenc which new images it lacks while the body goes
-  out and ends the body with them (``ec_transfer_params.visenc_absent``), so the connector does not
-  look them up;
-* **asked**: a second ``visenc proxy`` with ``--absent-timeout-s 0``: the connector looks the new image
-  up itself (a miss) before vLLM encodes it;
-* **inert**: straight to the same vLLM, untagged (the connector ignores the images; vLLM encodes).
-
-Each round and way: a conversation of ``--turns`` - 1 new screenshots is sent once (vLLM's prefix
-cache then holds it, the proxies hand the screenshots to visenc), then, ``--think-ms`` later, the
-same with one more new screenshot: its TTFT is timed. Prints medians and told ÷ inert, asked ÷ inert.
-
     .venv-vllm/bin/python bench/bench_vllm_cold.py [--turns 8] [--rounds 12]
 """
 
@@ -32,8 +18,8 @@ import httpx
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent / "tests" / "with_vllm"), str(HERE)]
 
-import _common as c  # noqa: E402
-import bench_vllm as b  # noqa: E402
+import _common as c
+import bench_vllm as b
 
 
 def main() -> int:

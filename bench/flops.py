@@ -1,15 +1,4 @@
-"""Forward FLOPs of the Qwen2-VL / Qwen2.5-VL vision towers, counted from the config and the grid.
-
-Matrix products only, at 2 FLOPs per multiply-add (the convention of device peak figures and
-of ``torch.utils.flop_counter``): the patch embedding, each block's qkv / output projections
-and MLP, attention's two products (``QKᵀ`` and ``PV``) over the positions each token attends
-to, and the merger. Norms, activations, rotary and softmax are left out (a few percent at most).
-
-Attention spans: Qwen2-VL attends over the whole image; Qwen2.5-VL's windowed blocks attend
-within windows of ``window_size`` pixels (the grid cut into ``window // (patch·merge)`` merged
-cells per side, the last window of a row or column smaller), its ``fullatt_block_indexes``
-over the whole image.
-"""
+"""Forward FLOPs of the Qwen2-VL / Qwen2.5-VL vision towers, counted from the config and the grid."""
 
 from __future__ import annotations
 

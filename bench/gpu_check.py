@@ -1,30 +1,4 @@
-"""Every GPU check in one call, each command under its own time limit, then the four targets.
-
-On a lent GPU machine (``../shared/gpu/README.md``): fetch the wheels here once (``bash
-../shared/gpu/prepare.sh``), then run, carrying ``.whl``, with a ``timeout_s`` of 600::
-
-    bash .whl/on-device.sh python3 bench/gpu_check.py
-
-On a CPU, ``--smoke`` runs the same commands on tiny towers (the CUDA test cases skip): it checks
-that the script, the benches and the tests run, and prints figures not worth reading.
-
-The commands, in order (each one's whole output is kept under ``--out``, its tail printed):
-
-1. ``bench/bench_gpu.py --profile --json``: a Qwen2.5-VL-7B-sized tower, transformers' own path vs
-   visenc eager vs compiled vs compiled per-image, MFU, the top kernels of compiled 1080p;
-2. ``bench/bench_gpu_service.py --json``: ``visenc serve`` under prefill-like clients (encode with wait,
-   then fetch the rows over HTTP), 16 and 64 of them, cold and hits, vs the bare compiled forward;
-3. the CUDA test cases (``-k cuda``: packed and compiled rows in bf16, no device sync in any packed
-   family's forward).
-
-``--only bench_staging`` runs ``bench/bench_staging.py --device cuda --tower 7b`` (the staging bound of
-before and now, side by side): not in the default pass, which must fit one 600 s device call.
-
-The targets: compiled >= 4x transformers' own path at 1080p, MFU >= 0.45 (compiled, 1080p x4),
-batched >= per-image (compiled, every batch of several images), service / bare forward >= 0.95 (16 and
-64 clients, cold), hits >= 10x cold (16 clients).
-The compile caches of all the commands are one folder (``--out``), so the second compiles warm.
-"""
+"""Every GPU check in one call, each command under its own time limit, then the four targets."""
 
 from __future__ import annotations
 

@@ -1,11 +1,6 @@
 """Write a CLIP model folder of a chosen vision size with seeded random weights, for
 side-by-side runs of visenc and a peer on a model bigger than the tiny one.
 
-The folder is a full ``CLIPModel`` (text and vision towers, processor, tokenizer), so a
-peer that loads the whole model (Infinity) reads it as well as visenc does. Everything
-but the weights and the config is copied from ``--like`` (for example the tiny CLIP the
-Infinity peer's setup writes); the vision tower takes the sizes given here.
-
     python bench/make_clip.py /tmp/infinity/clip-b16 --like /tmp/infinity/tiny-clip   # ViT-B/16 sizes
     python bench/bench_service.py --model /tmp/infinity/clip-b16 --infinity /tmp/infinity
 """

@@ -1,9 +1,6 @@
 """The do-it-yourself alternative: a FastAPI handler that preprocesses and runs the
 tower per request. No cache, no batching, no queue; the work runs in starlette's
 thread pool, so concurrent requests run concurrent batch-1 forwards.
-
-    python bench/naive_server.py --model tiny-clip --port 8100
-    curl --data-binary @img.jpg http://127.0.0.1:8100/encode
 """
 
 from __future__ import annotations

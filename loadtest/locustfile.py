@@ -1,33 +1,4 @@
-"""Locust scenarios that look like prefill-worker traffic against visenc.
-
-Pick one with ``--scenario NAME`` (or Locust's own ``--tags NAME`` or by class
-name on the command line)::
-
-    agent   multi-turn conversation: each turn adds one new screenshot and
-            resends every earlier one by hash, then fetches the embeddings
-            chunk by chunk (``--chunk-tokens`` rows per prefill chunk)
-    probe   one request of 1, 2, ... ``--probe-max`` new images at
-            ``--image-size``; records time-to-first-chunk and time-to-all per N
-    cold    every image new
-    hot     every image already cached (a shared pool warmed at start)
-    mixed   each image from the hot pool with probability ``--hit-ratio``
-
-Chunks are fetched with one ``POST /v1/embeddings/fetch`` each (``--fetch-mode
-get``: one ``GET /v1/embeddings/{hash}?start=&end=`` per image range). Every
-request goes hash-first (hashes only; upload bytes only for the items
-answered ``missing``) unless ``--upload bytes``; encodes use ``wait=false`` so
-the first chunk's fetch waits only for the images it covers. A 200 whose body
-does not answer the request is reported as a failure (see ``payloads``).
-
-Custom entries in Locust's stats (request type / name):
-
-    TTFC / n=NN      time from the turn's first encode to the first chunk's rows
-    TTA / n=NN       ... to the last chunk's rows (NN = images in the request)
-    server / queue   X-Visenc-Queue-Time of encode answers, when the service sends it
-    server / encode  X-Visenc-Encode-Time, likewise
-    images / hit     one per image the index already held (hash-first answer not missing)
-    images / miss    one per image that had to be uploaded
-"""
+"""Locust scenarios that look like prefill-worker traffic against visenc."""
 
 from __future__ import annotations
 
@@ -174,10 +145,8 @@ def _add_arguments(parser: Any) -> None:
 
 @events.init.add_listener
 def _select_users(environment: Any, **_: Any) -> None:
-    """Keep the user class ``--scenario`` names, else those ``--tags`` / ``--exclude-tags`` select.
-
-    Each class's one task is tagged with its scenario; Locust filters tasks by
-    tag only later and would still start (and crash) users left without one."""
+    """Keep the user class ``--scenario`` names, else those ``--tags`` / ``--exclude-tags`` select
+    (Locust filters by tag only later, and would start users left without a task)."""
     options = environment.parsed_options
     if options is None:
         return
@@ -293,11 +262,8 @@ class VisencUser(FastHttpUser):
         return handles
 
     def prefill(self, images: list[_Image], fetch_from: int = 0) -> bool:
-        """Encode ``images`` then fetch rows chunk by chunk, as a prefill worker would.
-
-        Only images ``fetch_from..`` are fetched (earlier ones sit in the LLM's
-        prefix cache). Records TTFC and TTA under ``n=<len(images)>``. True when
-        every step passed its checks."""
+        """Encode ``images``, then fetch the rows of ``images[fetch_from:]`` chunk by chunk, as a prefill
+        worker would; records TTFC and TTA. True when every step passed its checks."""
         t0 = time.perf_counter()
         handles = self.encode(images)
         if handles is None:

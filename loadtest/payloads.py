@@ -1,19 +1,4 @@
-"""What the load test sends and how it checks the answers; no Locust, no I/O.
-
-Kept free of Locust (and so of gevent's monkey-patching) so the test suite can
-import and check it directly. Everything here is deterministic:
-
-* images are synthetic *screenshots* (flat panels, title bars, lines of
-  "text"), a pure function of ``(seed, width, height)``; the seed is also
-  stamped into the top pixel row so two seeds never give the same bytes;
-* the chunk plan splits the concatenated token rows of a request's images
-  into prefill chunks of ``chunk_tokens`` rows, each chunk a list of
-  ``(image index, start, end)`` ranges in prompt order;
-* the checks raise :class:`PayloadError` for a response that is well-formed
-  HTTP (200) but wrong for the request: wrong item count or order, an
-  unexpected status, byte counts that disagree with ``rows * hidden * itemsize``,
-  shape or dtype headers that disagree with the handle.
-"""
+"""What the load test sends and how it checks the answers; no Locust, no I/O."""
 
 from __future__ import annotations
 
@@ -59,11 +44,8 @@ def derive_seed(*parts: object) -> int:
 
 
 def screenshot_array(seed: int, width: int, height: int) -> np.ndarray:
-    """A ``[height, width, 3]`` uint8 screenshot-like picture, a pure function of its arguments.
-
-    Flat colours and thin strokes compress like real UI captures (a 1280x720
-    PNG is a few tens of KB, not megabytes of noise) and are cheap to draw, so
-    the client does not steal CPU from the server it measures."""
+    """A ``[height, width, 3]`` uint8 screenshot-like picture (flat colours, thin strokes: a 1280x720 PNG
+    is tens of KB and cheap to draw), a pure function of its arguments."""
     rng = np.random.default_rng(seed)
     img = np.empty((height, width, 3), np.uint8)
     img[:] = rng.integers(200, 256, 3, dtype=np.uint8)  # desktop background
@@ -148,10 +130,8 @@ class Range:
 
 
 def plan_chunks(num_tokens: Sequence[int], chunk_tokens: int) -> list[list[Range]]:
-    """Prefill chunks over the images' rows laid end to end, ``chunk_tokens`` rows each (the last may be short).
-
-    Invariants: the ranges of all chunks, in order, cover every row of every
-    image exactly once, in prompt order; no range is empty."""
+    """Prefill chunks of ``chunk_tokens`` rows over the images' rows laid end to end: together they cover
+    every row once, in prompt order; no range is empty."""
     if chunk_tokens < 1:
         raise ValueError("chunk_tokens must be >= 1")
     chunks: list[list[Range]] = []
@@ -188,10 +168,8 @@ def fetch_body(ranges: Sequence[tuple[str, int, int]], wait: bool = True) -> byt
 
 
 def check_handles(body: bytes, hashes: Sequence[str], allowed: frozenset[str]) -> list[dict[str, Any]]:
-    """The items of an encode answer (msgpack), checked against the hashes sent, in order.
-
-    Every item must carry its hash, a status in ``allowed``, and for ``ready`` /
-    ``pending`` a positive ``num_tokens`` and ``hidden_size`` and a known dtype."""
+    """The items of an encode answer (msgpack), checked against the hashes sent, in order, and their
+    status against ``allowed``."""
     try:
         items = msgpack.unpackb(body)["items"]
     except Exception as e:
@@ -255,10 +233,8 @@ def check_rows_body(
     handles: Sequence[dict[str, Any]],
     ledger: RowLedger | None = None,
 ) -> int:
-    """Check a ``POST /v1/embeddings/fetch`` answer against the ranges asked; returns the row bytes.
-
-    ``handles[k]`` is the encode handle of ``ranges[k]``'s image (for hidden
-    size and dtype)."""
+    """Check a ``POST /v1/embeddings/fetch`` answer against ``ranges`` (``handles[k]``: ``ranges[k]``'s
+    image); returns the row bytes."""
     try:
         pieces = split_frame(body)
         head = FRAME_PREFIX_BYTES + frame_header_length(body)

@@ -1,20 +1,4 @@
-"""Render a load-test run into PNG plots and a Markdown summary.
-
-Inputs, all in one output folder (``loadtest/run`` writes them):
-
-* ``locust_stats.csv``, ``locust_stats_history.csv`` (``--csv-full-history``:
-  one row per entry per second, percentiles over Locust's last-10-s window),
-  ``locust_failures.csv`` — Locust's own CSVs;
-* ``metrics.csv`` — the service's ``/metrics`` scraped during the run
-  (``t_unix,metric,labels,value``; labels as ``k=v;k=v``), for the server-side hit ratio and
-  encoded images/s;
-* ``run.json`` — what was run (scenario, users, options).
-
-Outputs: ``latency.png``, ``throughput.png``, ``ttfc.png``, ``hit_ratio.png``,
-``overview.png`` (the four together) and ``report.md``.
-
-Usage: ``python loadtest/report.py OUT_DIR``.
-"""
+"""Render a load-test run into PNG plots and a Markdown summary."""
 
 from __future__ import annotations
 
@@ -73,10 +57,8 @@ class Run:
         return [r for r in self.stats if r["Type"] in wanted and r["Name"] != "Aggregated"]
 
     def series(self, type_: str, name: str, column: str, active_only: bool = False) -> tuple[list[float], list[float]]:
-        """(seconds since start, value) of one history column of one entry.
-
-        ``active_only`` leaves out seconds whose window saw no request of the
-        entry (Locust repeats stale percentiles there)."""
+        """(seconds since start, value) of one history column of one entry; ``active_only`` leaves out
+        seconds with no request (Locust repeats stale percentiles there)."""
         xs, ys = [], []
         for r in self.history:
             if r["Type"] == type_ and r["Name"] == name:

@@ -1,20 +1,4 @@
-"""Run one bounded, headless Locust scenario against visenc and render its report.
-
-    loadtest/run [--url URL] [--scenario agent] [-u 2] [-r 1] [-t 30s] [--out loadtest/out]
-                 [--ramp] [--serve-arg=--max-wait-ms=5 ...] [LOCUST OPTIONS ...]
-
-Without ``--url`` it starts ``visenc serve`` on a free 127.0.0.1 port (log in
-OUT/serve.log) and terminates that process, by PID, at the end. While Locust
-runs, the service's ``/metrics`` is scraped every ``--scrape-interval``
-seconds into OUT/metrics.csv. Options it does not know (``--image-size
-320x180``, ``--chunk-tokens 64``, ``--hit-ratio 0.8``, ...) go to Locust and
-the scenarios (``loadtest/locustfile.py``). ``--ramp`` adds the staged load
-shape (``loadtest/shapes.py``, stages from ``--stages``) in place of -u/-r/-t.
-
-Writes Locust's CSVs (``OUT/locust_*.csv``), ``locust.log``, ``run.json``
-and the report (``report.md`` and PNG plots, see ``loadtest/report.py``).
-Exits 0 when Locust ran and recorded no failure, 1 otherwise.
-"""
+"""Run one bounded, headless Locust scenario against visenc and render its report."""
 
 from __future__ import annotations
 
@@ -38,9 +22,9 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as `python loadtest/runner.py`: make `loadtest.*` importable
     sys.path.insert(0, str(ROOT))
 
-from loadtest.payloads import DEFAULT_STAGES, parse_stages, parse_timespan  # noqa: E402 - after the path fix
-from loadtest.report import Run, brief, render  # noqa: E402
-from tests.support.waits import free_port, wait_ready  # noqa: E402
+from harness.waits import free_port, wait_ready
+from loadtest.payloads import DEFAULT_STAGES, parse_stages, parse_timespan
+from loadtest.report import Run, brief, render
 
 SCRAPED = (
     "visenc_cache_lookups_total",

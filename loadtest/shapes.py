@@ -1,13 +1,4 @@
-"""A staged load shape for ramp tests, in its own file so it applies only when asked for.
-
-Locust uses any ``LoadTestShape`` it finds in the files it loads, so this
-shape lives apart from the scenarios: add it with
-``-f loadtest/locustfile.py,loadtest/shapes.py`` (``loadtest/run --ramp``).
-The stages come from ``--stages END_S:USERS:SPAWN_RATE,...`` (defined with the
-other options in ``locustfile.py``): until second ``END_S`` of the run hold
-``USERS`` users, spawning or stopping ``SPAWN_RATE`` a second; the run stops
-after the last stage.
-"""
+"""A staged load shape for ramp tests, in its own file so it applies only when asked for."""
 
 from __future__ import annotations
 

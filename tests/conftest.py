@@ -8,8 +8,8 @@ from collections.abc import AsyncIterator, Iterator
 
 import httpx
 import pytest
+from harness.processes import redis_process
 from tests.support.api import running_app
-from tests.support.processes import redis_process
 
 from visenc.models.base import VisionTower
 

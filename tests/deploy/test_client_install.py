@@ -7,8 +7,8 @@ from __future__ import annotations
 import re
 
 import pytest
-from tests.support.paths import ROOT
-from tests.support.processes import serve_process
+from harness.paths import ROOT
+from harness.processes import serve_process
 from tests.support.venvs import client_source, fresh_venv, run
 
 README = (ROOT / "README.md").read_text()

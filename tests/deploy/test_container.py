@@ -17,9 +17,9 @@ from pathlib import Path
 import httpx
 import pytest
 import yaml
-from tests.support.paths import ROOT
-from tests.support.processes import stop_process
-from tests.support.waits import free_port, wait_ready
+from harness.paths import ROOT
+from harness.processes import stop_process
+from harness.waits import free_port, wait_ready
 
 DEPLOY = ROOT / "deploy"
 

@@ -8,7 +8,7 @@ import re
 
 import pytest
 import yaml
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 from visenc.models.hub import parse_spec
 

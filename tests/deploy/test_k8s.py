@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 K8S = ROOT / "deploy" / "k8s"
 

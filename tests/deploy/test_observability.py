@@ -13,10 +13,10 @@ from typing import Any
 
 import pytest
 import yaml
+from harness.images import png_bytes
+from harness.paths import ROOT
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.api import encode_json, running_app
-from tests.support.images import png_bytes
-from tests.support.paths import ROOT
 
 from visenc.models.base import VisionTower
 

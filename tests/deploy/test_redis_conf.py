@@ -8,8 +8,8 @@ import subprocess
 
 import pytest
 import redis
-from tests.support.paths import ROOT
-from tests.support.waits import free_port, listening, wait_until
+from harness.paths import ROOT
+from harness.waits import free_port, listening, wait_until
 
 
 def test_redis_runs_with_the_shipped_file_and_a_password(tmp_path):

@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 
 def dry_run(tmp_path: Path, nvidia_smi: str | None, *extra: str) -> list[str]:

@@ -23,9 +23,9 @@ import subprocess
 import sys
 
 import pytest
-from tests.support.images import png_bytes
-from tests.support.paths import ROOT
-from tests.support.processes import serve_process
+from harness.images import png_bytes
+from harness.paths import ROOT
+from harness.processes import serve_process
 
 from visenc.cli import build_parser
 from visenc.config import Settings
@@ -176,7 +176,7 @@ def _run_snippet(code: str, live, redis_url: str) -> str:
     code = re.sub(r"redis://:PASSWORD@cache:6379/0", redis_url, code)
     prelude = (
         "import numpy as np, torch\n"
-        "from tests.support.images import png_bytes\n"
+        "from harness.images import png_bytes\n"
         "images = [png_bytes(i, 64 + 28 * i, 64) for i in range(3)]\n"
         "text_lens = [5, 3, 7]\n"
         "png = png_bytes(9, 320, 200)\n"

@@ -7,7 +7,7 @@ import re
 import subprocess
 from pathlib import Path
 
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 _LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
 _FENCE = re.compile(r"^```.*?^```", re.M | re.S)

@@ -11,9 +11,9 @@ from __future__ import annotations
 import re
 import subprocess
 
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
-TOP = ("service", "clients", "tests", "bench", "deploy", "loadtest")
+TOP = ("service", "clients", "tests", "bench", "deploy", "loadtest", "harness")
 PACKAGES = ("engine", "index", "api", "models", "imaging", "epd", "proxy")
 _ROOTS = "|".join((*TOP, *PACKAGES, "visenc_client", "visenc", "docs"))
 _POINTER = re.compile(r"`{1,2}((?:" + _ROOTS + r")/[\w./-]*)`{1,2}")

@@ -15,10 +15,10 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from harness.images import png_bytes
+from harness.processes import serve_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tests.support.images import png_bytes
-from tests.support.processes import serve_process
 
 from visenc_client import AsyncClient, Client, ImagePlacement, RowRange, plan_chunk
 

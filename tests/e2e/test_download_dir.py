@@ -5,9 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from harness.processes import serve_subprocess
 from tests.support.hub import LoopbackHub
 from tests.support.hub_checkpoints import hub_layout
-from tests.support.processes import serve_subprocess
 
 TOKEN = "hf_loopback_token"
 

@@ -10,9 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness.tiny_families import build_family, placeholder_rows, reference_inputs, save_family
 from PIL import Image
 from tests.support.api import encode_json, fetch_rows, running_app, sha
-from tests.support.tiny_families import build_family, placeholder_rows, reference_inputs, save_family
 from transformers import AutoImageProcessor
 
 from visenc.models.loading import load_tower

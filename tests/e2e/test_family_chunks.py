@@ -21,9 +21,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from tests.support.api import running_app
-from tests.support.tiny_families import (
+from harness.tiny_families import (
     BUILDERS,
     IMAGE_TOKEN,
     build_family,
@@ -31,6 +29,8 @@ from tests.support.tiny_families import (
     reference_inputs,
     save_family,
 )
+from PIL import Image
+from tests.support.api import running_app
 from transformers import AutoImageProcessor
 
 from visenc.models.base import compact

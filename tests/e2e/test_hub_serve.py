@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 import pytest
+from harness.images import png_bytes
+from harness.paths import ROOT
+from harness.processes import serve_subprocess, stop_process
+from harness.waits import free_port, wait_ready, wait_until
 from tests.support.hub import LoopbackHub
 from tests.support.hub_checkpoints import SHARDS, hub_layout, safetensors_header, vision_ranges
 from tests.support.hub_repos import Busy
-from tests.support.images import png_bytes
-from tests.support.paths import ROOT
-from tests.support.processes import serve_subprocess, stop_process
-from tests.support.waits import free_port, wait_ready, wait_until
 
 from visenc.models.resume import BLOCKS, INCOMPLETE, block_bytes
 from visenc_client import Client

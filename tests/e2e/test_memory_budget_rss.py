@@ -10,9 +10,9 @@ from pathlib import Path
 
 import httpx
 import pytest
-from tests.support.paths import ROOT
-from tests.support.processes import serve_subprocess
-from tests.support.waits import metric
+from harness.paths import ROOT
+from harness.processes import serve_subprocess
+from harness.waits import metric
 
 sys.path[:0] = [str(ROOT / "bench")]
 import _common as c  # noqa: E402

@@ -24,10 +24,10 @@ from pathlib import Path
 import httpx
 import msgpack
 import pytest
-from tests.support.images import png_bytes
-from tests.support.paths import ROOT
-from tests.support.processes import serve_subprocess
-from tests.support.waits import metric, wait_until
+from harness.images import png_bytes
+from harness.paths import ROOT
+from harness.processes import serve_subprocess
+from harness.waits import metric, wait_until
 
 from visenc_client.format import LEASE_HEADER
 

@@ -8,9 +8,9 @@ import sys
 import httpx
 import numpy as np
 import pytest
+from harness.images import jpeg_bytes, png_bytes
+from harness.processes import serve_process
 from tests.support.api import reference
-from tests.support.images import jpeg_bytes, png_bytes
-from tests.support.processes import serve_process
 
 from visenc_client import AsyncClient, Client, NotFoundError, RowRange, image_hash
 

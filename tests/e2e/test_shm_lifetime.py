@@ -16,10 +16,10 @@ import textwrap
 import time
 
 import pytest
-from tests.support.images import png_bytes
-from tests.support.paths import ROOT
-from tests.support.processes import serve_process
-from tests.support.waits import wait_until
+from harness.images import png_bytes
+from harness.paths import ROOT
+from harness.processes import serve_process
+from harness.waits import wait_until
 
 from visenc_client import BadRequestError, Client, ImagePlacement, RowRange
 

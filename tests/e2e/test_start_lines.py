@@ -13,11 +13,11 @@ from pathlib import Path
 
 import httpx
 import pytest
+from harness.paths import ROOT
+from harness.processes import serve_subprocess, stop_process
+from harness.waits import wait_until
 from tests.support.hub import LoopbackHub
 from tests.support.hub_checkpoints import hub_layout
-from tests.support.paths import ROOT
-from tests.support.processes import serve_subprocess, stop_process
-from tests.support.waits import wait_until
 
 from visenc.process_memory import host_gpus
 

@@ -1,6 +1,6 @@
 """Every VLM family, from a saved full-VLM checkpoint: rows equal transformers' placeholder rows.
 
-Per family (tiny seeded checkpoints from ``tests/support/tiny_families.py``), for images that
+Per family (tiny seeded checkpoints from ``harness/tiny_families.py``), for images that
 need a resize, odd aspect ratios and tiny sizes, in both image-processor backends:
 
 - the service tower's rows equal the rows transformers' own VLM places into ``inputs_embeds``
@@ -21,16 +21,16 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from PIL import Image
-from safetensors.torch import load_file, save_file
-from tests.support.tiny_families import (
-    BACKENDS,
+from harness.tiny_families import (
     BUILDERS,
     build_family,
     placeholder_rows,
     reference_inputs,
     save_family,
 )
+from PIL import Image
+from safetensors.torch import load_file, save_file
+from tests.support.tiny_processors import BACKENDS
 from transformers import AutoImageProcessor
 
 from visenc.errors import InvalidImage

@@ -25,8 +25,7 @@ import numpy as np
 import pytest
 from PIL import Image
 from tests.golden.test_family_sizes import DEGENERATE, SIZES_PER_FAMILY, largest_side, random_sizes
-from tests.support.tiny_families import BACKENDS
-from tests.support.tiny_processors import PROCESSORS, save_with_processor
+from tests.support.tiny_processors import BACKENDS, PROCESSORS, save_with_processor
 from transformers import AutoImageProcessor, AutoTokenizer
 
 from visenc.errors import InvalidImage

@@ -1,6 +1,6 @@
 """Every VLM family at random sizes: the handle's row count from the size alone, and the rows.
 
-For each family (tiny seeded checkpoints, ``tests/support/tiny_families.py``) and seeded random
+For each family (tiny seeded checkpoints, ``harness/tiny_families.py``) and seeded random
 sizes (a few pixels up to three times the processor's largest side, aspect ratios up to 40:1, most
 not multiples of any patch, merge or tile size), in both image-processor backends:
 
@@ -26,15 +26,15 @@ from typing import Any
 
 import numpy as np
 import pytest
-from PIL import Image
-from tests.support.tiny_families import (
-    BACKENDS,
+from harness.tiny_families import (
     BUILDERS,
     build_family,
     placeholder_rows,
     reference_inputs,
     save_family,
 )
+from PIL import Image
+from tests.support.tiny_processors import BACKENDS
 from transformers import AutoImageProcessor
 
 from visenc.errors import InvalidImage

@@ -19,8 +19,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from harness.tiny_families import IMAGE_TOKEN, build_family, language_model_inputs, save_family
 from PIL import Image
-from tests.support.tiny_families import BACKENDS, IMAGE_TOKEN, build_family, language_model_inputs, save_family
+from tests.support.tiny_processors import BACKENDS
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import AutoImageProcessor, PixtralProcessor, PreTrainedTokenizerFast
 

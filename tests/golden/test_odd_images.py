@@ -14,10 +14,10 @@ import io
 import numpy as np
 import pytest
 import transformers
+from harness.images import noise as random_pixels
+from harness.images import save
 from PIL import Image
 from tests.support.api import encode_json, fetch_rows, running_app, sha
-from tests.support.images import noise as random_pixels
-from tests.support.images import save
 from tests.support.odd_images import corpus as odd_corpus
 from transformers.image_transforms import convert_to_rgb
 

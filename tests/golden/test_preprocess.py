@@ -17,8 +17,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from harness.images import make_image, save
 from PIL import Image
-from tests.support.images import make_image, save
 from transformers.image_transforms import normalize, rescale
 from transformers.models.clip.image_processing_pil_clip import CLIPImageProcessorPil
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil

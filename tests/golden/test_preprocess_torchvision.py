@@ -14,8 +14,8 @@ from dataclasses import replace
 
 import numpy as np
 import pytest
+from harness.images import image_bytes
 from tests.golden.test_preprocess import CASES, LIMIT, _source
-from tests.support.images import image_bytes
 
 from visenc.imaging import preprocess as pp
 from visenc.imaging.decode import decode

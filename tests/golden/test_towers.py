@@ -18,8 +18,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from harness.images import make_image, save
 from PIL import Image
-from tests.support.images import make_image, save
 
 # the fast (torchvision) processors: the default image backend's reference (torchvision via the test shim)
 from transformers import CLIPImageProcessor, Qwen2VLImageProcessor, SiglipImageProcessor

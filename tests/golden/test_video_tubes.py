@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
-from tests.support.tiny_families import build_family
+from harness.tiny_families import build_family
 from tests.support.tiny_processors import save_with_processor
 from transformers import AutoVideoProcessor, Qwen2_5_VLConfig, Qwen2_5_VLModel, Qwen2VLConfig, Qwen2VLModel
 from transformers.models.qwen2_vl.video_processing_qwen2_vl import Qwen2VLVideoProcessor

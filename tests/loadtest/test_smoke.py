@@ -21,9 +21,9 @@ from pathlib import Path
 import msgpack
 import psutil
 import pytest
+from harness.paths import ROOT
+from harness.processes import serve_process
 from PIL import Image
-from tests.support.paths import ROOT
-from tests.support.processes import serve_process
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOTS = ("latency.png", "throughput.png", "ttfc.png", "hit_ratio.png", "overview.png")

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from harness.images import png_bytes
 from PIL import Image
-from tests.support.images import png_bytes
 from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,  # the fast (torchvision) processors: the default backend

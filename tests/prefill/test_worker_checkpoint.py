@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from harness.processes import serve_process
 from tests.prefill.reference import ATOL, full_model_reference, max_abs_diff, prompt_and_images, splits_an_image
-from tests.support.processes import serve_process
 from transformers import (
     Qwen2VLForConditionalGeneration,
     Qwen2VLImageProcessor,  # the fast (torchvision) processors: the default backend

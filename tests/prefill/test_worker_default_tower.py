@@ -10,6 +10,8 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from harness.images import png_bytes
+from harness.processes import serve_process
 from tests.prefill.reference import (
     ATOL,
     full_model_reference,
@@ -17,8 +19,6 @@ from tests.prefill.reference import (
     prompt_and_images,
     splits_an_image,
 )
-from tests.support.images import png_bytes
-from tests.support.processes import serve_process
 from transformers import Qwen2VLImageProcessor  # the fast (torchvision) processors: the default backend
 
 from examples.qwen2vl_prefill import IMAGE_TOKEN_ID, NoVisionTower, build_tiny_vlm, chunked_prefill

@@ -10,10 +10,10 @@ import time
 from collections.abc import Sequence
 
 import torch
+from harness.images import png_bytes
+from harness.waits import until
 from tests.support.api import encode_json, running_app
 from tests.support.faults import FaultyTower
-from tests.support.images import png_bytes
-from tests.support.waits import until
 
 from visenc.engine.worker import WorkerState
 from visenc.models import sim

@@ -7,10 +7,10 @@ import logging
 
 import httpx
 import pytest
+from harness.images import png_bytes
+from harness.processes import redis_process, serve_subprocess
+from harness.waits import metric
 from tests.support.api import encode_json, running_app, sha
-from tests.support.images import png_bytes
-from tests.support.processes import redis_process, serve_subprocess
-from tests.support.waits import metric
 
 from visenc.api import auth
 from visenc.api.auth import ApiKeyError, load_api_keys, tenant_of

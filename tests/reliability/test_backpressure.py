@@ -9,10 +9,11 @@ import time
 
 import httpx
 import pytest
+from harness.images import png_bytes
+from harness.processes import serve_subprocess
+from harness.waits import metric, until, wait_until
 from tests.support.api import b64, encode_json, held_device, running_app, sha
-from tests.support.images import png_bytes
-from tests.support.processes import serve_subprocess
-from tests.support.waits import metric, until, wait_until
+from tests.support.serve_faulty import launcher as faulty
 
 
 def assert_no_leaks(encoder) -> None:
@@ -112,7 +113,12 @@ def test_client_disconnect_cancels_its_queued_work(tmp_path):
     request is queued behind it and its client gives up after 0.5 s. Without disconnect detection
     Y would stay wanted until request_timeout_s and be encoded when the device frees up."""
     with serve_subprocess(
-        "--max-batch-images", "1", "--max-wait-ms", "1", log=tmp_path / "serve.log", faults=("--forward-delay-s", "2")
+        "--max-batch-images",
+        "1",
+        "--max-wait-ms",
+        "1",
+        log=tmp_path / "serve.log",
+        launcher=faulty("--forward-delay-s", "2"),
     ) as (url, _):
         x, y = png_bytes(600, 28, 28), png_bytes(601, 28, 28)
         with httpx.Client(base_url=url, timeout=30) as http:

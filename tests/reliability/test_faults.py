@@ -12,11 +12,12 @@ import time
 
 import httpx
 import numpy as np
+from harness.images import png_bytes
+from harness.processes import serve_subprocess
+from harness.waits import metric, until, wait_until
 from tests.support.api import b64, encode_json, fetch_rows, reference, running_app, sha
 from tests.support.faults import FaultyTower, faulty_index
-from tests.support.images import png_bytes
-from tests.support.processes import serve_subprocess
-from tests.support.waits import metric, until, wait_until
+from tests.support.serve_faulty import launcher as faulty
 
 from visenc.engine.interface import EncodeItem
 from visenc.engine.job import JobState
@@ -129,7 +130,7 @@ async def test_a_device_that_cannot_be_restarted_answers_images_being_preprocess
 
 def test_device_that_cannot_be_restarted_exits_non_zero(tmp_path):
     log = tmp_path / "serve.log"
-    with serve_subprocess("--max-wait-ms", "1", log=log, faults=("--fail-always",)) as (url, proc):
+    with serve_subprocess("--max-wait-ms", "1", log=log, launcher=faulty("--fail-always")) as (url, proc):
         r = httpx.post(f"{url}/v1/encode", json={"items": [{"data": b64(png_bytes(730, 28, 28))}]}, timeout=30)
         assert r.status_code == 503
         assert proc.wait(timeout=30) == 3  # EXIT_DEVICE_FAILED: a supervisor restarts the process
@@ -203,7 +204,7 @@ async def test_shutdown_answers_an_image_whose_preprocessing_was_started_but_nev
 
 def test_sigterm_finishes_in_flight_requests_then_exits_0(tmp_path):
     log = tmp_path / "serve.log"
-    with serve_subprocess("--max-wait-ms", "1", log=log, faults=("--forward-delay-s", "2")) as (url, proc):
+    with serve_subprocess("--max-wait-ms", "1", log=log, launcher=faulty("--forward-delay-s", "2")) as (url, proc):
         result: dict[str, object] = {}
 
         def call() -> None:

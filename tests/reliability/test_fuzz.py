@@ -13,6 +13,8 @@ import httpx
 import msgpack
 import pytest
 import schemathesis
+from harness.images import png_bytes
+from harness.processes import serve_process
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from schemathesis import GenerationMode
@@ -25,8 +27,6 @@ from schemathesis.specs.openapi.checks import (
     status_code_conformance,
 )
 from tests.support.api import b64
-from tests.support.images import png_bytes
-from tests.support.processes import serve_process
 
 MSGPACK_TYPES = ("application/msgpack",)
 

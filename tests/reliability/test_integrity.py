@@ -10,10 +10,10 @@ import dataclasses
 
 import numpy as np
 import pytest
+from harness.images import png_bytes
+from harness.waits import metric, until
 from tests.support.api import encode_json, fetch_rows, reference, running_app, sha
 from tests.support.faults import faulty_index
-from tests.support.images import png_bytes
-from tests.support.waits import metric, until
 
 from visenc_client.format import Entry, entry_key, pack_entry
 

@@ -8,9 +8,9 @@ import zlib
 
 import msgpack
 import pytest
+from harness.images import jpeg_bytes, png_bytes
 from PIL import Image
 from tests.support.api import MSGPACK, encode_json, running_app, sha
-from tests.support.images import jpeg_bytes, png_bytes
 
 JSON = {"content-type": "application/json"}
 

@@ -10,9 +10,9 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+from harness.images import png_bytes
+from harness.waits import metric, until
 from tests.support.api import MSGPACK, encode_json, fetch_rows, held_device, reference, running_app, sha
-from tests.support.images import png_bytes
-from tests.support.waits import metric, until
 
 
 async def test_encode_then_fetch_equals_single_image_forward(service, tiny_tower):

@@ -11,12 +11,15 @@ import time
 from collections.abc import Iterator
 
 import numpy as np
+import pytest
+from harness.images import png_bytes
+from harness.waits import until
 from tests.support.api import encode_json, fetch_rows, running_app, sha
-from tests.support.images import png_bytes
-from tests.support.waits import until
 
 from visenc.imaging.decode import decode
 from visenc.models import sim
+
+pytestmark = pytest.mark.serial  # a forward's 1 ms launch budget: a test on the other core breaks it
 
 IMAGES = 16
 #: 4 images a forward, 64 tokens each, 400 us a token: 102 ms of device time a forward, 1 ms launch (the host

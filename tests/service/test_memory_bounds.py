@@ -22,10 +22,10 @@ import msgpack
 import numpy as np
 import pytest
 import redis
+from harness.images import png_bytes
+from harness.waits import metric
 from tests.support.api import MSGPACK, running_app
-from tests.support.images import png_bytes
 from tests.support.l1 import L1
-from tests.support.waits import metric
 
 from visenc.bootstrap import create_app
 from visenc.config import Settings

@@ -12,8 +12,8 @@ import time
 import httpx
 import msgpack
 import pytest
+from harness.images import jpeg_bytes, png_bytes
 from tests.support.api import running_app
-from tests.support.images import jpeg_bytes, png_bytes
 from tests.support.upstream import Upstream
 
 from visenc.proxy import Proxy, ProxySettings, create_proxy_app

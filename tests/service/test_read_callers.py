@@ -19,12 +19,12 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
+from harness.images import png_bytes
+from harness.waits import until
 from tests.support.api import MSGPACK, running_app
 from tests.support.faults import FaultyTower
-from tests.support.images import png_bytes
 from tests.support.l1 import L1
 from tests.support.upstream import Upstream
-from tests.support.waits import until
 
 from visenc.models.base import Prepared
 from visenc.proxy import Proxy, ProxySettings, create_proxy_app

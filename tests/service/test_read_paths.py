@@ -19,10 +19,10 @@ import msgpack
 import pytest
 import zmq
 import zmq.asyncio
+from harness.images import png_bytes
+from harness.waits import until
 from tests.support.api import MSGPACK, running_app
-from tests.support.images import png_bytes
 from tests.support.l1 import L1
-from tests.support.waits import until
 
 from visenc_client import AsyncClient, ImagePlacement
 from visenc_client.format import LEASE_HEADER, image_hash, video_hash

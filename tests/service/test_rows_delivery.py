@@ -17,8 +17,8 @@ from typing import Any
 
 import httpx
 import numpy as np
+from harness.images import png_bytes
 from tests.support.api import running_app
-from tests.support.images import png_bytes
 
 from visenc_client import AsyncClient, RowRange, image_hash
 from visenc_client._shm import same_host

@@ -18,8 +18,8 @@ import numpy as np
 import pytest
 import zmq
 import zmq.asyncio
+from harness.images import png_bytes
 from tests.support.api import fetch_rows, running_app
-from tests.support.images import png_bytes
 
 from visenc.epd import EMBEDDING_DATA, MODALITY
 from visenc_client.format import image_hash

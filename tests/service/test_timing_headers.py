@@ -5,9 +5,11 @@ from __future__ import annotations
 import time
 
 import pytest
+from harness.images import png_bytes
+from harness.waits import metric
 from tests.support.api import encode_json, running_app
-from tests.support.images import png_bytes
-from tests.support.waits import metric
+
+pytestmark = pytest.mark.serial  # queue waits compared to the microsecond: a busy second core skews them
 
 
 def timings(r) -> tuple[float, float]:

@@ -15,9 +15,9 @@ from dataclasses import dataclass, field
 
 import msgpack
 import pytest
+from harness.images import png_bytes
+from harness.waits import until
 from tests.support.api import encode_json, running_app
-from tests.support.images import png_bytes
-from tests.support.waits import until
 
 from visenc.models.base import VisionTower
 

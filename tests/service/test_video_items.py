@@ -16,9 +16,9 @@ import httpx
 import msgpack
 import numpy as np
 import pytest
+from harness.images import png_bytes
+from harness.waits import metric
 from tests.support.api import MSGPACK, running_app
-from tests.support.images import png_bytes
-from tests.support.waits import metric
 
 from visenc.engine import videos
 from visenc.imaging.decode import decode

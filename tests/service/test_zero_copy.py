@@ -13,8 +13,8 @@ import hashlib
 import tracemalloc
 
 import msgpack
+from harness.images import png_bytes
 from tests.support.api import encode_json, running_app
-from tests.support.images import png_bytes
 
 MAX_ALLOCATED_PER_BYTE = 1.1
 #: a zero-copy path allocates a small fraction of what it serves (measured 0.03-0.07); one copy of

@@ -6,12 +6,12 @@ import asyncio
 
 import numpy as np
 import pytest
+from harness.images import png_bytes
+from harness.processes import redis_cluster
+from harness.waits import metric, until
 from redis.asyncio.cluster import RedisCluster
 from redis.crc import key_slot
 from tests.support.api import encode_json, reference, running_app
-from tests.support.images import png_bytes
-from tests.support.processes import redis_cluster
-from tests.support.waits import metric, until
 
 from visenc.index.redis_claims import claim_key
 from visenc_client import AsyncRedisRows, Handle, RedisRows, image_hash

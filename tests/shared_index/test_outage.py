@@ -10,10 +10,10 @@ from collections.abc import Callable
 import httpx
 import numpy as np
 import redis.asyncio as aioredis
+from harness.images import png_bytes
+from harness.processes import redis_process
+from harness.waits import free_port, metric, until
 from tests.support.api import reference, running_app
-from tests.support.images import png_bytes
-from tests.support.processes import redis_process
-from tests.support.waits import free_port, metric, until
 
 from visenc_client import AsyncClient, image_hash
 from visenc_client.format import entry_key

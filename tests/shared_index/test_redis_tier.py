@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
-from tests.support.waits import free_port, listening, metric, wait_until
+from harness.waits import free_port, listening, metric, wait_until
 
 from visenc.config import Settings
 from visenc.index.memory import MemoryCache
@@ -112,7 +112,7 @@ async def test_tiered_lookup_is_one_round_trip_and_promotes(raw, redis_url):
 
 
 async def test_unreachable_redis_answers_misses_counts_and_recovers(tmp_path):
-    from tests.support.processes import redis_process
+    from harness.processes import redis_process
 
     port = free_port()
     m = Metrics()
@@ -198,7 +198,7 @@ def test_shipped_redis_conf_is_a_valid_cache_config(tmp_path):
     import subprocess
 
     import redis as syncredis
-    from tests.support.paths import ROOT
+    from harness.paths import ROOT
 
     port = free_port()
     conf = str(ROOT / "deploy" / "redis" / "redis.conf")

@@ -7,9 +7,9 @@ import asyncio
 import httpx
 import numpy as np
 import pytest
-from tests.support.images import jpeg_bytes, png_bytes
-from tests.support.processes import redis_process, serve_process
-from tests.support.waits import metric
+from harness.images import jpeg_bytes, png_bytes
+from harness.processes import redis_process, serve_process
+from harness.waits import metric
 
 from visenc_client import AsyncClient, Client, RedisRows, Video, image_hash, video_hash
 

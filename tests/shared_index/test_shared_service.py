@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 import redis.asyncio as aioredis
+from harness.images import jpeg_bytes, png_bytes
+from harness.waits import free_port, metric, until
 from tests.support.api import encode_json, reference, running_app
 from tests.support.faults import FaultyTower
-from tests.support.images import jpeg_bytes, png_bytes
-from tests.support.waits import free_port, metric, until
 
 from visenc.index.redis_claims import claim_key, queued_key
 from visenc_client import AsyncRedisRows, Handle, image_hash

@@ -1,23 +1,5 @@
 """Peers that fail the way a real network does, on real loopback sockets, for the client's and the
 connector's failure paths:
-
-- ``refused()``: a closed port (``ECONNREFUSED`` at once, as a killed process leaves it);
-- ``UNRESOLVABLE``: a host name that never resolves (``.invalid``, RFC 2606);
-- ``Blackhole()``: a listening socket whose accept queue is full, so a connect hangs (SYNs dropped, as
-  behind a firewall that drops packets or on a host that is gone);
-- ``Peer("silent")``: accepts and never answers (a wedged process: the kernel completes the handshake);
-- ``Peer("reset")``: reads the request and resets the connection (RST) without an answer;
-- ``Peer("cut")``: answers a head whose ``Content-Length`` promises more than it sends, then closes
-  (the process died mid-body); ``reply`` is the head and the bytes sent (HTTP by default, or RESP for
-  Redis);
-- ``Peer("stall")``: sends ``reply`` (a head and the first bytes of a body), then not a byte more,
-  the connection left open (a wedged process mid-answer);
-- ``Peer("answer", reply=...)``: answers every request with ``reply`` whole, whatever was asked (a
-  server that is not visenc: ``NOT_VISENC``, an ingress's page);
-- ``Switch(upstream)``: one port that relays to a healthy replica, or is closed, or hangs on connect,
-  or accepts and never answers, as a test sets it.
-
-Each counts the connections it saw (``connections``) and names its address (``url``, ``port``).
 """
 
 from __future__ import annotations
@@ -28,7 +10,7 @@ import struct
 import threading
 from typing import Any
 
-from tests.support.waits import free_port
+from harness.waits import free_port
 
 #: a host name that never resolves (RFC 2606 reserves ``.invalid``)
 UNRESOLVABLE = "visenc-nowhere.invalid"
@@ -147,10 +129,8 @@ class Peer:
 
 
 class Switch:
-    """One loopback port whose behaviour changes on ``set(mode)``: ``forward`` (a TCP relay to
-    ``upstream``, a healthy replica), ``refused`` (nothing listens), ``connect-hangs`` (a full accept
-    queue, as ``Blackhole``) or ``silent`` (accepts, never answers). ``connections`` counts what it
-    accepted in ``silent`` and ``forward`` modes."""
+    """One loopback port whose behaviour ``set(mode)`` changes: ``forward`` (to ``upstream``),
+    ``refused``, ``connect-hangs`` or ``silent``; ``connections`` counts what it accepted."""
 
     MODES = ("forward", "refused", "connect-hangs", "silent")
 

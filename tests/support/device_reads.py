@@ -1,19 +1,4 @@
-"""``DeviceReads``: fail on anything in a forward that would make the host wait for the device.
-
-Run the tower on the ``meta`` device: its tensors have shapes but no values, exactly what the
-host can know of a CUDA tensor without waiting for the work queued before it, while host tensors
-stay readable. Inside the context, each of these raises ``DeviceRead`` naming the op and the line
-that asked for it:
-
-- a read of a device tensor's values: ``item``/``bool``/``int``/indexing by a tensor
-  (``_local_scalar_dense``), ``tolist``/``cpu`` (a copy to the host), ops whose output size depends on
-  the values (``nonzero``, ``masked_select``, ``unique``, ``repeat_interleave`` without ``output_size``);
-- a blocking copy to the device: ``.to(device)``/``copy_`` without ``non_blocking``, and
-  ``torch.tensor``/``torch.as_tensor`` of host data with a device (on CUDA each of these
-  synchronises the stream: ``torch.cuda.set_sync_debug_mode`` flags them).
-
-Where a CUDA device exists, ``torch.cuda.set_sync_debug_mode("error")`` checks the same forward for real.
-"""
+"""``DeviceReads``: fail on anything in a forward that would make the host wait for the device."""
 
 from __future__ import annotations
 

@@ -1,18 +1,4 @@
-"""An HTTP proxy that injects faults between a client (vLLM's connector) and a visenc service.
-
-``FaultProxy(upstream)`` runs in a thread of the test process on a free loopback port. Its
-``mode`` decides what a request that asks for rows meets (``/v1/embeddings/...``, or an encode
-with ``include_rows``); every other request (start-up model check, health, a look-up that asks
-no rows) passes, so look-ups succeed and loads fail, the window in which a fault used to be fatal:
-
-- ``pass``: forwarded as is;
-- ``503``: answered ``503 Service Unavailable`` with a visenc-style error body;
-- ``reset``: the connection is reset (RST) before any answer, as when the process dies;
-- ``hang``: never answered (the connection stays open until the proxy stops);
-- ``slow``: forwarded after ``delay_s``.
-
-``counts`` tallies the requests each mode met, so a test can show that the fault was hit.
-"""
+"""An HTTP proxy that injects faults between a client (vLLM's connector) and a visenc service."""
 
 from __future__ import annotations
 
@@ -25,7 +11,7 @@ from collections import Counter
 import aiohttp
 import msgpack
 from aiohttp import web
-from tests.support.waits import free_port
+from harness.waits import free_port
 
 MODES = ("pass", "503", "reset", "hang", "slow")
 

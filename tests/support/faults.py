@@ -1,13 +1,4 @@
-"""Fault injection for tests: wrappers of the real engine parts (nothing of it ships in the service).
-
-``FaultyTower`` wraps a tower: its forward may raise or stall (it sleeps on the
-device thread, as a hung kernel would block it), and its warm-up may be a long compile (it holds
-dynamo's compile lock while it sleeps or waits for a gate, as a compile of a large tower does).
-``FaultyIndex`` is an index whose round trips are slow and whose reads may come back truncated. Random
-choices come from one ``random.Random(seed)`` per wrapper, so a run is
-reproducible; the ``*_first`` counts make a fault hit only the first forwards
-(a device that recovers), ``always`` one that never does.
-"""
+"""Fault injection for tests: wrappers of the real engine parts (nothing of it ships in the service)."""
 
 from __future__ import annotations
 

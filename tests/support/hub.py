@@ -1,31 +1,4 @@
-"""A model hub on loopback that answers as the Hugging Face Hub does, as huggingface_hub 2.x reads it.
-
-    with LoopbackHub() as hub:                      # HF_ENDPOINT=hub.url for the process under test
-        commit = hub.publish("org/name", folder)     # each publish is a new commit on main
-        hub.stop(); hub.start()                      # the same port, answering again
-
-What it serves (derived from huggingface_hub's ``file_download``, ``hf_api`` and ``utils/_http``):
-
-* ``GET /api/models/{repo}[/revision/{rev}]``: repo info (``sha``, ``siblings``; with ``blobs``:
-  sizes, blob ids, LFS);
-* ``GET /api/models/{repo}/tree/{rev}[/{path}]`` (``recursive``) and ``POST .../paths-info/{rev}``;
-* ``HEAD|GET /{repo}/resolve/{rev}/{path}``: a regular file answers itself (``ETag`` its git blob id,
-  ``X-Repo-Commit``, ``Range``); an LFS file (safetensors) answers 302 to a CDN on a second origin
-  with ``X-Linked-Etag`` (its sha256), ``X-Linked-Size`` and ``X-Repo-Commit``, as the hub does;
-* ``HEAD|GET /cdn/{sha256}`` on that CDN, with ``Range`` (206, ``Content-Range``; 416 past the end);
-* refusals with the hub's ``X-Error-Code``: ``RepoNotFound`` (401 without a token, 404 with one),
-  ``GatedRepo`` (resolve of a gated repo: 401 without a token, 403 with one that has no access),
-  ``RevisionNotFound``, ``EntryNotFound`` (with ``X-Repo-Commit``), and 401 for an unknown token.
-
-Every request is recorded (``requests``) before its answer goes out, so a caller holding an answer
-finds its record: origin, method, file, byte range, body bytes sent.
-``cuts[file] = n`` drops the connection of the next ranged GET of ``file`` after ``n`` bytes;
-``stalls[file] = n`` leaves every ranged GET of ``file`` from byte ``n`` on unanswered (a hub that
-accepts the connection and then hangs) until the hub stops, or until the stall is lifted (``del``):
-then it is answered, if its client still waits.
-``busy`` (``Busy`` entries) answers "try later" (429, 503, ... with ``Retry-After``) to the next
-requests it matches, one each, as a rate-limited or overloaded hub does.
-"""
+"""A model hub on loopback that answers as the Hugging Face Hub does, as huggingface_hub 2.x reads it."""
 
 from __future__ import annotations
 
@@ -40,8 +13,8 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, unquote, urlsplit
 
+from harness.waits import free_port
 from tests.support.hub_repos import Blob, Busy, Repo, Request, blob_fields, entry, folder_entry, tree
-from tests.support.waits import free_port
 
 
 class LoopbackHub:

@@ -1,11 +1,4 @@
-"""Tiny checkpoints laid out as real hub repositories are: ``hub_layout(kind, out)``.
-
-The tiny family checkpoints of ``tiny_families`` (their tensor names as ``save_pretrained`` writes them,
-the names of the hub's own repositories: Qwen2.5-VL ``visual.*`` and ``model.*``, Gemma 3 and InternVL
-``vision_tower.*``, ``multi_modal_projector.*`` and ``language_model.*``), re-sharded the way large
-repositories are: shard 1 holds the vision tensors beside language-model ones, shard 2 only
-language-model tensors, and ``model.safetensors.index.json`` maps them.
-"""
+"""Tiny checkpoints laid out as real hub repositories are: ``hub_layout(kind, out)``."""
 
 from __future__ import annotations
 
@@ -15,8 +8,8 @@ import struct
 from pathlib import Path
 from typing import Any
 
+from harness.tiny_families import save_family
 from safetensors.torch import load_file, save_file
-from tests.support.tiny_families import save_family
 
 #: per kind: the prefixes of its vision tensors (tower and projector), as its checkpoint names them
 VISION_PREFIXES = {

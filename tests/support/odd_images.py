@@ -10,9 +10,9 @@ from collections.abc import Callable
 from typing import Any
 
 import numpy as np
+from harness.images import noise as random_pixels
+from harness.images import save
 from PIL import Image
-from tests.support.images import noise as random_pixels
-from tests.support.images import save
 
 
 def corpus(seed: int = 11) -> dict[str, bytes]:

@@ -16,6 +16,11 @@ import visenc.bootstrap
 from visenc import cli
 
 
+def launcher(*faults: str) -> tuple[str, ...]:
+    """``serve_subprocess``'s launcher for this CLI with ``faults``, e.g. ``("--forward-delay-s", "2")``."""
+    return ("-m", "tests.support.serve_faulty", *faults, "--")
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--forward-delay-s", type=float, default=0.0)

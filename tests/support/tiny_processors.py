@@ -1,20 +1,29 @@
 """Each tiny family's own transformers ``Processor`` (image processor + a tokenizer), saved beside its
 checkpoint, so that transformers' ``AutoProcessor`` and vLLM's multimodal processor both load it.
-
-``byte_tokenizer(specials)`` is a byte-level tokenizer (256 byte tokens, no merges: nothing to
-download) with the family's special tokens; ``save_with_processor(name, outdir)`` writes a
-``tiny_families`` checkpoint whose config takes the tokenizer's ids for its special tokens, and the
-family's ``Processor``. ``PROCESSORS[name].prompt`` is the text a prompt carries for one image (the
-processor expands it into the image's placeholder span), ``.image_token`` the placeholder of a row.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import pytest
+
+#: the image-processor backends, as test parameters (torchvision's skipped where it is not installed)
+BACKENDS = [
+    "pil",
+    pytest.param(
+        "torchvision",
+        marks=pytest.mark.skipif(
+            importlib.util.find_spec("torchvision") is None,
+            reason="the torchvision backend needs torchvision installed",
+        ),
+    ),
+]
 
 
 def byte_tokenizer(specials: list[str], **kwargs: Any) -> Any:
@@ -216,7 +225,7 @@ def save_with_processor(name: str, outdir: str | Path, seed: int = 0, vision_see
     the language model's embeddings grow to its vocabulary. ``vision_seed`` redraws the image path
     (everything but the language model): a copy whose own image embeddings are wrong."""
     import torch
-    from tests.support.tiny_families import build_family
+    from harness.tiny_families import build_family
 
     spec = PROCESSORS[name]
     out = Path(outdir)

@@ -1,13 +1,4 @@
-"""Import the registry's torchvision wheel (a CUDA build) beside the CPU torch, for tests.
-
-The torchvision wheels a registry offers here are CUDA builds: their C++ ops library cannot load
-without torch's CUDA libraries. Image transforms are pure torch and work, but ``import torchvision``
-fails, because its meta registrations declare fake kernels for ``torchvision::nms`` / ``::qnms``,
-which only exist once the ops library is loaded. This hook runs before the first ``import
-torchvision``: it loads the ops library if it can, and otherwise declares those two operator
-schemas (no kernels), so the import goes through. ``make install-test`` installs it with a ``.pth``
-line; the service never needs torchvision (``visenc.imaging.preprocess`` reproduces its resize).
-"""
+"""Import the registry's torchvision wheel (a CUDA build) beside the CPU torch, for tests."""
 
 from __future__ import annotations
 

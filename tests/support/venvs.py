@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 
 def clean_env() -> dict[str, str]:

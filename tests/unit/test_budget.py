@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from tests.support.images import jpeg_bytes
+from harness.images import jpeg_bytes
 
 from visenc.engine.budget import (
     CPU_PACKED_BATCH_TOKENS,

@@ -10,7 +10,7 @@ import subprocess
 import sys
 
 import pytest
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 from visenc import preflight
 from visenc.cli import GROUPS, build_parser

@@ -8,7 +8,7 @@ import sys
 import zipfile
 
 import pytest
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 
 def test_importing_the_client_imports_neither_the_service_nor_torch():

@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
+from harness.images import png_bytes
+from harness.processes import redis_process, serve_subprocess
+from harness.waits import wait_until
 from tests.support.dead_ends import Switch
-from tests.support.images import png_bytes
-from tests.support.processes import redis_process, serve_subprocess
-from tests.support.waits import wait_until
 
 from visenc_client import Client
 from visenc_client._exceptions import VisencClientError

@@ -22,11 +22,11 @@ import httpx
 import msgpack
 import pytest
 import torch
+from harness.images import png_bytes
+from harness.paths import ROOT
+from harness.processes import redis_process, serve_subprocess, stop_process
+from harness.waits import free_port, wait_ready, wait_until
 from tests.support.dead_ends import NOT_VISENC, Blackhole, Peer, refused
-from tests.support.images import png_bytes
-from tests.support.paths import ROOT
-from tests.support.processes import redis_process, serve_subprocess, stop_process
-from tests.support.waits import free_port, wait_ready, wait_until
 
 from visenc_client import Client
 from visenc_client._backoff import Backoff

@@ -13,9 +13,9 @@ from typing import Any
 
 import numpy as np
 import pytest
-from tests.support.images import png_bytes
-from tests.support.processes import serve_process
-from tests.support.waits import wait_until
+from harness.images import png_bytes
+from harness.processes import serve_process
+from harness.waits import wait_until
 
 from visenc_client import Client
 from visenc_client import _shm as shm

@@ -12,11 +12,12 @@ from typing import Any
 
 import pytest
 import torch
+from harness.images import png_bytes
+from harness.processes import redis_cluster, serve_process, serve_subprocess
+from harness.waits import wait_until
 from redis.crc import key_slot
 from tests.support.dead_ends import Switch, refused
-from tests.support.images import png_bytes
-from tests.support.processes import redis_cluster, serve_process, serve_subprocess
-from tests.support.waits import wait_until
+from tests.support.serve_faulty import launcher as faulty
 
 from visenc_client import Client
 from visenc_client._sources import Absent, RowSources, Served, Want, torch_rows
@@ -48,7 +49,7 @@ def assert_rows(got: dict[str, Any], rows: dict[str, torch.Tensor]) -> None:
 def slow_http_visenc() -> Iterator[str]:
     """A visenc whose forwards take ``FORWARD_S`` and that serves no shared memory (as one on another host)."""
     faults = ("--forward-delay-s", str(FORWARD_S))
-    with serve_subprocess("--max-wait-ms", "1", "--shm-enabled", "false", faults=faults) as (url, _):
+    with serve_subprocess("--max-wait-ms", "1", "--shm-enabled", "false", launcher=faulty(*faults)) as (url, _):
         yield url
 
 

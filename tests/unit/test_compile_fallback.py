@@ -16,10 +16,10 @@ import numpy as np
 import pytest
 import torch
 import torch._inductor.compile_fx
+from harness.processes import serve_subprocess
+from harness.waits import until
 from PIL import Image
 from tests.support.api import running_app
-from tests.support.processes import serve_subprocess
-from tests.support.waits import until
 
 from visenc.models import compiled
 from visenc.models.loading import load_tower

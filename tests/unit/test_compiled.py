@@ -18,10 +18,10 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from harness.tiny_families import save_family
+from harness.waits import until
 from PIL import Image
 from tests.support.api import running_app
-from tests.support.tiny_families import save_family
-from tests.support.waits import until
 
 from visenc.cli import build_parser
 from visenc.config import Settings

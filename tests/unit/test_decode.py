@@ -8,8 +8,8 @@ import zlib
 
 import numpy as np
 import pytest
+from harness.images import image_bytes, make_image, save
 from PIL import Image, ImageOps
-from tests.support.images import image_bytes, make_image, save
 from transformers.image_transforms import convert_to_rgb
 
 from visenc.errors import InvalidImage, PayloadTooLarge

@@ -16,9 +16,9 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from harness.tiny_families import save_family
 from PIL import Image
 from tests.support.device_reads import DeviceRead, DeviceReads
-from tests.support.tiny_families import save_family
 
 from visenc.models.loading import load_tower
 

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from harness.tiny_families import build_family, save_family
 from PIL import Image
-from tests.support.tiny_families import build_family, save_family
 from torch._dynamo.utils import counters
 
 from visenc.models import compiled

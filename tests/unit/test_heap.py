@@ -11,6 +11,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from harness.waits import until
 from tests.support.stages import SlowTower, job, pipeline
 
 from visenc import heap
@@ -84,23 +85,36 @@ async def test_the_idle_device_gives_the_heap_back_once_after_its_work(monkeypat
     monkeypatch.setattr(heap, "trim", lambda: calls.append(0.0) or True)
     tower = SlowTower(forward_s=0.01, preprocess_s=0.0)
     pool, outputs, s, worker = pipeline(tower, batch=2, prefetch=4)
-    worker.heap_idle_s = 0.1
+    worker.heap_idle_s = 0.5
+    idle_polls = [0]
+    take = worker.device.ready.take
+
+    def counted_take(max_wait_s: float, timeout_s: float) -> list:
+        batch = take(max_wait_s, timeout_s)
+        idle_polls[0] += not batch
+        return batch
+
+    monkeypatch.setattr(worker.device.ready, "take", counted_take)
+
+    async def polls_idle(times: int) -> None:
+        start = idle_polls[0]
+        await until(lambda: idle_polls[0] >= start + times, 10, f"{times} idle polls of the device")
+
     worker.start()
     try:
-        await asyncio.sleep(0.6)
+        await polls_idle(3)
         assert calls == []  # no work yet: nothing to give back
         first = job(1, (0, 0), "only")
         s.submit(first)
         await asyncio.wait_for(first.future, 5)
-        await asyncio.sleep(0.05)
         assert calls == []  # not idle long enough yet
-        await asyncio.sleep(0.8)
+        await until(lambda: calls, 10, "the heap given back")
+        await polls_idle(3)
         assert len(calls) == 1  # once, not at every idle poll after
         second = job(1, (0, 1), "only")
         s.submit(second)
         await asyncio.wait_for(second.future, 5)
-        await asyncio.sleep(0.8)
-        assert len(calls) == 2
+        await until(lambda: len(calls) == 2, 10, "the heap given back after the second job")
     finally:
         await worker.stop(5.0)
         await outputs.stop(5.0)

@@ -242,10 +242,10 @@ def test_a_hub_that_ignores_ranges_gets_the_vision_shards_whole(
     """A mirror or proxy that answers a ranged GET with the whole file (200): the shards that hold
     vision weights are downloaded whole into the hub cache (as vLLM would download them) and read
     there; the language-model-only shard is still never asked for."""
+    from harness.tiny_families import save_family
     from huggingface_hub import try_to_load_from_cache
     from tests.support.hub import LoopbackHub
     from tests.support.hub_checkpoints import SHARDS, hub_layout
-    from tests.support.tiny_families import save_family
 
     from visenc.models.loading import load_tower
 
@@ -268,9 +268,9 @@ def test_a_hub_that_ignores_ranges_gets_the_vision_shards_whole(
 def test_a_single_file_checkpoint_fetches_only_its_vision_bytes(hub_env: Callable[[str], None], tmp_path: Path) -> None:
     """A repository with one ``model.safetensors`` and no index (CLIP, SigLIP, small VLMs): its header
     is read with two ranged GETs, then only the vision tensors' bytes; a restart needs no hub."""
+    from harness.tiny_families import save_family
     from tests.support.hub import LoopbackHub
     from tests.support.hub_checkpoints import safetensors_header
-    from tests.support.tiny_families import save_family
 
     from visenc.models.loading import load_tower
 

@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 SERVICE = ROOT / "service" / "visenc"
 #: engine modules by stage: a module may import only modules of a lower rank (data flows one way)

@@ -15,8 +15,8 @@ from typing import Any
 import pytest
 import safetensors
 import torch
+from harness.images import make_image
 from safetensors.torch import load_file, save_file
-from tests.support.images import make_image
 from transformers import (  # the fast (torchvision) processors: the default backend
     CLIPConfig,
     CLIPImageProcessor,
@@ -281,7 +281,7 @@ def test_a_persistent_buffer_missing_from_the_checkpoint_is_reported(tmp_path: P
     """Gemma 4's vision tower keeps its standardisation as persistent buffers (``std_bias``,
     ``std_scale``, allocated empty): a checkpoint without them cannot be served, rather than served
     with whatever memory the weight-less build left there."""
-    from tests.support.tiny_families import build_family
+    from harness.tiny_families import build_family
     from transformers import Gemma4ForConditionalGeneration
 
     model, proc = build_family("gemma4")

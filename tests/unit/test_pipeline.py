@@ -8,8 +8,8 @@ import threading
 from collections.abc import Sequence
 
 import torch
+from harness.waits import until
 from tests.support.stages import SlowTower, forwarded, job, make_scheduler, pipeline
-from tests.support.waits import until
 
 from visenc.errors import InvalidHash
 from visenc.models.base import Prepared

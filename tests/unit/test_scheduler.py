@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 import time
 
+from harness.waits import until
 from tests.support.stages import forwarded, job, make_scheduler
-from tests.support.waits import until
 
 
 async def test_same_bucket_batches_in_priority_order():

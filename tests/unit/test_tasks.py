@@ -6,7 +6,7 @@ import asyncio
 import logging
 
 import pytest
-from tests.support.waits import metric
+from harness.waits import metric
 
 from visenc.metrics import Metrics
 from visenc.tasks import spawn, stop_task

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 
 def test_no_two_test_modules_share_a_basename() -> None:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+from harness.waits import until
 from tests.support.stages import forwarded, job, make_scheduler
-from tests.support.waits import until
 
 
 async def test_a_smaller_later_image_does_not_overtake_one_that_did_not_fit():

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from harness.tiny_families import save_family
 from PIL import Image
-from tests.support.tiny_families import save_family
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 

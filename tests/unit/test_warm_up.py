@@ -27,12 +27,13 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from harness.processes import serve_subprocess
+from harness.waits import until
 from PIL import Image
 from prometheus_client.parser import text_string_to_metric_families
 from tests.support.api import running_app
 from tests.support.faults import FaultyTower
-from tests.support.processes import serve_subprocess
-from tests.support.waits import until
+from tests.support.serve_faulty import launcher as faulty
 
 from visenc import bootstrap
 from visenc.config import Settings
@@ -150,7 +151,7 @@ def test_a_real_server_warming_longer_than_its_stall_timeout_does_not_exit(tmp_p
     """``visenc serve --compile on --stall-timeout-s 0.3`` with a 3 s warm-up: ready, once, still running."""
     log = tmp_path / "serve.log"
     args = ("--compile", "on", "--stall-timeout-s", "0.3", "--max-wait-ms", "1")
-    with serve_subprocess(*args, log=log, faults=("--warm-up-delay-s", "3")) as (url, proc):
+    with serve_subprocess(*args, log=log, launcher=faulty("--warm-up-delay-s", "3")) as (url, proc):
         assert proc.poll() is None
         ready = httpx.get(f"{url}/readyz", timeout=10)
         assert ready.status_code == 200 and ready.json()["compile"]["state"] == "compiled", ready.text

@@ -8,7 +8,7 @@ import re
 import msgpack
 import numpy as np
 import pytest
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 
 from visenc.api.schemas import HandleOut
 from visenc_client.format import (

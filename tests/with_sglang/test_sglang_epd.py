@@ -38,6 +38,9 @@ pytest.importorskip("sglang", reason="needs SGLang in the engines' environment (
 import httpx
 import torch
 import zmq
+from harness.images import noise, save
+from harness.processes import serve_subprocess
+from harness.waits import metric, until
 from PIL import Image
 from sglang.srt.disaggregation.encoder.receiver import (
     MMReceiverBase,
@@ -49,9 +52,6 @@ from sglang.srt.disaggregation.encoder.receiver import (
 from sglang.srt.managers.io_struct import EncoderDispatchErrorReq
 from sglang.srt.managers.schedule_batch import Modality
 from sglang.srt.utils.common import safe_pickle_loads
-from tests.support.images import noise, save
-from tests.support.processes import serve_subprocess
-from tests.support.waits import metric, until
 from transformers import AutoImageProcessor
 
 from visenc_client import Client, image_hash

@@ -42,7 +42,7 @@ def right_visenc(qwen2_vl: tuple[Path, Path]) -> Iterator[str]:
     """visenc on the right checkpoint, holding the images of ``run_vllm``'s prompts (the connector
     never uploads)."""
     import run_vllm
-    from tests.support.processes import serve_process
+    from harness.processes import serve_process
 
     from visenc_client import Client
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-from tests.support.waits import wait_ready
+from harness.waits import wait_ready
 
 ROOT = Path(__file__).resolve().parent.parent.parent
 
@@ -104,8 +104,8 @@ def alone_and_behind_proxy(right: Path, wrong: Path, visenc: str, *, videos: int
     """``(alone, proxied)`` URLs: ``vllm serve`` on ``right`` alone, and ``vllm serve`` on ``wrong``
     with the connector (``wait_for_encoding``) behind ``visenc proxy --encode-first``; all three
     stopped on exit."""
-    from tests.support.processes import stop_process
-    from tests.support.waits import free_port
+    from harness.processes import stop_process
+    from harness.waits import free_port
 
     ports = [free_port() for _ in range(3)]
     alone = openai_server(right, ports[0], videos=videos)

@@ -22,9 +22,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
+from harness.processes import serve_process
+from harness.waits import free_port, wait_until
 from tests.support import tiny_processors
-from tests.support.processes import serve_process
-from tests.support.waits import free_port, wait_until
 
 from visenc_client import Client
 

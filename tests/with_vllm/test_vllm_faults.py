@@ -27,9 +27,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
+from harness.processes import serve_subprocess, stop_process
+from harness.waits import free_port, wait_ready, wait_until
 from tests.support.fault_proxy import FaultProxy
-from tests.support.processes import serve_subprocess, stop_process
-from tests.support.waits import free_port, wait_ready, wait_until
 
 from visenc_client import Client, image_hash
 

@@ -12,10 +12,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from harness.images import png_bytes
+from harness.processes import serve_subprocess
 from tests.support.hub import LoopbackHub
 from tests.support.hub_checkpoints import reshard
-from tests.support.images import png_bytes
-from tests.support.processes import serve_subprocess
 from tests.with_vllm import tiny_vlm
 
 from visenc_client import Client

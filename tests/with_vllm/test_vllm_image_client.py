@@ -12,7 +12,7 @@ import sysconfig
 from pathlib import Path
 
 import pytest
-from tests.support.paths import ROOT
+from harness.paths import ROOT
 from tests.support.venvs import clean_env, client_source, fresh_venv, run
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")

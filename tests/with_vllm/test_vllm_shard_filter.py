@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import safetensors
+from harness.paths import ROOT
 from safetensors.torch import load_file
 from tests.support.hub_checkpoints import reshard
-from tests.support.paths import ROOT
 from tests.with_vllm import tiny_vlm
 
 import visenc.models.loading as loading

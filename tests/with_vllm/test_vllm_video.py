@@ -28,9 +28,9 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
+from harness.processes import serve_process
+from harness.waits import free_port, wait_until
 from PIL import Image
-from tests.support.processes import serve_process
-from tests.support.waits import free_port, wait_until
 
 from visenc_client import Client, Video, image_hash, video_hash
 

@@ -15,8 +15,8 @@ import pytest
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
-from tests.support.processes import serve_process, stop_process
-from tests.support.waits import free_port, metric, wait_ready, wait_until
+from harness.processes import serve_process, stop_process
+from harness.waits import free_port, metric, wait_ready, wait_until
 
 from visenc_client import Client, image_hash
 

@@ -26,7 +26,7 @@ if str(ROOT := Path(__file__).resolve().parents[2]) not in sys.path:  # run as a
 
 def kept_shards(folder: Path) -> list[str]:
     import torch
-    from tests.support.waits import free_port
+    from harness.waits import free_port
     from vllm.config import set_current_vllm_config
     from vllm.distributed import init_distributed_environment, initialize_model_parallel
     from vllm.engine.arg_utils import EngineArgs

@@ -12,9 +12,8 @@ import sys
 from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from tests.support.paths import ROOT
-from tests.support.waits import free_port, listening, wait_ready, wait_until
+from harness.paths import ROOT
+from harness.waits import free_port, listening, wait_ready, wait_until
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
@@ -29,14 +28,15 @@ def stop_process(proc: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None
 
 @contextlib.contextmanager
 def serve_subprocess(
-    *args: str, env: dict[str, str] | None = None, log: Path | None = None, faults: tuple[str, ...] = ()
+    *args: str,
+    env: dict[str, str] | None = None,
+    log: Path | None = None,
+    launcher: tuple[str, ...] = ("-m", "visenc", "serve"),
 ) -> Iterator[tuple[str, subprocess.Popen[bytes]]]:
-    """A real ``visenc serve`` subprocess on a free loopback port, ready; yields (url, process);
-    terminated (then killed) after, unless it already exited. ``faults`` are options of
-    ``tests.support.serve_faulty`` (the same CLI with a faulty tower), e.g. ``("--forward-delay-s", "2")``."""
+    """A real ``visenc serve`` subprocess (``python LAUNCHER``) on a free loopback port, ready; yields
+    (url, process); terminated (then killed) after, unless it already exited."""
     port = free_port()
     out = open(log, "wb") if log else subprocess.DEVNULL
-    launcher = ["-m", "tests.support.serve_faulty", *faults, "--"] if faults else ["-m", "visenc", "serve"]
     proc = subprocess.Popen(
         [sys.executable, *launcher, "--host", "127.0.0.1", "--port", str(port), *args],
         env={
@@ -70,7 +70,7 @@ def redis_process(port: int | None = None, *extra: str) -> Iterator[tuple[str, s
     """A real redis-server on a free loopback port, no persistence."""
     exe = shutil.which("redis-server")
     if exe is None:
-        pytest.fail("redis-server is not installed (make test installs it)")
+        raise RuntimeError("redis-server is not installed (make test installs it)")
     port = port or free_port()
     proc = subprocess.Popen(
         [exe, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no", *extra],
@@ -105,54 +105,21 @@ def redis_cluster(workdir: Path, nodes: int = 3) -> Iterator[list[int]]:
     """``nodes`` masters (``--cluster-enabled yes``) joined by ``redis-cli --cluster create``; their ports."""
     server, cli = shutil.which("redis-server"), shutil.which("redis-cli")
     if server is None or cli is None:
-        pytest.fail("redis-server / redis-cli are not installed (make test installs them)")
+        raise RuntimeError("redis-server / redis-cli are not installed (make test installs them)")
     ports = [_cluster_port() for _ in range(nodes)]
     procs = []
     try:
         for port in ports:
             d = workdir / str(port)
             d.mkdir(parents=True, exist_ok=True)
-            procs.append(
-                subprocess.Popen(
-                    [
-                        server,
-                        "--port",
-                        str(port),
-                        "--bind",
-                        "127.0.0.1",
-                        "--cluster-enabled",
-                        "yes",
-                        "--cluster-config-file",
-                        str(d / "nodes.conf"),
-                        "--dir",
-                        str(d),
-                        "--save",
-                        "",
-                        "--appendonly",
-                        "no",
-                        "--cluster-node-timeout",
-                        "2000",
-                    ],
-                    stdout=subprocess.DEVNULL,
-                    stderr=subprocess.STDOUT,
-                )
-            )
+            node = ["--port", str(port), "--bind", "127.0.0.1", "--cluster-enabled", "yes"]
+            files = ["--cluster-config-file", str(d / "nodes.conf"), "--dir", str(d)]
+            cmd = [server, *node, *files, "--save", "", "--appendonly", "no", "--cluster-node-timeout", "2000"]
+            procs.append(subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT))
         for port in ports:
             wait_until(lambda port=port: listening(port), 10, f"redis on port {port}", 0.05)
-        subprocess.run(
-            [
-                cli,
-                "--cluster",
-                "create",
-                *(f"127.0.0.1:{p}" for p in ports),
-                "--cluster-replicas",
-                "0",
-                "--cluster-yes",
-            ],
-            check=True,
-            capture_output=True,
-            timeout=30,
-        )
+        create = ["--cluster", "create", *(f"127.0.0.1:{p}" for p in ports), "--cluster-replicas", "0", "--cluster-yes"]
+        subprocess.run([cli, *create], check=True, capture_output=True, timeout=30)
 
         def cluster_ok() -> bool:  # every node must agree the cluster is up before a client connects
             info = (

@@ -1,35 +1,13 @@
-"""Tiny seeded full-VLM checkpoints of each served family, and transformers' own placeholder rows.
-
-``save_family(name, outdir)`` writes a folder as ``save_pretrained`` does (config.json,
-model.safetensors with the language model too, preprocessor_config.json), built from
-the family's real transformers classes with small widths and seeded weights: nothing
-is downloaded. ``placeholder_rows(model, inputs, n)`` runs the whole VLM on a prompt of
-``n`` image tokens and returns the rows transformers places into ``inputs_embeds`` at
-the image's placeholder positions (for Qwen3-VL with the deepstack levels appended
-along the hidden axis): the definition of an image's embedding that visenc must meet.
-"""
+"""Tiny seeded full-VLM checkpoints of each served family, and transformers' own placeholder rows."""
 
 from __future__ import annotations
 
-import importlib.util
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
 import torch
 
-#: the image-processor backends, as test parameters (torchvision's skipped where it is not installed)
-BACKENDS = [
-    "pil",
-    pytest.param(
-        "torchvision",
-        marks=pytest.mark.skipif(
-            importlib.util.find_spec("torchvision") is None,
-            reason="the torchvision backend needs torchvision installed",
-        ),
-    ),
-]
 IMAGE_TOKEN = 5  # every tiny family's image placeholder id; vocab 64
 TEXT_HIDDEN = 64
 

@@ -1,16 +1,4 @@
-"""Deterministic test images: content is a pure function of (width, height, mode, seed).
-
-Images are smooth gradients plus seeded noise, so resampling filters and
-JPEG see realistic structure, and every run (and every process) gets the
-same bytes.
-
-    make_image(64, 48)                    -> PIL RGB image
-    make_image(64, 48, mode="RGBA")       -> with a varying alpha channel
-    save(img, "PNG") / save(img, "JPEG", quality=90) -> bytes (Pillow's save options)
-    image_bytes(64, 48, fmt="PNG")        -> both in one call
-    png_bytes(seed, 64, 48) / jpeg_bytes(seed, 64, 48) -> RGB bytes, distinct per seed
-    noise(rng, 64, 48)                    -> uniform random uint8 pixels
-"""
+"""Deterministic test images: content is a pure function of (width, height, mode, seed)."""
 
 from __future__ import annotations
 

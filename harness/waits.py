@@ -46,10 +46,11 @@ def listening(port: int) -> bool:
 
 
 def wait_until(check: Callable[[], object], timeout_s: float = 10.0, what: str = "", interval_s: float = 0.01) -> None:
-    """Until ``check()`` is true, polled every ``interval_s``; ``AssertionError`` past ``timeout_s``."""
+    """Until ``check()`` is true, polled every ``interval_s``; ``TimeoutError`` past ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while not check():
-        assert time.monotonic() < deadline, f"not reached within {timeout_s} s: {what or check}"
+        if time.monotonic() >= deadline:
+            raise TimeoutError(f"not reached within {timeout_s} s: {what or check}")
         time.sleep(interval_s)
 
 
@@ -57,7 +58,7 @@ async def until(
     check: Callable[[], object | Awaitable[object]], timeout_s: float = 10.0, what: str = "", interval_s: float = 0.01
 ) -> None:
     """Until ``check()`` (a function or a coroutine function) is true, polled every ``interval_s``;
-    ``AssertionError`` past ``timeout_s``."""
+    ``TimeoutError`` past ``timeout_s``."""
     deadline = asyncio.get_running_loop().time() + timeout_s
     while True:
         result = check()
@@ -65,7 +66,8 @@ async def until(
             result = await result
         if result:
             return
-        assert asyncio.get_running_loop().time() < deadline, f"not reached within {timeout_s} s: {what or check}"
+        if asyncio.get_running_loop().time() >= deadline:
+            raise TimeoutError(f"not reached within {timeout_s} s: {what or check}")
         await asyncio.sleep(interval_s)
 
 

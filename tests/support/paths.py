@@ -1,7 +1,0 @@
-"""Where the repository is: ``ROOT``, for the tests that read its files or start its processes."""
-
-from __future__ import annotations
-
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]

@@ -1,5 +1,5 @@
-"""The image parts of a chat request: found, read (data: URLs decoded, allowed http(s) URLs fetched),
-hashed, and tagged with their visenc hash as ``uuid`` (the connector finds their rows under it)."""
+"""The image parts of a chat request: found, read (data: URLs decoded, allowed http(s) URLs fetched), hashed,
+and tagged with their visenc hash as ``uuid`` (the connector finds their rows under it)."""
 
 from __future__ import annotations
 
@@ -22,8 +22,8 @@ JPEG_FRAMES = "data:video/jpeg;base64,"
 
 @dataclass(slots=True)
 class Image:
-    """One image part: its visenc hash, and its bytes or, where the proxy knew the data: URL already and
-    did not decode it again, the URL (decoded only if it is handed over)."""
+    """One image part: its visenc hash, and its bytes or, where the proxy knew the data: URL already and did not
+    decode it again, the URL (decoded only if it is handed over)."""
 
     hash: str
     source: bytes | str | Video

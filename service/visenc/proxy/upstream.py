@@ -1,5 +1,5 @@
-"""Forwarding to the vLLM upstreams: the healthy one that last saw most of a request's images (cache
-affinity, ``affinity.Upstreams``), else round robin; streamed answers streamed through; health checks."""
+"""Forwarding to the vLLM upstreams: the healthy one that last saw most of a request's images (cache affinity,
+``affinity.Upstreams``), else round robin; streamed answers streamed through; health checks."""
 
 from __future__ import annotations
 
@@ -44,9 +44,8 @@ class Forwarder:
         then: Callable[[], None] = lambda: None,
         absent: asyncio.Future[list[str]] | None = None,
     ) -> Response:
-        """Send the request to an upstream and stream its answer back; ``then`` runs once the answer is
-        through; ``absent``: the images visenc lacks, awaited once the rest of the body is out and written
-        at its end."""
+        """Send the request to an upstream and stream its answer back; ``then`` runs once the answer is through;
+        ``absent``: the images visenc lacks, awaited once the rest of the body is out and written at its end."""
         upstream = self.upstreams.choose(hashes)
         if upstream is None:
             raise ProxyError("no healthy upstream", 503, "service_unavailable")

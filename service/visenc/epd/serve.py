@@ -94,8 +94,8 @@ class EPDSettings:
 
 
 class EPD:
-    """Serves SGLang's encoder protocol from an engine: hash-first look-up, the misses encoded
-    (batched with every other request the engine has), the part's rows pushed to its receivers."""
+    """Serves SGLang's encoder protocol from an engine: hash-first look-up, the misses encoded (batched with
+    every other request the engine has), the part's rows pushed to its receivers."""
 
     def __init__(self, settings: EPDSettings, metrics: Metrics, *, http: httpx.AsyncClient | None = None) -> None:
         self.settings = settings
@@ -115,8 +115,8 @@ class EPD:
             raise EPDError(str(e)) from e
 
     async def serve(self, engine: EngineAPI, part: EncodePart) -> None:
-        """Encode the part's images and deliver their rows; ``EPDError`` if it cannot (its receivers
-        are sent the error too, where they are known, so that they stop waiting)."""
+        """Encode the part's images and deliver their rows; ``EPDError`` if it cannot (its receivers are sent
+        the error too, where they are known, so that they stop waiting)."""
         try:
             await self._serve(engine, part)
         except EPDError as e:
@@ -222,8 +222,8 @@ class EPD:
         return [header, views[0] if len(views) == 1 else b"".join(views)]
 
     async def _item(self, index: int, url: str, content_hash: str | None, present: set[str]) -> EncodeItem:
-        """The engine's item for one image: its hash alone where visenc holds it (and it loads as
-        SGLang loads it), else its bytes, checked against its content hash."""
+        """The engine's item for one image: its hash alone where visenc holds it (and it loads as SGLang loads
+        it), else its bytes, checked against its content hash."""
         sglang_loader = self.settings.image_loader == "sglang"
         if sglang_loader and content_hash is not None and content_hash in present:
             return EncodeItem(hash=content_hash)

@@ -83,8 +83,8 @@ def embedding_data_frame(
     error_msg: str | None = None,
     error_code: int | None = None,
 ) -> bytes:
-    """Frame 0: what ``pickle.dumps(EmbeddingData(...).copy_without_embedding())`` writes in SGLang
-    (the same attributes, in the same order), for rows of ``dtype`` and ``shape``, or an error."""
+    """Frame 0: what ``pickle.dumps(EmbeddingData(...).copy_without_embedding())`` writes in SGLang (the same
+    attributes, in the same order), for rows of ``dtype`` and ``shape``, or an error."""
     state = {
         "req_id": req_id,
         "num_parts": num_parts,

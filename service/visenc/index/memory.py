@@ -50,8 +50,8 @@ class Shadow:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """Who a pin is held for: ``id`` is unique per caller's request; ``named``: the caller was handed
-    the id and hands it back when it reads (else the first read naming no lease unpins it)."""
+    """Who a pin is held for: ``id`` is unique per caller's request; ``named``: the caller was handed the id and
+    hands it back when it reads (else the first read naming no lease unpins it)."""
 
     id: str
     named: bool = True
@@ -144,9 +144,8 @@ class MemoryCache:
 
     # --- stores and pins -------------------------------------------------------------------
     def store(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> bool:
-        """Hold ``entry`` under ``key`` (in place of any older one, whose pins it keeps), pinned for
-        ``leases`` (and ``pins`` callers that name no lease): the callers that will read it. ``False``
-        (nothing held) for an entry larger than ``max_bytes``."""
+        """Hold ``entry`` under ``key`` (in place of any older one, whose pins it keeps), pinned for ``leases``
+        (and ``pins`` callers that name no lease): the callers that will read it."""
         if entry.nbytes > self.max_bytes:
             return False
         if key not in self._sizes:
@@ -171,9 +170,8 @@ class MemoryCache:
         return True
 
     def pin(self, key: str, count: int | Lease = 1) -> bool:
-        """Keep ``key`` for a caller that will read it: under ``count`` when it is a ``Lease``, else
-        under that many pins that name no lease. A lease already held on ``key`` is renewed (one pin a
-        lease). Moves nothing; ``False`` when nothing is held under ``key``."""
+        """Keep ``key`` for a caller that will read it: under ``count`` when it is a ``Lease``, else under that
+        many pins that name no lease."""
         if key not in self._order:
             return False
         for lease in [count] if isinstance(count, Lease) else [Lease.new(named=False) for _ in range(count)]:
@@ -191,11 +189,7 @@ class MemoryCache:
         self._until.move_to_end((key, lease.id))
 
     def read(self, key: str, lease: str | None, *, last: bool) -> None:
-        """A caller read ``key``'s rows (to the last row when ``last``). Naming a lease id: that pin
-        is unpinned (``last``) or renewed, and nothing moves; an unknown, lapsed or unpinned id is
-        ignored. Naming none (``None``: a caller that does not hand leases back): the oldest pin that
-        names no lease is, likewise; where there is no such pin, or the caller hands leases back but
-        this read names none (``""``), the read is a look-up of its own (a reference)."""
+        """A caller read ``key``'s rows (to the last row when ``last``)."""
         pins = self._pins.get(key, {})
         if not lease:
             lease = next((i for i, p in pins.items() if not p.named), None) if lease is None else None
@@ -275,8 +269,8 @@ class MemoryCache:
         self._metrics.cache_pinned_bytes.set(self.pinned_bytes)
 
     def health(self) -> dict[str, object]:
-        """What it holds now: lapsed leases are unpinned first (and the budget kept), so a replica that
-        stores nothing meanwhile still reports its pins as they are."""
+        """What it holds now: lapsed leases are unpinned first (and the budget kept), so a replica that stores
+        nothing meanwhile still reports its pins as they are."""
         self._evict()
         return {
             "tier": self.tier,

@@ -74,9 +74,9 @@ class RedisClaims:
     async def _scripts(
         self, op: str, script: str, keys: Sequence[tuple[str, ...]], args: tuple[Any, ...]
     ) -> list[Any] | None:
-        """Run ``script`` once per key tuple, pipelined, by its SHA1 (``EVALSHA``: the script text is not
-        resent every time); a Redis whose script cache lacks it (new, restarted, flushed) gets it loaded
-        once (``SCRIPT LOAD``, on every primary of a cluster) and the pipeline is sent again."""
+        """Run ``script`` once per key tuple, pipelined, by its SHA1 (``EVALSHA``: the script text is not resent
+        every time); a Redis whose script cache lacks it (new, restarted, flushed) gets it loaded once (``SCRIPT
+        LOAD``, on every primary of a cluster) and the pipeline is sent again."""
         sha = hashlib.sha1(script.encode()).hexdigest()
 
         async def send() -> list[Any]:
@@ -100,9 +100,8 @@ class RedisClaims:
         return await self.conn.run(op, call) if keys else []
 
     async def states(self, keys: Sequence[str], mode: str, token: str, ttl_ms: int) -> list[Entry | ClaimState] | None:
-        """For each key, its entry (already encoded) or its ``ClaimState`` after ``mode`` (``claim``,
-        ``queue`` or ``look``: see ``STATE_SCRIPT``). One pipelined round trip; ``None`` if Redis is
-        unavailable. A corrupt stored value counts as no entry (encode and overwrite it)."""
+        """For each key, its entry (already encoded) or its ``ClaimState`` after ``mode`` (``claim``, ``queue``
+        or ``look``: see ``STATE_SCRIPT``)."""
         replies = await self._scripts(
             mode, STATE_SCRIPT, [(k, claim_key(k), queued_key(k)) for k in keys], (mode, token, ttl_ms)
         )

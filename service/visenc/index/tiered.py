@@ -1,5 +1,4 @@
-"""The index the engine uses: the in-process LRU (L1), optionally in front of
-the shared Redis store (L2). One class, one interface, whatever is configured."""
+"""The index the engine uses: the in-process LRU (L1), optionally in front of the shared Redis store (L2)."""
 
 from __future__ import annotations
 
@@ -44,8 +43,8 @@ class Index:
         return self.local.store(key, entry, pins=pins, leases=leases)
 
     def pin(self, key: str, lease: Lease | None = None) -> bool:
-        """A caller was told ``key`` is ready: keep it in L1 until it reads it (or the lease ends);
-        ``False`` when L1 does not hold it."""
+        """A caller was told ``key`` is ready: keep it in L1 until it reads it (or the lease ends); ``False``
+        when L1 does not hold it."""
         return self.local.pin(key, 1 if lease is None else lease)
 
     def read(self, key: str, lease: str | None, *, last: bool) -> None:

@@ -53,8 +53,7 @@ class Header:
 
 
 def read_header(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Header:
-    """The picture ``loader`` will decode, from the header only (no pixel data is decoded). Formats
-    the loader does not open are refused here already."""
+    """The picture ``loader`` will decode, from the header only (no pixel data is decoded)."""
     how = LOADERS[loader]
     image = _open(data, max_pixels, how.formats)
     try:
@@ -99,9 +98,7 @@ _TURNED = frozenset(range(2, 9))
 
 
 def exif_upright(image: Image.Image) -> Image.Image:
-    """``ImageOps.exif_transpose``, any failure of it ignored (vLLM's ``normalize_image``). An
-    image it would not turn is returned as it is, where ``exif_transpose`` returns a copy: the
-    same pixels without a second decoded image held at once (4 bytes a pixel)."""
+    """``ImageOps.exif_transpose``, any failure of it ignored (vLLM's ``normalize_image``)."""
     try:
         if image.getexif().get(ExifTags.Base.Orientation, 1) not in _TURNED:
             return image
@@ -111,12 +108,9 @@ def exif_upright(image: Image.Image) -> Image.Image:
 
 
 def rgb_like_vllm(image: Image.Image) -> Image.Image:
-    """vLLM's ``ImageMediaIO._convert_image_mode`` to RGB: RGB as it is; RGBA pasted onto white
-    through its alpha; any other image with transparency (LA, PA, or a ``transparency`` entry:
-    PNG tRNS, transparent GIF) made RGBA and pasted the same way; the rest ``convert("RGB")``.
-    An RGB image goes on as it is, a tRNS colour included: vLLM's processor (transformers 5.19
-    beside vLLM 0.32) keeps that colour, so the ``transparency`` entry is dropped here before a
-    tower's own ``convert_to_rgb`` could composite it."""
+    """vLLM's ``ImageMediaIO._convert_image_mode`` to RGB: RGB as it is; RGBA pasted onto white through its
+    alpha; any other image with transparency (LA, PA, or a ``transparency`` entry: PNG tRNS, transparent GIF)
+    made RGBA and pasted the same way; the rest ``convert("RGB")``."""
     if image.mode == "RGB":
         return _opaque(image)
     if image.mode not in ("RGBA", "LA", "PA") and "transparency" not in image.info:
@@ -129,9 +123,7 @@ def rgb_like_vllm(image: Image.Image) -> Image.Image:
 
 def rgb_like_sglang(image: Image.Image) -> Image.Image:
     """SGLang's encoder (``EncoderPreprocessor._load_single_item``): every mode that is not RGB through
-    ``convert("RGB")`` (any alpha dropped), no EXIF orientation. An RGB image's ``transparency``
-    entry (a PNG's tRNS colour) is dropped too: the processor SGLang pins (transformers 5.19) keeps
-    that colour, so a tower's own ``convert_to_rgb`` must not composite it."""
+    ``convert("RGB")`` (any alpha dropped), no EXIF orientation."""
     return _opaque(image if image.mode == "RGB" else image.convert("RGB"))
 
 
@@ -142,9 +134,9 @@ def _opaque(rgb: Image.Image) -> Image.Image:
 
 
 def rgb_like_transformers(image: Image.Image) -> Image.Image:
-    """transformers' ``convert_to_rgb`` (a processor handed the image as the file holds it):
-    any transparency (an alpha band, or a ``transparency`` entry of P/L/RGB images) is
-    composited onto opaque white; other modes use ``convert("RGB")``."""
+    """transformers' ``convert_to_rgb`` (a processor handed the image as the file holds it): any transparency
+    (an alpha band, or a ``transparency`` entry of P/L/RGB images) is composited onto opaque white; other modes
+    use ``convert("RGB")``."""
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     if has_alpha:
         rgba = image.convert("RGBA")
@@ -155,9 +147,7 @@ def rgb_like_transformers(image: Image.Image) -> Image.Image:
 
 @dataclass(frozen=True, slots=True)
 class Loader:
-    """How one engine, at one version, turns image bytes into the RGB image its processor sees.
-    Each is pinned by a differential test against that engine's own code
-    (``tests/with_vllm/test_vllm_images.py`` for vLLM; ``tests/golden/test_odd_images.py``)."""
+    """How one engine, at one version, turns image bytes into the RGB image its processor sees."""
 
     name: str
     #: the engine version whose code this follows (``describe()["image_loader"]``, the fingerprint)
@@ -183,10 +173,9 @@ LOADERS = {
 
 
 def loads_alike(data: bytes, loaders: tuple[str, str], *, max_pixels: int) -> bool:
-    """Whether both ``loaders`` turn this file into the same RGB image, read from its header alone:
-    both open its format, its EXIF orientation is upright or both apply it, and it carries no
-    transparency (an alpha band or a ``transparency`` entry, where engines' loaders differ). Every
-    other mode becomes RGB alike (as it is, or ``convert("RGB")``) in every loader."""
+    """Whether both ``loaders`` turn this file into the same RGB image, read from its header alone: both open
+    its format, its EXIF orientation is upright or both apply it, and it carries no transparency (an alpha band
+    or a ``transparency`` entry, where engines' loaders differ)."""
     first, second = (LOADERS[name] for name in loaders)
     image = _open(data, max_pixels)
     try:
@@ -200,14 +189,9 @@ def loads_alike(data: bytes, loaders: tuple[str, str], *, max_pixels: int) -> bo
 
 
 def decode(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Image.Image:
-    """Fully decoded RGB image, loaded as ``loader``'s engine loads it (``LOADERS``): the formats it
-    opens, the EXIF orientation where it applies it, its RGB conversion; the first frame of an
-    animation (GIF, WebP, APNG), as every engine's loader takes it. The pixel limit is checked
-    on the stored size before decoding.
-
-    A file whose pixel data is broken is refused (``InvalidImage``) even where the engine would
-    take it (vLLM 0.32 reads the EXIF first, which swallows a broken stream's error, and keeps
-    whatever was decoded): the engine then encodes it itself, and no row is guessed."""
+    """Fully decoded RGB image, loaded as ``loader``'s engine loads it (``LOADERS``): the formats it opens, the
+    EXIF orientation where it applies it, its RGB conversion; the first frame of an animation (GIF, WebP, APNG),
+    as every engine's loader takes it."""
     how = LOADERS[loader]
     image = _open(data, max_pixels, how.formats)
     try:

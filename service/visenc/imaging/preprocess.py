@@ -23,13 +23,8 @@ MAX_ASPECT_RATIO = 200
 
 
 def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL target ``(height, width)``: both multiples of ``factor``, area within
-    ``[min_pixels, max_pixels]``, aspect ratio kept as closely as possible.
-
-    Same arithmetic as ``transformers.models.qwen2_vl...smart_resize`` (Python
-    ``round``, i.e. banker's rounding, included). Raises ``InvalidImage`` where
-    transformers raises ``ValueError`` (aspect ratio over 200).
-    """
+    """Qwen2-VL target ``(height, width)``: both multiples of ``factor``, area within ``[min_pixels,
+    max_pixels]``, aspect ratio kept as closely as possible."""
     if height <= 0 or width <= 0:
         raise InvalidImage(f"image has an empty size {width}x{height}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
@@ -50,9 +45,9 @@ def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_p
 
 
 def shortest_edge_size(height: int, width: int, shortest_edge: int) -> tuple[int, int]:
-    """``(height, width)`` with the short side set to ``shortest_edge`` and the long
-    side scaled and truncated with ``int()``, as ``get_resize_output_image_size``
-    (``default_to_square=False``, no ``max_size``) computes it."""
+    """``(height, width)`` with the short side set to ``shortest_edge`` and the long side scaled and truncated
+    with ``int()``, as ``get_resize_output_image_size`` (``default_to_square=False``, no ``max_size``) computes
+    it."""
     short, long = (width, height) if width <= height else (height, width)
     new_short, new_long = shortest_edge, int(shortest_edge * long / short)
     return (new_long, new_short) if width <= height else (new_short, new_long)
@@ -66,13 +61,7 @@ _TORCH_MODES = {Image.Resampling.NEAREST: "nearest", Image.Resampling.BILINEAR: 
 
 
 def resize(image: Image.Image, height: int, width: int, resample: int = BICUBIC, backend: str = "pil") -> np.ndarray:
-    """``(height, width)`` resize → HWC uint8 array (RGB input), as ``backend`` does it.
-
-    ``pil``: ``Image.resize``. ``torchvision``: what ``torchvision.transforms.v2.functional.resize``
-    does on a CPU to the uint8 tensor a fast processor makes of the image (``pil_to_tensor``): the
-    same ``torch.nn.functional.interpolate`` call on the same memory layout, antialiased, natively in
-    uint8 for bicubic (and bilinear on AVX2/AVX-512/ARM CPUs), else in float32 and rounded back.
-    Pure torch: torchvision itself is not needed, and the output is bit-identical to it."""
+    """``(height, width)`` resize → HWC uint8 array (RGB input), as ``backend`` does it."""
     if backend == "pil":
         if image.size != (width, height):
             image = image.resize((width, height), resample=resample)
@@ -84,8 +73,8 @@ def resize(image: Image.Image, height: int, width: int, resample: int = BICUBIC,
 
 
 def uint8_tensor(array: np.ndarray) -> torch.Tensor:
-    """HWC uint8 → the ``1CHW`` tensor a fast processor makes of it (channels-last memory,
-    restrided as torchvision does, so that ``interpolate`` keeps channels-last)."""
+    """HWC uint8 → the ``1CHW`` tensor a fast processor makes of it (channels-last memory, restrided as
+    torchvision does, so that ``interpolate`` keeps channels-last)."""
     t = torch.from_numpy(np.array(array)).permute(2, 0, 1).unsqueeze(0)
     strides = list(t.stride())
     strides[0] = t.numel()
@@ -125,8 +114,8 @@ def qwen_pixels_torchvision(
     merge_size: int,
     temporal_patch_size: int,
 ) -> np.ndarray:
-    """Qwen2-VL ``pixel_values`` as the fast processor computes them, bit-identical: the same uint8
-    resize, then ``qwen_patches``' arithmetic, copied T times last."""
+    """Qwen2-VL ``pixel_values`` as the fast processor computes them, bit-identical: the same uint8 resize, then
+    ``qwen_patches``' arithmetic, copied T times last."""
     t = resize_tensor(uint8_tensor(np.asarray(image)), height, width, resample)
     x = qwen_patches(t, patch_size=patch_size, merge_size=merge_size, rescale_factor=rescale_factor, mean=mean, std=std)
     n, c, _, p, _ = x.shape
@@ -142,11 +131,9 @@ def qwen_patches(
     mean: Sequence[float],
     std: Sequence[float],
 ) -> torch.Tensor:
-    """``[T, C, H, W]`` uint8 frames of one temporal patch (a still image: T = 1; a video tube: its
-    frames), any memory layout → ``[grid_h * grid_w, C, T, P, P]`` float32, ``(float(x) - mean/r) /
-    (std/r)`` as the fast processors compute it. Rows are merge-block-major. The uint8 frames are cut
-    into patches and cast in one copy and normalised in the patch layout (contiguous): elementwise
-    float ops round the same whatever the layout, so the bits agree."""
+    """``[T, C, H, W]`` uint8 frames of one temporal patch (a still image: T = 1; a video tube: its frames), any
+    memory layout → ``[grid_h * grid_w, C, T, P, P]`` float32, ``(float(x) - mean/r) / (std/r)`` as the fast
+    processors compute it."""
     t, c, height, width = frames.shape
     p, m = patch_size, merge_size
     grid_h, grid_w = height // p, width // p
@@ -164,10 +151,7 @@ def _native_uint8_bilinear() -> bool:
 
 
 def center_crop(array: np.ndarray, height: int, width: int, backend: str = "pil") -> np.ndarray:
-    """Center crop an HWC array to ``(height, width)``, zero-padding where the image
-    is smaller. ``pil``: transformers' ``center_crop`` offsets (floor for the crop,
-    ceil for the pad); ``torchvision``: its torchvision backend's (floor for both).
-    Returns a view when no padding is needed."""
+    """Center crop an HWC array to ``(height, width)``, zero-padding where the image is smaller."""
     orig_h, orig_w = array.shape[:2]
     if backend == "torchvision":
         return _center_crop_torchvision(array, height, width)
@@ -200,15 +184,7 @@ def _center_crop_torchvision(array: np.ndarray, height: int, width: int) -> np.n
 
 
 class Normalizer:
-    """uint8 → float32 ``(x * rescale_factor - mean) / std`` per channel, as a lookup table.
-
-    ``rescale_factor=None`` skips the rescale, ``mean``/``std`` ``None`` skip the
-    normalisation (the processors' ``do_rescale``/``do_normalize`` flags).
-    ``fused``: the torchvision backend's arithmetic, ``(x - mean/r) / (std/r)`` in
-    float32 (rescale folded into mean and std), instead of the PIL backend's
-    float64 rescale, float32 cast, then normalise; both bit-identical to theirs.
-    Immutable after construction, so one instance is shared by every thread.
-    """
+    """uint8 → float32 ``(x * rescale_factor - mean) / std`` per channel, as a lookup table."""
 
     __slots__ = ("lut", "pairs")
 
@@ -248,8 +224,8 @@ class Normalizer:
         self.pairs.setflags(write=False)
 
     def map_into(self, src: np.ndarray, out: np.ndarray) -> None:
-        """``out[:, c] = lut[c][src[:, c]]`` for C-contiguous ``src`` uint8 / ``out``
-        float32 of equal shape ``[N, C, ...]``."""
+        """``out[:, c] = lut[c][src[:, c]]`` for C-contiguous ``src`` uint8 / ``out`` float32 of equal shape
+        ``[N, C, ...]``."""
         if src.shape != out.shape or not (src.flags.c_contiguous and out.flags.c_contiguous):
             raise ValueError("map_into needs C-contiguous arrays of equal shape")
         if src.shape[-1] % 2 == 0:
@@ -271,13 +247,8 @@ class Normalizer:
 def qwen_patchify(
     array: np.ndarray, norm: Normalizer, *, patch_size: int, merge_size: int, temporal_patch_size: int
 ) -> np.ndarray:
-    """HWC uint8 (sides multiples of ``patch_size * merge_size``) → Qwen2-VL ``pixel_values``
-    ``[grid_h * grid_w, C * T * P * P]`` float32.
-
-    Row order is merge-block-major (``gh/m, gw/m, m, m``) and each row is
-    ``(C, T, P, P)``, the still frame repeated ``T`` times, exactly as
-    ``Qwen2VLImageProcessorPil.patchify``.
-    """
+    """HWC uint8 (sides multiples of ``patch_size * merge_size``) → Qwen2-VL ``pixel_values`` ``[grid_h *
+    grid_w, C * T * P * P]`` float32."""
     height, width, channels = array.shape
     p, m, t = patch_size, merge_size, temporal_patch_size
     grid_h, grid_w = height // p, width // p

@@ -1,7 +1,6 @@
-"""The one interface every vision tower sits behind: ``layout`` (rows from the size alone), ``preprocess``
-(CPU, thread-safe, equal to the model's image processor) and ``forward`` (device, one ``[num_tokens,
-hidden_size]`` tensor per image, in order; the engine checks the row counts). Contracts: ``docs/internals.md``.
-"""
+"""The one interface every vision tower sits behind: ``layout`` (rows from the size alone), ``preprocess`` (CPU,
+thread-safe, equal to the model's image processor) and ``forward`` (device, one ``[num_tokens, hidden_size]``
+tensor per image, in order; the engine checks the row counts)."""
 
 from __future__ import annotations
 
@@ -33,8 +32,7 @@ class TokenLayout:
 
 @dataclass(slots=True)
 class Prepared:
-    """A preprocessed image: the tower's input (an array, or a dict of tensors: opaque to
-    the engine) and its layout."""
+    """A preprocessed image: the tower's input (an array, or a dict of tensors: opaque to the engine) and its layout."""
 
     pixels: Any
     layout: TokenLayout
@@ -111,8 +109,7 @@ class VisionTower(ABC):
         return "sdpa"
 
     def compile(self) -> int:
-        """Compile the tower's repeated blocks (``models/compiled.py``); returns how many. The graphs
-        are built by the first forwards: ``warm_up``, which the device worker runs before it is ready."""
+        """Compile the tower's repeated blocks (``models/compiled.py``); returns how many."""
         self.compiled_blocks = compiled.compile_blocks(self.model)
         if self.compiled_blocks:
             detail = f"{self.compiled_blocks} blocks; the warm-up builds their graphs"
@@ -132,8 +129,8 @@ class VisionTower(ABC):
         self.compilation = status
 
     def warm_up(self) -> None:
-        """Forwards of one image, then of two (of two sizes where the tower packs them, else of one):
-        they compile a compiled tower's graphs before any request waits for them."""
+        """Forwards of one image, then of two (of two sizes where the tower packs them, else of one): they
+        compile a compiled tower's graphs before any request waits for them."""
         small, large = (self.preprocess(Image.new("RGB", size, (120, 130, 140))) for size in WARM_UP_SIZES)
         for batch in ([small], [small, large if self.packable else small]):
             self.forward(batch)
@@ -141,20 +138,18 @@ class VisionTower(ABC):
             torch.cuda.synchronize(self.device)
 
     def record_event(self) -> Any:
-        """Off CUDA: an event behind the forward just launched, whose ``synchronize()`` waits until its
-        outputs are made, or ``None`` where ``forward`` returns them made (every CPU tower; on CUDA the
-        worker records CUDA's own event)."""
+        """Off CUDA: an event behind the forward just launched, whose ``synchronize()`` waits until its outputs
+        are made, or ``None`` where ``forward`` returns them made (every CPU tower; on CUDA the worker records
+        CUDA's own event)."""
         return None
 
     def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
-        """The device calls ``forward`` would cut ``batch`` into anyway, as index lists in order
-        (default: one). The device worker makes them one by one and hands each one's rows on at
-        once, so a prefill waiting for the first images of a batch does not wait for its last."""
+        """The device calls ``forward`` would cut ``batch`` into anyway, as index lists in order (default: one)."""
         return [list(range(len(batch)))] if batch else []
 
     def span(self, width: int, height: int) -> list[Segment]:
-        """The placeholder span of a ``width x height`` image in the engine's prompt: its rows and
-        the text the engine's processor writes around and between them (default: rows alone)."""
+        """The placeholder span of a ``width x height`` image in the engine's prompt: its rows and the text the
+        engine's processor writes around and between them (default: rows alone)."""
         return [Rows(self.layout(width, height).num_tokens)]
 
     def video_geometry(self) -> dict[str, int]:
@@ -168,8 +163,8 @@ class VisionTower(ABC):
         return TokenLayout(self.video.tube_tokens(grid), grid, grid)
 
     def tube_input(self, pixels: np.ndarray, grid_hw: tuple[int, int]) -> Prepared:
-        """One tube's tower input (``VideoPreprocess.tube_pixels``) as ``forward`` takes it: an input
-        of grid ``(1, h, w)`` whose two frames differ. Default: the array itself."""
+        """One tube's tower input (``VideoPreprocess.tube_pixels``) as ``forward`` takes it: an input of grid
+        ``(1, h, w)`` whose two frames differ."""
         return Prepared(pixels, self.tube_layout(grid_hw))
 
     def row_layout(self) -> list[dict[str, Any]]:
@@ -178,8 +173,8 @@ class VisionTower(ABC):
 
     @abstractmethod
     def fingerprint_fields(self) -> dict[str, Any]:
-        """Everything that changes the output: model id/revision, weights digest
-        or seed, architecture config, dtype, preprocessing settings."""
+        """Everything that changes the output: model id/revision, weights digest or seed, architecture config,
+        dtype, preprocessing settings."""
 
     @property
     def image_backend(self) -> str:
@@ -187,40 +182,36 @@ class VisionTower(ABC):
         return "pil"
 
     def input_tokens(self, layout: TokenLayout) -> int:
-        """Tokens the forward processes for this image: the unit of the batch budget.
-        Default: the patch grid (``t*h*w``); fixed-resolution towers override."""
+        """Tokens the forward processes for this image: the unit of the batch budget."""
         t, h, w = layout.grid_thw
         return t * h * w
 
     def activation_bytes_per_token(self) -> int:
-        """Peak activation bytes per unit of ``input_tokens`` in one forward, the
-        part that grows linearly with the batch (see ``forward_bytes``)."""
+        """Peak activation bytes per unit of ``input_tokens`` in one forward, the part that grows linearly with
+        the batch (see ``forward_bytes``)."""
         return 64 * self.hidden_size * max(1, self.dtype.itemsize)
 
     def input_bytes_per_token(self) -> int:
-        """Host bytes of preprocessed input (``Prepared.pixels``) per unit of
-        ``input_tokens``: what the scheduler holds for staged images."""
+        """Host bytes of preprocessed input (``Prepared.pixels``) per unit of ``input_tokens``: what the
+        scheduler holds for staged images."""
         return 4 * self.hidden_size
 
     def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
-        """Estimated peak bytes one ``forward`` of these images allocates (activations,
-        the batch's input copies, attention scores where the kernel materialises
-        them), excluding weights and the staged inputs. Must not underestimate:
-        the scheduler keeps every batch under a budget in these units.
-        Default: linear in the tokens; towers refine it (see ``models/memory.py``)."""
+        """Estimated peak bytes one ``forward`` of these images allocates (activations, the batch's input
+        copies, attention scores where the kernel materialises them), excluding weights and the staged inputs."""
         return self.activation_bytes_per_token() * sum(self.input_tokens(lay) for lay in layouts)
 
     def to_device(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Host input → the tower's device and dtype, without blocking the host: on CUDA the host
-        tensor is pinned and the copy queued on the current stream."""
+        """Host input → the tower's device and dtype, without blocking the host: on CUDA the host tensor is
+        pinned and the copy queued on the current stream."""
         if self.device.type == "cuda":
             return pixels.pin_memory().to(self.device, self.dtype, non_blocking=True)
         return pixels.to(self.device, self.dtype, non_blocking=True)
 
     @property
     def fingerprint(self) -> str:
-        """128-bit digest (32 hex) of ``fingerprint_fields`` and the image loader with the engine version
-        it follows (``vllm-0.32``); goes into every index key."""
+        """128-bit digest (32 hex) of ``fingerprint_fields`` and the image loader with the engine version it
+        follows (``vllm-0.32``); goes into every index key."""
         cached = getattr(self, "_fingerprint", None)
         if cached is None:
             fields = {**self.fingerprint_fields(), "image_loader": LOADERS[self.image_loader].label}

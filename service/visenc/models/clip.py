@@ -37,12 +37,7 @@ from visenc.models.construct import cast_module, config_fields
 
 @dataclass(frozen=True)
 class FixedPreprocess:
-    """CLIP/SigLIP image processor settings (units: pixels).
-
-    Resize: ``shortest_edge`` set → short side to it (CLIP), else to
-    ``height x width`` (SigLIP). Then an optional ``crop_height x crop_width``
-    center crop, rescale, normalise.
-    """
+    """CLIP/SigLIP image processor settings (units: pixels)."""
 
     shortest_edge: int | None
     height: int | None
@@ -125,8 +120,8 @@ class FixedPreprocess:
 
 
 class FixedResolutionTower(VisionTower):
-    """CLIP (``vision_model`` + ``visual_projection``) or SigLIP (``vision_model``,
-    pooled by its attention head) as one embedding row per image."""
+    """CLIP (``vision_model`` + ``visual_projection``) or SigLIP (``vision_model``, pooled by its attention
+    head) as one embedding row per image."""
 
     packable = False
 
@@ -214,8 +209,8 @@ class FixedResolutionTower(VisionTower):
         return 4 * 3 * height * width
 
     def activation_bytes_per_token(self) -> int:
-        """Per image: its stacked input (and cast) and one block's widest live set
-        over its ``(size/patch)² + 1`` positions."""
+        """Per image: its stacked input (and cast) and one block's widest live set over its ``(size/patch)² +
+        1`` positions."""
         config = self.model.config
         item = self.dtype.itemsize
         per_image = self.input_bytes_per_token() * (
@@ -238,8 +233,8 @@ class FixedResolutionTower(VisionTower):
 
 
 def tiny_clip_config() -> CLIPVisionConfig:
-    """The peer benchmark's tiny CLIP vision side (infinity ``make_tiny_clip.py``):
-    224 px, patch 16, hidden 384, intermediate 1536, 6 layers, 6 heads, projection 256."""
+    """The peer benchmark's tiny CLIP vision side (infinity ``make_tiny_clip.py``): 224 px, patch 16, hidden
+    384, intermediate 1536, 6 layers, 6 heads, projection 256."""
     return CLIPVisionConfig(
         image_size=224,
         patch_size=16,

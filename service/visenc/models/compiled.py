@@ -32,9 +32,8 @@ WARM_UP_S_PER_BLOCK = 20.0
 
 @dataclass(frozen=True, slots=True)
 class Status:
-    """Whether the tower's blocks run compiled: ``warming`` (compiled, graphs being built before
-    readiness), ``compiled`` (``graphs`` built by the warm-up), or ``eager`` with its ``cause`` and a
-    ``detail`` for people."""
+    """Whether the tower's blocks run compiled: ``warming`` (compiled, graphs being built before readiness),
+    ``compiled`` (``graphs`` built by the warm-up), or ``eager`` with its ``cause`` and a ``detail`` for people."""
 
     state: Literal["warming", "compiled", "eager"]
     cause: Cause | None = None
@@ -76,12 +75,7 @@ def why_eager(setting: Compile, device: torch.device) -> Status | None:
 
 
 def toolchain_problem(device: torch.device) -> str | None:
-    """What the compiler backend needs at run time and this host lacks (``None``: nothing found missing).
-
-    On CUDA, Triton builds a launcher for its kernels at first use (``triton/runtime/build.py``): a
-    C compiler (``CC``, else ``gcc``, else ``clang``), Python's headers (``Python.h`` in sysconfig's
-    include path) and ``libcuda.so.1`` to link against (``triton/backends/nvidia/driver.py``). On a
-    CPU, inductor compiles C++ (``CXX``, else ``g++``) with Python's headers."""
+    """What the compiler backend needs at run time and this host lacks (``None``: nothing found missing)."""
     missing = []
     if device.type == "cuda":
         if _compiler("CC", "gcc", "clang") is None:
@@ -105,8 +99,8 @@ def _compiler(variable: str, *names: str) -> str | None:
 
 
 def python_headers() -> Path:
-    """Where Triton looks for ``Python.h``: the include path of sysconfig's default scheme
-    (Debian's ``posix_local`` read as ``posix_prefix``)."""
+    """Where Triton looks for ``Python.h``: the include path of sysconfig's default scheme (Debian's
+    ``posix_local`` read as ``posix_prefix``)."""
     scheme = sysconfig.get_default_scheme()
     if scheme == "posix_local":
         scheme = "posix_prefix"
@@ -138,8 +132,8 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def configure() -> None:
-    """Dynamo's settings for the blocks, in the calling thread: torch keeps each setting per thread
-    (a context variable), so the thread that runs the forwards calls this too."""
+    """Dynamo's settings for the blocks, in the calling thread: torch keeps each setting per thread (a context
+    variable), so the thread that runs the forwards calls this too."""
     for name in ("recompile_limit", "cache_size_limit"):  # the name changed in torch 2.6
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, RECOMPILE_LIMIT)
@@ -157,16 +151,16 @@ def compile_blocks(model: torch.nn.Module) -> int:
 
 
 def uncompile_blocks(model: torch.nn.Module) -> None:
-    """Undo ``compile_blocks``: the blocks run eagerly and never enter dynamo again (so never wait for
-    its compile lock, which an abandoned warm-up may still hold)."""
+    """Undo ``compile_blocks``: the blocks run eagerly and never enter dynamo again (so never wait for its
+    compile lock, which an abandoned warm-up may still hold)."""
     for block in blocks(model):
         block._compiled_call_impl = None  # what ``Module.compile`` set; ``None`` is its eager default
 
 
 @contextlib.contextmanager
 def backend_failures() -> Iterator[list[str]]:
-    """Collect, while inside, the compile failures dynamo suppressed (``suppress_errors``: it logs
-    each one and runs the frame eagerly), as one line each."""
+    """Collect, while inside, the compile failures dynamo suppressed (``suppress_errors``: it logs each one and
+    runs the frame eagerly), as one line each."""
     found: list[str] = []
 
     class Collect(logging.Handler):
@@ -190,9 +184,9 @@ def _first_line(error: BaseException) -> str:
 
 
 def after_warm_up(failures: list[str]) -> Status:
-    """How a compiled tower runs once its warm-up ran with ``failures`` (``backend_failures``):
-    compiled, with the graphs built; eagerly if the backend failed, or if no graph was built at all
-    (dynamo disabled, e.g. ``TORCHDYNAMO_DISABLE=1``: every block then runs eagerly, unannounced)."""
+    """How a compiled tower runs once its warm-up ran with ``failures`` (``backend_failures``): compiled, with
+    the graphs built; eagerly if the backend failed, or if no graph was built at all (dynamo disabled, e.g.
+    ``TORCHDYNAMO_DISABLE=1``: every block then runs eagerly, unannounced)."""
     if failures:
         return Status(
             "eager", "backend", f"the compiler backend failed on {len(failures)} frame(s); first: {failures[0]}"

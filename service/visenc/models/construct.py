@@ -51,8 +51,8 @@ def set_attention(config: Any, implementation: str = "sdpa") -> None:
 
 
 def build_seeded(factory: Callable[[], M], seed: int) -> M:
-    """Build a module with weights from ``torch.manual_seed(seed)``, the caller's RNG untouched:
-    the same torch version and seed give bit-identical weights in every process."""
+    """Build a module with weights from ``torch.manual_seed(seed)``, the caller's RNG untouched: the same torch
+    version and seed give bit-identical weights in every process."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = factory()
@@ -72,8 +72,8 @@ FP32_BUFFERS = ("inv_freq", "original_inv_freq")
 
 
 def cast_module(model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """``model.to(device, dtype)``, except that rotary frequency tables stay float32, as in a model
-    transformers loads with ``dtype=...``."""
+    """``model.to(device, dtype)``, except that rotary frequency tables stay float32, as in a model transformers
+    loads with ``dtype=...``."""
     keep = {
         name: buf.detach().clone()
         for name, buf in model.named_buffers()

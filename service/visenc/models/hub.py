@@ -59,9 +59,7 @@ def parse_spec(spec: str, revision: str | None) -> tuple[str, str | None] | None
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A repository at one commit, its config files in the hub cache's snapshot ``folder``.
-    ``files``: the repository's files (or, served from the cache, those cached); ``offline``: why
-    the hub was not asked (``Offline``: it may not be) or did not answer, ``None`` when it answered."""
+    """A repository at one commit, its config files in the hub cache's snapshot ``folder``."""
 
     repo_id: str
     revision: str
@@ -72,9 +70,9 @@ class Snapshot:
 
 
 def open_repo(repo_id: str, revision: str | None, wait_s: float = HUB_WAIT_S) -> Checkpoint:
-    """The checkpoint of ``repo_id`` at ``revision`` (default ``main``): its config files fetched
-    (or found in the cache), its weights fetched when ``Checkpoint.weights.files`` asks for them;
-    a hub that says "try later" waited out for ``wait_s`` in all, where the caches cannot serve."""
+    """The checkpoint of ``repo_id`` at ``revision`` (default ``main``): its config files fetched (or found in
+    the cache), its weights fetched when ``Checkpoint.weights.files`` asks for them; a hub that says "try later"
+    waited out for ``wait_s`` in all, where the caches cannot serve."""
     patience = Patience(wait_s)
     snapshot = resolve(repo_id, revision, patience)
     name = repo_id if revision is None else f"{repo_id}@{revision}"
@@ -82,9 +80,9 @@ def open_repo(repo_id: str, revision: str | None, wait_s: float = HUB_WAIT_S) ->
 
 
 def resolve(repo_id: str, pinned: str | None, patience: Patience) -> Snapshot:
-    """The revision (``pinned``, else ``main``) as the hub resolves it, its config files fetched; from
-    the cache where the hub cannot be reached or says "try later" (asked again within ``patience``
-    where the cache does not hold the revision) or ``HF_HUB_OFFLINE`` is set."""
+    """The revision (``pinned``, else ``main``) as the hub resolves it, its config files fetched; from the cache
+    where the hub cannot be reached or says "try later" (asked again within ``patience`` where the cache does
+    not hold the revision) or ``HF_HUB_OFFLINE`` is set."""
     from huggingface_hub import constants
 
     revision = pinned or "main"
@@ -134,8 +132,8 @@ def ask_hub(repo_id: str, pinned: str | None) -> Snapshot:
 
 
 def listing(api: Any, repo_id: str, commit: str, siblings: list[Any] | None) -> frozenset[str]:
-    """The repository's files at ``commit``: the repo info's ``siblings`` where it gave them for that
-    commit, else its tree (what ``snapshot_download`` lists)."""
+    """The repository's files at ``commit``: the repo info's ``siblings`` where it gave them for that commit,
+    else its tree (what ``snapshot_download`` lists)."""
     from huggingface_hub.hf_api import RepoFile
 
     if siblings is not None:
@@ -159,8 +157,8 @@ def from_cache(repo_id: str, revision: str, why: Unreachable) -> Snapshot | None
 
 @dataclass
 class HubWeights:
-    """The weights of a ``Snapshot``: the vision-only file if it holds what is wanted, else the hub
-    cache's shards if every needed one is there, else the wanted tensors' bytes, fetched."""
+    """The weights of a ``Snapshot``: the vision-only file if it holds what is wanted, else the hub cache's
+    shards if every needed one is there, else the wanted tensors' bytes, fetched."""
 
     snapshot: Snapshot
     patience: Patience = field(default_factory=lambda: Patience(HUB_WAIT_S))
@@ -178,8 +176,8 @@ class HubWeights:
         return root / "visenc" / repo / self.snapshot.commit / VISION_FILE
 
     def vision_header(self) -> dict[str, Any] | None:
-        """The vision file's header if the file is there and whole (``whole_file``), checked once
-        per version of the file."""
+        """The vision file's header if the file is there and whole (``whole_file``), checked once per version of
+        the file."""
         try:
             st = self.vision_file.stat()
         except FileNotFoundError:
@@ -256,8 +254,8 @@ class HubWeights:
         return {self.vision_file: sorted(wanted)}
 
     def _whole(self, filenames: list[str], why: RangesNotServed) -> dict[str, Path]:
-        """``filenames`` downloaded whole into the hub cache (``hf_hub_download``), where the hub does
-        not serve ranges: the shards that hold vision weights, still none of the others."""
+        """``filenames`` downloaded whole into the hub cache (``hf_hub_download``), where the hub does not serve
+        ranges: the shards that hold vision weights, still none of the others."""
         from huggingface_hub import hf_hub_download
 
         s = self.snapshot
@@ -276,8 +274,8 @@ class HubWeights:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        """The vision file's lock (``WeakFileLock``, as the hub cache's downloads take theirs): at
-        once, or after saying that another process holds it (a replica fetching the same file)."""
+        """The vision file's lock (``WeakFileLock``, as the hub cache's downloads take theirs): at once, or
+        after saying that another process holds it (a replica fetching the same file)."""
         from huggingface_hub.utils import WeakFileLock
 
         lock = self.vision_file.with_suffix(".lock")
@@ -323,10 +321,8 @@ class HubWeights:
 
 
 def whole_file(file: Path) -> dict[str, Any] | None:
-    """The header of the vision file ``file`` where the file is whole: as long as its header says,
-    its data's checksum the one it was written with (``hub_fetch.DATA_SHA256``). ``None`` where it is
-    not there, or damaged (truncated, overwritten, a disk error: a warning says which); a damaged
-    file is never read, and the next fetch replaces it."""
+    """The header of the vision file ``file`` where the file is whole: as long as its header says, its data's
+    checksum the one it was written with (``hub_fetch.DATA_SHA256``)."""
     try:
         with file.open("rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -41,9 +41,8 @@ CHECK_BYTES = 16 << 20
 
 @dataclass(eq=False)
 class RemoteFile:
-    """A file of a hub repository at one commit: where to GET it (the CDN location the hub redirects
-    to, if any), the headers to send (the token only to the hub's own origin), its size. Its
-    safetensors header is read once (``header``)."""
+    """A file of a hub repository at one commit: where to GET it (the CDN location the hub redirects to, if
+    any), the headers to send (the token only to the hub's own origin), its size."""
 
     name: str
     url: str
@@ -78,10 +77,9 @@ class RemoteFile:
     def copy(
         self, start: int, end: int, write: Callable[[int, bytes], None], stop: threading.Event | None = None
     ) -> None:
-        """Bytes ``[start, end)`` handed to ``write(offset, chunk)`` as they arrive, in ranged GETs: a
-        transfer cut short resumes where it stopped (``PART_TRIES`` tries, pauses doubling from
-        ``RETRY_PAUSE_S``; ``STALLED_TRIES`` in a row that receive nothing end it); ``stop`` set ends
-        it early."""
+        """Bytes ``[start, end)`` handed to ``write(offset, chunk)`` as they arrive, in ranged GETs: a transfer
+        cut short resumes where it stopped (``PART_TRIES`` tries, pauses doubling from ``RETRY_PAUSE_S``;
+        ``STALLED_TRIES`` in a row that receive nothing end it); ``stop`` set ends it early."""
         import httpx2
 
         at, pause, stalled = start, RETRY_PAUSE_S, 0
@@ -105,8 +103,8 @@ class RemoteFile:
                 pause *= 2
 
     def stream(self, start: int, end: int) -> Iterator[bytes]:
-        """Bytes ``[start, end)`` as they arrive; ``RangesNotServed`` where the server does not
-        answer the range it was asked (it would send the whole file) or encodes it."""
+        """Bytes ``[start, end)`` as they arrive; ``RangesNotServed`` where the server does not answer the range
+        it was asked (it would send the whole file) or encodes it."""
         from huggingface_hub import constants
         from huggingface_hub.utils import get_session, hf_raise_for_status
 
@@ -154,8 +152,8 @@ class Span:
 
 @dataclass
 class Fetched:
-    """What a fetch transferred: tensor bytes, header bytes, ranged requests, shards read; tensor
-    bytes kept from an earlier fetch."""
+    """What a fetch transferred: tensor bytes, header bytes, ranged requests, shards read; tensor bytes kept
+    from an earlier fetch."""
 
     tensor_bytes: int = 0
     kept_bytes: int = 0
@@ -165,8 +163,8 @@ class Fetched:
 
 
 def plan(wanted: dict[RemoteFile, list[str]]) -> tuple[dict[str, Any], list[Span]]:
-    """The vision file's header entries (tensors in their source order, packed) and the spans to
-    fetch: each run of tensors adjacent in their shard is one span."""
+    """The vision file's header entries (tensors in their source order, packed) and the spans to fetch: each run
+    of tensors adjacent in their shard is one span."""
     entries: dict[str, Any] = {}
     spans: list[Span] = []
     at = 0
@@ -194,10 +192,9 @@ def parts(spans: list[Span], size: int = PART_BYTES) -> list[Span]:
 
 
 def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dict[str, str], label: str) -> Fetched:
-    """Write ``dest``: a safetensors file of the ``wanted`` tensors of each remote shard (their
-    names, dtypes and bytes as in the shard), with ``metadata`` and ``DATA_SHA256``, the checksum of
-    its data (``data_sha256``), which tells a later start that the file is whole. What an earlier
-    fetch of the same tensors left (``resume.Partial``) is checked and kept."""
+    """Write ``dest``: a safetensors file of the ``wanted`` tensors of each remote shard (their names, dtypes
+    and bytes as in the shard), with ``metadata`` and ``DATA_SHA256``, the checksum of its data
+    (``data_sha256``), which tells a later start that the file is whole."""
     entries, spans = plan(wanted)
     placeholder = {**metadata, DATA_SHA256: "0" * 64}  # filled in once every byte is there
     body = json.dumps({"__metadata__": placeholder, **entries}, separators=(",", ":")).encode()
@@ -235,8 +232,8 @@ def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dic
 
 
 def identity(head: bytes, spans: list[Span]) -> str:
-    """What a partial file must have been written for to be resumed: the header, and each span's
-    source (name, ETag, size) and ranges."""
+    """What a partial file must have been written for to be resumed: the header, and each span's source (name,
+    ETag, size) and ranges."""
     sources = [(s.source.name, s.source.etag, s.source.size, s.start, s.end, s.dest) for s in spans]
     return hashlib.sha256(head + json.dumps(sources).encode()).hexdigest()
 
@@ -260,8 +257,8 @@ def runs(blocks: list[Span], limit: int) -> list[Span]:
 
 
 def leftovers(dest: Path) -> list[Path]:
-    """The temporary files of fetches of ``dest`` named as earlier versions named them (a random
-    part each), which no fetch resumes: only the holder of ``dest``'s lock may remove them."""
+    """The temporary files of fetches of ``dest`` named as earlier versions named them (a random part each),
+    which no fetch resumes: only the holder of ``dest``'s lock may remove them."""
     return sorted(dest.parent.glob(f"{dest.name}.*{INCOMPLETE}"))
 
 
@@ -274,8 +271,8 @@ def data_sha256(fd: int, start: int, end: int) -> str:
 
 
 def _fetch_parts(partial: Partial, pieces: list[Span], block: int, progress: Callable[[int], None]) -> None:
-    """Every piece, ``PARALLEL_PARTS`` at a time, the blocks written logged every ``RECORD_EVERY_S``;
-    the first failure (or an exit) stops the others."""
+    """Every piece, ``PARALLEL_PARTS`` at a time, the blocks written logged every ``RECORD_EVERY_S``; the first
+    failure (or an exit) stops the others."""
     stop = threading.Event()
     pool = ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="visenc-fetch")
     try:
@@ -293,8 +290,8 @@ def _fetch_parts(partial: Partial, pieces: list[Span], block: int, progress: Cal
 def _fetch_part(
     partial: Partial, piece: Span, block: int, progress: Callable[[int], None], stop: threading.Event
 ) -> None:
-    """One piece (whole blocks) into the partial file at ``piece.dest``, each block recorded with its
-    sha256 as its last byte is written."""
+    """One piece (whole blocks) into the partial file at ``piece.dest``, each block recorded with its sha256 as
+    its last byte is written."""
     start, digest = piece.start, hashlib.sha256()
 
     def write(at: int, chunk: bytes) -> None:

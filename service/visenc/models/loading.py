@@ -1,5 +1,5 @@
-"""``load_tower``: a built-in tower by name, or the vision tower of a checkpoint (a local folder, or a
-hub id: ``models/hub.py``)."""
+"""``load_tower``: a built-in tower by name, or the vision tower of a checkpoint (a local folder, or a hub id:
+``models/hub.py``)."""
 
 from __future__ import annotations
 
@@ -40,20 +40,8 @@ def load_tower(
     image_backend: str = "torchvision",
     hub_wait_s: float = hub.HUB_WAIT_S,
 ) -> VisionTower:
-    """Build a tower from a registry name (``REGISTRY``), a local checkpoint folder or a hub id
-    (``ORG/NAME``, ``ORG/NAME@REVISION``; ``revision``: the hub revision where the name has none).
-
-    ``dtype``: ``float32`` (CPU) or ``bfloat16``/``float16`` (GPU hosts);
-    ``device``: any torch device string; ``max_pixels``: Qwen resize ceiling
-    (overrides the checkpoint's preprocessor config); ``seed``: weights of
-    registry towers; ``image_loader``: whose loader's RGB conversion the tower's
-    inputs follow (``imaging.decode.LOADERS``, part of the fingerprint);
-    ``image_backend``: whose image-processor backend the pixels equal,
-    ``torchvision`` (the fast processors engines run) or ``pil``; ``hub_wait_s``: how long a hub that
-    says "try later" is waited out where the cache cannot serve. Raises
-    ``ModelUnavailable`` (a ``ValueError``) for unknown specs, hub failures,
-    unsupported model types, or checkpoints without vision weights.
-    """
+    """Build a tower from a registry name (``REGISTRY``), a local checkpoint folder or a hub id (``ORG/NAME``,
+    ``ORG/NAME@REVISION``; ``revision``: the hub revision where the name has none)."""
     torch_dtype = resolve_dtype(dtype)
     torch_device = torch.device(device)
     folder = None
@@ -76,8 +64,7 @@ def load_tower(
 
 
 def open_checkpoint(spec: str, revision: str | None = None, hub_wait_s: float = hub.HUB_WAIT_S) -> Checkpoint:
-    """A local folder with a ``config.json`` (it wins over a hub id of the same spelling, as in vLLM),
-    else a hub id."""
+    """A local folder with a ``config.json`` (it wins over a hub id of the same spelling, as in vLLM), else a hub id."""
     path = Path(spec).expanduser()
     if (path / "config.json").is_file():
         if revision is not None:
@@ -97,11 +84,10 @@ VIDEO_CONFIG_FILES = ("processor_config.json", "video_preprocessor_config.json",
 
 
 def video_settings(tower: VisionTower, path: Path | None) -> VideoPreprocess | None:
-    """The video processor settings of a tower that encodes video (``VisionTower.video_rule``): the
-    checkpoint's own (``path``), of the video processor class they resolve to (``video_rule``;
-    ``None`` for one visenc does not follow), else the processor class's defaults, with the model's patch, merge
-    and temporal sizes where the settings do not state them. Settings that disagree with the model
-    raise ``ValueError``."""
+    """The video processor settings of a tower that encodes video (``VisionTower.video_rule``): the checkpoint's
+    own (``path``), of the video processor class they resolve to (``video_rule``; ``None`` for one visenc does
+    not follow), else the processor class's defaults, with the model's patch, merge and temporal sizes where the
+    settings do not state them."""
     if tower.video_rule is None:
         return None
     files = {} if path is None else {name: _read_json(path / name) for name in VIDEO_CONFIG_FILES}
@@ -204,9 +190,9 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _load_vision_weights(model: torch.nn.Module, weights: Weights) -> str:
-    """Read only the vision tensors into ``model`` (every parameter must be found); returns the
-    weights digest: each tensor's checkpoint name, dtype, shape and bytes, in name order, whatever
-    file holds it (so a vision-only file, the hub cache and a local folder of one checkpoint agree)."""
+    """Read only the vision tensors into ``model`` (every parameter must be found); returns the weights digest:
+    each tensor's checkpoint name, dtype, shape and bytes, in name order, whatever file holds it (so a
+    vision-only file, the hub cache and a local folder of one checkpoint agree)."""
     renames = vision_renames(model, weights.names())
     where = {n: file for file, names in weights.files(set(renames)).items() for n in names}
     hasher = hashlib.sha256()

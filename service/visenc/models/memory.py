@@ -16,8 +16,8 @@ def block_bytes_per_position(embed_dim: int, mlp_dim: int, itemsize: int, *, gat
 
 
 def attention_score_bytes(heads: int, seq: int, itemsize: int, *, materialised: bool) -> int:
-    """Bytes of one attention call's score matrices over ``seq`` positions: eager holds scores and
-    probabilities (``2 * heads * seq²``); fused kernels hold no ``seq²`` tensor."""
+    """Bytes of one attention call's score matrices over ``seq`` positions: eager holds scores and probabilities
+    (``2 * heads * seq²``); fused kernels hold no ``seq²`` tensor."""
     return 2 * heads * seq * seq * itemsize if materialised else 0
 
 

@@ -63,9 +63,7 @@ class QwenPreprocess:
 
     @classmethod
     def from_processor_config(cls, cfg: dict[str, Any]) -> QwenPreprocess:
-        """From a ``preprocessor_config.json`` dict; missing keys take the processor's
-        defaults. Top-level ``min_pixels``/``max_pixels`` win over ``size``, as in
-        ``Qwen2VLImageProcessorPil.__init__``."""
+        """From a ``preprocessor_config.json`` dict; missing keys take the processor's defaults."""
         size = cfg.get("size") or {}
         base = cls(max_pixels=28 * 28 * 1280)  # the processor's own default, not the service's
         min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
@@ -105,11 +103,7 @@ CPU_PACK_MAX_PATCHES = 512
 
 
 class QwenVisionTower(VisionTower):
-    """A Qwen2-VL / Qwen2.5-VL vision transformer with its patch merger.
-
-    Output rows are the merger's ``pooler_output``: what
-    ``Qwen2VLModel.get_image_features`` returns per image.
-    """
+    """A Qwen2-VL / Qwen2.5-VL vision transformer with its patch merger."""
 
     packable = True
     video_rule = "qwen2"
@@ -153,9 +147,9 @@ class QwenVisionTower(VisionTower):
         log.info("%s: attention on %s", name, self.attention_kernel)  # chosen (and probed) now, not mid-forward
 
     def use_varlen(self, enabled: bool) -> None:
-        """Packed forwards with the batch's metadata computed on the CPU beforehand and one varlen
-        attention call per layer (``models/varlen.py``), on every device; off: the model's own path
-        (tests compare the two)."""
+        """Packed forwards with the batch's metadata computed on the CPU beforehand and one varlen attention
+        call per layer (``models/varlen.py``), on every device; off: the model's own path (tests compare the
+        two)."""
         if enabled:
             varlen.register()
         self.varlen = enabled
@@ -191,8 +185,8 @@ class QwenVisionTower(VisionTower):
         return ["<|vision_start|>", Rows(self.layout(width, height).num_tokens), "<|vision_end|>"]
 
     def preprocess(self, image: Image.Image) -> Prepared:
-        """RGB image → ``[grid_h * grid_w, C * T * P * P]`` float32, equal to the
-        processor's ``pixel_values`` for this image."""
+        """RGB image → ``[grid_h * grid_w, C * T * P * P]`` float32, equal to the processor's ``pixel_values``
+        for this image."""
         image = rgb_like_transformers(image)  # the processor's own do_convert_rgb (no-op on RGB)
         width, height = image.size
         layout = self.layout(width, height)
@@ -224,11 +218,10 @@ class QwenVisionTower(VisionTower):
         return Prepared(pixels=pixels, layout=layout)
 
     def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
-        """One packed forward for the batch, except on a CPU: there the attention kernels run
-        image by image anyway, so packing only saves per-call overhead, which pays for small
-        images and loses to cache misses for larger ones (measured with one torch thread: 8
-        packed 224x224 images 1.11x the per-image loop, 2 packed 448x336 images 0.96x). There,
-        images over ``CPU_PACK_MAX_PATCHES`` patches run in a forward of their own."""
+        """One packed forward for the batch, except on a CPU: there the attention kernels run image by image
+        anyway, so packing only saves per-call overhead, which pays for small images and loses to cache misses
+        for larger ones (measured with one torch thread: 8 packed 224x224 images 1.11x the per-image loop, 2
+        packed 448x336 images 0.96x)."""
         if self.device.type != "cpu":
             return super().forward_groups(batch)
         groups: list[list[int]] = []
@@ -242,8 +235,8 @@ class QwenVisionTower(VisionTower):
         return [*groups, small] if small else groups
 
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
-        """The batch's forwards (``forward_groups``); outputs are views, one ``[num_tokens, hidden]``
-        per image, on the device, in batch order."""
+        """The batch's forwards (``forward_groups``); outputs are views, one ``[num_tokens, hidden]`` per image,
+        on the device, in batch order."""
         return [out for g in self.forward_groups(batch) for out in self._forward_packed([batch[i] for i in g])]
 
     def _forward_packed(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
@@ -277,8 +270,8 @@ class QwenVisionTower(VisionTower):
         return 4 * c * s.temporal_patch_size * s.patch_size * s.patch_size
 
     def activation_bytes_per_token(self) -> int:
-        """Per patch: the batch's concatenated input (and its cast), one block's
-        widest live set, rotary cos/sin, and the merger's share."""
+        """Per patch: the batch's concatenated input (and its cast), one block's widest live set, rotary
+        cos/sin, and the merger's share."""
         config = self.model.config
         item = self.dtype.itemsize
         mlp_dim = int(getattr(config, "intermediate_size", 0) or self._embed_dim * config.mlp_ratio)
@@ -294,8 +287,7 @@ class QwenVisionTower(VisionTower):
 
     def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
         """Linear in the patches: the varlen kernels hold no scores (flash kernels work in tiles; the
-        per-segment SDPA of a CPU too). The model's own path adds one image's scores where its attention
-        materialises them (eager)."""
+        per-segment SDPA of a CPU too)."""
         if not layouts:
             return 0
         seqs = [self.input_tokens(lay) for lay in layouts]
@@ -312,11 +304,7 @@ class QwenVisionTower(VisionTower):
 
 
 def tiny_qwen2_vl_config() -> Qwen2VLVisionConfig:
-    """The built-in default: Qwen2-VL's vision architecture, downsized for CPU.
-
-    depth 4, embed_dim 128, 4 heads (head_dim 32), mlp_ratio 4, patch 14,
-    merge 2, temporal patch 2, merger → hidden_size 256.
-    """
+    """The built-in default: Qwen2-VL's vision architecture, downsized for CPU."""
     return Qwen2VLVisionConfig(
         depth=4,
         embed_dim=128,
@@ -330,9 +318,9 @@ def tiny_qwen2_vl_config() -> Qwen2VLVisionConfig:
 
 
 def tiny_qwen2_5_vl_config() -> Qwen2_5_VLVisionConfig:
-    """Qwen2.5-VL's vision architecture (windowed attention, RMSNorm, gated SiLU MLP),
-    downsized: depth 4 (full attention in blocks 1 and 3), width 128, 4 heads,
-    intermediate 512, window 112 px, merger → out_hidden_size 256."""
+    """Qwen2.5-VL's vision architecture (windowed attention, RMSNorm, gated SiLU MLP), downsized: depth 4 (full
+    attention in blocks 1 and 3), width 128, 4 heads, intermediate 512, window 112 px, merger → out_hidden_size
+    256."""
     return Qwen2_5_VLVisionConfig(
         depth=4,
         hidden_size=128,

@@ -25,15 +25,15 @@ LOG_FORMAT = "visenc-blocks 1"
 
 
 def block_bytes(total: int) -> int:
-    """The block of a fetch of ``total`` bytes: a power of two from ``MIN_BLOCK_BYTES`` to
-    ``BLOCK_BYTES``, giving ``BLOCKS_PER_FETCH`` blocks or more where it can."""
+    """The block of a fetch of ``total`` bytes: a power of two from ``MIN_BLOCK_BYTES`` to ``BLOCK_BYTES``,
+    giving ``BLOCKS_PER_FETCH`` blocks or more where it can."""
     n = max(1, total // BLOCKS_PER_FETCH)
     return max(MIN_BLOCK_BYTES, min(BLOCK_BYTES, 1 << (n.bit_length() - 1)))
 
 
 class Partial:
-    """The partial file of ``dest``: ``head`` (the header) then ``size - len(head)`` data bytes,
-    block ``[start, end)`` of the data at ``len(head) + start``. Opened by ``open`` under ``dest``'s lock."""
+    """The partial file of ``dest``: ``head`` (the header) then ``size - len(head)`` data bytes, block ``[start,
+    end)`` of the data at ``len(head) + start``."""
 
     def __init__(self, dest: Path, head: bytes, size: int, identity: str) -> None:
         self.path = dest.with_name(dest.name + INCOMPLETE)

@@ -73,9 +73,7 @@ class SimEvent:
 
 
 class SimDevice:
-    """The simulated stream: work runs in queue order, each item after the one before it ends. An item is
-    completed (its outputs written) by whichever comes first at its end: the stream's thread, or a thread
-    waiting for it, which then runs at once, as one woken by a CUDA event does."""
+    """The simulated stream: work runs in queue order, each item after the one before it ends."""
 
     def __init__(self, timeline: str | None = None) -> None:
         self._work: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -90,8 +88,8 @@ class SimDevice:
         threading.Thread(target=self._run, name="visenc-sim-device", daemon=True).start()
 
     def queue(self, launched: float, seconds: float, images: int, tokens: int, fill: Callable[[], None]) -> None:
-        """Device work of ``seconds``, launched at ``launched``: it starts when queued or when the work
-        before it ends, whichever is later; ``fill`` writes its outputs when it ends."""
+        """Device work of ``seconds``, launched at ``launched``: it starts when queued or when the work before
+        it ends, whichever is later; ``fill`` writes its outputs when it ends."""
         with self._lock:
             now = time.monotonic()
             start = max(now, self._free_at)
@@ -140,9 +138,9 @@ class SimDevice:
 
 
 def stats(spans: Sequence[Span]) -> dict[str, float]:
-    """Busy share of the device from its first start to its last end, and what its idle time went to:
-    ``late``, the host reached the next launch after the device had drained (between forwards: taking
-    the batch, waiting on the event loop, a sync); ``launch``, the launch itself, not hidden."""
+    """Busy share of the device from its first start to its last end, and what its idle time went to: ``late``,
+    the host reached the next launch after the device had drained (between forwards: taking the batch, waiting
+    on the event loop, a sync); ``launch``, the launch itself, not hidden."""
     if not spans:
         return {"forwards": 0, "busy_share": 0.0, "late_share": 0.0, "launch_share": 0.0, "images_per_forward": 0.0}
     spans = sorted(spans, key=lambda s: s.start)

@@ -1,5 +1,5 @@
-"""Packed attention: every segment of a packed sequence (an image, or one window of it) attends to
-itself alone, through a varlen kernel over ``cu_seqlens``. No path builds an N x N mask."""
+"""Packed attention: every segment of a packed sequence (an image, or one window of it) attends to itself alone,
+through a varlen kernel over ``cu_seqlens``."""
 
 from __future__ import annotations
 
@@ -164,8 +164,7 @@ def attention(
     max_length_q: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: ``[1, heads, total, dim]`` in, ``[1, total, heads,
-    dim]`` out. A caller that passes no ``cu_seqlens`` (one image, or a padded batch) gets SDPA."""
+    """transformers' attention-function signature: ``[1, heads, total, dim]`` in, ``[1, total, heads, dim]`` out."""
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
@@ -199,9 +198,8 @@ def use_varlen(model: torch.nn.Module) -> None:
 
 
 def packed_kwargs(config: Any, grid: list[tuple[int, int, int]] | torch.Tensor, device: torch.device) -> dict[str, Any]:
-    """Everything a Qwen-style vision forward (Qwen2/2.5-VL, Qwen3-VL, GLM-4.1V) would derive from
-    ``grid_thw``, computed on the CPU by transformers' own helpers and moved to ``device`` without
-    blocking (``to_device``)."""
+    """Everything a Qwen-style vision forward (Qwen2/2.5-VL, Qwen3-VL, GLM-4.1V) would derive from ``grid_thw``,
+    computed on the CPU by transformers' own helpers and moved to ``device`` without blocking (``to_device``)."""
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
     grid_thw = torch.as_tensor(grid, dtype=torch.long)
@@ -226,8 +224,8 @@ def packed_kwargs(config: Any, grid: list[tuple[int, int, int]] | torch.Tensor, 
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    """A host tensor on ``device`` without blocking the host (pinned first on CUDA, so the copy is
-    queued on the stream); anything else as it is."""
+    """A host tensor on ``device`` without blocking the host (pinned first on CUDA, so the copy is queued on the
+    stream); anything else as it is."""
     if not isinstance(value, torch.Tensor) or value.device == device:
         return value
     if device.type == "cuda":

@@ -17,11 +17,7 @@ from visenc.models.construct import cast_module, config_fields
 
 
 def vision_only(model_class: type, config: Any, modules: dict[str, Any]) -> torch.nn.Module:
-    """An instance of ``model_class`` (a transformers VLM base model) that holds only ``modules``.
-
-    Its ``__init__`` is skipped: the language model is never built, and
-    ``get_image_features`` (with the class's helpers: pixel shuffle, feature
-    packing) runs unchanged on the vision submodules."""
+    """An instance of ``model_class`` (a transformers VLM base model) that holds only ``modules``."""
     from transformers import PreTrainedModel
 
     host: Any = object.__new__(model_class)
@@ -90,8 +86,8 @@ class FamilyTower(VisionTower):
     # --- what a family defines -------------------------------------------------
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, Any]:
-        """The base model's submodules (and top-level parameters) the image path uses, built from
-        ``config`` as the base model's ``__init__`` builds them."""
+        """The base model's submodules (and top-level parameters) the image path uses, built from ``config`` as
+        the base model's ``__init__`` builds them."""
         raise NotImplementedError
 
     @classmethod
@@ -108,11 +104,7 @@ class FamilyTower(VisionTower):
         return dict(inputs)
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
-        """The base model's image features of one collated batch of host inputs (``image_rows`` reads
-        them). Default: ``get_image_features`` on every input moved to the device. A family whose
-        transformers code would read a device tensor back (sizes, grids: each read waits for the
-        device to finish the work queued before it) keeps those inputs on the host and passes what
-        the model derives from them precomputed."""
+        """The base model's image features of one collated batch of host inputs (``image_rows`` reads them)."""
         moved = {
             k: self.to_device(v) if v.is_floating_point() else varlen.to_device(v, self.device)
             for k, v in inputs.items()
@@ -200,8 +192,8 @@ class FamilyTower(VisionTower):
         return int(memory.SAFETY * (per + 4 * self.hidden_size * item))
 
     def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
-        """Linear part for every position, plus attention scores where they are materialised
-        (every image's at once: the families stack or pack their inputs)."""
+        """Linear part for every position, plus attention scores where they are materialised (every image's at
+        once: the families stack or pack their inputs)."""
         vc = self.vision_config
         heads = int(getattr(vc, "num_attention_heads", 0) or getattr(vc, "num_heads", 1))
         scores = sum(
@@ -225,8 +217,7 @@ def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
 
 
 def load_processor(path: Path, backend: str) -> Any:
-    """The checkpoint's own image processor in ``backend`` (``torchvision`` | ``pil``),
-    never silently the other one."""
+    """The checkpoint's own image processor in ``backend`` (``torchvision`` | ``pil``), never silently the other one."""
     from transformers import AutoImageProcessor
     from transformers.image_processing_backends import PilBackend, TorchvisionBackend
 

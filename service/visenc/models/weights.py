@@ -26,8 +26,8 @@ class Weights(Protocol):
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint to build a tower from: ``name`` (as served: a folder or a hub id), the ``folder``
-    of its config and processor files, and its ``weights``."""
+    """A checkpoint to build a tower from: ``name`` (as served: a folder or a hub id), the ``folder`` of its
+    config and processor files, and its ``weights``."""
 
     name: str
     folder: Path
@@ -78,18 +78,7 @@ class LocalWeights:
 
 
 def derive_renames(names: list[str], params: set[str], buffers: set[str]) -> dict[str, str]:
-    """checkpoint tensor name → module state-dict name, derived from the checkpoint itself.
-
-    Checkpoints put the same vision tensors under different prefixes (``visual.``,
-    ``model.visual.``, ``vision_tower.``, ``model.vision_tower.``, ``model.vision_model.``
-    and ``model.connector.``, ...; the projector's may differ from the tower's). For each
-    top-level submodule of the module, the prefix is the one under which the checkpoint
-    holds *every* parameter of that submodule; buffers are taken where present (the load
-    reports a persistent one that is not). Ties go to
-    the prefix more names agree on; a submodule no prefix covers is reported before any
-    tensor is read. Only names that end like a wanted key vote, so the result is the same
-    for any subset of ``names`` that keeps the chosen tensors (a vision-only file).
-    """
+    """checkpoint tensor name → module state-dict name, derived from the checkpoint itself."""
     wanted = params | buffers
     votes: dict[tuple[str, str], set[str]] = {}
     for name in names:
@@ -120,8 +109,8 @@ def derive_renames(names: list[str], params: set[str], buffers: set[str]) -> dic
 
 
 def transformers_names(model: Any, names: list[str]) -> dict[str, str]:
-    """checkpoint name → the name transformers' ``from_pretrained`` gives it for this module
-    (its registered key renamings, scoped per submodule); identity where it has none."""
+    """checkpoint name → the name transformers' ``from_pretrained`` gives it for this module (its registered key
+    renamings, scoped per submodule); identity where it has none."""
     from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
@@ -133,9 +122,9 @@ def transformers_names(model: Any, names: list[str]) -> dict[str, str]:
 
 
 def vision_renames(model: Any, names: list[str]) -> dict[str, str]:
-    """checkpoint name → ``model`` state-dict name, for every tensor the module takes (its vision
-    tensors): ``derive_renames``, else through transformers' own renamings (hub checkpoints older
-    than the module layout, e.g. SigLIP's ``vision_model.`` inside ``vision_tower.``)."""
+    """checkpoint name → ``model`` state-dict name, for every tensor the module takes (its vision tensors):
+    ``derive_renames``, else through transformers' own renamings (hub checkpoints older than the module layout,
+    e.g. SigLIP's ``vision_model.`` inside ``vision_tower.``)."""
     params = {name for name, _ in model.named_parameters()}
     buffers = set(model.state_dict()) - params
     try:

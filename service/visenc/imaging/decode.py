@@ -36,19 +36,15 @@ def _open(data: bytes, max_pixels: int, formats: tuple[str, ...] | None = None) 
     return image
 
 
-#: peak host bytes per source pixel of decoding and preprocessing, beyond the input itself, measured by
-#: ``bench/bench_memory.py --decode`` and pinned above that by ``tests/e2e/test_memory_budget.py``
+#: peak host bytes per source pixel of decoding and preprocessing (``bench/bench_memory.py --decode``)
 DECODE_BYTES_PER_PIXEL = {"opaque": 16, "transparent": 21, "webp": 28}
 
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    """What the header of an image file tells before any pixel is decoded."""
-
     #: the size of the picture the loader decodes (turned for EXIF orientations 5-8 where it applies them)
     width: int
     height: int
-    #: host bytes a source pixel holds while it is decoded and preprocessed (``DECODE_BYTES_PER_PIXEL``)
     decode_bytes_per_pixel: int
 
 
@@ -67,18 +63,15 @@ def read_header(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Header
 
 
 def probe(data: bytes, *, max_pixels: int, loader: str = "vllm") -> tuple[int, int]:
-    """``(width, height)`` of the picture ``loader`` will decode, from the header only (``read_header``)."""
     header = read_header(data, max_pixels=max_pixels, loader=loader)
     return header.width, header.height
 
 
 def _transparent(image: Image.Image) -> bool:
-    """Whether an opened image carries transparency: an alpha band or a ``transparency`` entry."""
     return "A" in image.getbands() or image.mode in ("PA", "La", "RGBa") or "transparency" in image.info
 
 
 def _orientation(image: Image.Image) -> int:
-    """The EXIF orientation ``ImageOps.exif_transpose`` reads (1 where none or unreadable)."""
     try:
         return int(image.getexif().get(ExifTags.Base.Orientation, 1))
     except Exception:
@@ -93,7 +86,6 @@ VLLM_FORMATS = (
 )
 
 
-#: the EXIF orientations ``ImageOps.exif_transpose`` turns the picture for (its own table's keys)
 _TURNED = frozenset(range(2, 9))
 
 
@@ -108,9 +100,7 @@ def exif_upright(image: Image.Image) -> Image.Image:
 
 
 def rgb_like_vllm(image: Image.Image) -> Image.Image:
-    """vLLM's ``ImageMediaIO._convert_image_mode`` to RGB: RGB as it is; RGBA pasted onto white through its
-    alpha; any other image with transparency (LA, PA, or a ``transparency`` entry: PNG tRNS, transparent GIF)
-    made RGBA and pasted the same way; the rest ``convert("RGB")``."""
+    """vLLM's ``ImageMediaIO._convert_image_mode``: RGB as is; anything with transparency pasted onto white."""
     if image.mode == "RGB":
         return _opaque(image)
     if image.mode not in ("RGBA", "LA", "PA") and "transparency" not in image.info:
@@ -122,21 +112,17 @@ def rgb_like_vllm(image: Image.Image) -> Image.Image:
 
 
 def rgb_like_sglang(image: Image.Image) -> Image.Image:
-    """SGLang's encoder (``EncoderPreprocessor._load_single_item``): every mode that is not RGB through
-    ``convert("RGB")`` (any alpha dropped), no EXIF orientation."""
+    """SGLang's encoder loader: ``convert("RGB")`` for every other mode (alpha dropped), no EXIF orientation."""
     return _opaque(image if image.mode == "RGB" else image.convert("RGB"))
 
 
 def _opaque(rgb: Image.Image) -> Image.Image:
-    """Drop the ``transparency`` entry ``convert("RGB")`` keeps: the loader dropped the alpha."""
     rgb.info.pop("transparency", None)
     return rgb
 
 
 def rgb_like_transformers(image: Image.Image) -> Image.Image:
-    """transformers' ``convert_to_rgb`` (a processor handed the image as the file holds it): any transparency
-    (an alpha band, or a ``transparency`` entry of P/L/RGB images) is composited onto opaque white; other modes
-    use ``convert("RGB")``."""
+    """transformers' ``convert_to_rgb``: any transparency composited onto white, other modes ``convert("RGB")``."""
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     if has_alpha:
         rgba = image.convert("RGBA")
@@ -147,15 +133,10 @@ def rgb_like_transformers(image: Image.Image) -> Image.Image:
 
 @dataclass(frozen=True, slots=True)
 class Loader:
-    """How one engine, at one version, turns image bytes into the RGB image its processor sees."""
-
     name: str
-    #: the engine version whose code this follows (``describe()["image_loader"]``, the fingerprint)
     version: str
     to_rgb: Callable[[Image.Image], Image.Image]
-    #: Pillow formats the engine opens (``None``: every format Pillow knows)
     formats: tuple[str, ...] | None = None
-    #: the EXIF orientation is applied (the picture as it is shown, not as it is stored)
     upright: bool = False
 
     @property
@@ -163,8 +144,7 @@ class Loader:
         return f"{self.name}-{self.version}"
 
 
-#: how each serving engine turns a file into the RGB image its processor sees (``--image-loader``;
-#: ``label`` is part of the model fingerprint: rows differ where these differ)
+#: how each serving engine turns a file into RGB (``--image-loader``; ``label`` is in the fingerprint)
 LOADERS = {
     "vllm": Loader("vllm", "0.32", rgb_like_vllm, formats=VLLM_FORMATS, upright=True),
     "sglang": Loader("sglang", "0.5.23", rgb_like_sglang),
@@ -173,9 +153,7 @@ LOADERS = {
 
 
 def loads_alike(data: bytes, loaders: tuple[str, str], *, max_pixels: int) -> bool:
-    """Whether both ``loaders`` turn this file into the same RGB image, read from its header alone: both open
-    its format, its EXIF orientation is upright or both apply it, and it carries no transparency (an alpha band
-    or a ``transparency`` entry, where engines' loaders differ)."""
+    """Whether both ``loaders`` turn this file into the same RGB image, judged from its header alone."""
     first, second = (LOADERS[name] for name in loaders)
     image = _open(data, max_pixels)
     try:
@@ -189,9 +167,7 @@ def loads_alike(data: bytes, loaders: tuple[str, str], *, max_pixels: int) -> bo
 
 
 def decode(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Image.Image:
-    """Fully decoded RGB image, loaded as ``loader``'s engine loads it (``LOADERS``): the formats it opens, the
-    EXIF orientation where it applies it, its RGB conversion; the first frame of an animation (GIF, WebP, APNG),
-    as every engine's loader takes it."""
+    """Fully decoded RGB image (first frame of an animation), loaded as ``loader``'s engine loads it."""
     how = LOADERS[loader]
     image = _open(data, max_pixels, how.formats)
     try:
@@ -205,7 +181,6 @@ def decode(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Image.Image
         image.close()
         raise InvalidImage(f"corrupt or truncated image data: {type(e).__name__}") from e
     if rgb is not image:
-        # release the source (and any multi-frame file handle); ``close`` on
-        # the returned image itself would invalidate its pixels
+        # release the source; ``close`` on the returned image would invalidate its pixels
         image.close()
     return rgb

@@ -37,7 +37,6 @@ class RedisStore:
         return entry
 
     def decode(self, key: str, value: bytes) -> Entry | None:
-        """A value read some other way (a claim script) under ``key``; ``None`` when corrupt."""
         return self._decode(key, value)
 
     async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:

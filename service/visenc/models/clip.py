@@ -49,12 +49,10 @@ class FixedPreprocess:
     rescale_factor: float | None = 1 / 255
     do_normalize: bool = True
     resample: int = BICUBIC
-    #: whose image-processor backend the pixels equal: "torchvision" (the fast processor) or "pil"
     backend: str = "torchvision"
 
     @property
     def output_size(self) -> tuple[int, int]:
-        """``(height, width)`` of the model input."""
         if self.crop_height is not None and self.crop_width is not None:
             return self.crop_height, self.crop_width
         if self.height is None or self.width is None:
@@ -120,8 +118,7 @@ class FixedPreprocess:
 
 
 class FixedResolutionTower(VisionTower):
-    """CLIP (``vision_model`` + ``visual_projection``) or SigLIP (``vision_model``, pooled by its attention
-    head) as one embedding row per image."""
+    """CLIP or SigLIP as one embedding row per image."""
 
     packable = False
 
@@ -203,14 +200,12 @@ class FixedResolutionTower(VisionTower):
             "preprocess": asdict(self.settings),
         }
 
-    # --- memory estimates (see models/memory.py); the budget unit is one image ---
     def input_bytes_per_token(self) -> int:
         height, width = self.settings.output_size
         return 4 * 3 * height * width
 
     def activation_bytes_per_token(self) -> int:
-        """Per image: its stacked input (and cast) and one block's widest live set over its ``(size/patch)² +
-        1`` positions."""
+        """Per image: its stacked input and cast, and one block's widest live set."""
         config = self.model.config
         item = self.dtype.itemsize
         per_image = self.input_bytes_per_token() * (
@@ -233,8 +228,7 @@ class FixedResolutionTower(VisionTower):
 
 
 def tiny_clip_config() -> CLIPVisionConfig:
-    """The peer benchmark's tiny CLIP vision side (infinity ``make_tiny_clip.py``): 224 px, patch 16, hidden
-    384, intermediate 1536, 6 layers, 6 heads, projection 256."""
+    """The peer benchmark's tiny CLIP vision side (infinity ``make_tiny_clip.py``)."""
     return CLIPVisionConfig(
         image_size=224,
         patch_size=16,

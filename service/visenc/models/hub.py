@@ -29,7 +29,6 @@ from visenc.models.weights import INDEX_FILE, SINGLE_FILE, Checkpoint, header, s
 
 log = logging.getLogger("visenc")
 
-#: ``ORG/NAME``, as the hub spells repository ids
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: the files a tower is built from, besides the weights (the index says where the weights are)
 CONFIG_FILES = (
@@ -47,8 +46,7 @@ DOWNLOAD_DIR: Path | None = None
 
 
 def parse_spec(spec: str, revision: str | None) -> tuple[str, str | None] | None:
-    """``(repo_id, revision)`` of a hub id ``ORG/NAME`` or ``ORG/NAME@REVISION`` (``revision``, the
-    ``--revision`` setting, where the name has none); ``None`` for anything else."""
+    """``(repo_id, revision)`` of ``ORG/NAME[@REVISION]`` (``revision`` where it has none); ``None`` otherwise."""
     repo_id, at, pinned = spec.partition("@")
     if not REPO_ID.match(repo_id) or (at and not pinned):
         return None
@@ -70,9 +68,7 @@ class Snapshot:
 
 
 def open_repo(repo_id: str, revision: str | None, wait_s: float = HUB_WAIT_S) -> Checkpoint:
-    """The checkpoint of ``repo_id`` at ``revision`` (default ``main``): its config files fetched (or found in
-    the cache), its weights fetched when ``Checkpoint.weights.files`` asks for them; a hub that says "try later"
-    waited out for ``wait_s`` in all, where the caches cannot serve."""
+    """The checkpoint of ``repo_id`` at ``revision``; a hub that says "try later" is waited out for ``wait_s``."""
     patience = Patience(wait_s)
     snapshot = resolve(repo_id, revision, patience)
     name = repo_id if revision is None else f"{repo_id}@{revision}"
@@ -80,9 +76,7 @@ def open_repo(repo_id: str, revision: str | None, wait_s: float = HUB_WAIT_S) ->
 
 
 def resolve(repo_id: str, pinned: str | None, patience: Patience) -> Snapshot:
-    """The revision (``pinned``, else ``main``) as the hub resolves it, its config files fetched; from the cache
-    where the hub cannot be reached or says "try later" (asked again within ``patience`` where the cache does
-    not hold the revision) or ``HF_HUB_OFFLINE`` is set."""
+    """The revision as the hub resolves it, config files fetched; from the cache where the hub cannot serve."""
     from huggingface_hub import constants
 
     revision = pinned or "main"
@@ -132,8 +126,7 @@ def ask_hub(repo_id: str, pinned: str | None) -> Snapshot:
 
 
 def listing(api: Any, repo_id: str, commit: str, siblings: list[Any] | None) -> frozenset[str]:
-    """The repository's files at ``commit``: the repo info's ``siblings`` where it gave them for that commit,
-    else its tree (what ``snapshot_download`` lists)."""
+    """The repository's files at ``commit`` (the repo info's ``siblings``, else its tree)."""
     from huggingface_hub.hf_api import RepoFile
 
     if siblings is not None:
@@ -157,8 +150,7 @@ def from_cache(repo_id: str, revision: str, why: Unreachable) -> Snapshot | None
 
 @dataclass
 class HubWeights:
-    """The weights of a ``Snapshot``: the vision-only file if it holds what is wanted, else the hub cache's
-    shards if every needed one is there, else the wanted tensors' bytes, fetched."""
+    """The weights of a ``Snapshot``: the vision-only file, else cached shards, else the wanted bytes fetched."""
 
     snapshot: Snapshot
     patience: Patience = field(default_factory=lambda: Patience(HUB_WAIT_S))
@@ -176,8 +168,7 @@ class HubWeights:
         return root / "visenc" / repo / self.snapshot.commit / VISION_FILE
 
     def vision_header(self) -> dict[str, Any] | None:
-        """The vision file's header if the file is there and whole (``whole_file``), checked once per version of
-        the file."""
+        """The vision file's header if it is there and whole, checked once per version of the file."""
         try:
             st = self.vision_file.stat()
         except FileNotFoundError:
@@ -254,8 +245,7 @@ class HubWeights:
         return {self.vision_file: sorted(wanted)}
 
     def _whole(self, filenames: list[str], why: RangesNotServed) -> dict[str, Path]:
-        """``filenames`` downloaded whole into the hub cache (``hf_hub_download``), where the hub does not serve
-        ranges: the shards that hold vision weights, still none of the others."""
+        """``filenames`` downloaded whole into the hub cache, where the hub does not serve ranges."""
         from huggingface_hub import hf_hub_download
 
         s = self.snapshot
@@ -274,8 +264,7 @@ class HubWeights:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        """The vision file's lock (``WeakFileLock``, as the hub cache's downloads take theirs): at once, or
-        after saying that another process holds it (a replica fetching the same file)."""
+        """The vision file's lock (``WeakFileLock``), saying so while another process holds it."""
         from huggingface_hub.utils import WeakFileLock
 
         lock = self.vision_file.with_suffix(".lock")
@@ -312,7 +301,7 @@ class HubWeights:
             f" ({size_text(done.kept_bytes)} kept from an earlier fetch)" if done.kept_bytes else "",
             sum(len(v) for v in needed.values()),
             done.shards,
-            len(self.shards()),  # known by now: no request
+            len(self.shards()),
             size_text(done.header_bytes),
             done.requests,
             time.monotonic() - started,
@@ -321,8 +310,7 @@ class HubWeights:
 
 
 def whole_file(file: Path) -> dict[str, Any] | None:
-    """The header of the vision file ``file`` where the file is whole: as long as its header says, its data's
-    checksum the one it was written with (``hub_fetch.DATA_SHA256``)."""
+    """The header of the vision file where it is whole (its data's checksum matches ``DATA_SHA256``)."""
     try:
         with file.open("rb") as f:
             size = os.fstat(f.fileno()).st_size

@@ -64,11 +64,9 @@ class SimEvent:
         self._device, self._seq = device, seq
 
     def synchronize(self) -> None:
-        """Wait until the work queued before the event is done (its outputs written)."""
         self._device.wait_for(self._seq)
 
     def query(self) -> bool:
-        """Whether the work queued before the event is done, without waiting."""
         return self._device.done(self._seq)
 
 
@@ -88,8 +86,7 @@ class SimDevice:
         threading.Thread(target=self._run, name="visenc-sim-device", daemon=True).start()
 
     def queue(self, launched: float, seconds: float, images: int, tokens: int, fill: Callable[[], None]) -> None:
-        """Device work of ``seconds``, launched at ``launched``: it starts when queued or when the work before
-        it ends, whichever is later; ``fill`` writes its outputs when it ends."""
+        """Device work of ``seconds``, launched at ``launched``, starting once the work before it ends."""
         with self._lock:
             now = time.monotonic()
             start = max(now, self._free_at)
@@ -121,7 +118,6 @@ class SimDevice:
         self._complete(seq)
 
     def _complete(self, seq: int) -> None:
-        """Write the outputs of every item up to ``seq``, in order (each once)."""
         with self._completing:
             while self._pending and self._pending[0][0] <= seq:
                 done, span, fill = self._pending.popleft()
@@ -138,9 +134,7 @@ class SimDevice:
 
 
 def stats(spans: Sequence[Span]) -> dict[str, float]:
-    """Busy share of the device from its first start to its last end, and what its idle time went to: ``late``,
-    the host reached the next launch after the device had drained (between forwards: taking the batch, waiting
-    on the event loop, a sync); ``launch``, the launch itself, not hidden."""
+    """Busy share of the device, and what its idle time went to (``late``: host behind; ``launch``: the launch)."""
     if not spans:
         return {"forwards": 0, "busy_share": 0.0, "late_share": 0.0, "launch_share": 0.0, "images_per_forward": 0.0}
     spans = sorted(spans, key=lambda s: s.start)

@@ -38,8 +38,6 @@ class Prepared:
 
 @dataclass(frozen=True, slots=True)
 class Rows:
-    """``count`` embedding rows inside an image's placeholder span."""
-
     count: int
 
 
@@ -139,7 +137,6 @@ class VisionTower(ABC):
         return [Rows(self.layout(width, height).num_tokens)]
 
     def video_geometry(self) -> dict[str, int]:
-        """``patch_size``, ``merge_size``, ``temporal_patch_size`` of a video tower's model."""
         raise NotImplementedError
 
     def tube_layout(self, grid_hw: tuple[int, int]) -> TokenLayout:

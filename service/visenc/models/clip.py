@@ -70,7 +70,6 @@ class FixedPreprocess:
         return cls(None, 224, 224, None, None, IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD)
 
     def with_processor_config(self, cfg: dict[str, Any]) -> FixedPreprocess:
-        """Override from a ``preprocessor_config.json`` dict (keys it lacks keep ours)."""
         size = cfg.get("size")
         out = self
         if isinstance(size, dict):
@@ -97,7 +96,6 @@ class FixedPreprocess:
         )
 
     def processor_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments that make ``CLIPImageProcessorPil`` / ``SiglipImageProcessorPil`` do the same."""
         size = (
             {"shortest_edge": self.shortest_edge}
             if self.shortest_edge is not None
@@ -182,7 +180,6 @@ class FixedResolutionTower(VisionTower):
         return Prepared(pixels=self._norm.channels_first(array), layout=self._layout)
 
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
-        """Stacked forward; one ``[1, hidden_size]`` view per image."""
         if not batch:
             return []
         pixels = torch.from_numpy(np.stack([p.pixels for p in batch]))
@@ -205,7 +202,6 @@ class FixedResolutionTower(VisionTower):
         return 4 * 3 * height * width
 
     def activation_bytes_per_token(self) -> int:
-        """Per image: its stacked input and cast, and one block's widest live set."""
         config = self.model.config
         item = self.dtype.itemsize
         per_image = self.input_bytes_per_token() * (
@@ -241,7 +237,6 @@ def tiny_clip_config() -> CLIPVisionConfig:
 
 
 def tiny_siglip_config() -> SiglipVisionConfig:
-    """A small SigLIP: 224 px, patch 16, hidden 256, intermediate 1024, 4 layers, 4 heads."""
     return SiglipVisionConfig(
         image_size=224,
         patch_size=16,

@@ -20,7 +20,6 @@ log = logging.getLogger(__name__)
 RECOMPILE_LIMIT = 8
 
 Compile = Literal["auto", "on", "off"]
-#: why a tower runs eagerly
 Cause = Literal["setting", "toolchain", "backend", "warm_up_timeout", "warm_up_error"]
 CAUSES: tuple[Cause, ...] = ("setting", "toolchain", "backend", "warm_up_timeout", "warm_up_error")
 #: a warm-up's time limit, plus ``WARM_UP_S_PER_BLOCK`` per block: a cold 32-block compile takes minutes
@@ -86,7 +85,6 @@ def toolchain_problem(device: torch.device) -> str | None:
 
 
 def _compiler(variable: str, *names: str) -> str | None:
-    """The compiler ``variable`` names (when set, only it), else the first of ``names`` on PATH."""
     chosen = os.environ.get(variable)
     if chosen is not None:
         return shutil.which(chosen)
@@ -94,7 +92,6 @@ def _compiler(variable: str, *names: str) -> str | None:
 
 
 def python_headers() -> Path:
-    """Where Triton looks for ``Python.h`` (Debian's ``posix_local`` read as ``posix_prefix``)."""
     scheme = sysconfig.get_default_scheme()
     if scheme == "posix_local":
         scheme = "posix_prefix"
@@ -116,7 +113,6 @@ def warm_up_limit_s(blocks: int) -> float:
 
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of ``model``: members of every ``ModuleList`` of two or more modules of one class."""
     found: list[torch.nn.Module] = []
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
@@ -168,7 +164,6 @@ def backend_failures() -> Iterator[list[str]]:
 
 
 def _first_line(error: BaseException) -> str:
-    """An exception's message in one line (dynamo wraps the backend's own error on its second line)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " ".join(lines[:2])[:300] or type(error).__name__
 

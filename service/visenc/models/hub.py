@@ -96,7 +96,6 @@ def resolve(repo_id: str, pinned: str | None, patience: Patience) -> Snapshot:
 
 
 def ask_hub(repo_id: str, pinned: str | None) -> Snapshot:
-    """The revision resolved by the hub, its config files fetched (``Unreachable`` where it did not answer)."""
     from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
@@ -126,7 +125,6 @@ def ask_hub(repo_id: str, pinned: str | None) -> Snapshot:
 
 
 def listing(api: Any, repo_id: str, commit: str, siblings: list[Any] | None) -> frozenset[str]:
-    """The repository's files at ``commit`` (the repo info's ``siblings``, else its tree)."""
     from huggingface_hub.hf_api import RepoFile
 
     if siblings is not None:
@@ -136,7 +134,6 @@ def listing(api: Any, repo_id: str, commit: str, siblings: list[Any] | None) -> 
 
 
 def from_cache(repo_id: str, revision: str, why: Unreachable) -> Snapshot | None:
-    """The commit ``revision`` last resolved to, as the hub cache holds it; ``None`` where it does not."""
     from huggingface_hub import try_to_load_from_cache
 
     config = try_to_load_from_cache(repo_id, "config.json", revision=revision)
@@ -186,7 +183,6 @@ class HubWeights:
             return [n for names in self.shards().values() for n in names]
 
     def shards(self) -> dict[str, list[str]]:
-        """shard file → its tensor names: the index (a config file), or the single file's header."""
         s = self.snapshot
         if INDEX_FILE in s.files:
             return shard_map(json.loads((s.folder / INDEX_FILE).read_text()))
@@ -224,7 +220,6 @@ class HubWeights:
                     raise ModelUnavailable(f"{e}, and its vision weights are not in the cache{found}{waited}") from e
 
     def _fetched(self, wanted: set[str]) -> dict[Path, list[str]]:
-        """``files``' answer from the hub cache's shards, else fetched (``Unreachable`` as the hub says)."""
         from huggingface_hub import try_to_load_from_cache
 
         s = self.snapshot
@@ -264,7 +259,6 @@ class HubWeights:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        """The vision file's lock (``WeakFileLock``), saying so while another process holds it."""
         from huggingface_hub.utils import WeakFileLock
 
         lock = self.vision_file.with_suffix(".lock")

@@ -25,7 +25,6 @@ log = logging.getLogger("visenc")
 
 #: largest ranged GET; bigger ranges are cut into parts of this size, fetched side by side
 PART_BYTES = 64 << 20
-#: ranged GETs in flight at once
 PARALLEL_PARTS = 8
 #: tries of one part (each resumes where the last one stopped), and the first pause between them
 PART_TRIES = 5
@@ -145,8 +144,6 @@ class Span:
 
 @dataclass
 class Fetched:
-    """What a fetch transferred: tensor, header and request counts, shards read, bytes kept from before."""
-
     tensor_bytes: int = 0
     kept_bytes: int = 0
     header_bytes: int = 0
@@ -255,7 +252,6 @@ def data_sha256(fd: int, start: int, end: int) -> str:
 
 
 def _fetch_parts(partial: Partial, pieces: list[Span], block: int, progress: Callable[[int], None]) -> None:
-    """Every piece, ``PARALLEL_PARTS`` at a time; the first failure (or an exit) stops the others."""
     stop = threading.Event()
     pool = ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="visenc-fetch")
     try:
@@ -273,7 +269,6 @@ def _fetch_parts(partial: Partial, pieces: list[Span], block: int, progress: Cal
 def _fetch_part(
     partial: Partial, piece: Span, block: int, progress: Callable[[int], None], stop: threading.Event
 ) -> None:
-    """One piece into the partial file, each block recorded with its sha256 once written."""
     start, digest = piece.start, hashlib.sha256()
 
     def write(at: int, chunk: bytes) -> None:

@@ -153,7 +153,6 @@ def _load_checkpoint(
 def _load_family(
     family: type[FamilyTower], checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device, backend: str
 ) -> VisionTower:
-    """A VLM family's image path: its vision submodules on a weight-less host, their tensors alone read."""
     path = checkpoint.folder
     config = AutoConfig.from_pretrained(path)
     for sub in (config, getattr(config, "vision_config", None)):
@@ -174,7 +173,6 @@ def _load_family(
 
 
 def _weights_of(checkpoint: Checkpoint, model: torch.nn.Module) -> dict[str, Any]:
-    """The vision tensors' checkpoint names and their identity (``visenc_client.checkpoint``)."""
     names = set(vision_renames(model, checkpoint.weights.names()))
     where = {n: f for f, found in checkpoint.weights.files(names).items() for n in found}
     return {"identity": weights_identity(where), "tensors": sorted(where)}

@@ -61,7 +61,6 @@ class QwenPreprocess:
 
     @classmethod
     def from_processor_config(cls, cfg: dict[str, Any]) -> QwenPreprocess:
-        """From a ``preprocessor_config.json`` dict; missing keys take the processor's defaults."""
         size = cfg.get("size") or {}
         base = cls(max_pixels=28 * 28 * 1280)  # the processor's own default, not the service's
         min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
@@ -81,7 +80,6 @@ class QwenPreprocess:
         )
 
     def processor_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments that make ``Qwen2VLImageProcessorPil`` do the same."""
         return {
             "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
             "patch_size": self.patch_size,
@@ -101,8 +99,6 @@ CPU_PACK_MAX_PATCHES = 512
 
 
 class QwenVisionTower(VisionTower):
-    """A Qwen2-VL / Qwen2.5-VL vision transformer with its patch merger."""
-
     packable = True
     video_rule = "qwen2"
 
@@ -227,7 +223,6 @@ class QwenVisionTower(VisionTower):
         return [*groups, small] if small else groups
 
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
-        """The batch's forwards: one ``[num_tokens, hidden]`` view per image, on the device, in batch order."""
         return [out for g in self.forward_groups(batch) for out in self._forward_packed([batch[i] for i in g])]
 
     def _forward_packed(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
@@ -260,7 +255,6 @@ class QwenVisionTower(VisionTower):
         return 4 * c * s.temporal_patch_size * s.patch_size * s.patch_size
 
     def activation_bytes_per_token(self) -> int:
-        """Per patch: the batch's input and cast, one block's widest live set, rotary cos/sin, the merger's share."""
         config = self.model.config
         item = self.dtype.itemsize
         mlp_dim = int(getattr(config, "intermediate_size", 0) or self._embed_dim * config.mlp_ratio)

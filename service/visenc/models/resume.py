@@ -73,7 +73,6 @@ class Partial:
             os.fsync(f.fileno())
 
     def kept(self, blocks: list[tuple[int, int]]) -> set[tuple[int, int]]:
-        """The ``blocks`` (data ranges) logged, whose bytes still hash to what was logged."""
         out = set()
         for block in blocks:
             digest = self.logged.get(block)
@@ -90,12 +89,10 @@ class Partial:
         os.pwrite(self.fd, data, len(self.head) + at)
 
     def record(self, start: int, end: int, digest: str) -> None:
-        """Data block ``[start, end)``, written, hashes to ``digest`` (logged at the next ``flush``)."""
         with self.lock:
             self.pending.append((start, end, digest))
 
     def flush(self) -> None:
-        """The data synced, then the blocks recorded since the last flush appended to the log."""
         with self.lock:
             pending, self.pending = self.pending, []
         if not pending:

@@ -35,7 +35,6 @@ class SimSpec:
 
     @classmethod
     def parse(cls, spec: str) -> SimSpec:
-        """``sim:`` then ``KEY=VALUE`` pairs, comma-separated; unknown keys raise ``ValueError``."""
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}
         for pair in filter(None, spec.removeprefix(PREFIX).split(",")):
@@ -49,8 +48,6 @@ class SimSpec:
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One forward on the simulated device (monotonic seconds)."""
-
     launched: float
     queued: float
     start: float
@@ -101,7 +98,6 @@ class SimDevice:
             return SimEvent(self, self._queued_seq)
 
     def synchronize(self) -> None:
-        """Wait until all the work queued so far is done (``torch.cuda.synchronize``)."""
         self.event().synchronize()
 
     def done(self, seq: int) -> bool:
@@ -222,7 +218,6 @@ class SimTower(VisionTower):
 
 
 def load(spec: str) -> SimTower:
-    """The tower ``sim:KEY=VALUE,...`` names (its name leaves the timeline out)."""
     parsed = SimSpec.parse(spec)
     pairs = [f"{k}={v}" for k, v in asdict(parsed).items() if k != "timeline"]
     return SimTower(parsed, name=PREFIX + ",".join(pairs))

@@ -23,7 +23,6 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, 
 
 
 def segment_bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    """``cu_seqlens`` as Python ints (a host read: the per-segment kernel only)."""
     return [int(x) for x in cu_seqlens.tolist()]
 
 
@@ -172,7 +171,6 @@ def attention(
 
 
 def register() -> None:
-    """Make ``VARLEN`` an attention implementation transformers can dispatch to."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN, attention)
@@ -219,7 +217,6 @@ def packed_kwargs(config: Any, grid: list[tuple[int, int, int]] | torch.Tensor, 
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    """A host tensor on ``device`` without blocking the host (pinned first on CUDA); anything else as it is."""
     if not isinstance(value, torch.Tensor) or value.device == device:
         return value
     if device.type == "cuda":

@@ -94,7 +94,6 @@ class FamilyTower(VisionTower):
         raise NotImplementedError
 
     def feature_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Arguments of ``get_image_features`` for collated inputs."""
         return dict(inputs)
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
@@ -110,14 +109,12 @@ class FamilyTower(VisionTower):
         return {k: cat([x[k] for x in inputs]) for k in self.input_names}
 
     def image_rows(self, outputs: Any) -> torch.Tensor:
-        """All images' rows, in order, as one ``[rows, hidden]`` tensor."""
         pooled = outputs.pooler_output
         if isinstance(pooled, (list, tuple)):
             return torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
         return pooled.reshape(-1, pooled.shape[-1])
 
     def row_width(self) -> int:
-        """Width of one stored row (the language model's hidden size by default)."""
         return int(self.config.text_config.hidden_size)
 
     def processor_defaults(self) -> dict[str, Any]:
@@ -184,7 +181,6 @@ class FamilyTower(VisionTower):
         return int(memory.SAFETY * (per + 4 * self.hidden_size * item))
 
     def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
-        """Linear part for every position, plus every image's attention scores where they are materialised."""
         vc = self.vision_config
         heads = int(getattr(vc, "num_attention_heads", 0) or getattr(vc, "num_heads", 1))
         scores = sum(

@@ -17,9 +17,7 @@ SINGLE_FILE = "model.safetensors"
 class Weights(Protocol):
     def names(self) -> list[str]: ...
 
-    def files(self, wanted: set[str]) -> dict[Path, list[str]]:
-        """Local safetensors files holding the ``wanted`` tensors: file → its names among them."""
-        ...
+    def files(self, wanted: set[str]) -> dict[Path, list[str]]: ...
 
 
 @dataclass(frozen=True)
@@ -51,8 +49,6 @@ def shard_map(index: dict[str, Any]) -> dict[str, list[str]]:
 
 @dataclass(frozen=True)
 class LocalWeights:
-    """The shards of a checkpoint folder, as its index (or its single file) names them."""
-
     folder: Path
 
     def shards(self) -> dict[str, list[str]]:

@@ -1,6 +1,4 @@
-"""LLaVA-OneVision: AnyRes tiling (best grid pinpoint) plus a base tile, SigLIP features from
-``vision_feature_layer`` (before the post-layernorm), the MLP projector, then unpadding with an
-``image_newline`` row per feature row, and the base tile's features."""
+"""LLaVA-OneVision: AnyRes tiles plus a base tile, SigLIP features, the MLP projector, then unpadding."""
 
 from __future__ import annotations
 

@@ -116,7 +116,6 @@ class Mistral3Tower(FamilyTower):
 
 
 def _packed_grids(grids: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
-    """Each patch's (row, column) and the packed varlen attention arguments, from the patch grids, on the host."""
     positions = torch.cat([torch.cartesian_prod(torch.arange(h), torch.arange(w)).reshape(h * w, 2) for h, w in grids])
     lengths = [h * w for h, w in grids]
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)

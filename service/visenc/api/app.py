@@ -1,6 +1,4 @@
-"""The FastAPI app: routes, middleware, error handlers. The engine is handed in
-(``visenc.bootstrap.create_app`` wires the real one), so this package never
-imports torch and can be built around any ``EngineAPI``."""
+"""The FastAPI app: routes, middleware, error handlers."""
 
 from __future__ import annotations
 
@@ -61,8 +59,7 @@ EngineContext = Callable[[FastAPI], AbstractAsyncContextManager[EngineAPI]]
 
 
 def create_api(settings: Settings, metrics: Metrics, engine: EngineContext) -> FastAPI:
-    """The HTTP service around an engine. ``engine(app)`` is entered in the lifespan and yields
-    the started engine (``visenc.bootstrap`` builds the real one); nothing here imports torch."""
+    """The HTTP service around an engine."""
     api_keys = load_api_keys(settings)  # fails fast on a malformed key list
 
     @asynccontextmanager

@@ -30,8 +30,8 @@ def wants_msgpack(request: Request) -> bool:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole body, refusing (413) past ``limit`` bytes before reading them all
-    (from ``Content-Length`` when declared, else while a chunked body streams in)."""
+    """The whole body, refusing (413) past ``limit`` bytes before reading them all (from ``Content-Length`` when
+    declared, else while a chunked body streams in)."""
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
@@ -55,14 +55,8 @@ class _TooManyValues(Exception):
 
 
 def _unpack_msgpack(body: bytes, max_items: int) -> Any:
-    """msgpack → Python with the work bounded by ``max_items``, not by the body size.
-
-    A body of one-byte empty maps would otherwise become tens of millions of
-    dicts (~60x the body in memory) before validation could refuse it. Every
-    array is capped at ``max_items`` elements and the total of arrays + maps at
-    ``max_items + 8`` (a valid request has one map per item plus a few), so
-    at most (containers x max_items) values are ever built."""
-    budget = max_items + 8
+    """msgpack → Python with the work bounded by ``max_items``, not by the body size."""
+    budget = max_items + 8  # one map per item plus a few; arrays capped at max_items elements
     seen = 0
 
     def count(value: Any) -> Any:
@@ -87,14 +81,8 @@ def _unpack_msgpack(body: bytes, max_items: int) -> Any:
 
 
 def _check_json_size(body: bytes, max_items: int) -> None:
-    """Refuse a JSON body whose value count alone exceeds what ``max_items`` allows.
-
-    Validation builds every value before it can count them (a 14 MB body of
-    ``{}`` took 0.8 GB), so count first: every array element or object member
-    after the first follows a comma, and a valid body has at most 3 per item
-    (base64 and hex strings hold none), so past ``4 * max_items + 16`` commas
-    the body cannot be valid. ``bytes.count`` scans at memory speed."""
-    commas = body.count(b",")
+    """Refuse a JSON body whose value count alone exceeds what ``max_items`` allows."""
+    commas = body.count(b",")  # a valid body has at most 3 commas per item (base64/hex strings hold none)
     if commas > 4 * max_items + 16:
         raise PayloadTooLarge(
             f"the body holds {commas + 1} or more JSON values, more than max_items={max_items} items can have"
@@ -102,11 +90,7 @@ def _check_json_size(body: bytes, max_items: int) -> None:
 
 
 async def parse(request: Request, model: type[M], limit: int, max_items: int) -> M:
-    """Parse a JSON or msgpack body into ``model`` (4xx on anything malformed).
-
-    Limits: ``limit`` bytes of body (413), ``max_items`` items (413, checked
-    before the values are built); the media type must be JSON or msgpack (415,
-    checked before the body is read)."""
+    """Parse a JSON or msgpack body into ``model`` (4xx on anything malformed)."""
     media = _media_type(request.headers.get("content-type"))
     if media not in MSGPACK_TYPES and media not in (JSON, ""):
         raise UnsupportedMediaType(
@@ -156,8 +140,8 @@ def rows_response(
 
 
 def error_response(exc: VisencError) -> JSONResponse:
-    """The one rendering of an error: ``{"error": {"kind", "message"}}`` with its status and
-    headers; an internal error answers a generic 500 that echoes nothing."""
+    """The one rendering of an error: ``{"error": {"kind", "message"}}`` with its status and headers; an
+    internal error answers a generic 500 that echoes nothing."""
     if not exc.public:
         return JSONResponse({"error": {"kind": "internal", "message": "internal error"}}, 500)
     return JSONResponse({"error": {"kind": exc.kind, "message": exc.message}}, exc.status_code, exc.headers or None)

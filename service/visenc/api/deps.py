@@ -55,8 +55,8 @@ def namespace_of(request: Request) -> str:
 
 
 def lease_mode(request: Request) -> LeaseMode:
-    """How the caller's ready answers are kept for it (``X-Visenc-Lease``: ``id`` or ``none``; absent:
-    pins that name no lease, for callers from before leases)."""
+    """How the caller's ready answers are kept for it (``X-Visenc-Lease``: ``id`` or ``none``; absent: pins that
+    name no lease, for callers from before leases)."""
     mode = request.headers.get(LEASE_HEADER)
     if mode is None:
         return "anonymous"
@@ -67,8 +67,8 @@ def lease_mode(request: Request) -> LeaseMode:
 
 def read_lease(request: Request, lease: str | None) -> str | None:
     """The lease a read names: its own; ``""`` where it names none but its caller hands leases back
-    (``X-Visenc-Lease`` sent: it unpins no pin that names none, another caller's); ``None`` from a
-    caller before leases."""
+    (``X-Visenc-Lease`` sent: it unpins no pin that names none, another caller's); ``None`` from a caller before
+    leases."""
     if lease is None and request.headers.get(LEASE_HEADER) is not None:
         return ""
     return lease

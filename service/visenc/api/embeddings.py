@@ -74,12 +74,7 @@ class Resolved:
 
 
 async def resolve_ranges(request: Request) -> list[Resolved | dict[str, Any]]:
-    """Parse a fetch body and find every range's entry, looked up (and, if pending, bumped) all at once.
-
-    Waiting on the ranges one after the other would raise the priority of the
-    second image only once the first is done: a chunk's images must all move to
-    the front of the queue together. A range that fails with a public error
-    answers ``{"hash", "status", "error"}`` in its place; any other error raises."""
+    """Parse a fetch body and find every range's entry, looked up (and, if pending, bumped) all at once."""
     settings = request.app.state.settings
     limit = f"fetch_timeout_s={settings.fetch_timeout_s}"
     deadline = asyncio.get_running_loop().time() + settings.fetch_timeout_s  # one for the whole request

@@ -33,20 +33,7 @@ router = APIRouter()
     openapi_extra=body_schema(EncodeRequest),
 )
 async def encode(request: Request) -> Response:
-    """Look images up by hash and encode the misses that came with bytes.
-
-    Each item is ``{"hash"}``, ``{"data"}`` or both. A hash-only item that is not
-    in the index answers ``missing`` (upload its bytes next: hash-first). With
-    ``wait=false`` the answer comes at once with ``pending`` handles that already
-    carry ``num_tokens``; fetch the rows later. An item that cannot be used
-    (bad hash, not an image, over a limit, not encodable) answers ``error`` with
-    a ``reason`` code; the other items proceed.
-
-    ``X-Visenc-Queue-Time`` / ``X-Visenc-Encode-Time`` (seconds) say how long the
-    images this response waited for queued and how long their forwards took.
-
-    Each ready or pending image stays in this replica's memory until the caller reads it
-    (``X-Visenc-Lease``: ``id`` hands out the lease its reads name; ``none`` keeps nothing)."""
+    """Look images up by hash and encode the misses that came with bytes."""
     settings = request.app.state.settings
     limit = f"request_timeout_s={settings.request_timeout_s}"
     deadline = asyncio.get_running_loop().time() + settings.request_timeout_s

@@ -22,8 +22,7 @@ async def _until_disconnected(request: Request) -> None:
 
 
 async def _cancel(request: Request, task: asyncio.Task[Any]) -> None:
-    """Cancel ``task`` and wait for it. A service error it ended with is an answer nobody reads any
-    more; any other exception is a bug, logged with its traceback and counted (``tasks.report``)."""
+    """Cancel ``task`` and wait for it."""
     task.cancel()
     try:
         await task
@@ -47,8 +46,8 @@ async def within(coro: Awaitable[T], deadline: float, what: str) -> T:
 
 
 async def guarded(request: Request, coro: Awaitable[T], deadline: float, what: str) -> T:
-    """Run ``coro`` until it finishes, the client disconnects, or ``deadline`` passes (``what``
-    names the limit in the 504 message)."""
+    """Run ``coro`` until it finishes, the client disconnects, or ``deadline`` passes (``what`` names the limit
+    in the 504 message)."""
     work = asyncio.ensure_future(coro)
     watcher = asyncio.ensure_future(_until_disconnected(request))
     try:

@@ -15,8 +15,7 @@ router = APIRouter()
 
 @router.get("/v1/model")
 async def model_info(request: Request) -> Response:
-    """The served tower: name, fingerprint, hidden size, dtype, device; ``shm``: where a client on this
-    host finds the shared-memory probe (absent when shared memory is off)."""
+    """The served tower: name, fingerprint, hidden size, dtype, device, and the shared-memory probe (``shm``)."""
     info = engine_of(request).describe()
     settings = request.app.state.settings
     info["served_model_name"] = settings.served_model_name or settings.model
@@ -32,10 +31,7 @@ async def model_layout(
     width: int = Query(..., ge=1, le=1 << 20, description="Image width in pixels."),
     height: int = Query(..., ge=1, le=1 << 20, description="Image height in pixels."),
 ) -> Response:
-    """What an image of this size becomes: rows, grid, row layout, and its placeholder span in the
-    engine's prompt (``{"rows": n}`` and ``{"text": s}`` pieces, in order), so a prefill worker
-    can lay out placeholders before the rows exist. Model-wide: the namespace header is checked,
-    as on every ``/v1`` route, and does not change the answer."""
+    """What an image of this size becomes: rows, grid, row layout, and its placeholder span in the prompt."""
     namespace_of(request)
     return render(request, engine_of(request).layout(width, height))
 
@@ -48,13 +44,7 @@ async def healthz() -> str:
 
 @router.get("/readyz")
 async def readyz(request: Request) -> Response:
-    """Readiness: model loaded and device worker healthy (503 with the reason otherwise, e.g. "warming
-    up" while a compiled tower builds its graphs).
-
-    ``status`` is ``degraded`` (still 200: the replica serves from its own LRU and
-    by encoding) while the shared Redis index is unreachable, else ``ready``. ``compile``: whether the
-    tower runs compiled (``state`` ``compiled``, with its ``graphs``) or eagerly, with the ``cause``
-    and a ``detail``."""
+    """Readiness: model loaded and device worker healthy (503 with the reason otherwise)."""
     engine = engine_of(request)
     reason = engine.not_ready_reason()
     if reason is not None:

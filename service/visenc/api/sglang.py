@@ -1,5 +1,5 @@
-"""SGLang's encoder endpoints: visenc as an ``--encoder-urls`` target of an SGLang language
-server (``--language-only``). The protocol and its state live in ``visenc.epd``."""
+"""SGLang's encoder endpoints: visenc as an ``--encoder-urls`` target of an SGLang language server
+(``--language-only``)."""
 
 from __future__ import annotations
 

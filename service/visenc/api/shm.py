@@ -33,10 +33,8 @@ def _room(directory: str) -> int | None:
 
 
 async def start_pool(settings: Settings, metrics: Metrics) -> SegmentPool | None:
-    """The segment pool, or ``None`` when shared memory is off or ``shm_dir`` cannot hold segments
-    (said in the log: rows are then served over HTTP only). Its budget is ``shm_max_bytes`` (its part of
-    the process budget: ``process_memory.py``), within the free space of ``shm_dir`` (a container's
-    ``/dev/shm`` may be small)."""
+    """The segment pool, or ``None`` when shared memory is off or ``shm_dir`` cannot hold segments (said in the
+    log: rows are then served over HTTP only)."""
     if not settings.shm_enabled:
         return None
     room = await asyncio.to_thread(_room, settings.shm_dir)
@@ -60,12 +58,7 @@ async def stop_pool(pool: SegmentPool | None) -> None:
 
 @router.post("/v1/embeddings/shm", responses=ERRORS, openapi_extra=body_schema(FetchRequest))
 async def fetch_shm(request: Request) -> Response:
-    """Several ``(hash, start, end)`` ranges as shared-memory handles instead of bytes.
-
-    Answer: ``{"dir", "lease_s", "items": [{"hash", "start", "end", "shape", "dtype",
-    "segment", "offset", "nbytes"} | {"hash", "status", "error"}]}``. Item rows are
-    bytes ``[offset, offset + nbytes)`` of file ``dir/segment``, openable for at
-    least ``lease_s`` seconds; map it read-only (the mapping outlives the file)."""
+    """Several ``(hash, start, end)`` ranges as shared-memory handles instead of bytes."""
     pool: SegmentPool | None = getattr(request.app.state, "shm", None)
     if pool is None:
         raise TransportDisabled("the shared-memory transport is off (start the service with --shm-enabled true)")

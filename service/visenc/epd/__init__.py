@@ -1,5 +1,4 @@
-"""SGLang's encoder protocol (EPD), spoken without importing SGLang: ``POST /encode`` and
-``/scheduler_receive_url``, rows pushed over ZMQ as ``[pickled EmbeddingData, raw rows]``."""
+"""SGLang's encoder protocol (EPD), spoken without importing SGLang."""
 
 from visenc.epd.serve import EPD, EncodePart, EPDError, EPDSettings, ReceiveUrl
 from visenc.epd.wire import EMBEDDING_DATA, MODALITY, embedding_data_frame

@@ -21,8 +21,7 @@ class _Registration:
 
 
 class Destinations:
-    """Receive URLs registered per part (``/scheduler_receive_url``), until its ``/encode`` takes
-    them. Bounded: at most ``max_parts`` parts are remembered, each for ``ttl_s``."""
+    """Receive URLs registered per part (``/scheduler_receive_url``), until its ``/encode`` takes them."""
 
     def __init__(self, *, max_parts: int = 10_000, ttl_s: float = 300.0) -> None:
         self.max_parts = max_parts
@@ -62,8 +61,7 @@ class Destinations:
         return [] if registration is None else list(registration.urls)
 
     async def take(self, req_id: str, timeout_s: float) -> tuple[list[str], bool]:
-        """The part's receive URLs once all of them registered, or those that did within
-        ``timeout_s``, and whether all did; the part is forgotten either way."""
+        """The part's receive URLs once all registered, or those that did within ``timeout_s``, and whether all did."""
         registration = self._get(req_id)
         try:
             await asyncio.wait_for(registration.complete.wait(), timeout_s)
@@ -74,9 +72,7 @@ class Destinations:
 
 
 class Pusher:
-    """ZMQ PUSH sockets to SGLang's receivers, one per endpoint (kept for reuse, at most
-    ``max_sockets``); a send that cannot be handed to a connected peer within ``timeout_s``
-    fails instead of waiting (a receiver that went away)."""
+    """ZMQ PUSH sockets to SGLang's receivers, one per endpoint; a send no connected peer takes in time fails."""
 
     def __init__(self, *, timeout_s: float = 30.0, max_sockets: int = 256) -> None:
         self.timeout_s = timeout_s
@@ -103,8 +99,7 @@ class Pusher:
         return sock
 
     async def push(self, receive_url: str, frames: list[bytes | memoryview]) -> None:
-        """Send ``frames`` to ``host:port`` (``tcp://`` added); raises ``zmq.ZMQError`` or
-        ``TimeoutError`` when it cannot."""
+        """Send ``frames`` to ``host:port``; raises ``zmq.ZMQError`` or ``TimeoutError`` when it cannot."""
         endpoint = receive_url if "://" in receive_url else f"tcp://{_bracket(receive_url)}"
         lock = self._locks.setdefault(endpoint, asyncio.Lock())
         async with lock:
@@ -125,7 +120,6 @@ class Pusher:
 
 
 def _bracket(host_port: str) -> str:
-    """``host:port`` with an IPv6 host in brackets, as ZMQ's tcp endpoints want it."""
     host, _, port = host_port.rpartition(":")
     if ":" in host and not host.startswith("["):
         host = f"[{host}]"

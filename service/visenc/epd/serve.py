@@ -22,9 +22,6 @@ from visenc_client.format import image_hash
 log = logging.getLogger("visenc.epd")
 
 
-# --- the requests ---------------------------------------------------------------------------
-
-
 class EPDError(Exception):
     """A part that cannot be served: answered ``{status: "error", message, req_id}`` with ``status``."""
 
@@ -34,8 +31,6 @@ class EPDError(Exception):
 
 
 class MediaItem(BaseModel):
-    """An ``mm_items`` entry given as an object: the image's URL and, optionally, its content hash."""
-
     model_config = ConfigDict(extra="allow")
 
     url: str
@@ -80,8 +75,7 @@ class EPDSettings:
     namespace: str
     max_items: int
     max_image_bytes: int
-    #: the service's ``--image-loader``: with another than ``sglang``, an image SGLang would load
-    #: otherwise (rotated, transparent) is refused, and one given by hash is still read to check that
+    #: with an ``--image-loader`` other than ``sglang``, an image SGLang would load otherwise is refused
     image_loader: str = "sglang"
     max_pixels: int = 64_000_000
     allow_url_prefixes: tuple[str, ...] = ()
@@ -94,8 +88,7 @@ class EPDSettings:
 
 
 class EPD:
-    """Serves SGLang's encoder protocol from an engine: hash-first look-up, the misses encoded
-    (batched with every other request the engine has), the part's rows pushed to its receivers."""
+    """Serves SGLang's encoder protocol from an engine."""
 
     def __init__(self, settings: EPDSettings, metrics: Metrics, *, http: httpx.AsyncClient | None = None) -> None:
         self.settings = settings
@@ -115,8 +108,7 @@ class EPD:
             raise EPDError(str(e)) from e
 
     async def serve(self, engine: EngineAPI, part: EncodePart) -> None:
-        """Encode the part's images and deliver their rows; ``EPDError`` if it cannot (its receivers
-        are sent the error too, where they are known, so that they stop waiting)."""
+        """Encode the part's images and deliver their rows; ``EPDError`` (sent to known receivers too) if it cannot."""
         try:
             await self._serve(engine, part)
         except EPDError as e:
@@ -184,7 +176,7 @@ class EPD:
         refs = [_reference(item) for item in part.mm_items]
         known = [h for _, h in refs if h is not None]
         present: set[str] = set()
-        if known:  # hash-first: an image any replica encoded costs no download, decode or forward
+        if known:
             handles = await engine.encode([EncodeItem(hash=h) for h in known], ns, wait=False, lease="none")
             present = {h.hash for h in handles if h.status in ("ready", "pending")}
         items = await asyncio.gather(*(self._item(i, url, h, present) for i, (url, h) in enumerate(refs)))
@@ -201,7 +193,6 @@ class EPD:
                     engine.read(h.hash, ns, h.lease, last=True)
 
     async def _frames(self, engine: EngineAPI, part: EncodePart, handles: list[Handle]) -> list[bytes | memoryview]:
-        """Frames 0 and 1 of the part, from its images' handles (all must be ready)."""
         ns = self.settings.namespace
         bad = [(i, h) for i, h in enumerate(handles) if h.status != "ready"]
         if bad:
@@ -222,8 +213,7 @@ class EPD:
         return [header, views[0] if len(views) == 1 else b"".join(views)]
 
     async def _item(self, index: int, url: str, content_hash: str | None, present: set[str]) -> EncodeItem:
-        """The engine's item for one image: its hash alone where visenc holds it (and it loads as
-        SGLang loads it), else its bytes, checked against its content hash."""
+        """The engine's item for one image: its hash alone where visenc holds it, else its bytes."""
         sglang_loader = self.settings.image_loader == "sglang"
         if sglang_loader and content_hash is not None and content_hash in present:
             return EncodeItem(hash=content_hash)
@@ -266,7 +256,6 @@ def _modality(part: EncodePart) -> str:
 
 
 def _reference(item: str | MediaItem) -> tuple[str, str | None]:
-    """(the image's URL, its visenc hash where the item carries ``content_hash``)."""
     if isinstance(item, str):
         return item, None
     if item.model_extra:  # per-image processor options (``detail``, ...): rows visenc does not make

@@ -17,16 +17,12 @@ MODALITY_VALUES = {"IMAGE": 1, "VIDEO": 2, "AUDIO": 3}
 
 @dataclass(frozen=True, slots=True)
 class _Global:
-    """A reference to a module-level name, as pickle's GLOBAL opcode writes it."""
-
     module: str
     name: str
 
 
 @dataclass(frozen=True, slots=True)
 class _Enum:
-    """An enum member: its class called with its value (pickle's REDUCE)."""
-
     cls: _Global
     value: int
 
@@ -83,8 +79,7 @@ def embedding_data_frame(
     error_msg: str | None = None,
     error_code: int | None = None,
 ) -> bytes:
-    """Frame 0: what ``pickle.dumps(EmbeddingData(...).copy_without_embedding())`` writes in SGLang
-    (the same attributes, in the same order), for rows of ``dtype`` and ``shape``, or an error."""
+    """Frame 0 as SGLang's ``pickle.dumps(EmbeddingData(...).copy_without_embedding())`` writes it, or an error."""
     state = {
         "req_id": req_id,
         "num_parts": num_parts,

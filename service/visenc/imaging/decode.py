@@ -36,25 +36,20 @@ def _open(data: bytes, max_pixels: int, formats: tuple[str, ...] | None = None) 
     return image
 
 
-#: peak host bytes per source pixel of decoding and preprocessing, beyond the input itself, measured by
-#: ``bench/bench_memory.py --decode`` and pinned above that by ``tests/e2e/test_memory_budget.py``
+#: peak host bytes per source pixel of decoding and preprocessing (``bench/bench_memory.py --decode``)
 DECODE_BYTES_PER_PIXEL = {"opaque": 16, "transparent": 21, "webp": 28}
 
 
 @dataclass(frozen=True, slots=True)
 class Header:
-    """What the header of an image file tells before any pixel is decoded."""
-
     #: the size of the picture the loader decodes (turned for EXIF orientations 5-8 where it applies them)
     width: int
     height: int
-    #: host bytes a source pixel holds while it is decoded and preprocessed (``DECODE_BYTES_PER_PIXEL``)
     decode_bytes_per_pixel: int
 
 
 def read_header(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Header:
-    """The picture ``loader`` will decode, from the header only (no pixel data is decoded). Formats
-    the loader does not open are refused here already."""
+    """The picture ``loader`` will decode, from the header only (no pixel data is decoded)."""
     how = LOADERS[loader]
     image = _open(data, max_pixels, how.formats)
     try:
@@ -68,18 +63,15 @@ def read_header(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Header
 
 
 def probe(data: bytes, *, max_pixels: int, loader: str = "vllm") -> tuple[int, int]:
-    """``(width, height)`` of the picture ``loader`` will decode, from the header only (``read_header``)."""
     header = read_header(data, max_pixels=max_pixels, loader=loader)
     return header.width, header.height
 
 
 def _transparent(image: Image.Image) -> bool:
-    """Whether an opened image carries transparency: an alpha band or a ``transparency`` entry."""
     return "A" in image.getbands() or image.mode in ("PA", "La", "RGBa") or "transparency" in image.info
 
 
 def _orientation(image: Image.Image) -> int:
-    """The EXIF orientation ``ImageOps.exif_transpose`` reads (1 where none or unreadable)."""
     try:
         return int(image.getexif().get(ExifTags.Base.Orientation, 1))
     except Exception:
@@ -94,14 +86,11 @@ VLLM_FORMATS = (
 )
 
 
-#: the EXIF orientations ``ImageOps.exif_transpose`` turns the picture for (its own table's keys)
 _TURNED = frozenset(range(2, 9))
 
 
 def exif_upright(image: Image.Image) -> Image.Image:
-    """``ImageOps.exif_transpose``, any failure of it ignored (vLLM's ``normalize_image``). An
-    image it would not turn is returned as it is, where ``exif_transpose`` returns a copy: the
-    same pixels without a second decoded image held at once (4 bytes a pixel)."""
+    """``ImageOps.exif_transpose``, any failure of it ignored (vLLM's ``normalize_image``)."""
     try:
         if image.getexif().get(ExifTags.Base.Orientation, 1) not in _TURNED:
             return image
@@ -111,12 +100,7 @@ def exif_upright(image: Image.Image) -> Image.Image:
 
 
 def rgb_like_vllm(image: Image.Image) -> Image.Image:
-    """vLLM's ``ImageMediaIO._convert_image_mode`` to RGB: RGB as it is; RGBA pasted onto white
-    through its alpha; any other image with transparency (LA, PA, or a ``transparency`` entry:
-    PNG tRNS, transparent GIF) made RGBA and pasted the same way; the rest ``convert("RGB")``.
-    An RGB image goes on as it is, a tRNS colour included: vLLM's processor (transformers 5.19
-    beside vLLM 0.32) keeps that colour, so the ``transparency`` entry is dropped here before a
-    tower's own ``convert_to_rgb`` could composite it."""
+    """vLLM's ``ImageMediaIO._convert_image_mode``: RGB as is; anything with transparency pasted onto white."""
     if image.mode == "RGB":
         return _opaque(image)
     if image.mode not in ("RGBA", "LA", "PA") and "transparency" not in image.info:
@@ -128,23 +112,17 @@ def rgb_like_vllm(image: Image.Image) -> Image.Image:
 
 
 def rgb_like_sglang(image: Image.Image) -> Image.Image:
-    """SGLang's encoder (``EncoderPreprocessor._load_single_item``): every mode that is not RGB through
-    ``convert("RGB")`` (any alpha dropped), no EXIF orientation. An RGB image's ``transparency``
-    entry (a PNG's tRNS colour) is dropped too: the processor SGLang pins (transformers 5.19) keeps
-    that colour, so a tower's own ``convert_to_rgb`` must not composite it."""
+    """SGLang's encoder loader: ``convert("RGB")`` for every other mode (alpha dropped), no EXIF orientation."""
     return _opaque(image if image.mode == "RGB" else image.convert("RGB"))
 
 
 def _opaque(rgb: Image.Image) -> Image.Image:
-    """Drop the ``transparency`` entry ``convert("RGB")`` keeps: the loader dropped the alpha."""
     rgb.info.pop("transparency", None)
     return rgb
 
 
 def rgb_like_transformers(image: Image.Image) -> Image.Image:
-    """transformers' ``convert_to_rgb`` (a processor handed the image as the file holds it):
-    any transparency (an alpha band, or a ``transparency`` entry of P/L/RGB images) is
-    composited onto opaque white; other modes use ``convert("RGB")``."""
+    """transformers' ``convert_to_rgb``: any transparency composited onto white, other modes ``convert("RGB")``."""
     has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
     if has_alpha:
         rgba = image.convert("RGBA")
@@ -155,17 +133,10 @@ def rgb_like_transformers(image: Image.Image) -> Image.Image:
 
 @dataclass(frozen=True, slots=True)
 class Loader:
-    """How one engine, at one version, turns image bytes into the RGB image its processor sees.
-    Each is pinned by a differential test against that engine's own code
-    (``tests/with_vllm/test_vllm_images.py`` for vLLM; ``tests/golden/test_odd_images.py``)."""
-
     name: str
-    #: the engine version whose code this follows (``describe()["image_loader"]``, the fingerprint)
     version: str
     to_rgb: Callable[[Image.Image], Image.Image]
-    #: Pillow formats the engine opens (``None``: every format Pillow knows)
     formats: tuple[str, ...] | None = None
-    #: the EXIF orientation is applied (the picture as it is shown, not as it is stored)
     upright: bool = False
 
     @property
@@ -173,8 +144,7 @@ class Loader:
         return f"{self.name}-{self.version}"
 
 
-#: how each serving engine turns a file into the RGB image its processor sees (``--image-loader``;
-#: ``label`` is part of the model fingerprint: rows differ where these differ)
+#: how each serving engine turns a file into RGB (``--image-loader``; ``label`` is in the fingerprint)
 LOADERS = {
     "vllm": Loader("vllm", "0.32", rgb_like_vllm, formats=VLLM_FORMATS, upright=True),
     "sglang": Loader("sglang", "0.5.23", rgb_like_sglang),
@@ -183,10 +153,7 @@ LOADERS = {
 
 
 def loads_alike(data: bytes, loaders: tuple[str, str], *, max_pixels: int) -> bool:
-    """Whether both ``loaders`` turn this file into the same RGB image, read from its header alone:
-    both open its format, its EXIF orientation is upright or both apply it, and it carries no
-    transparency (an alpha band or a ``transparency`` entry, where engines' loaders differ). Every
-    other mode becomes RGB alike (as it is, or ``convert("RGB")``) in every loader."""
+    """Whether both ``loaders`` turn this file into the same RGB image, judged from its header alone."""
     first, second = (LOADERS[name] for name in loaders)
     image = _open(data, max_pixels)
     try:
@@ -200,14 +167,7 @@ def loads_alike(data: bytes, loaders: tuple[str, str], *, max_pixels: int) -> bo
 
 
 def decode(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Image.Image:
-    """Fully decoded RGB image, loaded as ``loader``'s engine loads it (``LOADERS``): the formats it
-    opens, the EXIF orientation where it applies it, its RGB conversion; the first frame of an
-    animation (GIF, WebP, APNG), as every engine's loader takes it. The pixel limit is checked
-    on the stored size before decoding.
-
-    A file whose pixel data is broken is refused (``InvalidImage``) even where the engine would
-    take it (vLLM 0.32 reads the EXIF first, which swallows a broken stream's error, and keeps
-    whatever was decoded): the engine then encodes it itself, and no row is guessed."""
+    """Fully decoded RGB image (first frame of an animation), loaded as ``loader``'s engine loads it."""
     how = LOADERS[loader]
     image = _open(data, max_pixels, how.formats)
     try:
@@ -221,7 +181,6 @@ def decode(data: bytes, *, max_pixels: int, loader: str = "vllm") -> Image.Image
         image.close()
         raise InvalidImage(f"corrupt or truncated image data: {type(e).__name__}") from e
     if rgb is not image:
-        # release the source (and any multi-frame file handle); ``close`` on
-        # the returned image itself would invalidate its pixels
+        # release the source; ``close`` on the returned image would invalidate its pixels
         image.close()
     return rgb

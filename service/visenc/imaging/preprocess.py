@@ -13,7 +13,6 @@ from torch.nn import functional
 
 from visenc.errors import InvalidImage
 
-#: transformers' constants (``image_utils``), repeated so imaging does not import transformers
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 IMAGENET_STANDARD_MEAN = (0.5, 0.5, 0.5)
@@ -23,13 +22,7 @@ MAX_ASPECT_RATIO = 200
 
 
 def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """Qwen2-VL target ``(height, width)``: both multiples of ``factor``, area within
-    ``[min_pixels, max_pixels]``, aspect ratio kept as closely as possible.
-
-    Same arithmetic as ``transformers.models.qwen2_vl...smart_resize`` (Python
-    ``round``, i.e. banker's rounding, included). Raises ``InvalidImage`` where
-    transformers raises ``ValueError`` (aspect ratio over 200).
-    """
+    """Qwen2-VL target ``(height, width)``: multiples of ``factor``, area within the pixel bounds, aspect kept."""
     if height <= 0 or width <= 0:
         raise InvalidImage(f"image has an empty size {width}x{height}")
     if max(height, width) / min(height, width) > MAX_ASPECT_RATIO:
@@ -50,29 +43,19 @@ def smart_resize(height: int, width: int, *, factor: int, min_pixels: int, max_p
 
 
 def shortest_edge_size(height: int, width: int, shortest_edge: int) -> tuple[int, int]:
-    """``(height, width)`` with the short side set to ``shortest_edge`` and the long
-    side scaled and truncated with ``int()``, as ``get_resize_output_image_size``
-    (``default_to_square=False``, no ``max_size``) computes it."""
+    """``(height, width)`` with the short side ``shortest_edge``, as transformers' ``get_resize_output_image_size``."""
     short, long = (width, height) if width <= height else (height, width)
     new_short, new_long = shortest_edge, int(shortest_edge * long / short)
     return (new_long, new_short) if width <= height else (new_short, new_long)
 
 
-#: transformers' two image-processor backends: ``torchvision`` (the fast processors, what vLLM and
-#: SGLang run) and ``pil``. They differ wherever an image is resized (up to ~0.2 in normalised units).
+#: transformers' backends: ``torchvision`` (fast, what vLLM and SGLang run) and ``pil``; resizes differ up to ~0.2
 BACKENDS = ("torchvision", "pil")
-#: PIL resample filter -> torch interpolation mode, as transformers maps them for torchvision
 _TORCH_MODES = {Image.Resampling.NEAREST: "nearest", Image.Resampling.BILINEAR: "bilinear", BICUBIC: "bicubic"}
 
 
 def resize(image: Image.Image, height: int, width: int, resample: int = BICUBIC, backend: str = "pil") -> np.ndarray:
-    """``(height, width)`` resize → HWC uint8 array (RGB input), as ``backend`` does it.
-
-    ``pil``: ``Image.resize``. ``torchvision``: what ``torchvision.transforms.v2.functional.resize``
-    does on a CPU to the uint8 tensor a fast processor makes of the image (``pil_to_tensor``): the
-    same ``torch.nn.functional.interpolate`` call on the same memory layout, antialiased, natively in
-    uint8 for bicubic (and bilinear on AVX2/AVX-512/ARM CPUs), else in float32 and rounded back.
-    Pure torch: torchvision itself is not needed, and the output is bit-identical to it."""
+    """``(height, width)`` resize → HWC uint8 array (RGB input), as ``backend`` does it."""
     if backend == "pil":
         if image.size != (width, height):
             image = image.resize((width, height), resample=resample)
@@ -84,8 +67,6 @@ def resize(image: Image.Image, height: int, width: int, resample: int = BICUBIC,
 
 
 def uint8_tensor(array: np.ndarray) -> torch.Tensor:
-    """HWC uint8 → the ``1CHW`` tensor a fast processor makes of it (channels-last memory,
-    restrided as torchvision does, so that ``interpolate`` keeps channels-last)."""
     t = torch.from_numpy(np.array(array)).permute(2, 0, 1).unsqueeze(0)
     strides = list(t.stride())
     strides[0] = t.numel()
@@ -93,7 +74,6 @@ def uint8_tensor(array: np.ndarray) -> torch.Tensor:
 
 
 def resize_tensor(t: torch.Tensor, height: int, width: int, resample: int) -> torch.Tensor:
-    """torchvision's CPU resize of a ``1CHW`` uint8 tensor (see ``resize``)."""
     if tuple(t.shape[-2:]) == (height, width):
         return t
     mode = _TORCH_MODES.get(resample)  # type: ignore[call-overload]
@@ -125,8 +105,7 @@ def qwen_pixels_torchvision(
     merge_size: int,
     temporal_patch_size: int,
 ) -> np.ndarray:
-    """Qwen2-VL ``pixel_values`` as the fast processor computes them, bit-identical: the same uint8
-    resize, then ``qwen_patches``' arithmetic, copied T times last."""
+    """Qwen2-VL ``pixel_values`` bit-identical to the fast processor's."""
     t = resize_tensor(uint8_tensor(np.asarray(image)), height, width, resample)
     x = qwen_patches(t, patch_size=patch_size, merge_size=merge_size, rescale_factor=rescale_factor, mean=mean, std=std)
     n, c, _, p, _ = x.shape
@@ -142,18 +121,14 @@ def qwen_patches(
     mean: Sequence[float],
     std: Sequence[float],
 ) -> torch.Tensor:
-    """``[T, C, H, W]`` uint8 frames of one temporal patch (a still image: T = 1; a video tube: its
-    frames), any memory layout → ``[grid_h * grid_w, C, T, P, P]`` float32, ``(float(x) - mean/r) /
-    (std/r)`` as the fast processors compute it. Rows are merge-block-major. The uint8 frames are cut
-    into patches and cast in one copy and normalised in the patch layout (contiguous): elementwise
-    float ops round the same whatever the layout, so the bits agree."""
+    """``[T, C, H, W]`` uint8 frames of one temporal patch → ``[grid_h * grid_w, C, T, P, P]`` float32 patches."""
     t, c, height, width = frames.shape
     p, m = patch_size, merge_size
     grid_h, grid_w = height // p, width // p
-    thwc = frames.permute(0, 2, 3, 1)  # a view (contiguous for a channels-last resize)
+    thwc = frames.permute(0, 2, 3, 1)
     blocks = thwc.reshape(t, grid_h // m, m, p, grid_w // m, m, p, c).permute(1, 4, 2, 5, 7, 0, 3, 6)
     x = torch.empty(grid_h * grid_w, c, t, p, p)
-    x.view(grid_h // m, grid_w // m, m, m, c, t, p, p).copy_(blocks)  # patches, cast to float32
+    x.view(grid_h // m, grid_w // m, m, m, c, t, p, p).copy_(blocks)
     scale = 1.0 / rescale_factor
     x.sub_((torch.tensor(mean) * scale).view(1, -1, 1, 1, 1)).div_((torch.tensor(std) * scale).view(1, -1, 1, 1, 1))
     return x
@@ -164,10 +139,7 @@ def _native_uint8_bilinear() -> bool:
 
 
 def center_crop(array: np.ndarray, height: int, width: int, backend: str = "pil") -> np.ndarray:
-    """Center crop an HWC array to ``(height, width)``, zero-padding where the image
-    is smaller. ``pil``: transformers' ``center_crop`` offsets (floor for the crop,
-    ceil for the pad); ``torchvision``: its torchvision backend's (floor for both).
-    Returns a view when no padding is needed."""
+    """Center crop an HWC array to ``(height, width)``, zero-padding where the image is smaller."""
     orig_h, orig_w = array.shape[:2]
     if backend == "torchvision":
         return _center_crop_torchvision(array, height, width)
@@ -200,15 +172,7 @@ def _center_crop_torchvision(array: np.ndarray, height: int, width: int) -> np.n
 
 
 class Normalizer:
-    """uint8 → float32 ``(x * rescale_factor - mean) / std`` per channel, as a lookup table.
-
-    ``rescale_factor=None`` skips the rescale, ``mean``/``std`` ``None`` skip the
-    normalisation (the processors' ``do_rescale``/``do_normalize`` flags).
-    ``fused``: the torchvision backend's arithmetic, ``(x - mean/r) / (std/r)`` in
-    float32 (rescale folded into mean and std), instead of the PIL backend's
-    float64 rescale, float32 cast, then normalise; both bit-identical to theirs.
-    Immutable after construction, so one instance is shared by every thread.
-    """
+    """uint8 → float32 ``(x * rescale_factor - mean) / std`` per channel, as a lookup table."""
 
     __slots__ = ("lut", "pairs")
 
@@ -237,19 +201,15 @@ class Normalizer:
                 table = (table - np.asarray(mean, dtype=np.float32)[:, None]) / np.asarray(std, dtype=np.float32)[
                     :, None
                 ]
-        self.lut: np.ndarray = np.ascontiguousarray(table, dtype=np.float32)  # [channels, 256]
+        self.lut: np.ndarray = np.ascontiguousarray(table, dtype=np.float32)
         self.lut.setflags(write=False)
-        # Pair table: two adjacent uint8 pixels (read as one uint16) → their two float32
-        # values (written as one 8-byte word). Half the gathers of ``lut``, same values;
-        # 512 KiB per channel. Bytes are taken in memory order, so endianness cancels.
+        # pair table: two uint8 pixels (one uint16) → two float32 (one uint64); half the gathers, 512 KiB/channel
         first, second = np.arange(65536, dtype=np.uint16).view(np.uint8).reshape(-1, 2).T
-        pairs = np.stack([self.lut[:, first], self.lut[:, second]], axis=-1)  # [C, 65536, 2]
-        self.pairs: np.ndarray = np.ascontiguousarray(pairs).view(np.uint64)[..., 0]  # [C, 65536]
+        pairs = np.stack([self.lut[:, first], self.lut[:, second]], axis=-1)
+        self.pairs: np.ndarray = np.ascontiguousarray(pairs).view(np.uint64)[..., 0]
         self.pairs.setflags(write=False)
 
     def map_into(self, src: np.ndarray, out: np.ndarray) -> None:
-        """``out[:, c] = lut[c][src[:, c]]`` for C-contiguous ``src`` uint8 / ``out``
-        float32 of equal shape ``[N, C, ...]``."""
         if src.shape != out.shape or not (src.flags.c_contiguous and out.flags.c_contiguous):
             raise ValueError("map_into needs C-contiguous arrays of equal shape")
         if src.shape[-1] % 2 == 0:
@@ -261,7 +221,6 @@ class Normalizer:
             np.take(table[c], src[:, c], out=out[:, c], mode="wrap")
 
     def channels_first(self, array: np.ndarray) -> np.ndarray:
-        """HWC uint8 → CHW float32 (a new contiguous array)."""
         planes = np.ascontiguousarray(array.transpose(2, 0, 1))[None]
         out = np.empty(planes.shape, dtype=np.float32)
         self.map_into(planes, out)
@@ -271,31 +230,22 @@ class Normalizer:
 def qwen_patchify(
     array: np.ndarray, norm: Normalizer, *, patch_size: int, merge_size: int, temporal_patch_size: int
 ) -> np.ndarray:
-    """HWC uint8 (sides multiples of ``patch_size * merge_size``) → Qwen2-VL ``pixel_values``
-    ``[grid_h * grid_w, C * T * P * P]`` float32.
-
-    Row order is merge-block-major (``gh/m, gw/m, m, m``) and each row is
-    ``(C, T, P, P)``, the still frame repeated ``T`` times, exactly as
-    ``Qwen2VLImageProcessorPil.patchify``.
-    """
+    """HWC uint8 → Qwen2-VL ``pixel_values`` ``[grid_h * grid_w, C * T * P * P]`` float32."""
     height, width, channels = array.shape
     p, m, t = patch_size, merge_size, temporal_patch_size
     grid_h, grid_w = height // p, width // p
     if grid_h * p != height or grid_w * p != width or grid_h % m or grid_w % m:
         raise ValueError(f"image {width}x{height} is not a multiple of patch {p} x merge {m}")
-    # (gh/m, m, p, gw/m, m, p, C) -> (gh/m, gw/m, m, m, C, p, p): uint8 moves are cheap
     blocks = array.reshape(grid_h // m, m, p, grid_w // m, m, p, channels).transpose(0, 3, 1, 4, 6, 2, 5)
     blocks = np.ascontiguousarray(blocks).reshape(grid_h * grid_w, channels, p, p)
     values = np.empty((grid_h * grid_w, channels, p, p), dtype=np.float32)
     norm.map_into(blocks, values)
-    # the T copies of a still frame: one broadcast copy (transformers does the same)
     out = np.empty((grid_h * grid_w, channels, t, p, p), dtype=np.float32)
     out[:] = values[:, :, None]
     return out.reshape(grid_h * grid_w, channels * t * p * p)
 
 
 def as_tuple(values: float | Sequence[float], channels: int = 3) -> tuple[float, ...]:
-    """A processor's mean/std (scalar or list) as a per-channel tuple."""
     if isinstance(values, (int, float)):
         return (float(values),) * channels
     return tuple(float(v) for v in values)

@@ -25,8 +25,7 @@ from visenc.imaging.preprocess import (
     smart_resize,
 )
 
-#: whose resize rule a tower's video processor follows: ``qwen2`` sizes each frame on its own
-#: (``Qwen2VLVideoProcessor``), ``qwen3`` from a pixel budget over the clip (``Qwen3VLVideoProcessor``)
+#: whose frame resize a tower follows: ``qwen2`` per frame, ``qwen3`` from a pixel budget over the clip
 Rule = Literal["qwen2", "qwen3"]
 
 
@@ -50,7 +49,6 @@ class VideoPreprocess:
 
     @classmethod
     def defaults(cls, rule: Rule) -> VideoPreprocess:
-        """The processor class's own defaults (``Qwen2VLVideoProcessor`` / ``Qwen3VLVideoProcessor``)."""
         if rule == "qwen2":
             return cls("qwen2", 128 * 28 * 28, 28 * 28 * 768, 14, 2, 2, OPENAI_CLIP_MEAN, OPENAI_CLIP_STD, 1 / 255)
         return cls(
@@ -68,9 +66,6 @@ class VideoPreprocess:
 
     @classmethod
     def from_config(cls, rule: Rule, cfg: Mapping[str, Any]) -> VideoPreprocess:
-        """From a video processor config dict (``video_config``); missing keys take the class
-        defaults. For ``qwen2``, top-level ``min_pixels``/``max_pixels`` win over ``size``, as in
-        ``Qwen2VLVideoProcessor.__init__``."""
         base = cls.defaults(rule)
         if cfg.get("do_resize") is False or cfg.get("do_rescale") is False or cfg.get("do_normalize") is False:
             raise ValueError("video processors without resize, rescale or normalise are not supported")
@@ -118,18 +113,15 @@ class VideoPreprocess:
         return clip_resize(num_frames, height, width, t, factor, self.min_pixels, max_pixels)
 
     def grid(self, num_frames: int, height: int, width: int) -> tuple[int, int, int]:
-        """``(tubes, grid_h, grid_w)`` of a clip, before any pixel is read."""
         h, w = self.target(num_frames, height, width)
         t = self.temporal_patch_size
         return -(-num_frames // t), h // self.patch_size, w // self.patch_size
 
     def tube_tokens(self, grid: tuple[int, int, int]) -> int:
-        """Rows one tube of ``grid`` becomes."""
         return grid[1] * grid[2] // (self.merge_size * self.merge_size)
 
     def cut(self, frames: np.ndarray) -> tuple[list[torch.Tensor], tuple[int, int, int]]:
-        """``[T, H, W, 3]`` uint8 frames → each tube's two frames, resized to the clip's target
-        (``[2, C, H, W]`` uint8, a copy of its own), and the clip's grid ``(tubes, grid_h, grid_w)``."""
+        """``[T, H, W, 3]`` uint8 frames → each tube's two resized ``[2, C, H, W]`` frames, and the clip's grid."""
         if frames.ndim != 4 or frames.shape[-1] != 3 or frames.dtype != np.uint8:
             raise ValueError(f"frames must be [T, H, W, 3] uint8, got {frames.shape} {frames.dtype}")
         num_frames, height, width = frames.shape[:3]
@@ -142,8 +134,7 @@ class VideoPreprocess:
         return [clip[i * t : (i + 1) * t].clone() for i in range(grid[0])], grid
 
     def tube_pixels(self, tube: torch.Tensor) -> np.ndarray:
-        """One tube's resized frames (``cut``) → its ``[grid_h * grid_w, C * 2 * P * P]`` float32 tower
-        input: its rows of the video processor's ``pixel_values_videos``."""
+        """One tube's resized frames → its rows of the video processor's ``pixel_values_videos``."""
         x = qwen_patches(
             tube,
             patch_size=self.patch_size,
@@ -155,13 +146,11 @@ class VideoPreprocess:
         return x.reshape(x.shape[0], -1).numpy()
 
     def tubes(self, frames: np.ndarray) -> tuple[list[np.ndarray], tuple[int, int, int]]:
-        """Every tube's tower input (``tube_pixels`` of ``cut``) and the clip's grid."""
         cut, grid = self.cut(frames)
         return [self.tube_pixels(tube) for tube in cut], grid
 
     def key(self, tube: torch.Tensor, grid_hw: tuple[int, int]) -> str:
-        """A tube's key: SHA-256 of its resized frames (``cut``), its grid and these settings: what
-        its tower input, and so its rows, are a function of (with the model, in the index key)."""
+        """A tube's key: SHA-256 of its resized frames, its grid and these settings."""
         h = hashlib.sha256(b"visenc-tube\0%d,%d\0" % grid_hw + repr(self).encode() + b"\0")
         h.update(tube.contiguous().numpy().data)
         return h.hexdigest()
@@ -170,8 +159,7 @@ class VideoPreprocess:
 def clip_resize(
     num_frames: int, height: int, width: int, temporal_factor: int, factor: int, min_pixels: int, max_pixels: int
 ) -> tuple[int, int]:
-    """Qwen3-VL's ``smart_resize``: the target of a clip from a pixel budget over its frames
-    (same arithmetic as ``transformers.models.qwen3_vl.video_processing_qwen3_vl.smart_resize``)."""
+    """Qwen3-VL's video ``smart_resize``: a clip's target from a pixel budget over its frames."""
     if num_frames < temporal_factor:
         raise InvalidImage(f"a video needs at least {temporal_factor} frames here, got {num_frames}")
     if height < factor or width < factor:
@@ -196,9 +184,7 @@ def clip_resize(
 
 
 def video_config(files: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any]:
-    """The video processor dict transformers' ``AutoVideoProcessor`` reads from a checkpoint:
-    ``processor_config.json``'s nested ``video_processor``, else ``video_preprocessor_config.json``,
-    else ``preprocessor_config.json``. ``files``: those file names → their parsed JSON (or None)."""
+    """The video processor dict transformers' ``AutoVideoProcessor`` reads from a checkpoint."""
     nested = files.get("processor_config.json") or {}
     if isinstance(nested.get("video_processor"), Mapping):
         return dict(nested["video_processor"])
@@ -208,16 +194,11 @@ def video_config(files: Mapping[str, Mapping[str, Any] | None]) -> dict[str, Any
     return {}
 
 
-#: transformers' video processor classes whose arithmetic ``VideoPreprocess`` follows
 RULES: dict[str, Rule] = {"Qwen2VLVideoProcessor": "qwen2", "Qwen3VLVideoProcessor": "qwen3"}
 
 
 def video_rule(cfg: Mapping[str, Any], default: Rule) -> Rule | None:
-    """Whose video processor a checkpoint's settings resolve to, in ``AutoVideoProcessor``'s order:
-    ``video_processor_type``; else the ``image_processor_type`` with ``Video`` for ``Image``, where
-    that names a processor here (a Qwen2-VL image processor config saved beside a Qwen3-VL model
-    makes it a ``Qwen2VLVideoProcessor``, and vLLM runs that one); else the model type's own
-    (``default``). ``None``: a video processor whose arithmetic visenc does not follow."""
+    """Whose video processor a checkpoint's settings resolve to, in ``AutoVideoProcessor``'s order."""
     name = cfg.get("video_processor_type")
     if name is None and isinstance(cfg.get("image_processor_type"), str):
         inferred = cfg["image_processor_type"].replace("ImageProcessor", "VideoProcessor")
@@ -226,7 +207,6 @@ def video_rule(cfg: Mapping[str, Any], default: Rule) -> Rule | None:
 
 
 def frames_array(frames: Sequence[np.ndarray]) -> np.ndarray:
-    """Decoded RGB frames (HWC uint8, one size) as one ``[T, H, W, 3]`` array."""
     sizes = {f.shape for f in frames}
     if len(sizes) != 1:
         raise InvalidVideo(f"a video's frames must share one size, got {sorted(sizes)}")

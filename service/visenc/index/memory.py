@@ -33,7 +33,6 @@ class Shadow:
         return key in self._sizes
 
     def access(self, key: str, nbytes: int) -> bool:
-        """A look-up of ``key`` (``nbytes`` when stored): whether it hit; a miss stores it."""
         if key in self._sizes:
             self._sizes.move_to_end(key)
             return True
@@ -50,8 +49,7 @@ class Shadow:
 
 @dataclass(frozen=True, slots=True)
 class Lease:
-    """Who a pin is held for: ``id`` is unique per caller's request; ``named``: the caller was handed
-    the id and hands it back when it reads (else the first read naming no lease unpins it)."""
+    """Who a pin is held for: ``id`` per caller's request; ``named``: the caller hands the id back when it reads."""
 
     id: str
     named: bool = True
@@ -74,17 +72,16 @@ class MemoryCache:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.max_bytes = max_bytes
-        #: what pinned entries may hold beyond ``max_bytes`` before the oldest pins are cut
         self.overflow_bytes = (PIN_LIMIT - 1) * max_bytes if overflow_bytes is None else overflow_bytes
         self.pin_lease_s = pin_lease_s
         self.bytes = 0
         self.pinned_bytes = 0
-        self._order: OrderedDict[str, Entry] = OrderedDict()  # every entry, least recently used first
-        self._pins: dict[str, dict[str, Lease]] = {}  # key -> its pins by lease id, oldest first
-        self._until: OrderedDict[tuple[str, str], float] = OrderedDict()  # (key, lease id) -> end, oldest first
+        self._order: OrderedDict[str, Entry] = OrderedDict()
+        self._pins: dict[str, dict[str, Lease]] = {}
+        self._until: OrderedDict[tuple[str, str], float] = OrderedDict()
         self._lru = Shadow(max_bytes, bimodal=False)
         self._bip = Shadow(max_bytes, bimodal=True)
-        self._sizes: dict[str, int] = {}  # what the shadows store for a key (the size it was stored with)
+        self._sizes: dict[str, int] = {}
         self.psel = 0
         self._inserted = 0
         self._metrics = metrics
@@ -102,7 +99,6 @@ class MemoryCache:
         return self.psel < 0
 
     def pins(self, key: str) -> int:
-        """How many callers ``key`` is pinned for now."""
         return len(self._pins.get(key, ()))
 
     def rank(self, key: str) -> int | None:
@@ -112,9 +108,7 @@ class MemoryCache:
                 return i
         return None
 
-    # --- look-ups ------------------------------------------------------------------------
     def peek(self, key: str) -> Entry | None:
-        """The entry under ``key``, moving nothing."""
         return self._order.get(key)
 
     def get(self, key: str) -> Entry | None:
@@ -125,7 +119,6 @@ class MemoryCache:
         return entry
 
     def lookup(self, keys: Sequence[str]) -> list[Entry | None]:
-        """``get`` for each key, counted as look-ups (the shadows learn from them)."""
         found = [self.get(k) for k in keys]
         for key in keys:
             self._duel(key)
@@ -142,11 +135,8 @@ class MemoryCache:
         if by_lru != by_bip:
             self.psel = max(-PSEL_MAX, min(PSEL_MAX, self.psel + (1 if by_lru else -1)))
 
-    # --- stores and pins -------------------------------------------------------------------
     def store(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> bool:
-        """Hold ``entry`` under ``key`` (in place of any older one, whose pins it keeps), pinned for
-        ``leases`` (and ``pins`` callers that name no lease): the callers that will read it. ``False``
-        (nothing held) for an entry larger than ``max_bytes``."""
+        """Hold ``entry`` under ``key`` (in place of any older one, whose pins it keeps), pinned for its readers."""
         if entry.nbytes > self.max_bytes:
             return False
         if key not in self._sizes:
@@ -171,9 +161,7 @@ class MemoryCache:
         return True
 
     def pin(self, key: str, count: int | Lease = 1) -> bool:
-        """Keep ``key`` for a caller that will read it: under ``count`` when it is a ``Lease``, else
-        under that many pins that name no lease. A lease already held on ``key`` is renewed (one pin a
-        lease). Moves nothing; ``False`` when nothing is held under ``key``."""
+        """Keep ``key`` for a caller that will read it: under ``count`` when it is a ``Lease``, else unnamed pins."""
         if key not in self._order:
             return False
         for lease in [count] if isinstance(count, Lease) else [Lease.new(named=False) for _ in range(count)]:
@@ -191,16 +179,11 @@ class MemoryCache:
         self._until.move_to_end((key, lease.id))
 
     def read(self, key: str, lease: str | None, *, last: bool) -> None:
-        """A caller read ``key``'s rows (to the last row when ``last``). Naming a lease id: that pin
-        is unpinned (``last``) or renewed, and nothing moves; an unknown, lapsed or unpinned id is
-        ignored. Naming none (``None``: a caller that does not hand leases back): the oldest pin that
-        names no lease is, likewise; where there is no such pin, or the caller hands leases back but
-        this read names none (``""``), the read is a look-up of its own (a reference)."""
         pins = self._pins.get(key, {})
         if not lease:
             lease = next((i for i, p in pins.items() if not p.named), None) if lease is None else None
             if lease is None:
-                if self.get(key) is not None:  # a reference (not counted as a look-up: it read, it did not ask)
+                if self.get(key) is not None:  # a reference, not a look-up: it read, it did not ask
                     self._duel(key)
                 return
         if lease not in pins:
@@ -222,7 +205,6 @@ class MemoryCache:
             self._evict()
 
     def _unpin(self, key: str, lease: str) -> None:
-        """The pin goes; the entry stays where it is in the recency order."""
         pins = self._pins[key]
         del pins[lease]
         del self._until[(key, lease)]
@@ -230,15 +212,14 @@ class MemoryCache:
             del self._pins[key]
             self.pinned_bytes -= self._order[key].nbytes
 
-    # --- eviction ------------------------------------------------------------------------------
     def _evict(self) -> None:
         now, cut = self._clock(), 0
-        while self._until:  # lapsed leases: the pin goes, the entry keeps its place
+        while self._until:
             (key, lease), until = next(iter(self._until.items()))
             if until > now:
                 break
             self._unpin(key, lease)
-        while self.pinned_bytes > self.max_bytes + self.overflow_bytes:  # the oldest pins are cut
+        while self.pinned_bytes > self.max_bytes + self.overflow_bytes:
             (key, lease), _ = next(iter(self._until.items()))
             self._unpin(key, lease)
             cut += 1
@@ -246,7 +227,7 @@ class MemoryCache:
         if self.bytes > self.max_bytes:
             victims = []
             excess = self.bytes - self.max_bytes
-            for key, entry in self._order.items():  # least recently used first, pinned ones skipped
+            for key, entry in self._order.items():
                 if excess <= 0:
                     break
                 if key not in self._pins:
@@ -275,8 +256,7 @@ class MemoryCache:
         self._metrics.cache_pinned_bytes.set(self.pinned_bytes)
 
     def health(self) -> dict[str, object]:
-        """What it holds now: lapsed leases are unpinned first (and the budget kept), so a replica that
-        stores nothing meanwhile still reports its pins as they are."""
+        """What it holds now, lapsed leases unpinned first."""
         self._evict()
         return {
             "tier": self.tier,

@@ -16,17 +16,15 @@ from visenc_client.format import Entry
 
 
 class ClaimState(enum.IntEnum):
-    """Where an image without an entry stands across replicas (the codes ``STATE_SCRIPT`` returns)."""
+    """Where an image without an entry stands across replicas (``STATE_SCRIPT``'s codes)."""
 
     HELD = 0  #: another replica is encoding it (holds its claim)
     OURS = 1  #: the claim is ours: encode it here
     QUEUED = 2  #: nobody encodes it yet; some replica has it queued (marked by ``queue``)
-    FREE = 3  #: nobody encodes it and nobody has it queued
+    FREE = 3
 
 
-#: KEYS = (entry, claim, queued), ARGV = (mode, token, ttl_ms). Returns the entry's value if it exists,
-#: else a ``ClaimState`` code. Mode ``claim`` takes a free claim (an encode starts here), ``queue`` marks
-#: the image queued here unless someone encodes it, ``look`` only reads.
+#: KEYS = (entry, claim, queued), ARGV = (mode, token, ttl_ms): the entry's value, else a ``ClaimState`` code
 STATE_SCRIPT = """
 local v = redis.call('GET', KEYS[1])
 if v then return v end
@@ -44,12 +42,10 @@ end
 if redis.call('EXISTS', KEYS[3]) == 1 then return 2 end
 return 3
 """
-#: KEYS = (claim,), ARGV = (token, ttl_ms): extend the claim if it is still ours.
 RENEW_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('PEXPIRE', KEYS[1], ARGV[2]) end
 return 0
 """
-#: KEYS = (claim,), ARGV = (token,): delete the claim if it is still ours.
 UNCLAIM_SCRIPT = """
 if redis.call('GET', KEYS[1]) == ARGV[1] then return redis.call('DEL', KEYS[1]) end
 return 0
@@ -62,21 +58,18 @@ def claim_key(key: str) -> str:
 
 
 def queued_key(key: str) -> str:
-    """The key marking an entry key's image queued at some replica (same slot as the entry)."""
     return f"{{{key}}}:queued"
 
 
 class RedisClaims:
     def __init__(self, store: RedisStore) -> None:
-        self.store = store  # decodes an entry a claim script returns
+        self.store = store
         self.conn: RedisConnection = store.conn
 
     async def _scripts(
         self, op: str, script: str, keys: Sequence[tuple[str, ...]], args: tuple[Any, ...]
     ) -> list[Any] | None:
-        """Run ``script`` once per key tuple, pipelined, by its SHA1 (``EVALSHA``: the script text is not
-        resent every time); a Redis whose script cache lacks it (new, restarted, flushed) gets it loaded
-        once (``SCRIPT LOAD``, on every primary of a cluster) and the pipeline is sent again."""
+        """Run ``script`` per key tuple, pipelined by SHA1 (``EVALSHA``); loaded once where Redis lacks it."""
         sha = hashlib.sha1(script.encode()).hexdigest()
 
         async def send() -> list[Any]:
@@ -100,9 +93,7 @@ class RedisClaims:
         return await self.conn.run(op, call) if keys else []
 
     async def states(self, keys: Sequence[str], mode: str, token: str, ttl_ms: int) -> list[Entry | ClaimState] | None:
-        """For each key, its entry (already encoded) or its ``ClaimState`` after ``mode`` (``claim``,
-        ``queue`` or ``look``: see ``STATE_SCRIPT``). One pipelined round trip; ``None`` if Redis is
-        unavailable. A corrupt stored value counts as no entry (encode and overwrite it)."""
+        """For each key, its entry or its ``ClaimState`` after ``mode`` (``claim``, ``queue`` or ``look``)."""
         replies = await self._scripts(
             mode, STATE_SCRIPT, [(k, claim_key(k), queued_key(k)) for k in keys], (mode, token, ttl_ms)
         )
@@ -132,9 +123,7 @@ class RedisClaims:
             await self.conn.run("queue", call)
 
     async def renew_claims(self, keys: Sequence[str], token: str, ttl_ms: int) -> None:
-        """Extend the claims on ``keys`` that are still held by ``token``."""
         await self._scripts("renew", RENEW_SCRIPT, [(claim_key(k),) for k in keys], (token, ttl_ms))
 
     async def unclaim(self, keys: Sequence[str], token: str) -> None:
-        """Unclaim ``keys`` where ``token`` still holds the claim."""
         await self._scripts("unclaim", UNCLAIM_SCRIPT, [(claim_key(k),) for k in keys], (token,))

@@ -32,14 +32,12 @@ _STATE_REPLIES = ("BUSY", "MASTERDOWN", "MISCONF", "NOREPLICAS", "LOADING", "TRY
 
 
 def is_bug(error: BaseException) -> bool:
-    """Whether a Redis error is a command or script error no outage explains."""
     if not isinstance(error, ResponseError) or isinstance(error, (OutOfMemoryError, ReadOnlyError)):
         return False
     return not str(error).startswith(_STATE_REPLIES)
 
 
 def redacted_location(url: str) -> str:
-    """``scheme://host:port/db`` of a Redis URL, without user or password (safe to log)."""
     parts = urlsplit(url)
     if parts.scheme == "unix":
         return f"unix://{parts.path}"
@@ -77,8 +75,7 @@ class RedisConnection:
         options: dict[str, Any] = {
             "socket_timeout": settings.redis_timeout_s,
             "socket_connect_timeout": settings.redis_timeout_s,
-            # one immediate retry: replaces a pooled connection a Redis restart broke; no backoff
-            # sleeps on the request path (an outage is handled by skipping Redis, below)
+            # one immediate retry replaces a pooled connection a Redis restart broke; an outage skips Redis instead
             "retry": Retry(NoBackoff(), 1),
         }
         client: Redis | RedisCluster
@@ -96,7 +93,6 @@ class RedisConnection:
 
     @property
     def up(self) -> bool:
-        """False while Redis is skipped after a failure."""
         return self._up
 
     @property

@@ -37,7 +37,6 @@ class RedisStore:
         return entry
 
     def decode(self, key: str, value: bytes) -> Entry | None:
-        """A value read some other way (a claim script) under ``key``; ``None`` when corrupt."""
         return self._decode(key, value)
 
     async def get_many(self, keys: Sequence[str]) -> list[Entry | None]:
@@ -55,8 +54,7 @@ class RedisStore:
         return [self._decode(k, v) for k, v in zip(keys, values)]
 
     async def put(self, key: str, entry: Entry) -> bool:
-        """One ``SET key value EX ttl``: atomic, so a reader sees all of the value or none of it.
-        False (counted, never raised) when Redis is unavailable."""
+        """One ``SET key value EX ttl``: atomic, so a reader sees all of the value or none of it."""
         done = await self.conn.run("set", lambda: self.conn.client.set(key, memoryview(entry.blob), ex=self.ttl_s))
         if done:
             self._metrics.bytes_index.labels(self.tier, "write").inc(entry.nbytes)

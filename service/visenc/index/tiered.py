@@ -1,5 +1,4 @@
-"""The index the engine uses: the in-process LRU (L1), optionally in front of
-the shared Redis store (L2). One class, one interface, whatever is configured."""
+"""The index the engine uses: the in-process LRU (L1), optionally in front of the shared Redis store (L2)."""
 
 from __future__ import annotations
 
@@ -17,7 +16,6 @@ class Index:
         self.batch_keys = batch_keys
 
     def batch_by(self, entry_bytes: int, batch_bytes: int) -> None:
-        """Read Redis misses in batches of ``batch_bytes`` at most, each entry ``entry_bytes`` at most."""
         self.batch_keys = max(1, batch_bytes // max(1, entry_bytes))
 
     def peek(self, key: str) -> Entry | None:
@@ -40,24 +38,19 @@ class Index:
         return found
 
     def store_local(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> bool:
-        """Hold ``entry`` in L1; ``False`` when it is larger than L1."""
         return self.local.store(key, entry, pins=pins, leases=leases)
 
     def pin(self, key: str, lease: Lease | None = None) -> bool:
-        """A caller was told ``key`` is ready: keep it in L1 until it reads it (or the lease ends);
-        ``False`` when L1 does not hold it."""
+        """A caller was told ``key`` is ready: keep it in L1 until it reads it; ``False`` when L1 lacks it."""
         return self.local.pin(key, 1 if lease is None else lease)
 
     def read(self, key: str, lease: str | None, *, last: bool) -> None:
-        """A caller read ``key``'s rows (to the last when ``last``): its pin is renewed or unpinned."""
         self.local.read(key, lease, last=last)
 
     def unpin(self, key: str, lease: str | None = None) -> None:
-        """Unpin ``key`` for a caller that will not read it (``lease``, or one naming none)."""
         self.local.unpin(key, lease)
 
     def discard(self, key: str) -> None:
-        """Drop a key from L1 (an entry that failed its integrity check)."""
         self.local.discard(key)
 
     async def write_through(self, key: str, entry: Entry) -> None:

@@ -1,7 +1,4 @@
-"""The one interface every vision tower sits behind: ``layout`` (rows from the size alone), ``preprocess``
-(CPU, thread-safe, equal to the model's image processor) and ``forward`` (device, one ``[num_tokens,
-hidden_size]`` tensor per image, in order; the engine checks the row counts). Contracts: ``docs/internals.md``.
-"""
+"""The one interface every vision tower sits behind: ``layout``, ``preprocess`` (CPU) and ``forward`` (device)."""
 
 from __future__ import annotations
 
@@ -33,8 +30,7 @@ class TokenLayout:
 
 @dataclass(slots=True)
 class Prepared:
-    """A preprocessed image: the tower's input (an array, or a dict of tensors: opaque to
-    the engine) and its layout."""
+    """A preprocessed image: the tower's input (an array, or a dict of tensors: opaque to the engine) and its layout."""
 
     pixels: Any
     layout: TokenLayout
@@ -42,8 +38,6 @@ class Prepared:
 
 @dataclass(frozen=True, slots=True)
 class Rows:
-    """``count`` embedding rows inside an image's placeholder span."""
-
     count: int
 
 
@@ -65,28 +59,21 @@ def compact(span: Sequence[Segment]) -> list[dict[str, Any]]:
     return out
 
 
-#: the images ``VisionTower.warm_up`` runs: one alone, then two of different sizes together
 WARM_UP_SIZES = ((224, 224), (448, 336))
 
 
 class VisionTower(ABC):
-    #: registry name or checkpoint path the tower was built from
     name: str
-    #: the modules the forward runs (``compile`` compiles their repeated blocks)
     model: torch.nn.Module
-    #: width of one output token row
     hidden_size: int
     dtype: torch.dtype
     device: torch.device
     #: images of different buckets may share one forward (variable-resolution towers)
     packable: bool = False
-    #: whose loader turns a file into the RGB image ``preprocess`` gets (``imaging.decode.LOADERS``);
-    #: set before the fingerprint is first read (``models.loading.load_tower``)
+    #: whose loader turns a file into the RGB image ``preprocess`` gets (``imaging.decode.LOADERS``)
     image_loader: str = "vllm"
-    #: whose video processor a tower that encodes video tube by tube follows (``imaging/video.py``);
-    #: ``None``: images only
+    #: the video processor a tube-by-tube video tower follows (``None``: images only)
     video_rule: ClassVar[Rule | None] = None
-    #: the video processor settings (set by ``models.loading.load_tower`` where ``video_rule`` is)
     video: VideoPreprocess | None = None
     #: a checkpoint's vision tensors and their identity (``{"identity", "tensors"}``; ``None``: built in)
     weights: dict[str, Any] | None = None
@@ -102,7 +89,6 @@ class VisionTower(ABC):
 
     #: blocks compiled by ``compile`` (0: the tower runs eagerly)
     compiled_blocks: int = 0
-    #: whether the blocks run compiled, and if not why (changed only by the methods below)
     compilation: compiled.Status = compiled.NOT_COMPILED
 
     @property
@@ -111,8 +97,7 @@ class VisionTower(ABC):
         return "sdpa"
 
     def compile(self) -> int:
-        """Compile the tower's repeated blocks (``models/compiled.py``); returns how many. The graphs
-        are built by the first forwards: ``warm_up``, which the device worker runs before it is ready."""
+        """Compile the tower's repeated blocks (``models/compiled.py``); returns how many."""
         self.compiled_blocks = compiled.compile_blocks(self.model)
         if self.compiled_blocks:
             detail = f"{self.compiled_blocks} blocks; the warm-up builds their graphs"
@@ -132,8 +117,7 @@ class VisionTower(ABC):
         self.compilation = status
 
     def warm_up(self) -> None:
-        """Forwards of one image, then of two (of two sizes where the tower packs them, else of one):
-        they compile a compiled tower's graphs before any request waits for them."""
+        """Forwards of one image, then of two: a compiled tower builds its graphs before any request waits."""
         small, large = (self.preprocess(Image.new("RGB", size, (120, 130, 140))) for size in WARM_UP_SIZES)
         for batch in ([small], [small, large if self.packable else small]):
             self.forward(batch)
@@ -141,24 +125,18 @@ class VisionTower(ABC):
             torch.cuda.synchronize(self.device)
 
     def record_event(self) -> Any:
-        """Off CUDA: an event behind the forward just launched, whose ``synchronize()`` waits until its
-        outputs are made, or ``None`` where ``forward`` returns them made (every CPU tower; on CUDA the
-        worker records CUDA's own event)."""
+        """Off CUDA: an event whose ``synchronize()`` waits for the forward just launched (``None``: outputs made)."""
         return None
 
     def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
-        """The device calls ``forward`` would cut ``batch`` into anyway, as index lists in order
-        (default: one). The device worker makes them one by one and hands each one's rows on at
-        once, so a prefill waiting for the first images of a batch does not wait for its last."""
+        """The device calls ``forward`` would cut ``batch`` into anyway, as index lists in order (default: one)."""
         return [list(range(len(batch)))] if batch else []
 
     def span(self, width: int, height: int) -> list[Segment]:
-        """The placeholder span of a ``width x height`` image in the engine's prompt: its rows and
-        the text the engine's processor writes around and between them (default: rows alone)."""
+        """The placeholder span of a ``width x height`` image in the engine's prompt (default: rows alone)."""
         return [Rows(self.layout(width, height).num_tokens)]
 
     def video_geometry(self) -> dict[str, int]:
-        """``patch_size``, ``merge_size``, ``temporal_patch_size`` of a video tower's model."""
         raise NotImplementedError
 
     def tube_layout(self, grid_hw: tuple[int, int]) -> TokenLayout:
@@ -168,8 +146,7 @@ class VisionTower(ABC):
         return TokenLayout(self.video.tube_tokens(grid), grid, grid)
 
     def tube_input(self, pixels: np.ndarray, grid_hw: tuple[int, int]) -> Prepared:
-        """One tube's tower input (``VideoPreprocess.tube_pixels``) as ``forward`` takes it: an input
-        of grid ``(1, h, w)`` whose two frames differ. Default: the array itself."""
+        """One tube's tower input (``VideoPreprocess.tube_pixels``) as ``forward`` takes it."""
         return Prepared(pixels, self.tube_layout(grid_hw))
 
     def row_layout(self) -> list[dict[str, Any]]:
@@ -178,8 +155,7 @@ class VisionTower(ABC):
 
     @abstractmethod
     def fingerprint_fields(self) -> dict[str, Any]:
-        """Everything that changes the output: model id/revision, weights digest
-        or seed, architecture config, dtype, preprocessing settings."""
+        """Everything that changes the output: model, weights, config, dtype, preprocessing."""
 
     @property
     def image_backend(self) -> str:
@@ -187,40 +163,31 @@ class VisionTower(ABC):
         return "pil"
 
     def input_tokens(self, layout: TokenLayout) -> int:
-        """Tokens the forward processes for this image: the unit of the batch budget.
-        Default: the patch grid (``t*h*w``); fixed-resolution towers override."""
+        """Tokens the forward processes for this image: the unit of the batch budget."""
         t, h, w = layout.grid_thw
         return t * h * w
 
     def activation_bytes_per_token(self) -> int:
-        """Peak activation bytes per unit of ``input_tokens`` in one forward, the
-        part that grows linearly with the batch (see ``forward_bytes``)."""
+        """Peak activation bytes per ``input_tokens`` unit in one forward, the part linear in the batch."""
         return 64 * self.hidden_size * max(1, self.dtype.itemsize)
 
     def input_bytes_per_token(self) -> int:
-        """Host bytes of preprocessed input (``Prepared.pixels``) per unit of
-        ``input_tokens``: what the scheduler holds for staged images."""
+        """Host bytes of preprocessed input per ``input_tokens`` unit (what the scheduler holds staged)."""
         return 4 * self.hidden_size
 
     def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
-        """Estimated peak bytes one ``forward`` of these images allocates (activations,
-        the batch's input copies, attention scores where the kernel materialises
-        them), excluding weights and the staged inputs. Must not underestimate:
-        the scheduler keeps every batch under a budget in these units.
-        Default: linear in the tokens; towers refine it (see ``models/memory.py``)."""
+        """Estimated peak bytes one ``forward`` of these images allocates, weights and staged inputs excluded."""
         return self.activation_bytes_per_token() * sum(self.input_tokens(lay) for lay in layouts)
 
     def to_device(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Host input → the tower's device and dtype, without blocking the host: on CUDA the host
-        tensor is pinned and the copy queued on the current stream."""
+        """Host input → the tower's device and dtype without blocking (pinned and queued on CUDA)."""
         if self.device.type == "cuda":
             return pixels.pin_memory().to(self.device, self.dtype, non_blocking=True)
         return pixels.to(self.device, self.dtype, non_blocking=True)
 
     @property
     def fingerprint(self) -> str:
-        """128-bit digest (32 hex) of ``fingerprint_fields`` and the image loader with the engine version
-        it follows (``vllm-0.32``); goes into every index key."""
+        """128-bit digest (32 hex) of ``fingerprint_fields`` and the image loader; goes into every index key."""
         cached = getattr(self, "_fingerprint", None)
         if cached is None:
             fields = {**self.fingerprint_fields(), "image_loader": LOADERS[self.image_loader].label}

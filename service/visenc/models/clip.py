@@ -37,12 +37,7 @@ from visenc.models.construct import cast_module, config_fields
 
 @dataclass(frozen=True)
 class FixedPreprocess:
-    """CLIP/SigLIP image processor settings (units: pixels).
-
-    Resize: ``shortest_edge`` set → short side to it (CLIP), else to
-    ``height x width`` (SigLIP). Then an optional ``crop_height x crop_width``
-    center crop, rescale, normalise.
-    """
+    """CLIP/SigLIP image processor settings (units: pixels)."""
 
     shortest_edge: int | None
     height: int | None
@@ -54,12 +49,10 @@ class FixedPreprocess:
     rescale_factor: float | None = 1 / 255
     do_normalize: bool = True
     resample: int = BICUBIC
-    #: whose image-processor backend the pixels equal: "torchvision" (the fast processor) or "pil"
     backend: str = "torchvision"
 
     @property
     def output_size(self) -> tuple[int, int]:
-        """``(height, width)`` of the model input."""
         if self.crop_height is not None and self.crop_width is not None:
             return self.crop_height, self.crop_width
         if self.height is None or self.width is None:
@@ -77,7 +70,6 @@ class FixedPreprocess:
         return cls(None, 224, 224, None, None, IMAGENET_STANDARD_MEAN, IMAGENET_STANDARD_STD)
 
     def with_processor_config(self, cfg: dict[str, Any]) -> FixedPreprocess:
-        """Override from a ``preprocessor_config.json`` dict (keys it lacks keep ours)."""
         size = cfg.get("size")
         out = self
         if isinstance(size, dict):
@@ -104,7 +96,6 @@ class FixedPreprocess:
         )
 
     def processor_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments that make ``CLIPImageProcessorPil`` / ``SiglipImageProcessorPil`` do the same."""
         size = (
             {"shortest_edge": self.shortest_edge}
             if self.shortest_edge is not None
@@ -125,8 +116,7 @@ class FixedPreprocess:
 
 
 class FixedResolutionTower(VisionTower):
-    """CLIP (``vision_model`` + ``visual_projection``) or SigLIP (``vision_model``,
-    pooled by its attention head) as one embedding row per image."""
+    """CLIP or SigLIP as one embedding row per image."""
 
     packable = False
 
@@ -190,7 +180,6 @@ class FixedResolutionTower(VisionTower):
         return Prepared(pixels=self._norm.channels_first(array), layout=self._layout)
 
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
-        """Stacked forward; one ``[1, hidden_size]`` view per image."""
         if not batch:
             return []
         pixels = torch.from_numpy(np.stack([p.pixels for p in batch]))
@@ -208,14 +197,11 @@ class FixedResolutionTower(VisionTower):
             "preprocess": asdict(self.settings),
         }
 
-    # --- memory estimates (see models/memory.py); the budget unit is one image ---
     def input_bytes_per_token(self) -> int:
         height, width = self.settings.output_size
         return 4 * 3 * height * width
 
     def activation_bytes_per_token(self) -> int:
-        """Per image: its stacked input (and cast) and one block's widest live set
-        over its ``(size/patch)² + 1`` positions."""
         config = self.model.config
         item = self.dtype.itemsize
         per_image = self.input_bytes_per_token() * (
@@ -238,8 +224,7 @@ class FixedResolutionTower(VisionTower):
 
 
 def tiny_clip_config() -> CLIPVisionConfig:
-    """The peer benchmark's tiny CLIP vision side (infinity ``make_tiny_clip.py``):
-    224 px, patch 16, hidden 384, intermediate 1536, 6 layers, 6 heads, projection 256."""
+    """The peer benchmark's tiny CLIP vision side (infinity ``make_tiny_clip.py``)."""
     return CLIPVisionConfig(
         image_size=224,
         patch_size=16,
@@ -252,7 +237,6 @@ def tiny_clip_config() -> CLIPVisionConfig:
 
 
 def tiny_siglip_config() -> SiglipVisionConfig:
-    """A small SigLIP: 224 px, patch 16, hidden 256, intermediate 1024, 4 layers, 4 heads."""
     return SiglipVisionConfig(
         image_size=224,
         patch_size=16,

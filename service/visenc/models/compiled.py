@@ -20,21 +20,16 @@ log = logging.getLogger(__name__)
 RECOMPILE_LIMIT = 8
 
 Compile = Literal["auto", "on", "off"]
-#: why a tower runs eagerly: the setting, a missing toolchain, a backend failure, a warm-up past its
-#: time limit, a warm-up forward that raised
 Cause = Literal["setting", "toolchain", "backend", "warm_up_timeout", "warm_up_error"]
 CAUSES: tuple[Cause, ...] = ("setting", "toolchain", "backend", "warm_up_timeout", "warm_up_error")
-#: a compiled tower's warm-up may take this long, plus ``WARM_UP_S_PER_BLOCK`` per compiled block
-#: (``warm_up_timeout_s``'s default): a cold compile of a 32-block tower takes minutes
+#: a warm-up's time limit, plus ``WARM_UP_S_PER_BLOCK`` per block: a cold 32-block compile takes minutes
 WARM_UP_BASE_S = 300.0
 WARM_UP_S_PER_BLOCK = 20.0
 
 
 @dataclass(frozen=True, slots=True)
 class Status:
-    """Whether the tower's blocks run compiled: ``warming`` (compiled, graphs being built before
-    readiness), ``compiled`` (``graphs`` built by the warm-up), or ``eager`` with its ``cause`` and a
-    ``detail`` for people."""
+    """Whether the blocks run compiled: ``warming``, ``compiled`` (with ``graphs``), or ``eager`` (with ``cause``)."""
 
     state: Literal["warming", "compiled", "eager"]
     cause: Cause | None = None
@@ -50,7 +45,6 @@ class Status:
         return out
 
     def sentence(self) -> str:
-        """One line for the log."""
         if self.state == "eager":
             return f"the tower runs eagerly ({self.cause}): {self.detail}"
         if self.state == "warming":
@@ -58,7 +52,6 @@ class Status:
         return f"the tower runs compiled ({self.graphs} graphs built by the warm-up)"
 
 
-#: a tower that was never compiled
 NOT_COMPILED = Status("eager", "setting", "the tower was not compiled")
 
 
@@ -76,12 +69,7 @@ def why_eager(setting: Compile, device: torch.device) -> Status | None:
 
 
 def toolchain_problem(device: torch.device) -> str | None:
-    """What the compiler backend needs at run time and this host lacks (``None``: nothing found missing).
-
-    On CUDA, Triton builds a launcher for its kernels at first use (``triton/runtime/build.py``): a
-    C compiler (``CC``, else ``gcc``, else ``clang``), Python's headers (``Python.h`` in sysconfig's
-    include path) and ``libcuda.so.1`` to link against (``triton/backends/nvidia/driver.py``). On a
-    CPU, inductor compiles C++ (``CXX``, else ``g++``) with Python's headers."""
+    """What the compiler backend needs at run time and this host lacks (``None``: nothing found missing)."""
     missing = []
     if device.type == "cuda":
         if _compiler("CC", "gcc", "clang") is None:
@@ -97,7 +85,6 @@ def toolchain_problem(device: torch.device) -> str | None:
 
 
 def _compiler(variable: str, *names: str) -> str | None:
-    """The compiler ``variable`` names (when set, only it), else the first of ``names`` on PATH."""
     chosen = os.environ.get(variable)
     if chosen is not None:
         return shutil.which(chosen)
@@ -105,8 +92,6 @@ def _compiler(variable: str, *names: str) -> str | None:
 
 
 def python_headers() -> Path:
-    """Where Triton looks for ``Python.h``: the include path of sysconfig's default scheme
-    (Debian's ``posix_local`` read as ``posix_prefix``)."""
     scheme = sysconfig.get_default_scheme()
     if scheme == "posix_local":
         scheme = "posix_prefix"
@@ -124,12 +109,10 @@ def _libcuda_problem() -> str | None:
 
 
 def warm_up_limit_s(blocks: int) -> float:
-    """The default time limit of a warm-up that compiles ``blocks`` blocks."""
     return WARM_UP_BASE_S + WARM_UP_S_PER_BLOCK * blocks
 
 
 def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The repeated blocks of ``model``: members of every ``ModuleList`` of two or more modules of one class."""
     found: list[torch.nn.Module] = []
     for module in model.modules():
         if isinstance(module, torch.nn.ModuleList) and len(module) > 1 and len({type(m) for m in module}) == 1:
@@ -138,8 +121,7 @@ def blocks(model: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def configure() -> None:
-    """Dynamo's settings for the blocks, in the calling thread: torch keeps each setting per thread
-    (a context variable), so the thread that runs the forwards calls this too."""
+    """Dynamo's settings for the blocks, in the calling thread (torch keeps them per thread)."""
     for name in ("recompile_limit", "cache_size_limit"):  # the name changed in torch 2.6
         if hasattr(torch._dynamo.config, name):
             setattr(torch._dynamo.config, name, RECOMPILE_LIMIT)
@@ -157,16 +139,14 @@ def compile_blocks(model: torch.nn.Module) -> int:
 
 
 def uncompile_blocks(model: torch.nn.Module) -> None:
-    """Undo ``compile_blocks``: the blocks run eagerly and never enter dynamo again (so never wait for
-    its compile lock, which an abandoned warm-up may still hold)."""
+    """Undo ``compile_blocks``: the blocks never enter dynamo again (nor wait for its compile lock)."""
     for block in blocks(model):
         block._compiled_call_impl = None  # what ``Module.compile`` set; ``None`` is its eager default
 
 
 @contextlib.contextmanager
 def backend_failures() -> Iterator[list[str]]:
-    """Collect, while inside, the compile failures dynamo suppressed (``suppress_errors``: it logs
-    each one and runs the frame eagerly), as one line each."""
+    """Collect, while inside, the compile failures dynamo suppressed, one line each."""
     found: list[str] = []
 
     class Collect(logging.Handler):
@@ -184,15 +164,12 @@ def backend_failures() -> Iterator[list[str]]:
 
 
 def _first_line(error: BaseException) -> str:
-    """An exception's message in one line (dynamo wraps the backend's own error on its second line)."""
     lines = [line.strip() for line in str(error).splitlines() if line.strip()]
     return " ".join(lines[:2])[:300] or type(error).__name__
 
 
 def after_warm_up(failures: list[str]) -> Status:
-    """How a compiled tower runs once its warm-up ran with ``failures`` (``backend_failures``):
-    compiled, with the graphs built; eagerly if the backend failed, or if no graph was built at all
-    (dynamo disabled, e.g. ``TORCHDYNAMO_DISABLE=1``: every block then runs eagerly, unannounced)."""
+    """Compiled after the warm-up, or eager: the backend failed, or no graph was built (``TORCHDYNAMO_DISABLE=1``)."""
     if failures:
         return Status(
             "eager", "backend", f"the compiler backend failed on {len(failures)} frame(s); first: {failures[0]}"
@@ -204,7 +181,6 @@ def after_warm_up(failures: list[str]) -> Status:
 
 
 def graphs() -> int:
-    """Graphs compiled in this process so far."""
     from torch._dynamo.utils import counters
 
     return int(counters["stats"]["unique_graphs"])

@@ -30,7 +30,6 @@ _NOISE_KEYS = {
 
 
 def resolve_dtype(name: str) -> torch.dtype:
-    """``"float32" | "bfloat16" | "float16"`` → ``torch.dtype``; ``ValueError`` otherwise."""
     try:
         torch_name = TORCH_NAMES[name.removeprefix("torch.")]
     except KeyError:
@@ -51,8 +50,7 @@ def set_attention(config: Any, implementation: str = "sdpa") -> None:
 
 
 def build_seeded(factory: Callable[[], M], seed: int) -> M:
-    """Build a module with weights from ``torch.manual_seed(seed)``, the caller's RNG untouched:
-    the same torch version and seed give bit-identical weights in every process."""
+    """Build a module with weights from ``torch.manual_seed(seed)`` (bit-identical per torch version), RNG untouched."""
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         module = factory()
@@ -66,14 +64,12 @@ def build_empty(factory: Callable[[], M]) -> M:
     return module.eval()
 
 
-#: buffers that hold rotary frequency tables: transformers computes them in float32 and keeps them
-#: there whatever the weights' dtype (cast to bfloat16 they would shift every rotary angle)
+#: rotary frequency buffers: transformers keeps them float32 whatever the weights' dtype
 FP32_BUFFERS = ("inv_freq", "original_inv_freq")
 
 
 def cast_module(model: torch.nn.Module, *, device: torch.device, dtype: torch.dtype) -> torch.nn.Module:
-    """``model.to(device, dtype)``, except that rotary frequency tables stay float32, as in a model
-    transformers loads with ``dtype=...``."""
+    """``model.to(device, dtype)``, rotary frequency tables kept float32 as transformers loads them."""
     keep = {
         name: buf.detach().clone()
         for name, buf in model.named_buffers()

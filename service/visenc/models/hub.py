@@ -29,7 +29,6 @@ from visenc.models.weights import INDEX_FILE, SINGLE_FILE, Checkpoint, header, s
 
 log = logging.getLogger("visenc")
 
-#: ``ORG/NAME``, as the hub spells repository ids
 REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 #: the files a tower is built from, besides the weights (the index says where the weights are)
 CONFIG_FILES = (
@@ -47,8 +46,7 @@ DOWNLOAD_DIR: Path | None = None
 
 
 def parse_spec(spec: str, revision: str | None) -> tuple[str, str | None] | None:
-    """``(repo_id, revision)`` of a hub id ``ORG/NAME`` or ``ORG/NAME@REVISION`` (``revision``, the
-    ``--revision`` setting, where the name has none); ``None`` for anything else."""
+    """``(repo_id, revision)`` of ``ORG/NAME[@REVISION]`` (``revision`` where it has none); ``None`` otherwise."""
     repo_id, at, pinned = spec.partition("@")
     if not REPO_ID.match(repo_id) or (at and not pinned):
         return None
@@ -59,9 +57,7 @@ def parse_spec(spec: str, revision: str | None) -> tuple[str, str | None] | None
 
 @dataclass(frozen=True)
 class Snapshot:
-    """A repository at one commit, its config files in the hub cache's snapshot ``folder``.
-    ``files``: the repository's files (or, served from the cache, those cached); ``offline``: why
-    the hub was not asked (``Offline``: it may not be) or did not answer, ``None`` when it answered."""
+    """A repository at one commit, its config files in the hub cache's snapshot ``folder``."""
 
     repo_id: str
     revision: str
@@ -72,9 +68,7 @@ class Snapshot:
 
 
 def open_repo(repo_id: str, revision: str | None, wait_s: float = HUB_WAIT_S) -> Checkpoint:
-    """The checkpoint of ``repo_id`` at ``revision`` (default ``main``): its config files fetched
-    (or found in the cache), its weights fetched when ``Checkpoint.weights.files`` asks for them;
-    a hub that says "try later" waited out for ``wait_s`` in all, where the caches cannot serve."""
+    """The checkpoint of ``repo_id`` at ``revision``; a hub that says "try later" is waited out for ``wait_s``."""
     patience = Patience(wait_s)
     snapshot = resolve(repo_id, revision, patience)
     name = repo_id if revision is None else f"{repo_id}@{revision}"
@@ -82,9 +76,7 @@ def open_repo(repo_id: str, revision: str | None, wait_s: float = HUB_WAIT_S) ->
 
 
 def resolve(repo_id: str, pinned: str | None, patience: Patience) -> Snapshot:
-    """The revision (``pinned``, else ``main``) as the hub resolves it, its config files fetched; from
-    the cache where the hub cannot be reached or says "try later" (asked again within ``patience``
-    where the cache does not hold the revision) or ``HF_HUB_OFFLINE`` is set."""
+    """The revision as the hub resolves it, config files fetched; from the cache where the hub cannot serve."""
     from huggingface_hub import constants
 
     revision = pinned or "main"
@@ -104,7 +96,6 @@ def resolve(repo_id: str, pinned: str | None, patience: Patience) -> Snapshot:
 
 
 def ask_hub(repo_id: str, pinned: str | None) -> Snapshot:
-    """The revision resolved by the hub, its config files fetched (``Unreachable`` where it did not answer)."""
     from huggingface_hub import HfApi, constants, hf_hub_download, try_to_load_from_cache
     from huggingface_hub.errors import RemoteEntryNotFoundError
 
@@ -134,8 +125,6 @@ def ask_hub(repo_id: str, pinned: str | None) -> Snapshot:
 
 
 def listing(api: Any, repo_id: str, commit: str, siblings: list[Any] | None) -> frozenset[str]:
-    """The repository's files at ``commit``: the repo info's ``siblings`` where it gave them for that
-    commit, else its tree (what ``snapshot_download`` lists)."""
     from huggingface_hub.hf_api import RepoFile
 
     if siblings is not None:
@@ -145,7 +134,6 @@ def listing(api: Any, repo_id: str, commit: str, siblings: list[Any] | None) -> 
 
 
 def from_cache(repo_id: str, revision: str, why: Unreachable) -> Snapshot | None:
-    """The commit ``revision`` last resolved to, as the hub cache holds it; ``None`` where it does not."""
     from huggingface_hub import try_to_load_from_cache
 
     config = try_to_load_from_cache(repo_id, "config.json", revision=revision)
@@ -159,8 +147,7 @@ def from_cache(repo_id: str, revision: str, why: Unreachable) -> Snapshot | None
 
 @dataclass
 class HubWeights:
-    """The weights of a ``Snapshot``: the vision-only file if it holds what is wanted, else the hub
-    cache's shards if every needed one is there, else the wanted tensors' bytes, fetched."""
+    """The weights of a ``Snapshot``: the vision-only file, else cached shards, else the wanted bytes fetched."""
 
     snapshot: Snapshot
     patience: Patience = field(default_factory=lambda: Patience(HUB_WAIT_S))
@@ -178,8 +165,7 @@ class HubWeights:
         return root / "visenc" / repo / self.snapshot.commit / VISION_FILE
 
     def vision_header(self) -> dict[str, Any] | None:
-        """The vision file's header if the file is there and whole (``whole_file``), checked once
-        per version of the file."""
+        """The vision file's header if it is there and whole, checked once per version of the file."""
         try:
             st = self.vision_file.stat()
         except FileNotFoundError:
@@ -197,7 +183,6 @@ class HubWeights:
             return [n for names in self.shards().values() for n in names]
 
     def shards(self) -> dict[str, list[str]]:
-        """shard file → its tensor names: the index (a config file), or the single file's header."""
         s = self.snapshot
         if INDEX_FILE in s.files:
             return shard_map(json.loads((s.folder / INDEX_FILE).read_text()))
@@ -235,7 +220,6 @@ class HubWeights:
                     raise ModelUnavailable(f"{e}, and its vision weights are not in the cache{found}{waited}") from e
 
     def _fetched(self, wanted: set[str]) -> dict[Path, list[str]]:
-        """``files``' answer from the hub cache's shards, else fetched (``Unreachable`` as the hub says)."""
         from huggingface_hub import try_to_load_from_cache
 
         s = self.snapshot
@@ -256,8 +240,7 @@ class HubWeights:
         return {self.vision_file: sorted(wanted)}
 
     def _whole(self, filenames: list[str], why: RangesNotServed) -> dict[str, Path]:
-        """``filenames`` downloaded whole into the hub cache (``hf_hub_download``), where the hub does
-        not serve ranges: the shards that hold vision weights, still none of the others."""
+        """``filenames`` downloaded whole into the hub cache, where the hub does not serve ranges."""
         from huggingface_hub import hf_hub_download
 
         s = self.snapshot
@@ -276,8 +259,6 @@ class HubWeights:
 
     @contextmanager
     def _locked(self) -> Iterator[None]:
-        """The vision file's lock (``WeakFileLock``, as the hub cache's downloads take theirs): at
-        once, or after saying that another process holds it (a replica fetching the same file)."""
         from huggingface_hub.utils import WeakFileLock
 
         lock = self.vision_file.with_suffix(".lock")
@@ -314,7 +295,7 @@ class HubWeights:
             f" ({size_text(done.kept_bytes)} kept from an earlier fetch)" if done.kept_bytes else "",
             sum(len(v) for v in needed.values()),
             done.shards,
-            len(self.shards()),  # known by now: no request
+            len(self.shards()),
             size_text(done.header_bytes),
             done.requests,
             time.monotonic() - started,
@@ -323,10 +304,7 @@ class HubWeights:
 
 
 def whole_file(file: Path) -> dict[str, Any] | None:
-    """The header of the vision file ``file`` where the file is whole: as long as its header says,
-    its data's checksum the one it was written with (``hub_fetch.DATA_SHA256``). ``None`` where it is
-    not there, or damaged (truncated, overwritten, a disk error: a warning says which); a damaged
-    file is never read, and the next fetch replaces it."""
+    """The header of the vision file where it is whole (its data's checksum matches ``DATA_SHA256``)."""
     try:
         with file.open("rb") as f:
             size = os.fstat(f.fileno()).st_size

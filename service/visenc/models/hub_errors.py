@@ -1,7 +1,4 @@
-"""What the hub (or the way to it) answered, as one ``ModelUnavailable`` line naming the cause:
-``hub_answers`` around every call to the hub. ``Unreachable`` (no answer, a timeout, a 408, 429 or
-5xx: "try later") is the failure the caches may still serve, and that ``Patience`` waits out
-(``models/hub.py``)."""
+"""What the hub (or the way to it) answered, as one ``ModelUnavailable`` line naming the cause."""
 
 from __future__ import annotations
 
@@ -26,8 +23,7 @@ LONGEST_PAUSE_S = 30.0
 
 
 class Unreachable(ModelUnavailable):
-    """No answer from the hub (refused, reset, timed out) or a "try later" answer: the caches may
-    still serve, else ``Patience`` asks again. ``retry_after_s``: the wait the hub asked for."""
+    """No answer from the hub or a "try later" answer: the caches may still serve, else ``Patience`` asks again."""
 
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
@@ -40,9 +36,7 @@ class Offline(Unreachable):
 
 @dataclass
 class Patience:
-    """How long one start waits out a hub that says "try later", all its hub calls together:
-    ``wait_s`` from its creation. Pauses honour the hub's ``Retry-After``, else double from
-    ``FIRST_PAUSE_S`` to ``LONGEST_PAUSE_S``, with jitter (replicas restarting together spread out)."""
+    """How long one start waits out a hub that says "try later": ``wait_s`` from its creation, all calls together."""
 
     wait_s: float
     started: float = field(default_factory=time.monotonic)
@@ -65,15 +59,12 @@ class Patience:
         return True
 
     def spent(self) -> str:
-        """How long it waited, for the line that ends a start."""
         return f"asked {self.tries} times over {time.monotonic() - self.started:.0f} s, hub_wait_s={self.wait_s:g}"
 
 
 @contextmanager
 def hub_answers(revision: str) -> Iterator[None]:
-    """What the hub (or the way to it) answered, as one ``ModelUnavailable`` line: ``Unreachable``
-    where it did not answer or said "try later", a refusal (unknown or gated repository, unknown
-    revision) otherwise."""
+    """``Unreachable`` where the hub did not answer or said "try later", else the refusal, as one line."""
     import httpx2
     from huggingface_hub import constants
     from huggingface_hub.errors import (

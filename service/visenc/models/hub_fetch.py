@@ -25,25 +25,20 @@ log = logging.getLogger("visenc")
 
 #: largest ranged GET; bigger ranges are cut into parts of this size, fetched side by side
 PART_BYTES = 64 << 20
-#: ranged GETs in flight at once
 PARALLEL_PARTS = 8
 #: tries of one part (each resumes where the last one stopped), and the first pause between them
 PART_TRIES = 5
 RETRY_PAUSE_S = 1.0
-#: tries in a row that receive nothing (each waits ``HF_HUB_DOWNLOAD_TIMEOUT``) before the hub is
-#: taken as gone: a hub that hangs ends start-up within a minute, one that cuts transfers short is resumed
+#: tries in a row that receive nothing before the hub is taken as gone (a hang ends start-up within a minute)
 STALLED_TRIES = 2
 #: the vision file's metadata key for the sha256 of its data (every byte after the header)
 DATA_SHA256 = "data_sha256"
-#: bytes read at once when that checksum is computed
 CHECK_BYTES = 16 << 20
 
 
 @dataclass(eq=False)
 class RemoteFile:
-    """A file of a hub repository at one commit: where to GET it (the CDN location the hub redirects
-    to, if any), the headers to send (the token only to the hub's own origin), its size. Its
-    safetensors header is read once (``header``)."""
+    """A file of a hub repository at one commit: its GET location, headers (token only to the hub) and size."""
 
     name: str
     url: str
@@ -66,7 +61,6 @@ class RemoteFile:
         return cls(filename, meta.location, headers, meta.size, meta.etag)
 
     def read(self, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` (``copy``)."""
         out = bytearray(end - start)
 
         def put(at: int, chunk: bytes) -> None:
@@ -78,10 +72,7 @@ class RemoteFile:
     def copy(
         self, start: int, end: int, write: Callable[[int, bytes], None], stop: threading.Event | None = None
     ) -> None:
-        """Bytes ``[start, end)`` handed to ``write(offset, chunk)`` as they arrive, in ranged GETs: a
-        transfer cut short resumes where it stopped (``PART_TRIES`` tries, pauses doubling from
-        ``RETRY_PAUSE_S``; ``STALLED_TRIES`` in a row that receive nothing end it); ``stop`` set ends
-        it early."""
+        """Bytes ``[start, end)`` to ``write(offset, chunk)`` in ranged GETs, resumed where a transfer was cut short."""
         import httpx2
 
         at, pause, stalled = start, RETRY_PAUSE_S, 0
@@ -105,8 +96,7 @@ class RemoteFile:
                 pause *= 2
 
     def stream(self, start: int, end: int) -> Iterator[bytes]:
-        """Bytes ``[start, end)`` as they arrive; ``RangesNotServed`` where the server does not
-        answer the range it was asked (it would send the whole file) or encodes it."""
+        """Bytes ``[start, end)`` as they arrive; ``RangesNotServed`` where the server ignores or encodes the range."""
         from huggingface_hub import constants
         from huggingface_hub.utils import get_session, hf_raise_for_status
 
@@ -154,9 +144,6 @@ class Span:
 
 @dataclass
 class Fetched:
-    """What a fetch transferred: tensor bytes, header bytes, ranged requests, shards read; tensor
-    bytes kept from an earlier fetch."""
-
     tensor_bytes: int = 0
     kept_bytes: int = 0
     header_bytes: int = 0
@@ -165,8 +152,7 @@ class Fetched:
 
 
 def plan(wanted: dict[RemoteFile, list[str]]) -> tuple[dict[str, Any], list[Span]]:
-    """The vision file's header entries (tensors in their source order, packed) and the spans to
-    fetch: each run of tensors adjacent in their shard is one span."""
+    """The vision file's header entries and the spans to fetch (one per run of adjacent tensors in a shard)."""
     entries: dict[str, Any] = {}
     spans: list[Span] = []
     at = 0
@@ -185,7 +171,6 @@ def plan(wanted: dict[RemoteFile, list[str]]) -> tuple[dict[str, Any], list[Span
 
 
 def parts(spans: list[Span], size: int = PART_BYTES) -> list[Span]:
-    """Spans cut into pieces of at most ``size`` bytes."""
     out = []
     for s in spans:
         for start in range(s.start, s.end, size):
@@ -194,10 +179,7 @@ def parts(spans: list[Span], size: int = PART_BYTES) -> list[Span]:
 
 
 def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dict[str, str], label: str) -> Fetched:
-    """Write ``dest``: a safetensors file of the ``wanted`` tensors of each remote shard (their
-    names, dtypes and bytes as in the shard), with ``metadata`` and ``DATA_SHA256``, the checksum of
-    its data (``data_sha256``), which tells a later start that the file is whole. What an earlier
-    fetch of the same tensors left (``resume.Partial``) is checked and kept."""
+    """Write ``dest``: a safetensors file of the ``wanted`` tensors of each remote shard, with ``DATA_SHA256``."""
     entries, spans = plan(wanted)
     placeholder = {**metadata, DATA_SHA256: "0" * 64}  # filled in once every byte is there
     body = json.dumps({"__metadata__": placeholder, **entries}, separators=(",", ":")).encode()
@@ -235,14 +217,12 @@ def fetch_tensors(dest: Path, wanted: dict[RemoteFile, list[str]], metadata: dic
 
 
 def identity(head: bytes, spans: list[Span]) -> str:
-    """What a partial file must have been written for to be resumed: the header, and each span's
-    source (name, ETag, size) and ranges."""
+    """What a partial file must have been written for to be resumed: the header and each span's source."""
     sources = [(s.source.name, s.source.etag, s.source.size, s.start, s.end, s.dest) for s in spans]
     return hashlib.sha256(head + json.dumps(sources).encode()).hexdigest()
 
 
 def runs(blocks: list[Span], limit: int) -> list[Span]:
-    """Adjacent ``blocks`` (of one source, in order) joined into pieces of at most ``limit`` bytes."""
     out: list[Span] = []
     for b in blocks:
         last = out[-1] if out else None
@@ -260,13 +240,11 @@ def runs(blocks: list[Span], limit: int) -> list[Span]:
 
 
 def leftovers(dest: Path) -> list[Path]:
-    """The temporary files of fetches of ``dest`` named as earlier versions named them (a random
-    part each), which no fetch resumes: only the holder of ``dest``'s lock may remove them."""
+    """Temporary files of ``dest`` named as earlier versions named them (removed only under ``dest``'s lock)."""
     return sorted(dest.parent.glob(f"{dest.name}.*{INCOMPLETE}"))
 
 
 def data_sha256(fd: int, start: int, end: int) -> str:
-    """sha256 (hex) of bytes ``[start, end)`` of the open file ``fd``."""
     digest = hashlib.sha256()
     for at in range(start, end, CHECK_BYTES):
         digest.update(os.pread(fd, min(CHECK_BYTES, end - at), at))
@@ -274,8 +252,6 @@ def data_sha256(fd: int, start: int, end: int) -> str:
 
 
 def _fetch_parts(partial: Partial, pieces: list[Span], block: int, progress: Callable[[int], None]) -> None:
-    """Every piece, ``PARALLEL_PARTS`` at a time, the blocks written logged every ``RECORD_EVERY_S``;
-    the first failure (or an exit) stops the others."""
     stop = threading.Event()
     pool = ThreadPoolExecutor(PARALLEL_PARTS, thread_name_prefix="visenc-fetch")
     try:
@@ -293,8 +269,6 @@ def _fetch_parts(partial: Partial, pieces: list[Span], block: int, progress: Cal
 def _fetch_part(
     partial: Partial, piece: Span, block: int, progress: Callable[[int], None], stop: threading.Event
 ) -> None:
-    """One piece (whole blocks) into the partial file at ``piece.dest``, each block recorded with its
-    sha256 as its last byte is written."""
     start, digest = piece.start, hashlib.sha256()
 
     def write(at: int, chunk: bytes) -> None:

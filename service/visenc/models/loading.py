@@ -1,5 +1,4 @@
-"""``load_tower``: a built-in tower by name, or the vision tower of a checkpoint (a local folder, or a
-hub id: ``models/hub.py``)."""
+"""``load_tower``: a built-in tower by name, or the vision tower of a local or hub checkpoint."""
 
 from __future__ import annotations
 
@@ -40,25 +39,12 @@ def load_tower(
     image_backend: str = "torchvision",
     hub_wait_s: float = hub.HUB_WAIT_S,
 ) -> VisionTower:
-    """Build a tower from a registry name (``REGISTRY``), a local checkpoint folder or a hub id
-    (``ORG/NAME``, ``ORG/NAME@REVISION``; ``revision``: the hub revision where the name has none).
-
-    ``dtype``: ``float32`` (CPU) or ``bfloat16``/``float16`` (GPU hosts);
-    ``device``: any torch device string; ``max_pixels``: Qwen resize ceiling
-    (overrides the checkpoint's preprocessor config); ``seed``: weights of
-    registry towers; ``image_loader``: whose loader's RGB conversion the tower's
-    inputs follow (``imaging.decode.LOADERS``, part of the fingerprint);
-    ``image_backend``: whose image-processor backend the pixels equal,
-    ``torchvision`` (the fast processors engines run) or ``pil``; ``hub_wait_s``: how long a hub that
-    says "try later" is waited out where the cache cannot serve. Raises
-    ``ModelUnavailable`` (a ``ValueError``) for unknown specs, hub failures,
-    unsupported model types, or checkpoints without vision weights.
-    """
+    """Build a tower from a registry name, a local checkpoint folder or a hub id (``ORG/NAME[@REVISION]``)."""
     torch_dtype = resolve_dtype(dtype)
     torch_device = torch.device(device)
     folder = None
     if spec.startswith(sim.PREFIX):
-        tower: VisionTower = sim.load(spec)  # a simulated device, for timing the engine's loop
+        tower: VisionTower = sim.load(spec)
     elif spec in REGISTRY:
         tower = build_registered(
             spec, dtype=torch_dtype, device=torch_device, max_pixels=max_pixels, seed=seed, backend=image_backend
@@ -76,8 +62,7 @@ def load_tower(
 
 
 def open_checkpoint(spec: str, revision: str | None = None, hub_wait_s: float = hub.HUB_WAIT_S) -> Checkpoint:
-    """A local folder with a ``config.json`` (it wins over a hub id of the same spelling, as in vLLM),
-    else a hub id."""
+    """A local folder with a ``config.json`` (it wins over a hub id of the same spelling, as in vLLM), else a hub id."""
     path = Path(spec).expanduser()
     if (path / "config.json").is_file():
         if revision is not None:
@@ -97,11 +82,7 @@ VIDEO_CONFIG_FILES = ("processor_config.json", "video_preprocessor_config.json",
 
 
 def video_settings(tower: VisionTower, path: Path | None) -> VideoPreprocess | None:
-    """The video processor settings of a tower that encodes video (``VisionTower.video_rule``): the
-    checkpoint's own (``path``), of the video processor class they resolve to (``video_rule``;
-    ``None`` for one visenc does not follow), else the processor class's defaults, with the model's patch, merge
-    and temporal sizes where the settings do not state them. Settings that disagree with the model
-    raise ``ValueError``."""
+    """The video processor settings of a video tower: the checkpoint's own, else its processor class's defaults."""
     if tower.video_rule is None:
         return None
     files = {} if path is None else {name: _read_json(path / name) for name in VIDEO_CONFIG_FILES}
@@ -172,7 +153,6 @@ def _load_checkpoint(
 def _load_family(
     family: type[FamilyTower], checkpoint: Checkpoint, *, dtype: torch.dtype, device: torch.device, backend: str
 ) -> VisionTower:
-    """A VLM family's image path: its vision submodules on a weight-less host, their tensors alone read."""
     path = checkpoint.folder
     config = AutoConfig.from_pretrained(path)
     for sub in (config, getattr(config, "vision_config", None)):
@@ -193,7 +173,6 @@ def _load_family(
 
 
 def _weights_of(checkpoint: Checkpoint, model: torch.nn.Module) -> dict[str, Any]:
-    """The vision tensors' checkpoint names and their identity (``visenc_client.checkpoint``)."""
     names = set(vision_renames(model, checkpoint.weights.names()))
     where = {n: f for f, found in checkpoint.weights.files(names).items() for n in found}
     return {"identity": weights_identity(where), "tensors": sorted(where)}
@@ -204,9 +183,7 @@ def _read_json(path: Path) -> dict[str, Any]:
 
 
 def _load_vision_weights(model: torch.nn.Module, weights: Weights) -> str:
-    """Read only the vision tensors into ``model`` (every parameter must be found); returns the
-    weights digest: each tensor's checkpoint name, dtype, shape and bytes, in name order, whatever
-    file holds it (so a vision-only file, the hub cache and a local folder of one checkpoint agree)."""
+    """Read only the vision tensors into ``model``; returns the weights digest (names, dtypes, shapes, bytes)."""
     renames = vision_renames(model, weights.names())
     where = {n: file for file, names in weights.files(set(renames)).items() for n in names}
     hasher = hashlib.sha256()
@@ -220,8 +197,7 @@ def _load_vision_weights(model: torch.nn.Module, weights: Weights) -> str:
             hasher.update(json.dumps([name, str(tensor.dtype), list(tensor.shape)]).encode())
             hasher.update(tensor.contiguous().view(-1).view(torch.uint8).numpy().data)
             state[renames[name]] = tensor
-    # ``missing`` holds parameters and persistent buffers (values a checkpoint carries, e.g. Gemma 4's
-    # clipping bounds and standardisation): neither may keep what the weight-less build left there
+    # ``missing`` holds persistent buffers too (e.g. Gemma 4's clipping bounds): none may keep its built value
     missing, unexpected = model.load_state_dict(state, strict=False)
     if missing or unexpected:
         raise ModelUnavailable(f"its tensors do not fit the model: missing {missing[:3]}, unexpected {unexpected[:3]}")

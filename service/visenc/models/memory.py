@@ -10,19 +10,16 @@ SAFETY = 1.5
 
 def block_bytes_per_position(embed_dim: int, mlp_dim: int, itemsize: int, *, gated: bool = False) -> int:
     """Live bytes per position at the widest point of a pre-norm transformer block."""
-    # attention: residual, normed input, qkv (3e), rotated q/k (2e), output, projection, residual = 10e;
-    # MLP: fc1 output and its activation (2m; gated: gate, up and their product, 3m)
+    # attention 10e (residual, normed, qkv 3e, rotated q/k 2e, output, projection, residual); MLP 2m, gated 3m
     return itemsize * (10 * embed_dim + (3 if gated else 2) * mlp_dim)
 
 
 def attention_score_bytes(heads: int, seq: int, itemsize: int, *, materialised: bool) -> int:
-    """Bytes of one attention call's score matrices over ``seq`` positions: eager holds scores and
-    probabilities (``2 * heads * seq²``); fused kernels hold no ``seq²`` tensor."""
+    """Bytes of one attention call's score matrices over ``seq`` positions (eager: ``2 * heads * seq²``; fused: 0)."""
     return 2 * heads * seq * seq * itemsize if materialised else 0
 
 
 def materialises_scores(config: Any) -> bool:
-    """Whether the configured attention implementation builds ``[heads, seq, seq]`` scores."""
     return getattr(config, "_attn_implementation", None) in (None, "eager")
 
 

@@ -14,8 +14,7 @@ PROGRESS_EVERY_S = 5.0
 
 
 class Progress:
-    """Bytes fetched: a progress bar on a terminal (huggingface_hub's tqdm, which
-    ``HF_HUB_DISABLE_PROGRESS_BARS`` turns off), a log line every ``PROGRESS_EVERY_S`` otherwise."""
+    """Bytes fetched: a tqdm bar on a terminal, a log line every ``PROGRESS_EVERY_S`` otherwise."""
 
     def __init__(self, total: int, label: str) -> None:
         from huggingface_hub.utils import are_progress_bars_disabled, tqdm

@@ -37,7 +37,6 @@ log = logging.getLogger(__name__)
 DEFAULT_MAX_PIXELS = 1280 * 28 * 28
 DEFAULT_MIN_PIXELS = 56 * 56
 
-#: full-VLM ``model_type`` → (vision config class, vision model class)
 ARCHITECTURES: dict[str, tuple[type, type[torch.nn.Module]]] = {
     "qwen2_vl": (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel),
     "qwen2_5_vl": (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel),
@@ -58,14 +57,10 @@ class QwenPreprocess:
     rescale_factor: float | None = 1 / 255
     do_normalize: bool = True
     resample: int = BICUBIC
-    #: whose image-processor backend the pixels equal: "torchvision" (the fast processor) or "pil"
     backend: str = "torchvision"
 
     @classmethod
     def from_processor_config(cls, cfg: dict[str, Any]) -> QwenPreprocess:
-        """From a ``preprocessor_config.json`` dict; missing keys take the processor's
-        defaults. Top-level ``min_pixels``/``max_pixels`` win over ``size``, as in
-        ``Qwen2VLImageProcessorPil.__init__``."""
         size = cfg.get("size") or {}
         base = cls(max_pixels=28 * 28 * 1280)  # the processor's own default, not the service's
         min_pixels = cfg.get("min_pixels") or size.get("shortest_edge") or size.get("min_pixels")
@@ -85,7 +80,6 @@ class QwenPreprocess:
         )
 
     def processor_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments that make ``Qwen2VLImageProcessorPil`` do the same."""
         return {
             "size": {"shortest_edge": self.min_pixels, "longest_edge": self.max_pixels},
             "patch_size": self.patch_size,
@@ -105,12 +99,6 @@ CPU_PACK_MAX_PATCHES = 512
 
 
 class QwenVisionTower(VisionTower):
-    """A Qwen2-VL / Qwen2.5-VL vision transformer with its patch merger.
-
-    Output rows are the merger's ``pooler_output``: what
-    ``Qwen2VLModel.get_image_features`` returns per image.
-    """
-
     packable = True
     video_rule = "qwen2"
 
@@ -150,12 +138,10 @@ class QwenVisionTower(VisionTower):
         )
         self._attention = str(config._attn_implementation)
         self.use_varlen(True)
-        log.info("%s: attention on %s", name, self.attention_kernel)  # chosen (and probed) now, not mid-forward
+        log.info("%s: attention on %s", name, self.attention_kernel)
 
     def use_varlen(self, enabled: bool) -> None:
-        """Packed forwards with the batch's metadata computed on the CPU beforehand and one varlen
-        attention call per layer (``models/varlen.py``), on every device; off: the model's own path
-        (tests compare the two)."""
+        """Packed forwards with batch metadata computed on the CPU (``models/varlen.py``); off: the model's own path."""
         if enabled:
             varlen.register()
         self.varlen = enabled
@@ -191,8 +177,7 @@ class QwenVisionTower(VisionTower):
         return ["<|vision_start|>", Rows(self.layout(width, height).num_tokens), "<|vision_end|>"]
 
     def preprocess(self, image: Image.Image) -> Prepared:
-        """RGB image → ``[grid_h * grid_w, C * T * P * P]`` float32, equal to the
-        processor's ``pixel_values`` for this image."""
+        """RGB image → the processor's ``pixel_values`` for it, ``[grid_h * grid_w, C * T * P * P]`` float32."""
         image = rgb_like_transformers(image)  # the processor's own do_convert_rgb (no-op on RGB)
         width, height = image.size
         layout = self.layout(width, height)
@@ -224,11 +209,7 @@ class QwenVisionTower(VisionTower):
         return Prepared(pixels=pixels, layout=layout)
 
     def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
-        """One packed forward for the batch, except on a CPU: there the attention kernels run
-        image by image anyway, so packing only saves per-call overhead, which pays for small
-        images and loses to cache misses for larger ones (measured with one torch thread: 8
-        packed 224x224 images 1.11x the per-image loop, 2 packed 448x336 images 0.96x). There,
-        images over ``CPU_PACK_MAX_PATCHES`` patches run in a forward of their own."""
+        """One packed forward for the batch, except on a CPU (``docs/internals.md``)."""
         if self.device.type != "cpu":
             return super().forward_groups(batch)
         groups: list[list[int]] = []
@@ -242,8 +223,6 @@ class QwenVisionTower(VisionTower):
         return [*groups, small] if small else groups
 
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
-        """The batch's forwards (``forward_groups``); outputs are views, one ``[num_tokens, hidden]``
-        per image, on the device, in batch order."""
         return [out for g in self.forward_groups(batch) for out in self._forward_packed([batch[i] for i in g])]
 
     def _forward_packed(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
@@ -270,15 +249,12 @@ class QwenVisionTower(VisionTower):
             "preprocess": asdict(self.settings),
         }
 
-    # --- memory estimates (see models/memory.py) ---------------------------------
     def input_bytes_per_token(self) -> int:
         c = int(getattr(self.model.config, "in_channels", None) or getattr(self.model.config, "in_chans", 3))
         s = self.settings
         return 4 * c * s.temporal_patch_size * s.patch_size * s.patch_size
 
     def activation_bytes_per_token(self) -> int:
-        """Per patch: the batch's concatenated input (and its cast), one block's
-        widest live set, rotary cos/sin, and the merger's share."""
         config = self.model.config
         item = self.dtype.itemsize
         mlp_dim = int(getattr(config, "intermediate_size", 0) or self._embed_dim * config.mlp_ratio)
@@ -293,9 +269,7 @@ class QwenVisionTower(VisionTower):
         return int(memory.SAFETY * per_patch)
 
     def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
-        """Linear in the patches: the varlen kernels hold no scores (flash kernels work in tiles; the
-        per-segment SDPA of a CPU too). The model's own path adds one image's scores where its attention
-        materialises them (eager)."""
+        """Linear in the patches: the varlen kernels hold no scores."""
         if not layouts:
             return 0
         seqs = [self.input_tokens(lay) for lay in layouts]
@@ -312,11 +286,7 @@ class QwenVisionTower(VisionTower):
 
 
 def tiny_qwen2_vl_config() -> Qwen2VLVisionConfig:
-    """The built-in default: Qwen2-VL's vision architecture, downsized for CPU.
-
-    depth 4, embed_dim 128, 4 heads (head_dim 32), mlp_ratio 4, patch 14,
-    merge 2, temporal patch 2, merger → hidden_size 256.
-    """
+    """The built-in default: Qwen2-VL's vision architecture, downsized for CPU."""
     return Qwen2VLVisionConfig(
         depth=4,
         embed_dim=128,
@@ -330,9 +300,7 @@ def tiny_qwen2_vl_config() -> Qwen2VLVisionConfig:
 
 
 def tiny_qwen2_5_vl_config() -> Qwen2_5_VLVisionConfig:
-    """Qwen2.5-VL's vision architecture (windowed attention, RMSNorm, gated SiLU MLP),
-    downsized: depth 4 (full attention in blocks 1 and 3), width 128, 4 heads,
-    intermediate 512, window 112 px, merger → out_hidden_size 256."""
+    """Qwen2.5-VL's vision architecture (windowed attention, RMSNorm, gated MLP), downsized."""
     return Qwen2_5_VLVisionConfig(
         depth=4,
         hidden_size=128,

@@ -42,8 +42,7 @@ REGISTRY: dict[str, _Entry] = {
 def build_registered(
     name: str, *, dtype: torch.dtype, device: torch.device, max_pixels: int | None, seed: int, backend: str
 ) -> VisionTower:
-    """A built-in tower by registry name. ``max_pixels`` caps the Qwen resize
-    (default ``DEFAULT_MAX_PIXELS``); fixed-resolution towers ignore it."""
+    """A built-in tower by registry name."""
     try:
         entry = REGISTRY[name]
     except KeyError:

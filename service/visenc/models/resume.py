@@ -11,29 +11,25 @@ from types import TracebackType
 
 log = logging.getLogger("visenc")
 
-#: the largest block (a power of two: it divides ``hub_fetch.PART_BYTES``), the smallest, and how many
-#: blocks a fetch is cut into at least
+#: the largest block (a power of two dividing ``hub_fetch.PART_BYTES``), the smallest, and blocks per fetch
 BLOCK_BYTES = 4 << 20
 MIN_BLOCK_BYTES = 16 << 10
 BLOCKS_PER_FETCH = 64
 #: how often the blocks written meanwhile are logged (the data synced first): what a killed fetch loses
 RECORD_EVERY_S = 1.0
-#: the suffixes of a file being written, and of its block log
 INCOMPLETE = ".incomplete"
 BLOCKS = ".blocks"
 LOG_FORMAT = "visenc-blocks 1"
 
 
 def block_bytes(total: int) -> int:
-    """The block of a fetch of ``total`` bytes: a power of two from ``MIN_BLOCK_BYTES`` to
-    ``BLOCK_BYTES``, giving ``BLOCKS_PER_FETCH`` blocks or more where it can."""
+    """The block size of a fetch of ``total`` bytes: a power of two from ``MIN_BLOCK_BYTES`` to ``BLOCK_BYTES``."""
     n = max(1, total // BLOCKS_PER_FETCH)
     return max(MIN_BLOCK_BYTES, min(BLOCK_BYTES, 1 << (n.bit_length() - 1)))
 
 
 class Partial:
-    """The partial file of ``dest``: ``head`` (the header) then ``size - len(head)`` data bytes,
-    block ``[start, end)`` of the data at ``len(head) + start``. Opened by ``open`` under ``dest``'s lock."""
+    """The partial file of ``dest``: ``head`` then the data, block ``[start, end)`` at ``len(head) + start``."""
 
     def __init__(self, dest: Path, head: bytes, size: int, identity: str) -> None:
         self.path = dest.with_name(dest.name + INCOMPLETE)
@@ -77,7 +73,6 @@ class Partial:
             os.fsync(f.fileno())
 
     def kept(self, blocks: list[tuple[int, int]]) -> set[tuple[int, int]]:
-        """The ``blocks`` (data ranges) logged, whose bytes still hash to what was logged."""
         out = set()
         for block in blocks:
             digest = self.logged.get(block)
@@ -91,16 +86,13 @@ class Partial:
         return hashlib.sha256(os.pread(self.fd, end - start, len(self.head) + start)).hexdigest()
 
     def write(self, at: int, data: bytes) -> None:
-        """``data`` at data offset ``at``."""
         os.pwrite(self.fd, data, len(self.head) + at)
 
     def record(self, start: int, end: int, digest: str) -> None:
-        """Data block ``[start, end)``, written, hashes to ``digest`` (logged at the next ``flush``)."""
         with self.lock:
             self.pending.append((start, end, digest))
 
     def flush(self) -> None:
-        """The data synced, then the blocks recorded since the last flush appended to the log."""
         with self.lock:
             pending, self.pending = self.pending, []
         if not pending:

@@ -35,7 +35,6 @@ class SimSpec:
 
     @classmethod
     def parse(cls, spec: str) -> SimSpec:
-        """``sim:`` then ``KEY=VALUE`` pairs, comma-separated; unknown keys raise ``ValueError``."""
         types = {f.name: f.type for f in fields(cls)}
         values: dict[str, Any] = {}
         for pair in filter(None, spec.removeprefix(PREFIX).split(",")):
@@ -49,8 +48,6 @@ class SimSpec:
 
 @dataclass(frozen=True, slots=True)
 class Span:
-    """One forward on the simulated device (monotonic seconds)."""
-
     launched: float
     queued: float
     start: float
@@ -64,18 +61,14 @@ class SimEvent:
         self._device, self._seq = device, seq
 
     def synchronize(self) -> None:
-        """Wait until the work queued before the event is done (its outputs written)."""
         self._device.wait_for(self._seq)
 
     def query(self) -> bool:
-        """Whether the work queued before the event is done, without waiting."""
         return self._device.done(self._seq)
 
 
 class SimDevice:
-    """The simulated stream: work runs in queue order, each item after the one before it ends. An item is
-    completed (its outputs written) by whichever comes first at its end: the stream's thread, or a thread
-    waiting for it, which then runs at once, as one woken by a CUDA event does."""
+    """The simulated stream: work runs in queue order, each item after the one before it ends."""
 
     def __init__(self, timeline: str | None = None) -> None:
         self._work: queue.SimpleQueue[int] = queue.SimpleQueue()
@@ -90,8 +83,7 @@ class SimDevice:
         threading.Thread(target=self._run, name="visenc-sim-device", daemon=True).start()
 
     def queue(self, launched: float, seconds: float, images: int, tokens: int, fill: Callable[[], None]) -> None:
-        """Device work of ``seconds``, launched at ``launched``: it starts when queued or when the work
-        before it ends, whichever is later; ``fill`` writes its outputs when it ends."""
+        """Device work of ``seconds``, launched at ``launched``, starting once the work before it ends."""
         with self._lock:
             now = time.monotonic()
             start = max(now, self._free_at)
@@ -106,7 +98,6 @@ class SimDevice:
             return SimEvent(self, self._queued_seq)
 
     def synchronize(self) -> None:
-        """Wait until all the work queued so far is done (``torch.cuda.synchronize``)."""
         self.event().synchronize()
 
     def done(self, seq: int) -> bool:
@@ -123,7 +114,6 @@ class SimDevice:
         self._complete(seq)
 
     def _complete(self, seq: int) -> None:
-        """Write the outputs of every item up to ``seq``, in order (each once)."""
         with self._completing:
             while self._pending and self._pending[0][0] <= seq:
                 done, span, fill = self._pending.popleft()
@@ -140,9 +130,7 @@ class SimDevice:
 
 
 def stats(spans: Sequence[Span]) -> dict[str, float]:
-    """Busy share of the device from its first start to its last end, and what its idle time went to:
-    ``late``, the host reached the next launch after the device had drained (between forwards: taking
-    the batch, waiting on the event loop, a sync); ``launch``, the launch itself, not hidden."""
+    """Busy share of the device, and what its idle time went to (``late``: host behind; ``launch``: the launch)."""
     if not spans:
         return {"forwards": 0, "busy_share": 0.0, "late_share": 0.0, "launch_share": 0.0, "images_per_forward": 0.0}
     spans = sorted(spans, key=lambda s: s.start)
@@ -230,7 +218,6 @@ class SimTower(VisionTower):
 
 
 def load(spec: str) -> SimTower:
-    """The tower ``sim:KEY=VALUE,...`` names (its name leaves the timeline out)."""
     parsed = SimSpec.parse(spec)
     pairs = [f"{k}={v}" for k, v in asdict(parsed).items() if k != "timeline"]
     return SimTower(parsed, name=PREFIX + ",".join(pairs))

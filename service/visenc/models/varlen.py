@@ -1,5 +1,4 @@
-"""Packed attention: every segment of a packed sequence (an image, or one window of it) attends to
-itself alone, through a varlen kernel over ``cu_seqlens``. No path builds an N x N mask."""
+"""Packed attention: each segment of a packed sequence attends to itself alone, through a varlen kernel."""
 
 from __future__ import annotations
 
@@ -15,7 +14,6 @@ import torch
 
 log = logging.getLogger(__name__)
 
-#: the attention implementation name packed towers set on their vision config
 VARLEN = "visenc_flash_varlen"
 #: the kernels, in the order they are preferred when their speed is not measured
 KERNELS = ("torch-varlen", "flash-attn", "per-segment")
@@ -25,7 +23,6 @@ Kernel = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int, 
 
 
 def segment_bounds(cu_seqlens: torch.Tensor) -> list[int]:
-    """``cu_seqlens`` as Python ints (a host read: the per-segment kernel only)."""
     return [int(x) for x in cu_seqlens.tolist()]
 
 
@@ -130,7 +127,6 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
 
 
 def device_key(device: torch.device) -> torch.device:
-    """``cuda`` and ``cuda:0`` as one cache key."""
     if device.type == "cuda" and device.index is None:
         return torch.device("cuda", torch.cuda.current_device())
     return device
@@ -140,8 +136,7 @@ def device_key(device: torch.device) -> torch.device:
 def varlen_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor, max_seqlen: int, scale: float
 ) -> torch.Tensor:
-    """Packed attention: ``q``, ``k``, ``v`` ``[total, heads, dim]``, segment ``i`` being rows
-    ``cu_seqlens[i]:cu_seqlens[i+1]``; returns ``[total, heads, dim]``."""
+    """Packed attention: ``q``, ``k``, ``v`` ``[total, heads, dim]``, segments cut at ``cu_seqlens``."""
     kernel = kernel_for(device_key(q.device), q.dtype, q.shape[-1])
     return IMPLEMENTATIONS[kernel](q, k, v, cu_seqlens, max_seqlen, scale)
 
@@ -164,20 +159,18 @@ def attention(
     max_length_q: int | None = None,
     **kwargs: Any,
 ) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature: ``[1, heads, total, dim]`` in, ``[1, total, heads,
-    dim]`` out. A caller that passes no ``cu_seqlens`` (one image, or a padded batch) gets SDPA."""
+    """transformers' attention-function signature: ``[1, heads, total, dim]`` in, ``[1, total, heads, dim]`` out."""
     if cu_seq_lens_q is None:
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling, **kwargs)
-    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [total, heads, dim]
+    q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     max_len = max_length_q if max_length_q is not None else q.shape[0]
     return varlen_attention(q, k, v, cu_seq_lens_q, max_len, scale).unsqueeze(0), None
 
 
 def register() -> None:
-    """Make ``VARLEN`` an attention implementation transformers can dispatch to."""
     from transformers import AttentionInterface
 
     AttentionInterface.register(VARLEN, attention)
@@ -199,9 +192,7 @@ def use_varlen(model: torch.nn.Module) -> None:
 
 
 def packed_kwargs(config: Any, grid: list[tuple[int, int, int]] | torch.Tensor, device: torch.device) -> dict[str, Any]:
-    """Everything a Qwen-style vision forward (Qwen2/2.5-VL, Qwen3-VL, GLM-4.1V) would derive from
-    ``grid_thw``, computed on the CPU by transformers' own helpers and moved to ``device`` without
-    blocking (``to_device``)."""
+    """What a Qwen-style vision forward derives from ``grid_thw``, computed on the CPU and moved to ``device``."""
     from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
     grid_thw = torch.as_tensor(grid, dtype=torch.long)
@@ -226,8 +217,6 @@ def packed_kwargs(config: Any, grid: list[tuple[int, int, int]] | torch.Tensor, 
 
 
 def to_device(value: Any, device: torch.device) -> Any:
-    """A host tensor on ``device`` without blocking the host (pinned first on CUDA, so the copy is
-    queued on the stream); anything else as it is."""
     if not isinstance(value, torch.Tensor) or value.device == device:
         return value
     if device.type == "cuda":

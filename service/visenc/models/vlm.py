@@ -17,11 +17,7 @@ from visenc.models.construct import cast_module, config_fields
 
 
 def vision_only(model_class: type, config: Any, modules: dict[str, Any]) -> torch.nn.Module:
-    """An instance of ``model_class`` (a transformers VLM base model) that holds only ``modules``.
-
-    Its ``__init__`` is skipped: the language model is never built, and
-    ``get_image_features`` (with the class's helpers: pixel shuffle, feature
-    packing) runs unchanged on the vision submodules."""
+    """An instance of ``model_class`` (a transformers VLM base model) that holds only ``modules``."""
     from transformers import PreTrainedModel
 
     host: Any = object.__new__(model_class)
@@ -37,20 +33,16 @@ def vision_only(model_class: type, config: Any, modules: dict[str, Any]) -> torc
 class FamilyTower(VisionTower):
     """A VLM's image path, as transformers computes it; subclassed once per family."""
 
-    #: family name (``/v1/model``, fingerprint)
     family: ClassVar[str]
     #: ``config.json`` ``model_type`` values served by this family
     model_types: ClassVar[tuple[str, ...]]
-    #: ``Processor`` class (module attribute of ``transformers``) whose ``images_kwargs``
-    #: defaults the family's processor call adds to the image processor's own
+    #: ``Processor`` class whose ``images_kwargs`` defaults the family's processor call adds
     processor_class: ClassVar[str | None] = None
     #: keys of the image processor's output the forward takes
     input_names: ClassVar[tuple[str, ...]] = ("pixel_values",)
-    #: the transformers base model (a ``transformers`` attribute) whose ``get_image_features``
-    #: defines the rows
+    #: the transformers base model whose ``get_image_features`` defines the rows
     base_model: ClassVar[str]
-    #: the vision attention takes ``cu_seqlens`` (images packed or padded into one sequence): it runs on
-    #: the varlen kernels (``models/varlen.py``), never under a mask over the whole batch
+    #: the vision attention takes ``cu_seqlens``: it runs on the varlen kernels (``models/varlen.py``)
     varlen: ClassVar[bool] = False
 
     def __init__(
@@ -87,11 +79,9 @@ class FamilyTower(VisionTower):
         heads = int(getattr(vc, "num_heads", 0) or vc.num_attention_heads)
         return varlen.kernel_for(varlen.device_key(self.device), self.dtype, int(vc.hidden_size) // heads)
 
-    # --- what a family defines -------------------------------------------------
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, Any]:
-        """The base model's submodules (and top-level parameters) the image path uses, built from
-        ``config`` as the base model's ``__init__`` builds them."""
+        """The base model's submodules the image path uses, built from ``config`` as its ``__init__`` builds them."""
         raise NotImplementedError
 
     @classmethod
@@ -104,15 +94,10 @@ class FamilyTower(VisionTower):
         raise NotImplementedError
 
     def feature_kwargs(self, inputs: dict[str, torch.Tensor]) -> dict[str, Any]:
-        """Arguments of ``get_image_features`` for collated inputs."""
         return dict(inputs)
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
-        """The base model's image features of one collated batch of host inputs (``image_rows`` reads
-        them). Default: ``get_image_features`` on every input moved to the device. A family whose
-        transformers code would read a device tensor back (sizes, grids: each read waits for the
-        device to finish the work queued before it) keeps those inputs on the host and passes what
-        the model derives from them precomputed."""
+        """The base model's image features of one collated batch of host inputs (``image_rows`` reads them)."""
         moved = {
             k: self.to_device(v) if v.is_floating_point() else varlen.to_device(v, self.device)
             for k, v in inputs.items()
@@ -124,17 +109,14 @@ class FamilyTower(VisionTower):
         return {k: cat([x[k] for x in inputs]) for k in self.input_names}
 
     def image_rows(self, outputs: Any) -> torch.Tensor:
-        """All images' rows, in order, as one ``[rows, hidden]`` tensor."""
         pooled = outputs.pooler_output
         if isinstance(pooled, (list, tuple)):
             return torch.cat([p.reshape(-1, p.shape[-1]) for p in pooled])
         return pooled.reshape(-1, pooled.shape[-1])
 
     def row_width(self) -> int:
-        """Width of one stored row (the language model's hidden size by default)."""
         return int(self.config.text_config.hidden_size)
 
-    # --- shared machinery --------------------------------------------------------
     def processor_defaults(self) -> dict[str, Any]:
         if self.processor_class is None:
             return {}
@@ -186,7 +168,6 @@ class FamilyTower(VisionTower):
     def describe(self) -> dict[str, Any]:
         return {**super().describe(), "family": self.family}
 
-    # --- memory estimates (models/memory.py); the unit is one encoder position ----
     def input_bytes_per_token(self) -> int:
         patch = self.vision_config.patch_size
         patch = patch[0] if isinstance(patch, (list, tuple)) else patch
@@ -200,8 +181,6 @@ class FamilyTower(VisionTower):
         return int(memory.SAFETY * (per + 4 * self.hidden_size * item))
 
     def forward_bytes(self, layouts: Sequence[TokenLayout]) -> int:
-        """Linear part for every position, plus attention scores where they are materialised
-        (every image's at once: the families stack or pack their inputs)."""
         vc = self.vision_config
         heads = int(getattr(vc, "num_attention_heads", 0) or getattr(vc, "num_heads", 1))
         scores = sum(
@@ -220,13 +199,11 @@ class FamilyTower(VisionTower):
 
 
 def cat(tensors: Sequence[torch.Tensor], dim: int = 0) -> torch.Tensor:
-    """``torch.cat``, without copying a lone tensor (a batch of one image)."""
     return tensors[0] if len(tensors) == 1 else torch.cat(list(tensors), dim=dim)
 
 
 def load_processor(path: Path, backend: str) -> Any:
-    """The checkpoint's own image processor in ``backend`` (``torchvision`` | ``pil``),
-    never silently the other one."""
+    """The checkpoint's own image processor in ``backend`` (``torchvision`` | ``pil``), never silently the other one."""
     from transformers import AutoImageProcessor
     from transformers.image_processing_backends import PilBackend, TorchvisionBackend
 

@@ -15,19 +15,14 @@ SINGLE_FILE = "model.safetensors"
 
 
 class Weights(Protocol):
-    def names(self) -> list[str]:
-        """Every tensor name of the checkpoint (the language model's included)."""
-        ...
+    def names(self) -> list[str]: ...
 
-    def files(self, wanted: set[str]) -> dict[Path, list[str]]:
-        """Local safetensors files holding the ``wanted`` tensors: file → its names among them."""
-        ...
+    def files(self, wanted: set[str]) -> dict[Path, list[str]]: ...
 
 
 @dataclass(frozen=True)
 class Checkpoint:
-    """A checkpoint to build a tower from: ``name`` (as served: a folder or a hub id), the ``folder``
-    of its config and processor files, and its ``weights``."""
+    """A checkpoint to build a tower from: its served ``name``, config ``folder`` and ``weights``."""
 
     name: str
     folder: Path
@@ -46,7 +41,6 @@ def tensor_names(safetensors_header: dict[str, Any]) -> list[str]:
 
 
 def shard_map(index: dict[str, Any]) -> dict[str, list[str]]:
-    """shard file → its tensor names, from a ``model.safetensors.index.json``."""
     by_file: dict[str, list[str]] = {}
     for name, filename in index["weight_map"].items():
         by_file.setdefault(filename, []).append(name)
@@ -55,8 +49,6 @@ def shard_map(index: dict[str, Any]) -> dict[str, list[str]]:
 
 @dataclass(frozen=True)
 class LocalWeights:
-    """The shards of a checkpoint folder, as its index (or its single file) names them."""
-
     folder: Path
 
     def shards(self) -> dict[str, list[str]]:
@@ -72,24 +64,12 @@ class LocalWeights:
         return [n for names in self.shards().values() for n in names]
 
     def files(self, wanted: set[str]) -> dict[Path, list[str]]:
-        """Only the shards holding some wanted tensor: the others are never opened."""
         out = {self.folder / f: [n for n in names if n in wanted] for f, names in self.shards().items()}
         return {f: names for f, names in out.items() if names}
 
 
 def derive_renames(names: list[str], params: set[str], buffers: set[str]) -> dict[str, str]:
-    """checkpoint tensor name → module state-dict name, derived from the checkpoint itself.
-
-    Checkpoints put the same vision tensors under different prefixes (``visual.``,
-    ``model.visual.``, ``vision_tower.``, ``model.vision_tower.``, ``model.vision_model.``
-    and ``model.connector.``, ...; the projector's may differ from the tower's). For each
-    top-level submodule of the module, the prefix is the one under which the checkpoint
-    holds *every* parameter of that submodule; buffers are taken where present (the load
-    reports a persistent one that is not). Ties go to
-    the prefix more names agree on; a submodule no prefix covers is reported before any
-    tensor is read. Only names that end like a wanted key vote, so the result is the same
-    for any subset of ``names`` that keeps the chosen tensors (a vision-only file).
-    """
+    """checkpoint tensor name → module state-dict name, derived from the checkpoint itself."""
     wanted = params | buffers
     votes: dict[tuple[str, str], set[str]] = {}
     for name in names:
@@ -120,8 +100,7 @@ def derive_renames(names: list[str], params: set[str], buffers: set[str]) -> dic
 
 
 def transformers_names(model: Any, names: list[str]) -> dict[str, str]:
-    """checkpoint name → the name transformers' ``from_pretrained`` gives it for this module
-    (its registered key renamings, scoped per submodule); identity where it has none."""
+    """checkpoint name → the name transformers' ``from_pretrained`` gives it for this module (its key renamings)."""
     from transformers import PreTrainedModel
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightRenaming, rename_source_key
@@ -133,9 +112,7 @@ def transformers_names(model: Any, names: list[str]) -> dict[str, str]:
 
 
 def vision_renames(model: Any, names: list[str]) -> dict[str, str]:
-    """checkpoint name → ``model`` state-dict name, for every tensor the module takes (its vision
-    tensors): ``derive_renames``, else through transformers' own renamings (hub checkpoints older
-    than the module layout, e.g. SigLIP's ``vision_model.`` inside ``vision_tower.``)."""
+    """checkpoint name → ``model`` state-dict name for every vision tensor (``derive_renames``, else transformers')."""
     params = {name for name, _ in model.named_parameters()}
     buffers = set(model.state_dict()) - params
     try:

@@ -1,5 +1,4 @@
-"""Affinity of ``visenc proxy``: which upstream saw which images (``Upstreams``), and each data:
-URL's image hash with the hashes visenc accepted (``Memo``)."""
+"""Affinity of ``visenc proxy``: which upstream saw which images, and each data: URL's image hash."""
 
 from __future__ import annotations
 
@@ -45,8 +44,7 @@ class Upstreams:
 
 
 class Memo:
-    """data: URL -> its image's hash, least recently used first, bounded in characters; and the
-    hashes visenc accepted from this proxy (not handed over again while remembered)."""
+    """data: URL -> its image's hash (LRU, bounded in characters), and the hashes visenc accepted from this proxy."""
 
     def __init__(self, max_chars: int, max_handed: int) -> None:
         self.max_chars = max_chars

@@ -1,5 +1,4 @@
-"""The proxy's routes: chat completions with their images tagged and handed to visenc, the rest passed
-through."""
+"""The proxy's routes: chat completions with their images tagged and handed to visenc, the rest passed through."""
 
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ class Proxy:
         self,
         settings: ProxySettings,
         *,
-        transport: httpx.AsyncBaseTransport | None = None,  # image URL fetches
+        transport: httpx.AsyncBaseTransport | None = None,
         visenc_transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.settings = settings

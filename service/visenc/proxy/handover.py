@@ -1,5 +1,4 @@
-"""What visenc is told: a request's images, handed over hash-first in the background once its answer
-is through (never waited for), and which images new to this proxy it lacks (asked while the body goes out)."""
+"""What visenc is told: a request's images, handed over hash-first in the background, and which it lacks."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class Handover:
         self._quiet_until = 0.0  # visenc is not asked which images it lacks before then
 
     def later(self, images: Sequence[Image]) -> None:
-        """Hand ``images`` to visenc in the background, but those it accepted from this proxy before (at
-        most ``max_background_encodes`` hand-overs at once; past that they are skipped, never queued)."""
+        """Hand ``images`` to visenc in the background, but those it accepted before (past the limit: skipped)."""
         images = [i for i in images if not self.memo.handed(i.hash)]
         if not images:
             return
@@ -40,7 +38,6 @@ class Handover:
         task.add_done_callback(self._encodes.discard)
 
     async def drain(self) -> None:
-        """Wait for the background encodes started so far (each is bounded by the visenc client's timeout)."""
         if self._encodes:
             await asyncio.wait(set(self._encodes))
 
@@ -60,8 +57,7 @@ class Handover:
             self.memo.hand([i.hash for i in images])
 
     def ask_absent(self, hashes: Sequence[str]) -> asyncio.Future[list[str]] | None:
-        """Start asking visenc which of ``hashes`` it lacks, of those it did not accept from this proxy
-        (``None``: nothing to ask). The answer is a list, never an error."""
+        """Start asking visenc which of ``hashes`` it lacks (``None``: nothing to ask)."""
         new = [h for h in dict.fromkeys(hashes) if not self.memo.handed(h)]
         if not new or self.settings.absent_timeout_s <= 0:
             return None

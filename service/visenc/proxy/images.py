@@ -1,5 +1,4 @@
-"""The image parts of a chat request: found, read (data: URLs decoded, allowed http(s) URLs fetched),
-hashed, and tagged with their visenc hash as ``uuid`` (the connector finds their rows under it)."""
+"""The image parts of a chat request: read, hashed, and tagged with their visenc hash as ``uuid``."""
 
 from __future__ import annotations
 
@@ -22,8 +21,7 @@ JPEG_FRAMES = "data:video/jpeg;base64,"
 
 @dataclass(slots=True)
 class Image:
-    """One image part: its visenc hash, and its bytes or, where the proxy knew the data: URL already and
-    did not decode it again, the URL (decoded only if it is handed over)."""
+    """One image part: its visenc hash, and its bytes or its data: URL (decoded only if it is handed over)."""
 
     hash: str
     source: bytes | str | Video
@@ -34,7 +32,6 @@ class Images:
         self.settings, self.memo, self.http = settings, memo, http
 
     def data_url_bytes(self, url: str) -> bytes | None:
-        """The image bytes of a ``data:`` URL (``None``: not a data: URL)."""
         try:
             return data_url_bytes(url, self.settings.max_image_bytes)
         except MediaError as e:
@@ -58,8 +55,7 @@ class Images:
         return self._video(url) if kind == "video_url" else await self._image(url)
 
     async def _image(self, url: str) -> Image:
-        """A data: URL seen before by its remembered hash alone; others read (decoded, or fetched under an
-        allowed prefix) and hashed."""
+        """A data: URL seen before by its remembered hash alone; others read and hashed."""
         known = self.memo.hash_of(url)
         if known is not None:
             return Image(known, url)

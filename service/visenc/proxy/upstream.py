@@ -1,5 +1,4 @@
-"""Forwarding to the vLLM upstreams: the healthy one that last saw most of a request's images (cache
-affinity, ``affinity.Upstreams``), else round robin; streamed answers streamed through; health checks."""
+"""Forwarding to the vLLM upstreams with cache affinity, else round robin; streamed answers; health checks."""
 
 from __future__ import annotations
 
@@ -27,8 +26,7 @@ class Forwarder:
         self._session: aiohttp.ClientSession | None = None
 
     def session(self) -> aiohttp.ClientSession:
-        """aiohttp's client: it halves the hop of a request with a body of several MB against httpx's
-        (``bench/bench_proxy.py``)."""
+        """aiohttp's client (half httpx's hop for a body of several MB: ``bench/bench_proxy.py``)."""
         if self._session is None:
             timeout = aiohttp.ClientTimeout(total=self.settings.upstream_timeout_s)
             self._session = aiohttp.ClientSession(timeout=timeout, connector=aiohttp.TCPConnector(limit=0))
@@ -44,9 +42,7 @@ class Forwarder:
         then: Callable[[], None] = lambda: None,
         absent: asyncio.Future[list[str]] | None = None,
     ) -> Response:
-        """Send the request to an upstream and stream its answer back; ``then`` runs once the answer is
-        through; ``absent``: the images visenc lacks, awaited once the rest of the body is out and written
-        at its end."""
+        """Send the request to an upstream and stream its answer back; ``then`` runs once the answer is through."""
         upstream = self.upstreams.choose(hashes)
         if upstream is None:
             raise ProxyError("no healthy upstream", 503, "service_unavailable")
@@ -100,9 +96,7 @@ class Forwarder:
 
 
 async def ending_with_absent(body: dict[str, Any], absent: asyncio.Future[list[str]]) -> AsyncIterator[bytes]:
-    """A chat body (it has ``messages``) as JSON, its ``ec_transfer_params`` last: the rest goes out while
-    visenc is asked which images it lacks, then those join the client's own params (an object or none: the
-    caller asks only then)."""
+    """A chat body as JSON, its ``ec_transfer_params`` last: they are written once visenc said which images it lacks."""
     params = body.pop("ec_transfer_params", None) or {}
     yield orjson.dumps(body)[:-1]  # the object, still open
     yield b',"ec_transfer_params":' + orjson.dumps({**params, ABSENT_KEY: await absent}) + b"}"

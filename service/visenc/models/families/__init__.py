@@ -1,6 +1,5 @@
-"""Every served VLM family, registered here and nowhere else: ``config.json`` ``model_type``
-→ its ``FamilyTower`` subclass. Adding a family is one module and one line below; no
-engine code changes (see ``models/vlm.py`` for what a family defines)."""
+"""Every served VLM family, registered here and nowhere else: ``config.json`` ``model_type`` → its
+``FamilyTower`` subclass."""
 
 from __future__ import annotations
 

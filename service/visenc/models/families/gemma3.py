@@ -1,6 +1,5 @@
-"""Gemma 3: SigLIP at a fixed size, average-pooled to ``mm_tokens_per_image`` rows, then
-the projector's RMSNorm and matmul. Pan-and-scan is off, as in ``Gemma3Processor``'s
-defaults. Every image is one bucket. Span: ``\\n\\n<start_of_image>`` rows ``<end_of_image>\\n\\n``."""
+"""Gemma 3: SigLIP at a fixed size, average-pooled to ``mm_tokens_per_image`` rows, then the projector's RMSNorm
+and matmul."""
 
 from __future__ import annotations
 

@@ -1,7 +1,5 @@
-"""Gemma 4: aspect-preserving resize to at most ``max_soft_tokens * k²`` patches, a ViT with
-2-D positions, ``k x k`` average pooling (scaled in fp32) and the multimodal embedder.
-Inputs are padded to the same patch count, so every image is one bucket.
-Span: ``<|image>`` rows ``<image|>`` (the tokenizer's ``boi_token`` / ``eoi_token``)."""
+"""Gemma 4: aspect-preserving resize to at most ``max_soft_tokens * k²`` patches, a ViT with 2-D positions, ``k
+x k`` average pooling (scaled in fp32) and the multimodal embedder."""
 
 from __future__ import annotations
 

@@ -1,5 +1,4 @@
-"""GLM-4.1V / GLM-4.5V: Qwen-style dynamic resolution (its own ``smart_resize``), packed.
-Span: ``<|begin_of_image|>`` rows ``<|end_of_image|>``."""
+"""GLM-4.1V / GLM-4.5V: Qwen-style dynamic resolution (its own ``smart_resize``), packed."""
 
 from __future__ import annotations
 
@@ -30,10 +29,8 @@ class Glm4vTower(FamilyTower):
         return {"visual": Glm4vVisionModel._from_config(config.vision_config)}
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
-        """``Glm4vModel.get_image_features`` is the vision model's output split by sizes it reads
-        back from the grid (``tolist()``), while the vision model's position embeddings index the
-        grid on the device. The vision model alone, with what it derives from the grid precomputed
-        (``models/varlen.py``) and a device copy of the grid, gives the same rows with no read."""
+        """``Glm4vModel.get_image_features`` is the vision model's output split by sizes it reads back from the
+        grid (``tolist()``), while the vision model's position embeddings index the grid on the device."""
         grid = inputs["image_grid_thw"]
         return self.model.visual(
             self.to_device(inputs["pixel_values"]),

@@ -1,7 +1,6 @@
-"""Idefics3 and SmolVLM: the image is resized and split into square tiles (row-major) plus
-the whole image, downsized, last; each tile runs SigLIP, pixel shuffle (``scale_factor``)
-and the connector's projection into ``image_seq_len`` rows. Tiles have one size, so every
-image is one bucket."""
+"""Idefics3 and SmolVLM: the image is resized and split into square tiles (row-major) plus the whole image,
+downsized, last; each tile runs SigLIP, pixel shuffle (``scale_factor``) and the connector's projection into
+``image_seq_len`` rows."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""InternVL (transformers' ``-hf`` format): the image is cut into square tiles (plus a
-thumbnail) as ``InternVLProcessor`` does (``crop_to_patches``), each tile runs the ViT, the
-CLS token is dropped (``vision_feature_select_strategy``), pixel shuffle, then the MLP
-projector. Tiles have one size, so every image is one bucket.
-Span: ``<img>`` rows ``</img>``."""
+"""InternVL (transformers' ``-hf`` format): the image is cut into square tiles (plus a thumbnail) as
+``InternVLProcessor`` does (``crop_to_patches``), each tile runs the ViT, the CLS token is dropped
+(``vision_feature_select_strategy``), pixel shuffle, then the MLP projector."""
 
 from __future__ import annotations
 

@@ -1,8 +1,4 @@
-"""LLaVA-OneVision: AnyRes tiling (best grid pinpoint) plus a base tile, SigLIP features from
-``vision_feature_layer`` (before the post-layernorm), the MLP projector, then unpadding with
-an ``image_newline`` row per feature row, and the base tile's features. Each image is one
-sample (``batch_num_images`` of 1): AnyRes tiling applies, as in a single-image prompt and in
-vLLM. Tiles have one size, so every image is one bucket. Span: the rows alone."""
+"""LLaVA-OneVision: AnyRes tiles plus a base tile, SigLIP features, the MLP projector, then unpadding."""
 
 from __future__ import annotations
 

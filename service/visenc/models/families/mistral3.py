@@ -1,11 +1,4 @@
-"""Mistral 3 (Pixtral ViT + patch merger): the image is resized to fit ``longest_edge`` in
-multiples of the merged patch (``patch_size * spatial_merge_size``, as ``PixtralProcessor`` asks
-its image processor), encoded at that size with 2-D rotary positions, features from
-``vision_feature_layer``, merged ``spatial_merge_size²`` → one row each. Batches group equal
-sizes (the bucket is the resized size). On an accelerator images of different sizes share a
-forward too (padded to the largest; the ViT crops each to its own size). Attention runs on the
-varlen kernels (``models/varlen.py``), each image within itself, never under Pixtral's block mask
-over the whole batch; on a CPU, where that kernel is a per-image loop, only equal sizes batch."""
+"""Mistral 3: a Pixtral ViT with 2-D rotary positions and a patch merger, one row per merged patch."""
 
 from __future__ import annotations
 
@@ -45,8 +38,7 @@ class Mistral3Tower(FamilyTower):
         }
 
     def processor_defaults(self) -> dict[str, Any]:
-        # ``PixtralProcessor._process_images``: the image processor resizes to multiples of a
-        # merged patch (``patch_size * spatial_merge_size``), not of a patch
+        # ``PixtralProcessor``: the image processor resizes to multiples of a merged patch, not of a patch
         return {**super().processor_defaults(), "patch_size": self._merged_patch()}
 
     def _merged_patch(self) -> int:
@@ -57,9 +49,7 @@ class Mistral3Tower(FamilyTower):
         p = self.processor
         longest = p.size["longest_edge"] if isinstance(p.size, dict) else p.size.longest_edge
         merged = self._merged_patch()
-        # only the shape is read: a zero-stride view, no pixels allocated; its axes are named, as the
-        # processor names them for a PIL image (left to guess, transformers reads an image 1 or 3
-        # pixels tall as channels-first and transposes the grid)
+        # shape only (a zero-stride view); axes named, else transformers reads a 1 or 3 px tall image as channels-first
         shape_only = np.broadcast_to(np.zeros((1, 1, 1), np.uint8), (height, width, 3))
         h, w = get_resize_output_image_size(
             shape_only, size=(longest, longest), patch_size=(merged, merged), input_data_format=ChannelDimension.LAST
@@ -96,15 +86,10 @@ class Mistral3Tower(FamilyTower):
         return {"pixel_values": cat(padded), "image_sizes": cat([x["image_sizes"] for x in inputs])}
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-        """``Mistral3Model.get_image_features``, composed from transformers' own modules with every
-        size kept on the host: Pixtral's forward slices each image by device sizes and builds
-        ``cu_seqlens`` with a blocking copy, and ``get_image_features`` reads the row counts back.
-        Only the blocks up to the deepest selected hidden state run, only the selected states are
-        kept (as transformers' own selection keeps them), and no output hook is installed (a hook
-        breaks each compiled block's graph)."""
+        """``Mistral3Model.get_image_features`` from transformers' own modules, every size kept on the host."""
         vision: Any = self.model.vision_tower
         patch = int(vision.patch_size)
-        sizes = [(int(h), int(w)) for h, w in inputs["image_sizes"].tolist()]  # a host tensor
+        sizes = [(int(h), int(w)) for h, w in inputs["image_sizes"].tolist()]
         grids = [(h // patch, w // patch) for h, w in sizes]
         embeds = vision.patch_conv(self.to_device(inputs["pixel_values"]))
         hidden = torch.cat([e[:, :gh, :gw].flatten(1).T for e, (gh, gw) in zip(embeds, grids, strict=True)])
@@ -131,8 +116,6 @@ class Mistral3Tower(FamilyTower):
 
 
 def _packed_grids(grids: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, dict[str, Any]]:
-    """What Pixtral's forward derives from the images' patch grids, on the host: each patch's (row,
-    column), and the varlen attention arguments of the images packed in order."""
     positions = torch.cat([torch.cartesian_prod(torch.arange(h), torch.arange(w)).reshape(h * w, 2) for h, w in grids])
     lengths = [h * w for h, w in grids]
     cu = torch.tensor([0, *lengths], dtype=torch.int32).cumsum(0, dtype=torch.int32)

@@ -46,16 +46,13 @@ class Qwen3VLTower(FamilyTower):
         }
 
     def tube_input(self, pixels: np.ndarray, grid_hw: tuple[int, int]) -> Prepared:
-        """The tube as the image processor's outputs: ``pixel_values`` and ``image_grid_thw``
-        (``get_image_features`` and ``get_video_features`` run the same ``visual``)."""
+        """The tube as the image processor's outputs (images and videos run the same ``visual``)."""
         plain = super().tube_input(pixels, grid_hw)
         tensors = {"pixel_values": torch.from_numpy(pixels), "image_grid_thw": torch.tensor([plain.layout.grid_thw])}
         return Prepared(tensors, plain.layout)
 
     def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
-        """``get_image_features`` with ``image_grid_thw`` left on the host (it splits the output by
-        the grid's ``tolist()``) and everything the vision model derives from the grid (positions,
-        ``cu_seqlens``, the position-embedding interpolation) precomputed by transformers' own helpers."""
+        """``get_image_features`` with the grid on the host and what the vision model derives from it precomputed."""
         from transformers.vision_utils import get_vision_interpolation_indices_and_weights
 
         grid = inputs["image_grid_thw"]
@@ -97,8 +94,7 @@ class Qwen3VLMoeTower(Qwen3VLTower):
 
 
 def grid_layout(processor: Any, width: int, height: int, resize: Any, **resize_kwargs: Any) -> TokenLayout:
-    """Layout of a Qwen-style processor (``patch_size``, ``merge_size``, ``size`` min/max pixels):
-    one row per ``merge x merge`` patches of the resized image; the grid is the bucket."""
+    """Layout of a Qwen-style processor: one row per ``merge x merge`` patches; the grid is the bucket."""
     p, m = int(processor.patch_size), int(processor.merge_size)
     size = processor.size
     bounds = (

@@ -171,10 +171,12 @@ async def inspect(items: list[Item], prep: ImagePrep, pool: Executor, *, videos:
         if isinstance(res, BaseException):
             raise res  # a bug, not the item's fault
         digest, outcome = res
-        it.hash = digest if isinstance(s, Frames) or not isinstance(outcome, VisencError) else it.hash or digest
-        if isinstance(outcome, VisencError):
+        if isinstance(outcome, VisencError):  # an image keeps the hash its caller gave
+            it.hash = digest if videos else it.hash or digest
             it.to(Failed(outcome))
-        elif isinstance(outcome, Video):
+            continue
+        it.hash = digest
+        if isinstance(outcome, Video):
             it.to(Tubes(outcome))
         elif isinstance(s, Upload):
             it.to(Encodable(s.data, outcome))

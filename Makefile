@@ -67,7 +67,7 @@ lint: $(VENV)/.test
 # line naming MAKE would run even under `make -n`.)
 SUBMAKE := $(MAKE) --no-print-directory
 test: install-test
-	@$(SUBMAKE) sglang > $(VENV)/vllm-install.log 2>&1 & installing=$$!; \
+	@$(SUBMAKE) sglang $(VLLM_VENV)/.xdist > $(VENV)/vllm-install.log 2>&1 & installing=$$!; \
 	status=0; $(SUBMAKE) lint || status=$$?; \
 	if [ $$status = 0 ]; then \
 	  $(BIN)/python -m pytest -q -n $(PYTEST_WORKERS) --dist loadscope -m "not serial" $(PYTEST_ARGS); main=$$?; serial=5; \
@@ -92,13 +92,21 @@ $(VLLM_VENV)/.ready: pyproject.toml tests/support/torchvision_cpu_shim.py
 	cp tests/support/torchvision_cpu_shim.py "$(VLLM_SITE)/"
 	echo "import torchvision_cpu_shim; torchvision_cpu_shim.install()" > "$(VLLM_SITE)/torchvision_cpu_shim.pth"
 	# num2words: SmolVLM's processor needs it (tests/with_vllm/test_vllm_images.py builds one)
-	$(VLLM_VENV)/bin/pip install -q -e . pytest pytest-asyncio pytest-timeout num2words
+	$(VLLM_VENV)/bin/pip install -q -e . pytest pytest-asyncio pytest-timeout pytest-xdist num2words
 	$(VLLM_VENV)/bin/python -c "import vllm, visenc_client.vllm; print('vllm', vllm.__version__, 'with visenc_client.vllm')"
 	touch $@
 
-# vLLM end to end: token identity with the connector (tests/with_vllm)
-test-vllm: vllm system-deps
-	$(VLLM_VENV)/bin/python -m pytest -q tests/with_vllm
+# pytest-xdist in a vLLM environment made before it was on the list above
+$(VLLM_VENV)/.xdist: $(VLLM_VENV)/.ready
+	$(VLLM_VENV)/bin/python -c "import xdist" 2>/dev/null || $(VLLM_VENV)/bin/pip install -q pytest-xdist
+	touch $@
+
+# vLLM end to end: token identity with the connector (tests/with_vllm), on VLLM_WORKERS workers. A
+# group runs on one worker (tests/with_vllm/conftest.py): the tests of a server the session shares,
+# and a module's tests that share a module fixture; the groups that start servers go first.
+VLLM_WORKERS ?= 2
+test-vllm: vllm $(VLLM_VENV)/.xdist system-deps
+	$(VLLM_VENV)/bin/python -m pytest -q -n $(VLLM_WORKERS) --dist loadgroup --no-loadscope-reorder tests/with_vllm
 
 # SGLang's wheel without its dependencies (most are CUDA-only) in the vLLM venv: SGLang 0.5.23 pins
 # the transformers vLLM 0.32 pins (5.19), so its loaders, processors and receiver run beside vLLM's.

@@ -3,6 +3,11 @@ once a session, what several modules read without changing it: the tiny Qwen2-VL
 checkpoint and a copy whose vision tower is wrong), a visenc on the right one, and ``vllm serve``
 alone on the right one beside ``vllm serve`` on the wrong one behind ``visenc proxy``. A test that
 kills, faults or reconfigures a server starts its own.
+
+On two workers (``make test-vllm``: ``-n 2 --dist loadgroup``) the tests that read ``openai_pair`` run
+on one worker, so its servers start once; a module's tests that share a module fixture run on one
+worker, one group per parameter (``tests/support/xdist_groups.py``); every other test goes where
+there is room. Each worker has its own fork server, ports and temporary folders.
 """
 
 from __future__ import annotations
@@ -12,8 +17,20 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from tests.support import xdist_groups
 
-sys.path.insert(0, str(Path(__file__).parent))
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+#: session fixtures that start servers: their tests form one group, run by one worker
+SHARED = ("openai_pair",)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    xdist_groups.mark(items, HERE, SHARED)  # before xdist reads the groups
+    yield
+    xdist_groups.ordered(items, HERE, SHARED)  # after pytest keeps each module fixture's parameters together
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -1,5 +1,5 @@
-"""Work units for pytest-xdist's ``--dist loadgroup``: what a worker must run together so that a shared
-server starts once per worker, and nothing more.
+"""Work units for pytest-xdist (``-n 2 --dist loadgroup``): what a worker must run together so that a
+shared server starts once per worker, and nothing more.
 
 - a test that uses one of the ``shared`` session fixtures (a server several modules read) joins that
   fixture's group: the server starts on one worker only;
@@ -8,18 +8,29 @@ server starts once per worker, and nothing more.
   workers);
 - any other test is a unit of its own.
 
+The groups are read from the fixtures each test uses, which only the workers know (they collect; the
+controller schedules by test id): each worker writes ``{test id: group}`` to the file the controller
+named in ``$VISENC_XDIST_GROUPS`` before it reports its collection, and ``GroupScheduling`` (xdist's
+scheduler by scope) reads it, once every worker has reported. (xdist's own ``xdist_group`` marks
+rename the test ids, which pytest 9 no longer lets it do.)
+
 ``ordered`` puts the shared fixtures' groups first (the longest chains), the module groups next and
-the single tests last, each kept in collection order: the two workers end close together. Without
-xdist the marks do nothing and the order still keeps every fixture's tests together.
+the single tests last, each in collection order: the two workers end close together. Without xdist
+nothing is written and the order still keeps every fixture's tests together.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from collections.abc import Iterable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
+ENV = "VISENC_XDIST_GROUPS"
 _WIDER = ("module", "package", "class")
 
 
@@ -39,15 +50,6 @@ def group(item: pytest.Item, shared: Iterable[str]) -> str | None:
     return item.path.name + (f"[{','.join(params)}]" if params else "")
 
 
-def mark(items: list[pytest.Item], folder: Path, shared: Iterable[str]) -> None:
-    """An ``xdist_group`` mark on each test under ``folder`` that belongs to a group."""
-    for item in items:
-        if folder in item.path.parents:
-            name = group(item, tuple(shared))
-            if name is not None:
-                item.add_marker(pytest.mark.xdist_group(name))
-
-
 def ordered(items: list[pytest.Item], folder: Path, shared: Iterable[str]) -> None:
     """``items`` reordered in place: under ``folder``, shared groups, then module groups, then the rest."""
     shared = tuple(shared)
@@ -59,3 +61,48 @@ def ordered(items: list[pytest.Item], folder: Path, shared: Iterable[str]) -> No
         return 0 if name in shared else 1 if name is not None else 2
 
     items[:] = sorted(items, key=rank)  # stable: each group keeps its order
+
+
+def name_the_file(config: pytest.Config) -> None:
+    """In the controller of an xdist run: the file the workers will write (inherited by them)."""
+    if getattr(config.option, "numprocesses", None) and not hasattr(config, "workerinput"):
+        fd, path = tempfile.mkstemp(prefix="xdist-groups-", suffix=".json")
+        os.close(fd)
+        os.environ[ENV] = path
+
+
+def write(config: pytest.Config, items: list[pytest.Item], folder: Path, shared: Iterable[str]) -> None:
+    """In a worker: each grouped test's id and group under ``folder``, to the controller's file."""
+    path = os.environ.get(ENV)
+    if path is None or not hasattr(config, "workerinput"):
+        return
+    shared = tuple(shared)
+    groups = {i.nodeid: g for i in items if folder in i.path.parents and (g := group(i, shared)) is not None}
+    fd, part = tempfile.mkstemp(dir=Path(path).parent, prefix="xdist-groups-part-")
+    with os.fdopen(fd, "w") as f:
+        json.dump(groups, f)
+    os.replace(part, path)  # every worker writes the same table: whichever lands last is whole
+
+
+def scheduler(config: pytest.Config, log: Any) -> Any:
+    """xdist's scheduler by scope, with each test's scope its group (or the test itself)."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class GroupScheduling(LoadScopeScheduling):  # type: ignore[misc]
+        _groups: dict[str, str] | None = None
+
+        def _split_scope(self, nodeid: str) -> str:
+            if self._groups is None:
+                path = os.environ.get(ENV)
+                text = Path(path).read_text() if path else ""
+                self._groups = json.loads(text) if text else {}
+            return self._groups.get(nodeid, nodeid)
+
+    return GroupScheduling(config, log)
+
+
+def forget_the_file(config: pytest.Config) -> None:
+    """In the controller, at the end: the file is removed."""
+    path = os.environ.get(ENV)
+    if path is not None and not hasattr(config, "workerinput"):
+        Path(path).unlink(missing_ok=True)

@@ -26,11 +26,24 @@ sys.path.insert(0, str(HERE))
 SHARED = ("openai_pair",)
 
 
+def pytest_configure(config: pytest.Config) -> None:
+    xdist_groups.name_the_file(config)
+
+
 @pytest.hookimpl(wrapper=True)
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
-    xdist_groups.mark(items, HERE, SHARED)  # before xdist reads the groups
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> Iterator[None]:
     yield
     xdist_groups.ordered(items, HERE, SHARED)  # after pytest keeps each module fixture's parameters together
+    xdist_groups.write(config, items, HERE, SHARED)
+
+
+@pytest.hookimpl(optionalhook=True, tryfirst=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: object) -> object:
+    return xdist_groups.scheduler(config, log) if config.getvalue("dist") == "loadgroup" else None
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    xdist_groups.forget_the_file(config)
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -120,6 +120,7 @@ def pinned_bytes(url: str) -> int:
     return int(index.get("memory", index)["pinned_bytes"])
 
 
+@pytest.mark.timeout(900)  # two vLLM engines and a visenc start here (minutes on a loaded host)
 @pytest.mark.parametrize(
     "arch",
     [

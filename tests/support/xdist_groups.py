@@ -1,8 +1,8 @@
 """Work units for pytest-xdist (``-n 2 --dist loadgroup``): what a worker must run together so that a
 shared server starts once per worker, and nothing more.
 
-- a test that uses one of the ``shared`` session fixtures (a server several modules read) joins that
-  fixture's group: the server starts on one worker only;
+- a test that uses any of the ``shared`` session fixtures (servers several modules read; one may
+  start another) joins their one group: they start on one worker only;
 - a test that uses a module- or class-scoped fixture joins its module's group, one group per
   parameter of such a fixture (a module's fixture is built once, its parameters may go to two
   workers);
@@ -31,15 +31,15 @@ from typing import Any
 import pytest
 
 ENV = "VISENC_XDIST_GROUPS"
+SHARED_GROUP = "shared"
 _WIDER = ("module", "package", "class")
 
 
 def group(item: pytest.Item, shared: Iterable[str]) -> str | None:
     """The work unit ``item`` belongs to (``None``: a unit of its own)."""
     names = getattr(item, "fixturenames", ())
-    for name in shared:
-        if name in names:
-            return name
+    if any(name in names for name in shared):
+        return SHARED_GROUP
     info = getattr(item, "_fixtureinfo", None)
     defs = info.name2fixturedefs if info is not None else {}
     wider = sorted(n for n in names if n in defs and defs[n][-1].scope in _WIDER)
@@ -58,9 +58,19 @@ def ordered(items: list[pytest.Item], folder: Path, shared: Iterable[str]) -> No
         if folder not in item.path.parents:
             return 0
         name = group(item, shared)
-        return 0 if name in shared else 1 if name is not None else 2
+        return 0 if name == SHARED_GROUP else 1 if name is not None else 2
 
     items[:] = sorted(items, key=rank)  # stable: each group keeps its order
+
+
+def slow_setup(items: list[pytest.Item], folder: Path, shared: Iterable[str], timeout_s: float) -> None:
+    """A ``timeout`` of ``timeout_s`` for each grouped test under ``folder`` that sets none: the first
+    test of a group starts its servers (each given minutes to answer) in its setup."""
+    shared = tuple(shared)
+    for item in items:
+        if folder in item.path.parents and item.get_closest_marker("timeout") is None:
+            if group(item, shared) is not None:
+                item.add_marker(pytest.mark.timeout(timeout_s))
 
 
 def name_the_file(config: pytest.Config) -> None:

@@ -4,10 +4,11 @@ checkpoint and a copy whose vision tower is wrong), a visenc on the right one, a
 alone on the right one beside ``vllm serve`` on the wrong one behind ``visenc proxy``. A test that
 kills, faults or reconfigures a server starts its own.
 
-On two workers (``make test-vllm``: ``-n 2 --dist loadgroup``) the tests that read ``openai_pair`` run
-on one worker, so its servers start once; a module's tests that share a module fixture run on one
-worker, one group per parameter (``tests/support/xdist_groups.py``); every other test goes where
-there is room. Each worker has its own fork server, ports and temporary folders.
+On two workers (``make test-vllm``: ``-n 2 --dist loadgroup``) the tests that read ``right_visenc``
+or ``openai_pair`` run on one worker, so their servers start once; a module's tests that share a
+module fixture run on one worker, one group per parameter (``tests/support/xdist_groups.py``);
+every other test goes where there is room. Each worker has its own fork server, ports and
+temporary folders.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
 #: session fixtures that start servers: their tests form one group, run by one worker
-SHARED = ("openai_pair",)
+SHARED = ("right_visenc", "openai_pair")
+#: the limit of a test whose setup starts a group's servers (a vLLM server may take minutes to answer)
+GROUP_TIMEOUT_S = 900
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -35,6 +38,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     yield
     xdist_groups.ordered(items, HERE, SHARED)  # after pytest keeps each module fixture's parameters together
     xdist_groups.write(config, items, HERE, SHARED)
+    xdist_groups.slow_setup(items, HERE, SHARED, GROUP_TIMEOUT_S)
 
 
 @pytest.hookimpl(optionalhook=True, tryfirst=True)

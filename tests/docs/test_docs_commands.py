@@ -141,8 +141,17 @@ def test_container_commands_name_real_files(doc, command):
             assert re.search(rf"^ARG {arg}\b", dockerfile, re.M), f"{command}: no ARG {arg} in the Dockerfile"
 
 
+@pytest.mark.parametrize(("doc", "command"), [c for c in COMMANDS if c[1].startswith(". ")])
+def test_activated_venvs_are_those_make_builds(doc, command):
+    """``. .venv/bin/activate``: the folder ``make run`` installs into (``.venv-vllm``: ``make vllm``)."""
+    makefile = (ROOT / "Makefile").read_text()
+    venv = shlex.split(command)[1].removesuffix("/bin/activate")
+    assert re.search(rf"^(VENV|VLLM_VENV) \?= {re.escape(venv)}$", makefile, re.M), f"{doc}: {command}"
+
+
 def test_every_command_is_checked_somewhere():
     checked = (
+        ". ",
         "make ",
         "visenc serve",
         "visenc proxy",

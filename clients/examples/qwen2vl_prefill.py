@@ -2,8 +2,8 @@
 The logits equal the full model's single forward (tests/prefill). Run it against a server::
 
     python clients/examples/qwen2vl_prefill.py save-tiny /tmp/tiny-vlm
-    visenc serve --model /tmp/tiny-vlm --image-backend pil &
-    python clients/examples/qwen2vl_prefill.py run --model /tmp/tiny-vlm --chunk 16 --check
+    visenc serve --model /tmp/tiny-vlm --image-backend pil --port 8001 &
+    python clients/examples/qwen2vl_prefill.py run --model /tmp/tiny-vlm --url http://127.0.0.1:8001 --chunk 16 --check
 
 ``--check`` builds the full model's pixels with the processor of the backend the service reports (the
 torchvision one needs torchvision) and exits 1 where the logits differ by more than ``--tolerance``.
@@ -261,7 +261,13 @@ def _main(argv: Sequence[str] | None = None) -> int:
     wait_ready(args.url)
     images = demo_images()
     with Client(args.url) as client:
-        processor = reference_processor(args.model, client.model().get("image_backend", "")) if args.check else None
+        info = client.model()
+        if Path(str(info.get("name"))).resolve() != args.model.resolve():
+            raise SystemExit(
+                f"visenc at {args.url} serves {info.get('name')!r}, not {str(args.model)!r}: "
+                f"start `visenc serve --model {args.model}` (on another port: --url)"
+            )
+        processor = reference_processor(args.model, info.get("image_backend", "")) if args.check else None
         model = load_language_model(args.model)
         prefill = VisencPrefill(
             client, image_token_id=IMAGE_TOKEN_ID, merge_size=model.config.vision_config.spatial_merge_size

@@ -39,8 +39,7 @@ def as_run_here(block: str, venv: Path, folder: Path, port: int) -> str:
     lines = ["set -euo pipefail"]
     for line in block.splitlines():
         line = line.replace(". .venv/bin/activate", f". {venv}/bin/activate").replace("/tmp/tiny-vlm", str(folder))
-        line = line.replace("visenc serve ", f"visenc serve --port {port} ")
-        line = line.replace(" run --model", f" run --url http://127.0.0.1:{port} --model")
+        line = line.replace("--port 8001", f"--port {port}").replace("127.0.0.1:8001", f"127.0.0.1:{port}")
         lines.append(line)
         if re.sub(r"\s+#.*$", "", line).rstrip().endswith("&"):
             lines.append("serve_pid=$!; trap 'kill $serve_pid; wait $serve_pid || true' EXIT")
@@ -56,7 +55,9 @@ def venv() -> Path:
 def as_documented(venv: Path, tmp_path_factory: pytest.TempPathFactory):
     folder = tmp_path_factory.mktemp("prefill") / "tiny-vlm"
     block, shown = documented()
-    script = as_run_here(block, venv, folder, free_port())
+    port = free_port()
+    script = as_run_here(block, venv, folder, port)
+    assert script.count(f"127.0.0.1:{port}") == 1 and f"--port {port}" in script, script
     r = subprocess.run(
         ["bash", "-c", script], cwd=ROOT, env=runtime_env(venv), capture_output=True, text=True, timeout=600
     )
@@ -95,3 +96,6 @@ def test_the_default_backend_is_checked_where_torchvision_is_and_refused_where_i
         assert float(m.group(1)) <= 1e-4
         strict = run_example(sys.executable, env, url, model, "--tolerance", "1e-12")
         assert strict.returncode == 1 and "--check failed" in strict.stderr, strict.stderr[-3000:]
+        other = run_example(sys.executable, env, url, model.parent)  # a folder the service does not serve
+        said = [line for line in other.stderr.splitlines() if not line.startswith("waiting for visenc")]
+        assert other.returncode != 0 and len(said) == 1 and "serves" in said[0], other.stderr[-3000:]

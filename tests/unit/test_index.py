@@ -179,7 +179,7 @@ def test_what_it_let_go_is_remembered_boundedly_and_forgotten_once_stored_again(
     _, e = entry()
     cache = MemoryCache(e.nbytes, Metrics())
     index, shared = Index(cache), Index(cache, remote=object())  # type: ignore[arg-type]
-    assert index.absence("k0") == "never encoded here, nor let go lately"
+    assert index.absence("k0") == "never encoded here, nor evicted lately"
     assert "never encoded, or evicted from Redis" in shared.absence("k0")
     for k in ("k0", "k1", "k2", "k3"):
         cache.store(k, e)  # room for one: each store evicts the one before

@@ -63,7 +63,7 @@ class Index:
         gone = self.local.gone(key)
         if gone is None:
             if self.remote is None:
-                return "never encoded here, nor let go lately"
+                return "never encoded here, nor evicted lately"
             return "not in the shared index: never encoded, or evicted from Redis"
         shared = "" if self.remote is None else ", and Redis no longer holds it"
         return f"{gone}{shared}; encode it again with its bytes"

@@ -55,6 +55,7 @@ system-deps:
 	  ( $(SUDO) apt-get update -q && $(SUDO) DEBIAN_FRONTEND=noninteractive apt-get install -y -q --no-install-recommends redis-server prometheus )
 
 run: install
+	@echo "visenc is installed in $(VENV): in another shell, '. $(VENV)/bin/activate' puts visenc and its python on PATH"
 	$(BIN)/visenc serve --host $(HOST) --port $(PORT)
 
 lint: $(VENV)/.test

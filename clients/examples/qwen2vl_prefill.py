@@ -2,16 +2,22 @@
 The logits equal the full model's single forward (tests/prefill). Run it against a server::
 
     python clients/examples/qwen2vl_prefill.py save-tiny /tmp/tiny-vlm
-    visenc serve --model /tmp/tiny-vlm &
-    python clients/examples/qwen2vl_prefill.py run --model /tmp/tiny-vlm --chunk 32 --check
+    visenc serve --model /tmp/tiny-vlm --image-backend pil --port 8001 &
+    python clients/examples/qwen2vl_prefill.py run --model /tmp/tiny-vlm --url http://127.0.0.1:8001 --chunk 16 --check
+
+``--check`` builds the full model's pixels with the processor of the backend the service reports (the
+torchvision one needs torchvision) and exits 1 where the logits differ by more than ``--tolerance``.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import io
 import json
 import sys
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -140,6 +146,8 @@ def chunked_prefill(
     input_ids = torch.from_numpy(layout.input_ids)[None]
     embed = model.get_input_embeddings()
     cache = DynamicCache(config=model.config)
+    # transformers 5.x renames the forward's ``past_key_values`` to ``cache`` (the old name warns)
+    cache_arg = "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
     logits = []
     with torch.inference_mode():
         for start in range(0, layout.num_positions, chunk_size):
@@ -149,8 +157,8 @@ def chunked_prefill(
             out = model(
                 inputs_embeds=inputs_embeds,
                 position_ids=positions[:, :, start:end],
-                past_key_values=cache,
                 use_cache=True,
+                **{cache_arg: cache},
             )
             logits.append(out.logits[0].float())
     return torch.cat(logits)
@@ -176,7 +184,57 @@ def demo_images(seed: int = 0) -> list[bytes]:
     return out
 
 
-def _main(argv: Sequence[str] | None = None) -> int:
+def wait_ready(url: str, timeout_s: float = 600.0) -> None:
+    """Until the service answers ``/readyz`` (it loads the model first); ``SystemExit`` past ``timeout_s``."""
+    import httpx
+
+    deadline, said = time.monotonic() + timeout_s, False
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{url}/readyz", timeout=2.0).status_code == 200:
+                return
+        except httpx.TransportError:
+            pass
+        if not said:
+            print(f"waiting for visenc at {url} to be ready ...", file=sys.stderr)
+            said = True
+        time.sleep(0.5)
+    raise SystemExit(f"visenc at {url} was not ready within {timeout_s:.0f} s")
+
+
+def reference_processor(model: Path, backend: str) -> Any:
+    """The transformers processor of the backend the service reproduces; ``SystemExit`` (one line) where it
+    cannot be had here: without torchvision transformers would quietly fall back to its PIL processor."""
+    if backend == "pil":
+        return Qwen2VLImageProcessorPil.from_pretrained(model)
+    if backend != "torchvision":
+        raise SystemExit(f"--check: no reference for the service's image backend {backend!r}")
+    if importlib.util.find_spec("torchvision") is None:
+        raise SystemExit(
+            "--check: the service preprocesses as transformers' torchvision processor does, which needs the "
+            "package torchvision, not installed here (docs/integration-prefill.md): install it, or serve with "
+            "--image-backend pil"
+        )
+    from transformers import Qwen2VLImageProcessor
+
+    return Qwen2VLImageProcessor.from_pretrained(model)
+
+
+def full_model_logits(model: Path, processor: Any, layout: PromptLayout, images: list[bytes]) -> torch.Tensor:
+    """The full model's own forward (its vision tower included) over the same prompt and images."""
+    full = Qwen2VLForConditionalGeneration.from_pretrained(model).eval()
+    pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
+    input_ids = torch.from_numpy(layout.input_ids)[None]
+    with torch.inference_mode():
+        return full(
+            input_ids=input_ids,
+            pixel_values=pixels["pixel_values"],
+            image_grid_thw=pixels["image_grid_thw"],
+            mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
+        ).logits[0]
+
+
+def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", required=True)
     save = sub.add_parser("save-tiny", help="save a tiny Qwen2-VL (random weights) for `visenc serve --model`")
@@ -187,7 +245,12 @@ def _main(argv: Sequence[str] | None = None) -> int:
     run.add_argument("--url", default="http://127.0.0.1:8000")
     run.add_argument("--chunk", type=int, default=32)
     run.add_argument("--check", action="store_true", help="compare with the full model's own forward")
-    args = parser.parse_args(argv)
+    run.add_argument("--tolerance", type=float, default=1e-4, help="--check: the largest |difference| accepted")
+    return parser
+
+
+def _main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     if args.command == "save-tiny":
         from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 
@@ -195,36 +258,32 @@ def _main(argv: Sequence[str] | None = None) -> int:
         save_tiny_vlm(build_tiny_vlm(vision, args.seed), args.path)
         print(f"saved to {args.path}")
         return 0
-    model = load_language_model(args.model)
+    wait_ready(args.url)
     images = demo_images()
     with Client(args.url) as client:
+        info = client.model()
+        if Path(str(info.get("name"))).resolve() != args.model.resolve():
+            raise SystemExit(
+                f"visenc at {args.url} serves {info.get('name')!r}, not {str(args.model)!r}: "
+                f"start `visenc serve --model {args.model}` (on another port: --url)"
+            )
+        processor = reference_processor(args.model, info.get("image_backend", "")) if args.check else None
+        model = load_language_model(args.model)
         prefill = VisencPrefill(
             client, image_token_id=IMAGE_TOKEN_ID, merge_size=model.config.vision_config.spatial_merge_size
         )
         layout = prefill.prepare(demo_prompt(len(images)), images)
         logits = chunked_prefill(model, prefill, layout, args.chunk)
-        backend = client.model().get("image_backend")
     print(f"prompt {layout.num_positions} positions, images at {[(p.offset, p.num_tokens) for p in layout.placements]}")
     print(f"next token: {int(logits[-1].argmax())}")
-    if args.check:
-        full = Qwen2VLForConditionalGeneration.from_pretrained(args.model).eval()
-        # the reference processor is the backend the service reproduces (the fast one needs torchvision)
-        if backend == "torchvision":
-            from transformers import Qwen2VLImageProcessor
-
-            processor = Qwen2VLImageProcessor.from_pretrained(args.model)
-        else:
-            processor = Qwen2VLImageProcessorPil.from_pretrained(args.model)
-        pixels = processor(images=[Image.open(io.BytesIO(b)) for b in images], return_tensors="pt")
-        input_ids = torch.from_numpy(layout.input_ids)[None]
-        with torch.inference_mode():
-            reference = full(
-                input_ids=input_ids,
-                pixel_values=pixels["pixel_values"],
-                image_grid_thw=pixels["image_grid_thw"],
-                mm_token_type_ids=(input_ids == IMAGE_TOKEN_ID).int(),
-            ).logits[0]
-        print(f"max |logits - full model's| = {float((logits - reference).abs().max()):.3g}")
+    if processor is not None:
+        diff = float((logits - full_model_logits(args.model, processor, layout, images)).abs().max())
+        print(f"max |logits - full model's| = {diff:.3g} (bound {args.tolerance:g})")
+        if not diff <= args.tolerance:
+            print(
+                f"--check failed: {diff:.3g} > {args.tolerance:g}: the rows are not the full model's", file=sys.stderr
+            )
+            return 1
     return 0
 
 

@@ -8,6 +8,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, Proc
 from prometheus_client.metrics import MetricWrapperBase
 
 from visenc.errors import all_kinds
+from visenc_client.format import REASONS, Handle
 
 #: 0.5 ms .. ~65 s, doubling
 SECONDS_BUCKETS = tuple(0.0005 * 2**i for i in range(18))
@@ -94,6 +95,19 @@ class Metrics:
         _preset(self.request_seconds, ENDPOINTS)
         _preset(self.errors, all_kinds())
         _preset(self.bytes_served, TRANSPORTS)
+        self.failed_items = Counter(
+            "visenc_failed_items", "Items answered with status error, by reason.", ["reason"], registry=r
+        )
+        _preset(self.failed_items, REASONS)
+
+    def count_failed_items(self, handles: list[Handle]) -> list[Handle]:
+        """Every ``error`` handle of an answer counted by its reason (also in ``errors``, by that kind)."""
+        for h in handles:
+            if h.status == "error":
+                reason = h.reason or "encode_failed"
+                self.errors.labels(reason).inc()
+                self.failed_items.labels(reason).inc()
+        return handles
 
     def _engine(self, r: CollectorRegistry) -> None:
         def seconds(name: str, doc: str) -> Histogram:

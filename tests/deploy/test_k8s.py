@@ -90,13 +90,51 @@ def test_visenc_probes_resources_and_gpu_note(docs):
     assert spec["terminationGracePeriodSeconds"] > 30
 
 
-def test_redis_url_secret_points_at_the_redis_service(docs):
+def created_secrets() -> dict[str, set[str]]:
+    """The Secrets the kustomization tells the user to create (``kubectl create secret``), with their keys."""
+    text = (K8S / "kustomization.yaml").read_text()
+    out: dict[str, set[str]] = {}
+    for name, literals in re.findall(r"create secret generic (\S+)((?: --from-literal=\w+=\S+)+)", text):
+        out.setdefault(name, set()).update(re.findall(r"--from-literal=(\w+)=", literals))
+    return out
+
+
+def secret_refs(docs) -> list[tuple[str, dict]]:
+    out = []
+    for (kind, name), d in docs.items():
+        if kind == "Deployment":
+            for c in d["spec"]["template"]["spec"]["containers"]:
+                out += [
+                    (name, e["valueFrom"]["secretKeyRef"]) for e in c["env"] if "secretKeyRef" in e.get("valueFrom", {})
+                ]
+    return out
+
+
+def test_no_secret_ships_so_applying_never_overwrites_one(docs):
+    """A shipped Secret would be a usable placeholder (a password everyone knows), and ``kubectl apply -k``
+    would write it back over the one the user made: the Secrets are created out of band, each key every
+    manifest reads from them, with a random password."""
+    assert [key for key in docs if key[0] == "Secret"] == []
+    kust = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    assert "secretGenerator" not in kust
+    created = created_secrets()
+    assert set(created) == {"visenc-redis", "visenc-hf"}
+    for deployment, ref in secret_refs(docs):
+        assert ref["key"] in created.get(ref["name"], set()), f"{deployment} reads {ref} that no command creates"
+    assert '--from-literal=password="$(openssl rand -hex 24)"' in (K8S / "kustomization.yaml").read_text()
+    ops = (ROOT / "docs" / "operations.md").read_text()
+    assert 'create secret generic visenc-redis --from-literal=password="$(openssl rand -hex 24)"' in ops
+
+
+def test_redis_url_carries_the_password_redis_runs_with(docs):
     (c,) = docs[("Deployment", "visenc")]["spec"]["template"]["spec"]["containers"]
-    ref = {e["name"]: e for e in c["env"]}["VISENC_REDIS_URL"]["valueFrom"]["secretKeyRef"]
-    secret = docs[("Secret", ref["name"])]
-    url = secret["stringData"][ref["key"]]
-    password = secret["stringData"]["password"]
-    assert url.startswith(f"redis://:{password}@")  # visenc's URL carries the password Redis runs with
+    env = {e["name"]: e for e in c["env"]}
+    ref = env["REDIS_PASSWORD"]["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "visenc-redis", "key": "password"}
+    names = [e["name"] for e in c["env"]]
+    assert names.index("REDIS_PASSWORD") < names.index("VISENC_REDIS_URL")  # Kubernetes expands earlier ones only
+    url = env["VISENC_REDIS_URL"]["value"]
+    assert url.startswith("redis://:$(REDIS_PASSWORD)@")  # visenc's URL carries the password Redis runs with
     host, port = url.split("@")[1].split("/")[0].split(":")
     svc = docs[("Service", host)]
     assert int(port) in {p["port"] for p in svc["spec"]["ports"]}
@@ -105,8 +143,8 @@ def test_redis_url_secret_points_at_the_redis_service(docs):
     assert redis["command"] == ["redis-server", "/usr/local/etc/redis/redis.conf"]
     flags = dict(zip(redis["args"][::2], redis["args"][1::2]))
     assert flags["--requirepass"] == "$(REDIS_PASSWORD)" and flags["--maxmemory"]
-    env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
-    assert env["REDIS_PASSWORD"] == {"name": ref["name"], "key": "password"}
+    redis_env = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in redis["env"]}
+    assert redis_env["REDIS_PASSWORD"] == ref
     assert "REDIS_PASSWORD" in " ".join(redis["readinessProbe"]["exec"]["command"])
     (mount,) = redis["volumeMounts"]
     (volume,) = [v for v in spec["volumes"] if v["name"] == mount["name"]]
@@ -153,6 +191,7 @@ def test_kustomize_renders(docs):
     (c,) = deployment["spec"]["template"]["spec"]["containers"]
     assert c["image"] == "visenc:cpu"  # the images transformer applied
     assert all(i["metadata"].get("namespace") == "visenc" for i in items if i["kind"] != "Namespace")
+    assert [i["metadata"]["name"] for i in items if i["kind"] == "Secret"] == []  # applying writes no Secret
 
 
 def test_the_compile_caches_are_on_a_volume(docs):

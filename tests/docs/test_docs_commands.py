@@ -141,8 +141,25 @@ def test_container_commands_name_real_files(doc, command):
             assert re.search(rf"^ARG {arg}\b", dockerfile, re.M), f"{command}: no ARG {arg} in the Dockerfile"
 
 
+@pytest.mark.parametrize(("doc", "command"), [c for c in COMMANDS if c[1].startswith(". ")])
+def test_activated_venvs_are_those_make_builds(doc, command):
+    """``. .venv/bin/activate``: the folder ``make run`` installs into (``.venv-vllm``: ``make vllm``)."""
+    makefile = (ROOT / "Makefile").read_text()
+    venv = shlex.split(command)[1].removesuffix("/bin/activate")
+    assert re.search(rf"^(VENV|VLLM_VENV) \?= {re.escape(venv)}$", makefile, re.M), f"{doc}: {command}"
+
+
+def test_make_run_says_how_to_run_what_it_installed():
+    """The README's commands (``visenc``, ``python`` with the project) run in ``.venv``: ``make run`` prints
+    the line that activates it, the line the README shows."""
+    r = subprocess.run(["make", "-n", "run"], cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0 and "'. .venv/bin/activate'" in r.stdout, r.stdout
+    assert "```bash\n. .venv/bin/activate\n```" in (ROOT / "README.md").read_text()
+
+
 def test_every_command_is_checked_somewhere():
     checked = (
+        ". ",
         "make ",
         "visenc serve",
         "visenc proxy",

@@ -169,3 +169,25 @@ def test_pinning_an_entry_already_held():
     assert "a" in cache and "b" not in cache
     cache.pin("zz")  # nothing held under it: nothing to keep
     assert "zz" not in cache
+
+
+def test_what_it_let_go_is_remembered_boundedly_and_forgotten_once_stored_again(monkeypatch):
+    import visenc.index.memory as memory
+    from visenc.index.tiered import Index
+
+    monkeypatch.setattr(memory, "GONE_KEPT", 2)
+    _, e = entry()
+    cache = MemoryCache(e.nbytes, Metrics())
+    index, shared = Index(cache), Index(cache, remote=object())  # type: ignore[arg-type]
+    assert index.absence("k0") == "never encoded here, nor evicted lately"
+    assert "never encoded, or evicted from Redis" in shared.absence("k0")
+    for k in ("k0", "k1", "k2", "k3"):
+        cache.store(k, e)  # room for one: each store evicts the one before
+    assert cache.gone("k3") is None and cache.gone("k0") is None  # held; and past the record's bound
+    assert cache.gone("k1") == cache.gone("k2") == "evicted: the memory index was full"
+    assert index.absence("k2").endswith("; encode it again with its bytes")
+    assert "Redis no longer holds it" in shared.absence("k2")
+    cache.store("k2", e)
+    assert cache.gone("k2") is None and cache.gone("k3") is not None
+    _, big = entry(rows=64)
+    assert not cache.store("k9", big) and "larger" in (cache.gone("k9") or "")

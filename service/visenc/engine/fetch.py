@@ -45,14 +45,15 @@ class Fetch:
         """The entry of an image, waiting (and raising its priority) if it is being encoded."""
         if not is_valid_hash(image_hash):
             raise InvalidHash("hash must be 64 lowercase hex digits (SHA-256 of the image bytes)")
-        match await self._locate(entry_key(namespace, self.fingerprint, image_hash), image_hash, follow=True):
+        key = entry_key(namespace, self.fingerprint, image_hash)
+        match await self._locate(key, image_hash, follow=True):
             case Stored(Entry(kind="video") as manifest):
                 return await self.videos.rows(manifest, image_hash, namespace, self.lookup_in(namespace, timeout_s))
             case Stored(entry):
                 return entry
             case Encoding(job):
                 return await self._wait(job, image_hash, timeout_s)
-        raise NotFound(f"no embedding for image {image_hash} (never encoded, or evicted)")
+        raise NotFound(f"no embedding for image {image_hash}: {self.index.absence(key)}")
 
     def lookup_in(self, namespace: str, timeout_s: float | None) -> Callable[[str], Awaitable[Entry]]:
         """``lookup`` of a hash in ``namespace``."""

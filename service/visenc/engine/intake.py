@@ -105,7 +105,8 @@ class Intake:
         except BaseException:  # refused, past the deadline, or the client went away
             self.pins.unpin(request.held, namespace, reader.lease)
             raise
-        return request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
+        handles = request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
+        return self.metrics.count_failed_items(handles)
 
     async def _take_all(self, work: list[Item], namespace: str, reader: Reader) -> dict[int, Job]:
         """Every item taken, wave after wave (one wave where it may not fit: a 429 before any starts)."""

@@ -17,6 +17,8 @@ BIMODAL_EVERY = 32
 PSEL_MAX = 64
 #: pinned entries may hold up to this many times the budget when no ``overflow_bytes`` is given
 PIN_LIMIT = 2
+#: how many keys of entries it let go (evicted, or too large to hold) it remembers, for a 404's message
+GONE_KEPT = 65536
 
 
 class Shadow:
@@ -86,6 +88,7 @@ class MemoryCache:
         self._inserted = 0
         self._metrics = metrics
         self._clock = clock
+        self._gone: OrderedDict[str, str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._order)
@@ -138,7 +141,9 @@ class MemoryCache:
     def store(self, key: str, entry: Entry, *, pins: int = 0, leases: Sequence[Lease] = ()) -> bool:
         """Hold ``entry`` under ``key`` (in place of any older one, whose pins it keeps), pinned for its readers."""
         if entry.nbytes > self.max_bytes:
+            self._let_go(key, f"larger ({entry.nbytes} bytes) than the memory index ({self.max_bytes} bytes)")
             return False
+        self._gone.pop(key, None)
         if key not in self._sizes:
             self._lru.access(key, entry.nbytes)
             self._bip.access(key, entry.nbytes)
@@ -235,12 +240,24 @@ class MemoryCache:
                     excess -= entry.nbytes
             for key in victims:
                 self.bytes -= self._order.pop(key).nbytes
+                self._let_go(key, "evicted: the memory index was full")
             evicted = len(victims)
         if evicted:
             self._metrics.cache_evictions.labels(self.tier).inc(evicted)
         if cut:
             self._metrics.cache_pins_cut.inc(cut)
         self._report()
+
+    def _let_go(self, key: str, why: str) -> None:
+        self._gone[key] = why
+        self._gone.move_to_end(key)
+        if len(self._gone) > GONE_KEPT:
+            self._gone.popitem(last=False)
+
+    def gone(self, key: str) -> str | None:
+        """Why an entry it held (or was given) under ``key`` is no longer here; ``None``: not among the last
+        ``GONE_KEPT`` it let go."""
+        return None if key in self._order else self._gone.get(key)
 
     def discard(self, key: str) -> None:
         for lease in list(self._pins.get(key, ())):

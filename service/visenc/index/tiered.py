@@ -58,6 +58,16 @@ class Index:
         if self.remote is not None:
             await self.remote.put(key, entry)
 
+    def absence(self, key: str) -> str:
+        """Why no tier holds ``key``, as far as this replica can tell (a 404's message)."""
+        gone = self.local.gone(key)
+        if gone is None:
+            if self.remote is None:
+                return "never encoded here, nor evicted lately"
+            return "not in the shared index: never encoded, or evicted from Redis"
+        shared = "" if self.remote is None else ", and Redis no longer holds it"
+        return f"{gone}{shared}; encode it again with its bytes"
+
     async def close(self) -> None:
         if self.remote is not None:
             await self.remote.conn.close()

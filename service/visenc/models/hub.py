@@ -91,7 +91,7 @@ def resolve(repo_id: str, pinned: str | None, patience: Patience) -> Snapshot:
                 return cached
             if not patience.after(e):
                 where = f"the hub cache ({constants.HF_HUB_CACHE}) does not hold {revision}"
-                waited = "" if isinstance(e, Offline) else f" ({patience.spent()})"
+                waited = "" if not e.waited_out else f" ({patience.spent()})"
                 raise ModelUnavailable(f"{e}, and {where}{waited}") from e
 
 
@@ -216,7 +216,7 @@ class HubWeights:
                 if not self.patience.after(e):
                     state = "is damaged" if self.vision_header() is None else "lacks some of them"
                     found = f" (its vision file {vision} {state})" if vision.exists() else ""
-                    waited = "" if isinstance(e, Offline) else f" ({self.patience.spent()})"
+                    waited = "" if not e.waited_out else f" ({self.patience.spent()})"
                     raise ModelUnavailable(f"{e}, and its vision weights are not in the cache{found}{waited}") from e
 
     def _fetched(self, wanted: set[str]) -> dict[Path, list[str]]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import random
+import socket
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +26,9 @@ LONGEST_PAUSE_S = 30.0
 class Unreachable(ModelUnavailable):
     """No answer from the hub or a "try later" answer: the caches may still serve, else ``Patience`` asks again."""
 
+    #: whether ``Patience`` asks again (a busy hub), or the start ends at once
+    waited_out = True
+
     def __init__(self, message: str, retry_after_s: float | None = None) -> None:
         super().__init__(message)
         self.retry_after_s = retry_after_s
@@ -32,6 +36,15 @@ class Unreachable(ModelUnavailable):
 
 class Offline(Unreachable):
     """``HF_HUB_OFFLINE`` is set: the hub is never asked, so never asked again either."""
+
+    waited_out = False
+
+
+class Unresolvable(Unreachable):
+    """The hub's host name does not resolve (no DNS, a wrong ``HF_ENDPOINT``): no hub is busy, so it is
+    not asked again; the caches may still serve."""
+
+    waited_out = False
 
 
 @dataclass
@@ -47,7 +60,7 @@ class Patience:
         """Pause, then ``True`` (ask again); ``False`` at once where the pause would end past the limit."""
         left = self.started + self.wait_s - time.monotonic()
         pause = e.retry_after_s if e.retry_after_s is not None else self.pause_s * random.uniform(0.5, 1.0)
-        if isinstance(e, Offline) or pause > left:
+        if not e.waited_out or pause > left:
             return False
         asked = f"the hub's Retry-After: {pause:.0f} s" if e.retry_after_s is not None else f"{pause:.1f} s"
         log.warning("%s; asking again after %s (%.0f s left of hub_wait_s=%g)", e, asked, left, self.wait_s)
@@ -103,13 +116,28 @@ def hub_answers(revision: str) -> Iterator[None]:
         response = getattr(cause, "response", None) if isinstance(cause, HfHubHTTPError) else None
         if response is not None and (response.status_code >= 500 or response.status_code in TRY_LATER):
             raise Unreachable(f"the hub {hub} answered {response.status_code}", retry_after(response)) from e
+        unresolved(e, hub)
         raise Unreachable(f"the hub {hub} is unreachable") from e
     except OfflineModeIsEnabled as e:
         raise Offline("HF_HUB_OFFLINE is set") from e
     except httpx2.TransportError as e:
+        unresolved(e, hub)
         raise Unreachable(f"the hub {hub} is unreachable ({first_line(e)})") from e
     except OSError as e:
         raise ModelUnavailable(f"cannot write the cache: {e}") from e
+
+
+def unresolved(e: BaseException, hub: str) -> None:
+    """``Unresolvable`` where a host name failed to resolve on the way to ``e`` (its causes and contexts)."""
+    seen: set[int] = set()
+    cause: BaseException | None = e
+    while cause is not None and id(cause) not in seen:
+        if isinstance(cause, socket.gaierror):
+            why = cause.strerror or first_line(cause)
+            fix = "check HF_ENDPOINT and the host's DNS, or set HF_HUB_OFFLINE=1 to serve from the cache"
+            raise Unresolvable(f"the hub {hub}: its host name does not resolve ({why}; {fix})") from e
+        seen.add(id(cause))
+        cause = cause.__cause__ or cause.__context__
 
 
 def retry_after(response: Any) -> float | None:

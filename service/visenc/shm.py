@@ -24,8 +24,6 @@ log = logging.getLogger(__name__)
 _NAME = re.compile(r"visenc-([0-9a-f]{16})-(?:\d+|probe-[0-9a-f]{8})")
 #: as earlier versions named them, by PID: swept where that PID does not run
 _PID_NAME = re.compile(r"visenc-(\d+)-(?:[0-9a-f]{8}-\d+|probe-[0-9a-f]{8})")
-#: how often a serving pool sweeps segments of lives that ended meanwhile (another replica on the host)
-SWEEP_EVERY_S = 30.0
 
 
 @dataclass(slots=True)
@@ -220,13 +218,10 @@ class SegmentPool:
             log.warning("removed %s shared-memory files left by visenc processes that ended", len(stale))
 
     async def _reap_forever(self) -> None:
-        swept = self._clock()
         while True:
-            await asyncio.sleep(min(self.lease_s / 4, SWEEP_EVERY_S))
+            await asyncio.sleep(self.lease_s / 4)
             try:
                 await self.reap()
-                if self._clock() - swept >= SWEEP_EVERY_S:
-                    swept = self._clock()
-                    await self.sweep()
+                await self.sweep()  # lives that ended meanwhile: another replica sharing the directory
             except OSError:
                 log.exception("reaping shared-memory segments failed")

@@ -103,3 +103,22 @@ async def test_start_sweeps_segments_of_dead_services_only(tmp_path, dead_pid):
         await p.close()
     assert sorted(os.listdir(tmp_path)) == sorted(files["kept"] + [f"visenc-life-{live.id}.lock"])  # none of its own
     live.end()
+
+
+async def test_a_serving_pool_sweeps_lives_that_end_meanwhile(tmp_path):
+    p = SegmentPool(str(tmp_path), lease_s=0.2, max_bytes=1 << 20, metrics=Metrics())
+    await p.start()
+    other = Life(str(tmp_path))
+    other.begin()
+    (tmp_path / f"visenc-{other.id}-1").write_bytes(b"x")
+    try:
+        await asyncio.sleep(0.3)  # reaped and swept at least once meanwhile: a live one's files stay
+        assert f"visenc-{other.id}-1" in os.listdir(tmp_path)
+        os.close(other._fd)  # it is killed
+        for _ in range(100):
+            if f"visenc-{other.id}-1" not in os.listdir(tmp_path):
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(os.listdir(tmp_path)) == sorted([p.probe, f"visenc-life-{p.life.id}.lock"])
+    finally:
+        await p.close()

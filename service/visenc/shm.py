@@ -20,8 +20,8 @@ from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
 
-#: a segment (or the probe) of one life: ``visenc-<life>-<n>``, ``visenc-<life>-probe-<token>``
-_NAME = re.compile(r"visenc-([0-9a-f]{16})-(?:\d+|probe-[0-9a-f]{8})")
+#: a segment (or the probe) of one life: ``visenc-<life>-<n>``, ``visenc-<life>.probe-<token>``
+_NAME = re.compile(r"visenc-([0-9a-f]{16})(?:-\d+|\.probe-[0-9a-f]{8})")
 #: as earlier versions named them, by PID: swept where that PID does not run
 _PID_NAME = re.compile(r"visenc-(\d+)-(?:[0-9a-f]{8}-\d+|probe-[0-9a-f]{8})")
 
@@ -113,7 +113,7 @@ class SegmentPool:
 
     @property
     def probe(self) -> str:
-        return f"{self.prefix}probe-{self.token[:8]}"
+        return f"visenc-{self.life.id}.probe-{self.token[:8]}"
 
     async def start(self) -> None:
         await asyncio.to_thread(self.life.begin)

@@ -86,7 +86,7 @@ async def test_start_sweeps_segments_of_dead_services_only(tmp_path, dead_pid):
     live.begin()
     os.close(dead._fd)  # as the kernel does when a process dies: the file stays, its lock goes
     files = {
-        "dead": [f"visenc-{dead.id}-3", f"visenc-{dead.id}-probe-0123abcd", f"visenc-life-{dead.id}.lock"],
+        "dead": [f"visenc-{dead.id}-3", f"visenc-{dead.id}.probe-0123abcd", f"visenc-life-{dead.id}.lock"],
         "orphan": ["visenc-00000000000000aa-1"],  # a life whose lock file is gone: it ended mid-sweep
         "legacy dead": [f"visenc-{dead_pid}-0123abcd-7"],
         "kept": [f"visenc-{live.id}-1", f"visenc-{os.getppid()}-0123abcd-1", "someone-elses-file"],

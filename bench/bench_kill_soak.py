@@ -176,10 +176,10 @@ def claim_keys(redis_url: str) -> int:
         return sum(1 for _ in r.scan_iter("*:claim")) + sum(1 for _ in r.scan_iter("*:queued"))
 
 
-def killer(victim: Replica, kills: int, rng: random.Random, kinds: Counter[str]) -> None:
+def killer(victim: Replica, kills: int, rng: random.Random, kinds: Counter[str], gap_s: float) -> None:
     """``kills`` SIGKILLs at random moments, each followed at once by a new start (as a supervisor does)."""
     for _ in range(kills):
-        time.sleep(rng.uniform(0.5, 9.0))  # some land while it starts (loading takes a few seconds here)
+        time.sleep(rng.uniform(0.5, gap_s))  # some land while it starts (loading takes seconds)
         kinds["killed while serving" if victim.kill() else "killed while starting"] += 1
         victim.start()
 
@@ -195,8 +195,11 @@ def folders() -> Iterator[Folders]:
         shutil.rmtree(downloads, ignore_errors=True)
 
 
-def soak(kills: int, clients: int = 3, images: int = 200, seed: int = 0, logs: Path | None = None) -> dict[str, int]:
-    """The soak, bounded by ``kills``; returns the counts (also printed)."""
+def soak(
+    kills: int, clients: int = 3, images: int = 200, seed: int = 0, logs: Path | None = None, gap_s: float = 9.0
+) -> dict[str, int]:
+    """The soak, bounded by ``kills`` (each at most ``gap_s`` after the last start); returns the counts (also
+    printed)."""
     rng = random.Random(seed)
     logs = logs or Path(tempfile.mkdtemp(prefix="visenc-soak-logs-"))
     pool = [png_bytes(1000 * seed + i, rng.randrange(48, 160, 8), rng.randrange(48, 128, 8)) for i in range(images)]
@@ -226,7 +229,7 @@ def soak(kills: int, clients: int = 3, images: int = 200, seed: int = 0, logs: P
             for t in threads:
                 t.start()
             try:
-                killer(replicas[1], kills, rng, kinds)
+                killer(replicas[1], kills, rng, kinds, gap_s)
                 wait_ready(replicas[1].url, replicas[1].proc)
                 time.sleep(2.0)  # the restarted one serves a while too
             finally:

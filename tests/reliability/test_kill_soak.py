@@ -15,7 +15,7 @@ import bench_kill_soak  # noqa: E402
 
 
 def test_kills_cost_no_request_its_rows_and_leak_nothing(tmp_path):
-    counts = bench_kill_soak.soak(kills=3, clients=3, images=150, seed=1, logs=tmp_path)
+    counts = bench_kill_soak.soak(kills=3, clients=3, images=150, seed=1, logs=tmp_path, gap_s=6.0)
     assert counts.get("killed while serving", 0) + counts.get("killed while starting", 0) == 3
     assert counts["rows right"] > 0 and counts["look-up found it missing"] > 0  # some were encoded meanwhile
     assert counts["answered on a retry"] > 0  # some met the killed replica, and a retry got their rows

@@ -19,11 +19,15 @@ from visenc.index.memory import MemoryCache
 from visenc.index.redis_claims import RedisClaims
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
+from visenc.models import resume
 from visenc.models.base import VisionTower
 from visenc.preflight import EXIT_NO_DEVICE, StartError
 from visenc.process_memory import BudgetTooSmall, MemorySplit, largest_entry, plan, with_staged
+from visenc.tasks import spawn, stop_task
 
 log = logging.getLogger("visenc")
+#: how often partial hub files of fetches that ended unfinished are looked for (at start, then while serving)
+SWEEP_DOWNLOADS_S = 60.0
 
 
 def staged(tower: VisionTower, settings: Settings, process_bytes: int) -> tuple[int, int]:
@@ -202,6 +206,16 @@ def resolved_revision(settings: Settings) -> str | None:
     return f"{revision} (commit {ref.read_text().strip()})" if ref.is_file() else revision
 
 
+async def sweep_downloads(every_s: float = SWEEP_DOWNLOADS_S) -> None:
+    while True:
+        try:
+            for path in await asyncio.to_thread(resume.sweep, resume.downloads()):
+                log.info("removed %s, left by a fetch that did not end", path)
+        except OSError as e:
+            log.warning("partial downloads not swept: %s", e)
+        await asyncio.sleep(every_s)
+
+
 def create_app(
     settings: Settings | None = None,
     *,
@@ -248,9 +262,11 @@ def create_app(
         name = f"{d['name']} (served as {settings.served_model_name})" if settings.served_model_name else d["name"]
         log.info("visenc ready: model=%s fingerprint=%s settings=%s", name, d["fingerprint"], shown)
         log.info("%s", capacity(loaded, split.l1))
+        swept = spawn(sweep_downloads(), "download-sweep", metrics)
         try:
             yield core
         finally:
+            await stop_task(swept)
             await core.stop()
             await built_index.close()
 

@@ -38,7 +38,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
     "server": (
         "host", "port", "uds", "api_key", "api_keys", "api_keys_file", "shm_enabled", "shm_dir", "shm_lease_s",
         "shm_max_bytes", "joined_rows_bytes", "sglang_namespace", "sglang_url_prefixes", "sglang_register_timeout_s",
-        "shutdown_timeout_s",
+        "shutdown_timeout_s", "uds_mode",
     ),
     "engine": (
         "max_batch_tokens", "max_batch_images", "max_wait_ms", "preprocess_workers", "max_queue_images",
@@ -83,6 +83,8 @@ def _shown(name: str, value: Any) -> str:
         return "unset"
     if name.endswith("_bytes") and isinstance(value, int) and value >= 1 << 20 and value % (1 << 20) == 0:
         return f"{value >> 30}GiB" if value % (1 << 30) == 0 else f"{value >> 20}MiB"
+    if name.endswith("_mode") and isinstance(value, int):
+        return f"0{value:o}"
     return str(value).lower() if isinstance(value, bool) else str(value)
 
 
@@ -102,6 +104,8 @@ def add_flags(parser: argparse.ArgumentParser, model: type[BaseSettings], groups
             flag = {"nargs": "?", "const": "true", "choices": ["true", "false"]}
         elif name.endswith("_bytes"):
             flag = {"metavar": "SIZE"}
+        elif name.endswith("_mode"):
+            flag = {"metavar": "OCTAL"}
         else:
             kind, choices = _flag_type(field.annotation)
             flag = {"type": kind, "choices": choices}

@@ -32,6 +32,14 @@ def parse_bytes(value: object) -> object:
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 
+def octal(value: object) -> object:
+    """A file mode in octal ('0660', '660', '0o660'); anything else is left to fail as an int."""
+    return int(value, 8) if isinstance(value, str) and re.fullmatch(r"(0o)?[0-7]{1,4}", value.strip()) else value
+
+
+Mode = Annotated[int, BeforeValidator(octal), Field(ge=0, le=0o777)]
+
+
 class Settings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="VISENC_", extra="forbid", validate_default=True)
 
@@ -39,6 +47,7 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Address to bind.")
     port: int = Field(8000, ge=0, le=65535, description="Port to bind (0: any free port).")
     uds: Path | None = Field(None, description="Unix domain socket to listen on instead of host:port.")
+    uds_mode: Mode = Field(0o600, description="Mode of the --uds socket, in octal (0600: owner only; 0660: group too).")
     log_level: Literal["debug", "info", "warning", "error"] = Field("info", description="Log level.")
 
     # --- model --------------------------------------------------------------

@@ -78,16 +78,20 @@ def check_device(device: str) -> None:
 
 
 def check_model(spec: str) -> None:
-    """A local folder must have a ``config.json``; anything that is neither a built-in name, a folder nor a
-    hub id ``ORG/NAME[@REVISION]`` is refused here (a hub id is checked against the hub at load)."""
-    from visenc.models.hub import REPO_ID
+    """A local folder must have a ``config.json``; a spelling of a path (``looks_like_path``) names no hub
+    id; anything that is neither a built-in name, a folder nor a hub id ``ORG/NAME[@REVISION]`` is refused
+    here (a hub id is checked against the hub at load)."""
+    from visenc.models.hub import REPO_ID, looks_like_path
 
     path = Path(spec).expanduser()
     if spec in BUILT_IN or (path / "config.json").is_file():
         return
     if path.is_dir():
         raise StartError(EXIT_MODEL_UNAVAILABLE, f"cannot serve {spec}: the folder has no config.json")
-    if REPO_ID.match(spec.partition("@")[0]) and not spec.startswith(("/", ".", "~")):
+    if looks_like_path(spec):
+        what = "not a folder" if path.exists() else "no such folder"
+        raise StartError(EXIT_MODEL_UNAVAILABLE, f"cannot serve {spec}: {what} (a path: not looked up on the hub)")
+    if REPO_ID.match(spec.partition("@")[0]):
         return
     raise StartError(
         EXIT_MODEL_UNAVAILABLE,
@@ -121,7 +125,7 @@ def listen(settings: Settings | ProxySettings) -> socket.socket:
     try:
         uds = getattr(settings, "uds", None)
         if uds is not None:
-            return _unix_socket(uds)
+            return _unix_socket(uds, getattr(settings, "uds_mode", 0o600))
         family = socket.AF_INET6 if ":" in settings.host else socket.AF_INET
         sock = socket.socket(family, socket.SOCK_STREAM)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -147,8 +151,9 @@ def start_listening(sock: socket.socket, settings: Settings | ProxySettings) -> 
         raise StartError(EXIT_CANNOT_LISTEN, f"cannot listen on {settings.host}:{settings.port}: {why}") from e
 
 
-def _unix_socket(path: Path) -> socket.socket:
-    """A socket bound at ``path``; a socket file left by a process that is gone is replaced."""
+def _unix_socket(path: Path, mode: int) -> socket.socket:
+    """A socket bound at ``path`` with file mode ``mode`` (made owner-only, then widened where ``mode`` says);
+    a socket file left by a process that is gone is replaced."""
     if path.exists():
         if not stat.S_ISSOCK(path.stat().st_mode):
             raise OSError(17, "a file that is not a socket is in the way")
@@ -162,8 +167,16 @@ def _unix_socket(path: Path) -> socket.socket:
         finally:
             probe.close()
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    umask = os.umask(0o177)  # start-up is single-threaded here: no other file is made meanwhile
     try:
         sock.bind(str(path))
+    except OSError:
+        sock.close()
+        raise
+    finally:
+        os.umask(umask)
+    try:
+        os.chmod(path, mode)
         sock.listen(BACKLOG)
     except OSError:
         sock.close()

@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from visenc import lives
 from visenc.errors import Overloaded
 from visenc.metrics import Metrics
 from visenc.tasks import spawn
@@ -19,7 +20,10 @@ from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
 
-_NAME = re.compile(r"visenc-(\d+)-(?:[0-9a-f]{8}-\d+|probe-[0-9a-f]{8})")
+#: a segment (or the probe) of one life: ``visenc-<life>-<n>``, ``visenc-<life>.probe-<token>``
+_NAME = re.compile(r"visenc-([0-9a-f]{16})(?:-\d+|\.probe-[0-9a-f]{8})")
+#: as earlier versions named them, by PID: swept where that PID does not run
+_PID_NAME = re.compile(r"visenc-(\d+)-(?:[0-9a-f]{8}-\d+|probe-[0-9a-f]{8})")
 
 
 @dataclass(slots=True)
@@ -43,18 +47,16 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def sweep_stale(directory: str) -> list[str]:
-    """Unlink segments left by visenc processes that no longer run; returns their names."""
-    removed: list[str] = []
-    for name in os.listdir(directory):  # raises if shm_dir is not a directory: fail at start-up
-        m = _NAME.fullmatch(name)
-        if m is None or int(m.group(1)) == os.getpid() or _pid_alive(int(m.group(1))):
-            continue
-        try:
-            os.unlink(os.path.join(directory, name))
+def sweep_stale(directory: str, own: str = "") -> list[str]:
+    """Unlink segments left by lives of visenc that no longer run (``own``: this life, kept); returns their
+    names. A life runs while it holds its lock (``visenc.lives``), whatever its PID."""
+    names = os.listdir(directory)  # raises if shm_dir is not a directory: fail at start-up
+    ours = ((n, m.group(1)) for n in names if (m := _NAME.fullmatch(n)))
+    removed = lives.sweep(directory, own, ours)
+    for name in names:
+        m = None if _NAME.fullmatch(name) else _PID_NAME.fullmatch(name)
+        if m is not None and not _pid_alive(int(m.group(1))) and lives.unlink(os.path.join(directory, name)):
             removed.append(name)
-        except FileNotFoundError:
-            pass
     return removed
 
 
@@ -94,10 +96,9 @@ class SegmentPool:
         self.directory = directory
         self.lease_s = lease_s
         self.max_bytes = max_bytes
-        self.prefix = f"visenc-{os.getpid()}-{secrets.token_hex(4)}-"
+        self.life = lives.Life(directory)
         #: a file of the pool's own holding ``token``: how a client tells it is on this host
         self.token = secrets.token_hex(16)
-        self.probe = f"visenc-{os.getpid()}-probe-{self.token[:8]}"
         self.bytes = 0
         self._metrics = metrics
         self._clock = clock
@@ -106,10 +107,17 @@ class SegmentPool:
         self._count = 0
         self._reaper: asyncio.Task[None] | None = None
 
+    @property
+    def prefix(self) -> str:
+        return f"visenc-{self.life.id}-"
+
+    @property
+    def probe(self) -> str:
+        return f"visenc-{self.life.id}.probe-{self.token[:8]}"
+
     async def start(self) -> None:
-        stale = await asyncio.to_thread(sweep_stale, self.directory)
-        if stale:
-            log.warning("removed %s shared-memory segments left by dead visenc processes", len(stale))
+        await asyncio.to_thread(self.life.begin)
+        await self.sweep()
         await asyncio.to_thread(_write, self._path(self.probe), self.token.encode())
         self._reaper = spawn(self._reap_forever(), "shm-reaper", self._metrics)
 
@@ -129,6 +137,7 @@ class SegmentPool:
         self._segments.clear()
         self.bytes = 0
         _unlink_all(paths)  # shutdown: nothing else is waiting on the loop
+        self.life.end()
         self._gauges()
 
     def _path(self, name: str) -> str:
@@ -202,10 +211,17 @@ class SegmentPool:
             self._gauges()
         return len(paths)
 
+    async def sweep(self) -> None:
+        """Unlink what lives of visenc that ended left in the directory (this one's own are kept)."""
+        stale = await asyncio.to_thread(sweep_stale, self.directory, self.life.id)
+        if stale:
+            log.warning("removed %s shared-memory files left by visenc processes that ended", len(stale))
+
     async def _reap_forever(self) -> None:
         while True:
             await asyncio.sleep(self.lease_s / 4)
             try:
                 await self.reap()
+                await self.sweep()  # lives that ended meanwhile: another replica sharing the directory
             except OSError:
                 log.exception("reaping shared-memory segments failed")

@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from visenc.errors import Overloaded
+from visenc.lives import Life
 from visenc.metrics import Metrics
 from visenc.shm import SegmentPool
 from visenc_client.format import pack_entry
@@ -80,14 +81,44 @@ def dead_pid() -> int:
 
 
 async def test_start_sweeps_segments_of_dead_services_only(tmp_path, dead_pid):
-    stale = tmp_path / f"visenc-{dead_pid}-0123abcd-7"
-    live = tmp_path / f"visenc-{os.getppid()}-0123abcd-1"
-    other = tmp_path / "someone-elses-file"
-    for f in (stale, live, other):
-        f.write_bytes(b"x")
+    dead, live = Life(str(tmp_path)), Life(str(tmp_path))
+    dead.begin()
+    live.begin()
+    os.close(dead._fd)  # as the kernel does when a process dies: the file stays, its lock goes
+    files = {
+        "dead": [f"visenc-{dead.id}-3", f"visenc-{dead.id}.probe-0123abcd", f"visenc-life-{dead.id}.lock"],
+        "orphan": ["visenc-00000000000000aa-1"],  # a life whose lock file is gone: it ended mid-sweep
+        "legacy dead": [f"visenc-{dead_pid}-0123abcd-7"],
+        "kept": [f"visenc-{live.id}-1", f"visenc-{os.getppid()}-0123abcd-1", "someone-elses-file"],
+    }
+    for name in (n for names in files.values() for n in names):
+        if not name.endswith(".lock"):
+            (tmp_path / name).write_bytes(b"x")
     p = pool(tmp_path, Clock())
     await p.start()
     try:
-        assert sorted(os.listdir(tmp_path)) == sorted([live.name, other.name, p.probe])  # and its own probe
+        own = [p.probe, f"visenc-life-{p.life.id}.lock"]
+        assert sorted(os.listdir(tmp_path)) == sorted(files["kept"] + own + [f"visenc-life-{live.id}.lock"])
+    finally:
+        await p.close()
+    assert sorted(os.listdir(tmp_path)) == sorted(files["kept"] + [f"visenc-life-{live.id}.lock"])  # none of its own
+    live.end()
+
+
+async def test_a_serving_pool_sweeps_lives_that_end_meanwhile(tmp_path):
+    p = SegmentPool(str(tmp_path), lease_s=0.2, max_bytes=1 << 20, metrics=Metrics())
+    await p.start()
+    other = Life(str(tmp_path))
+    other.begin()
+    (tmp_path / f"visenc-{other.id}-1").write_bytes(b"x")
+    try:
+        await asyncio.sleep(0.3)  # reaped and swept at least once meanwhile: a live one's files stay
+        assert f"visenc-{other.id}-1" in os.listdir(tmp_path)
+        os.close(other._fd)  # it is killed
+        for _ in range(100):
+            if f"visenc-{other.id}-1" not in os.listdir(tmp_path):
+                break
+            await asyncio.sleep(0.05)
+        assert sorted(os.listdir(tmp_path)) == sorted([p.probe, f"visenc-life-{p.life.id}.lock"])
     finally:
         await p.close()

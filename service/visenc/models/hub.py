@@ -45,6 +45,12 @@ HUB_WAIT_S = 300.0
 DOWNLOAD_DIR: Path | None = None
 
 
+def looks_like_path(spec: str) -> bool:
+    """A spelling only a path has: it starts with ``.``, ``/`` or ``~``, or has more than one ``/`` before any
+    ``@REVISION`` (a hub id has one)."""
+    return spec.startswith((".", "/", "~")) or spec.partition("@")[0].count("/") > 1
+
+
 def parse_spec(spec: str, revision: str | None) -> tuple[str, str | None] | None:
     """``(repo_id, revision)`` of ``ORG/NAME[@REVISION]`` (``revision`` where it has none); ``None`` otherwise."""
     repo_id, at, pinned = spec.partition("@")

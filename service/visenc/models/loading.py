@@ -68,6 +68,8 @@ def open_checkpoint(spec: str, revision: str | None = None, hub_wait_s: float = 
         if revision is not None:
             raise ModelUnavailable(f"a revision ({revision!r}) was asked of a local folder")
         return Checkpoint(name=str(path), folder=path, weights=LocalWeights(path))
+    if hub.looks_like_path(spec) and not path.exists():
+        raise ModelUnavailable(f"{spec}: no such folder (a path: not looked up on the hub)")
     repo = hub.parse_spec(spec, revision)
     if repo is None:
         raise ModelUnavailable(

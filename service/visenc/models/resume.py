@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import logging
 import os
@@ -120,3 +121,34 @@ class Partial:
             self.flush()
         finally:
             os.close(self.fd)
+
+
+def downloads() -> Path:
+    """The folder the vision files are fetched into (``--download-dir`` or ``$HF_HOME``, then ``visenc/``)."""
+    from huggingface_hub import constants
+
+    from visenc.models import hub
+
+    return (hub.DOWNLOAD_DIR or Path(constants.HF_HOME)) / "visenc"
+
+
+def sweep(root: Path) -> list[Path]:
+    """Remove the partial files under ``root`` (``<repo>/<commit>/``) of fetches no process runs any more: a
+    fetch holds its file's lock (``flock``, by huggingface_hub's ``FileLock``) from its start to its end, so a
+    lock this call can take is held by no live process. Returns what was removed."""
+    removed: list[Path] = []
+    partials = sorted(root.glob(f"*/*/*{INCOMPLETE}*"))
+    for lock in sorted({p.with_name(p.name.split(".")[0] + ".lock") for p in partials}):
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:  # a fetch runs: its partial file is its own
+            os.close(fd)
+            continue
+        try:
+            for p in lock.parent.glob(lock.stem + f".*{INCOMPLETE}*"):
+                p.unlink(missing_ok=True)
+                removed.append(p)
+        finally:
+            os.close(fd)
+    return removed

@@ -1,8 +1,7 @@
-"""What ``Client`` and ``AsyncClient`` share: timeouts, headers, the choice of HTTP or shared memory."""
+"""What ``Client`` and ``AsyncClient`` share: timeouts, headers, each operation's flow over the rows transport."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from typing import Any, Literal
 
@@ -10,15 +9,15 @@ import httpx
 import numpy as np
 
 from visenc_client import _protocol as p
+from visenc_client._exceptions import ImageEncodeError
 from visenc_client._http import Connections
-from visenc_client._rows import fetch_chunk_flow, shm_fetch_flow
-from visenc_client._shm import SegmentHandles, same_host
+from visenc_client._rows import empty_chunk
+from visenc_client._shm import SegmentHandles
 from visenc_client._steps import AnyFlow
+from visenc_client._transport import rows_for, rows_transport
 from visenc_client._types import Handle, ImageInput, RowRange, Video
 from visenc_client.chunks import ImagePlacement, plan_chunk
 from visenc_client.format import LEASE_HEADER
-
-log = logging.getLogger("visenc_client")
 
 #: a replica that does not accept costs this, not the read timeout
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
@@ -38,6 +37,18 @@ def connecting(e: httpx.TransportError) -> bool:
     return isinstance(e, httpx.ConnectError | httpx.ConnectTimeout)
 
 
+def api_root(base_url: str) -> str:
+    """``base_url`` without a trailing ``/v1`` (the client adds it to every path)."""
+    stripped = base_url.rstrip("/")
+    return stripped.removesuffix("/v1") if stripped.endswith("/v1") else base_url
+
+
+def fetchable(image: str | Handle) -> None:
+    """An ``error`` handle has no rows to fetch: its own failure, raised before any request."""
+    if isinstance(image, Handle) and image.status == "error":
+        raise ImageEncodeError(image.hash, image.error or "the service could not encode it", image.reason)
+
+
 class ClientBase:
     """Each operation's flow, built from the client's settings; the twins drive them."""
 
@@ -52,9 +63,8 @@ class ClientBase:
         timeout: httpx.Timeout,
         custom_transport: bool,
     ) -> None:
-        self.shared_memory = shared_memory is True
-        self._auto = shared_memory == "auto"
-        self._segments = SegmentHandles() if self.shared_memory else None
+        base_url = api_root(base_url)
+        self.rows = rows_transport(shared_memory, base_url)
         #: ask for lease ids, so reads by hash alone unpin no other caller's pin
         self.headers: dict[str, str] = {LEASE_HEADER: "id"}
         if namespace is not None:
@@ -68,16 +78,26 @@ class ClientBase:
         )
 
     def _choose(self, model_info: dict[str, Any]) -> None:
-        """Settle ``shared_memory="auto"`` from ``/v1/model``."""
-        self._auto = False
-        self.shared_memory = same_host(model_info)
-        self._segments = SegmentHandles() if self.shared_memory else None
-        log.info("visenc at %s: rows over %s", self.base_url, "shared memory" if self.shared_memory else "HTTP")
+        """Settle the transport from ``/v1/model``."""
+        self.rows = rows_for(model_info, self.base_url)
+
+    @property
+    def shared_memory(self) -> bool:
+        """Whether rows are read from the service's segments (``"auto"``: once the first read settled it)."""
+        return self.rows.shared_memory
+
+    @property
+    def _segments(self) -> SegmentHandles | None:
+        return self.rows.segments
+
+    @_segments.setter
+    def _segments(self, segments: SegmentHandles) -> None:
+        self.rows.segments = segments
 
     @property
     def shm_http_fallbacks(self) -> int:
         """Ranges read over HTTP because the service's shared-memory budget was full."""
-        return self._segments.http_fallbacks if self._segments is not None else 0
+        return self.rows.http_fallbacks
 
     def _encode_flow(
         self, images: Sequence[ImageInput | Video], wait: bool, hash_first: bool, include_rows: bool, pin: bool
@@ -88,26 +108,28 @@ class ClientBase:
         )
 
     def _lookup_flow(self, hashes: Sequence[str], wait: bool, include_rows: bool, pin: bool) -> AnyFlow[list[Handle]]:
-        return p.lookup_split_by_pin_flow(self._http, hashes, self.headers, self._segments, wait, include_rows, pin)
+        unpinned = self.rows.reads_unpinned
+        return p.lookup_split_by_pin_flow(self._http, hashes, self.headers, unpinned, wait, include_rows, pin)
 
     def _unpin_flow(self, handles: Sequence[Handle]) -> AnyFlow[None]:
         return p.unpin_flow(self._http, handles, self.headers)
 
     def _fetch_flow(self, image: str | Handle, start: int | None, end: int | None) -> AnyFlow[np.ndarray]:
-        if self.shared_memory:
-            return (yield from self._fetch_many_flow([RowRange.of(image, start, end)], wait=True))[0]
-        return (yield from p.fetch_flow(self._http, image, start, end, self.headers))
+        fetchable(image)
+        return (yield from self.rows.fetch(self._http, image, start, end, self.headers))
 
     def _fetch_many_flow(self, ranges: Sequence[RowRange], wait: bool) -> AnyFlow[list[np.ndarray]]:
-        if self._segments is not None:
-            return shm_fetch_flow(self._http, ranges, wait=wait, headers=self.headers, known=self._segments)
-        return p.fetch_many_flow(self._http, ranges, wait=wait, headers=self.headers)
+        return self.rows.fetch_many(self._http, ranges, wait, self.headers)
 
     def _fetch_chunk_flow(
         self, placements: Sequence[ImagePlacement], start: int, end: int, out: Any, dense: bool, wait: bool
     ) -> AnyFlow[Any]:
+        for placement in placements:
+            fetchable(placement.image)
         plan = plan_chunk(placements, start, end, dense=dense)
-        return fetch_chunk_flow(self._http, plan, out, wait=wait, shm=self._segments, headers=self.headers)
+        if not plan.pieces:
+            return empty_chunk(plan, out)
+        return (yield from self.rows.fetch_chunk(self._http, plan, out, wait, self.headers))
 
     def _model_flow(self) -> AnyFlow[dict[str, Any]]:
         return p.simple_flow(self._http, "GET", "/v1/model", self.headers)

@@ -25,7 +25,7 @@ import numpy as np
 
 from visenc_client._base import DEFAULT_TIMEOUT, ClientBase, SharedMemory, connecting, timeouts
 from visenc_client._exceptions import TransportError, VisencClientError, describe
-from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Head, resolving_transport
+from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Head, async_resolving_transport, resolving_transport
 from visenc_client._steps import READ, AnyFlow, Read, ReadInto, Stream
 from visenc_client._types import Handle, ImageInput, RowRange, Video
 from visenc_client.chunks import ImagePlacement
@@ -54,7 +54,7 @@ class Client(ClientBase):
     ) -> None:
         t = timeouts(timeout, connect_timeout)
         super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None)
-        self._http = httpx.Client(base_url=base_url, timeout=t, transport=transport or resolving_transport())
+        self._http = httpx.Client(base_url=self.base_url, timeout=t, transport=transport or resolving_transport())
 
     def _open(self, request: httpx.Request) -> tuple[Head, Body | ChunkBody]:
         if self._conns is not None:
@@ -121,13 +121,9 @@ class Client(ClientBase):
         self.unpin(handles)
 
     def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
-        if self._auto:
-            self._choose(self.model())
         return self._drive(self._fetch_flow(image, start, end))
 
     def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
-        if self._auto:
-            self._choose(self.model())
         return self._drive(self._fetch_many_flow(ranges, wait))
 
     @overload
@@ -164,8 +160,6 @@ class Client(ClientBase):
         wait: bool = True,
     ) -> Any:
         """The rows prefill chunk ``[start, end)`` needs, in one round trip, into ``out`` (``None``: a new array)."""
-        if self._auto:
-            self._choose(self.model())
         return self._drive(self._fetch_chunk_flow(placements, start, end, out, dense, wait))
 
     def model(self) -> dict[str, Any]:
@@ -201,7 +195,9 @@ class AsyncClient(ClientBase):
     ) -> None:
         t = timeouts(timeout, connect_timeout)
         super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None)
-        self._http = httpx.AsyncClient(base_url=base_url, timeout=t, transport=transport)
+        self._http = httpx.AsyncClient(
+            base_url=self.base_url, timeout=t, transport=transport or async_resolving_transport()
+        )
         self._io: ThreadPoolExecutor | None = None
 
     async def _blocking(self, fn: Callable[..., T], *args: Any) -> T:
@@ -276,13 +272,9 @@ class AsyncClient(ClientBase):
         await self.unpin(handles)
 
     async def fetch(self, image: str | Handle, start: int | None = None, end: int | None = None) -> np.ndarray:
-        if self._auto:
-            self._choose(await self.model())
         return await self._drive(self._fetch_flow(image, start, end))
 
     async def fetch_many(self, ranges: Sequence[RowRange], *, wait: bool = True) -> list[np.ndarray]:
-        if self._auto:
-            self._choose(await self.model())
         return await self._drive(self._fetch_many_flow(ranges, wait))
 
     @overload
@@ -318,8 +310,6 @@ class AsyncClient(ClientBase):
         dense: bool = False,
         wait: bool = True,
     ) -> Any:
-        if self._auto:
-            self._choose(await self.model())
         return await self._drive(self._fetch_chunk_flow(placements, start, end, out, dense, wait))
 
     async def model(self) -> dict[str, Any]:

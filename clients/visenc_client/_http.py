@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import ipaddress
+import os
 import socket
 import threading
 import time
@@ -14,6 +15,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterat
 from dataclasses import dataclass
 from typing import Any
 
+import anyio.to_thread
 import httpcore
 import httpx
 
@@ -154,13 +156,58 @@ class ResolvingBackend(httpcore.SyncBackend):
         raise error
 
 
-def resolving_transport() -> httpx.HTTPTransport:
-    """httpx's own transport on ``ResolvingBackend`` (httpx has no resolver option)."""
-    transport = httpx.HTTPTransport()
+class AsyncResolvingBackend(httpcore.AnyIOBackend):
+    """httpcore's asyncio network, its name look-ups within the connect timeout (in a worker thread)."""
+
+    async def connect_tcp(
+        self,
+        host: str,
+        port: int,
+        timeout: float | None = None,  # noqa: ASYNC109 (httpcore's signature)
+        local_address: str | None = None,
+        socket_options: Iterable[Any] | None = None,
+    ) -> httpcore.AsyncNetworkStream:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        try:
+            infos = await anyio.to_thread.run_sync(resolve, host, port, timeout)
+        except TimeoutError as e:
+            raise httpcore.ConnectTimeout(str(e)) from e
+        except OSError as e:
+            raise httpcore.ConnectError(describe(e)) from e
+        error: Exception = httpcore.ConnectError(f"no address for {host}")
+        for info in infos:
+            left = None if deadline is None else max(1e-3, deadline - time.monotonic())
+            try:
+                return await super().connect_tcp(str(info[4][0]), port, left, local_address, socket_options)
+            except httpcore.ConnectError as e:  # anyio's "All connection attempts failed": say which, as sync does
+                error = httpcore.ConnectError(_system_reason(e))
+        raise error
+
+
+def _system_reason(e: BaseException) -> str:
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno:
+            return f"[Errno {cause.errno}] {os.strerror(cause.errno)}"
+        cause = cause.__cause__
+    return str(e)
+
+
+def _on_backend(transport: Any, backend: Any) -> Any:
     pool = getattr(transport, "_pool", None)
     if hasattr(pool, "_network_backend"):
-        pool._network_backend = ResolvingBackend()  # type: ignore[union-attr]
+        pool._network_backend = backend  # type: ignore[union-attr]
     return transport
+
+
+def resolving_transport() -> httpx.HTTPTransport:
+    """httpx's own transport on ``ResolvingBackend`` (httpx has no resolver option)."""
+    return _on_backend(httpx.HTTPTransport(), ResolvingBackend())  # type: ignore[no-any-return]
+
+
+def async_resolving_transport() -> httpx.AsyncHTTPTransport:
+    """httpx's own async transport on ``AsyncResolvingBackend``."""
+    return _on_backend(httpx.AsyncHTTPTransport(), AsyncResolvingBackend())  # type: ignore[no-any-return]
 
 
 class Connections:

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import os
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import httpx
@@ -10,7 +11,6 @@ import msgpack
 import numpy as np
 
 from visenc_client._exceptions import ProtocolError, VisencClientError
-from visenc_client._shm import SegmentHandles
 from visenc_client._steps import (
     AnyFlow,
     Flow,
@@ -26,7 +26,7 @@ from visenc_client._steps import (
     send_streamed,
 )
 from visenc_client._types import Handle, ImageInput, RowRange, Video, image_hash, video_hash
-from visenc_client.format import LEASE_HEADER, MSGPACK, ROWS_MEDIA_TYPE
+from visenc_client.format import LEASE_HEADER, MSGPACK, ROWS_MEDIA_TYPE, is_valid_hash
 
 
 def _item(image: ImageInput | Video) -> dict[str, Any]:
@@ -40,6 +40,10 @@ def _item(image: ImageInput | Video) -> dict[str, Any]:
 def read_image(image: ImageInput) -> bytes:
     if isinstance(image, (bytes, bytearray, memoryview)):
         return bytes(image)
+    if isinstance(image, str) and is_valid_hash(image) and not os.path.exists(image):
+        raise ValueError(
+            f"{image} is an image hash, not a file: encode takes bytes or paths; lookup([hash]) asks by hash"
+        )
     with open(image, "rb") as f:
         return f.read()
 
@@ -166,18 +170,16 @@ def lookup_split_by_pin_flow(
     client: httpx.Client | httpx.AsyncClient,
     hashes: Sequence[str],
     headers: dict[str, str],
-    known: SegmentHandles | None,
+    reads_unpinned: Callable[[str], bool],
     wait: bool,
     include_rows: bool,
     pin: bool,
 ) -> AnyFlow[list[Handle]]:
-    """Look up ``hashes``; with ``pin``, images this client reads from a ``known`` segment (no request
-    would unpin them) go in a request of their own that pins nothing."""
-    parts: list[tuple[list[int], bool]] = [(list(range(len(hashes))), pin)]
-    if pin and known is not None and not include_rows:
-        free = {i for i, h in enumerate(hashes) if known.knows(h)}
-        owed = [i for i in range(len(hashes)) if i not in free]
-        parts = [(part, pinned) for part, pinned in ((sorted(free), False), (owed, True)) if part]
+    """Look up ``hashes``; with ``pin``, images this client reads with no request (``reads_unpinned``: no
+    read would unpin them) go in a request of their own that pins nothing."""
+    free = {i for i, h in enumerate(hashes) if reads_unpinned(h)} if pin and not include_rows else set()
+    owed = [i for i in range(len(hashes)) if i not in free]
+    parts = [(part, pinned) for part, pinned in ((sorted(free), False), (owed, pin)) if part] or [(owed, pin)]
     handles: dict[int, Handle] = {}
     for part, pinned in parts:
         asked = [hashes[i] for i in part]

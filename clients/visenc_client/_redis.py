@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -120,11 +120,30 @@ def _address(client: Any) -> str:
 
 
 class _Rows:
+    """``from_url`` connects nothing: the first read does, and what cannot be reached then is a ``TransportError``."""
+
+    _kinds: tuple[Any, Any]  # (its Redis client class, its cluster client class)
+
     def __init__(self, client: Any, *, fingerprint: str, namespace: str = "default") -> None:
-        self.redis = client
+        self._client = client
+        self._connect: Callable[[], Any] | None = None
         self.fingerprint = fingerprint
         self.namespace = namespace
         self.url = _address(client)
+
+    @classmethod
+    def _from_url(cls, url: str, fingerprint: str, namespace: str, cluster: bool, options: dict[str, Any]) -> Any:
+        rows = cls.__new__(cls)
+        _Rows.__init__(rows, None, fingerprint=fingerprint, namespace=namespace)
+        rows._connect = lambda: cls._kinds[cluster].from_url(url, **options)
+        rows.url = _public(url)
+        return rows
+
+    @property
+    def redis(self) -> Any:
+        if self._client is None and self._connect is not None:
+            self._client = self._connect()  # a cluster's client asks its nodes for the slots here
+        return self._client
 
     def key(self, image: str | Handle) -> str:
         return entry_key(self.namespace, self.fingerprint, image.hash if isinstance(image, Handle) else image)
@@ -133,15 +152,13 @@ class _Rows:
 class RedisRows(_Rows):
     """Blocking reads of token rows straight from Redis (or a Redis Cluster)."""
 
+    _kinds = (redis.Redis, RedisCluster)
+
     @classmethod
     def from_url(
         cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False, **options: Any
     ) -> RedisRows:
-        try:  # a cluster's client asks its nodes for the slots at once: a cluster down fails here
-            client = (RedisCluster if cluster else redis.Redis).from_url(url, **options)
-        except UNREACHABLE as e:
-            raise TransportError(describe(e), _public(url)) from e
-        return cls(client, fingerprint=fingerprint, namespace=namespace)
+        return cls._from_url(url, fingerprint, namespace, cluster, options)  # type: ignore[no-any-return]
 
     def _drive(self, image: str | Handle, flow: ReadFlow) -> tuple[RowsInfo, bytes]:
         key = self.key(image)
@@ -168,7 +185,8 @@ class RedisRows(_Rows):
         return self._drive(image, read_flow(image, 0, 0, fingerprint=self.fingerprint))[0]
 
     def close(self) -> None:
-        self.redis.close()
+        if self._client is not None:
+            self._client.close()
 
     def __enter__(self) -> RedisRows:
         return self
@@ -178,12 +196,13 @@ class RedisRows(_Rows):
 
 
 class AsyncRedisRows(_Rows):
+    _kinds = (redis.asyncio.Redis, AsyncRedisCluster)
+
     @classmethod
     def from_url(
         cls, url: str, *, fingerprint: str, namespace: str = "default", cluster: bool = False, **options: Any
     ) -> AsyncRedisRows:
-        client = (AsyncRedisCluster if cluster else redis.asyncio.Redis).from_url(url, **options)
-        return cls(client, fingerprint=fingerprint, namespace=namespace)
+        return cls._from_url(url, fingerprint, namespace, cluster, options)  # type: ignore[no-any-return]
 
     async def _drive(self, image: str | Handle, flow: ReadFlow) -> tuple[RowsInfo, bytes]:
         key = self.key(image)
@@ -209,7 +228,8 @@ class AsyncRedisRows(_Rows):
         return (await self._drive(image, read_flow(image, 0, 0, fingerprint=self.fingerprint)))[0]
 
     async def aclose(self) -> None:
-        await self.redis.aclose()
+        if self._client is not None:
+            await self._client.aclose()
 
     async def __aenter__(self) -> AsyncRedisRows:
         return self

@@ -46,29 +46,35 @@ def destination(out: Any, rows: int, hidden: int, dtype: str, dense: bool) -> tu
     return target.view(wire), out
 
 
-def fetch_chunk_flow(
-    client: Client,
-    plan: ChunkPlan,
-    out: Any,
-    *,
-    wait: bool,
-    shm: SegmentHandles | None,
-    headers: dict[str, str] | None,
+def empty_chunk(plan: ChunkPlan, out: Any) -> Any:
+    """What a chunk that needs no rows returns (the same on every transport)."""
+    if out is None and plan.hidden is None:
+        raise ValueError("nothing to fetch and no hidden size known: pass out= or placements with handles")
+    return destination(out, plan.rows, plan.hidden or 0, plan.dtype or "float32", plan.dense)[1]
+
+
+def _chunk_ranges(plan: ChunkPlan) -> list[RowRange]:
+    return [RowRange(p.hash, p.start, p.end, plan.leases.get(p.hash)) for p in plan.pieces]
+
+
+def shm_chunk_flow(
+    client: Client, plan: ChunkPlan, out: Any, *, wait: bool, headers: dict[str, str] | None, known: SegmentHandles
 ) -> AnyFlow[Any]:
-    """Every row ``plan`` needs, in one round trip (none for known segments), written into one buffer."""
-    if not plan.pieces:
-        if out is None and plan.hidden is None:
-            raise ValueError("nothing to fetch and no hidden size known: pass out= or placements with handles")
-        return destination(out, plan.rows, plan.hidden or 0, plan.dtype or "float32", plan.dense)[1]
-    ranges = [RowRange(p.hash, p.start, p.end, plan.leases.get(p.hash)) for p in plan.pieces]
-    if shm is not None:
-        views = yield from shm_fetch_flow(client, ranges, wait=wait, headers=headers, known=shm)
-        hidden = views[0].shape[1]
-        dtype = next(k for k, v in NUMPY_DTYPES.items() if v == views[0].dtype)
-        array, result = destination(out, plan.rows, hidden, dtype, plan.dense)
-        for piece, view in zip(plan.pieces, views):
-            array[piece.dest : piece.dest + piece.rows] = view
-        return result
+    """Every row ``plan`` needs from the service's segments (no request for known ones), copied into one buffer."""
+    views = yield from shm_fetch_flow(client, _chunk_ranges(plan), wait=wait, headers=headers, known=known)
+    hidden = views[0].shape[1]
+    dtype = next(k for k, v in NUMPY_DTYPES.items() if v == views[0].dtype)
+    array, result = destination(out, plan.rows, hidden, dtype, plan.dense)
+    for piece, view in zip(plan.pieces, views):
+        array[piece.dest : piece.dest + piece.rows] = view
+    return result
+
+
+def http_chunk_flow(
+    client: Client, plan: ChunkPlan, out: Any, *, wait: bool, headers: dict[str, str] | None
+) -> AnyFlow[Any]:
+    """Every row ``plan`` needs, in one round trip, read straight into one buffer."""
+    ranges = _chunk_ranges(plan)
     head = yield from send_streamed(ranges_request(client, "/v1/embeddings/fetch", ranges, wait=wait, headers=headers))
     pieces = iter(plan.pieces)
     target: list[Any] = []

@@ -165,17 +165,21 @@ async def test_async_redis_failures_are_transport_errors(kind: str) -> None:
 
 
 async def test_a_redis_cluster_that_does_not_answer_is_a_transport_error() -> None:
-    """A cluster client asks its nodes for the slots: at once (sync), or at its first read (async);
-    either way what none answers is a ``TransportError`` naming the node, never its password."""
+    """``from_url`` connects nothing, sync or async: a cluster none of whose nodes answers is a
+    ``TransportError`` at the first read, naming the node, never its password."""
     with dead_end("refused") as url:
         secret = url.replace("http://", "redis://:hunter2@")
+        public = url.replace("http://", "redis://")
+        rows = RedisRows.from_url(secret, fingerprint="f", cluster=True, **REDIS_OPTIONS)
         with pytest.raises(TransportError) as raised:
-            RedisRows.from_url(secret, fingerprint="f", cluster=True, **REDIS_OPTIONS)
-        assert raised.value.url == url.replace("http://", "redis://") and "hunter2" not in str(raised.value)
-        rows = AsyncRedisRows.from_url(secret, fingerprint="f", cluster=True, **REDIS_OPTIONS)
-        with pytest.raises(TransportError):
-            await rows.fetch(H)
-        await rows.aclose()
+            rows.fetch(H)
+        assert raised.value.url == public and "hunter2" not in str(raised.value)
+        rows.close()
+        arows = AsyncRedisRows.from_url(secret, fingerprint="f", cluster=True, **REDIS_OPTIONS)
+        with pytest.raises(TransportError) as araised:
+            await arows.fetch(H)
+        assert araised.value.url == public and "hunter2" not in str(araised.value)
+        await arows.aclose()
 
 
 def test_a_redis_client_given_as_is_is_named_too() -> None:

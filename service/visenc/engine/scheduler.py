@@ -75,7 +75,8 @@ class Scheduler:
 
     @property
     def _in_preparation(self) -> int:
-        return sum(not t.done() for t in self._preparing)
+        # a job its preprocessing thread made ready counts as ready, while its task ends on the loop
+        return sum(not t.done() and job.state is JobState.PREPARING for t, job in self._preparing.items())
 
     @property
     def idle(self) -> bool:

@@ -1,88 +1,79 @@
-"""``visenc serve``'s app on the simulated device (``models/sim.py``), with a loop hog beside it."""
+"""``visenc serve --model sim:...`` through the CLI, with a loop hog beside it on the event loop.
+
+python bench/_sim_serve.py [--hog-ms 20 --period-ms 40] -- --model sim:... --port N [visenc serve flags]
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import importlib.util
 import inspect
 import sys
 import time
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 
-def sim_module() -> ModuleType:
-    try:
-        from visenc.models import sim
+def hogged(busy_ms: float, period_ms: float) -> None:
+    """The engine's start also starts a task that holds the event loop ``busy_ms`` of every ``period_ms``."""
+    from visenc.engine.core import Engine
 
-        return sim
-    except ImportError:  # a tree from before it: this tree's, by path
-        path = Path(__file__).resolve().parents[1] / "service" / "visenc" / "models" / "sim.py"
-        spec = importlib.util.spec_from_file_location("visenc_sim", path)
-        assert spec is not None and spec.loader is not None
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[spec.name] = module  # its dataclasses look their module up
-        spec.loader.exec_module(module)
-        return module
+    start = Engine.start
+
+    async def hog() -> None:
+        while True:
+            until = time.perf_counter() + busy_ms / 1000
+            while time.perf_counter() < until:
+                pass
+            await asyncio.sleep(max(0.0, period_ms - busy_ms) / 1000)
+
+    async def start_hogged(self: Any, *args: Any, **kwargs: Any) -> None:
+        await start(self, *args, **kwargs)
+        self.loop_hog = asyncio.get_running_loop().create_task(hog())
+
+    Engine.start = start_hogged  # type: ignore[method-assign]
 
 
-def outputs_wait_for_the_stream() -> None:
-    """In a tree whose CPU outputs are read as the forward returns them: wait for the stream first."""
+def older_tree() -> None:
+    """A tree from before the CLI served the stand-in, or before its CPU outputs waited for the stream."""
+    from visenc import preflight
+
+    check = preflight.check_model
+
+    def check_model(spec: str) -> None:
+        if not spec.startswith("sim:"):
+            check(spec)
+
+    preflight.check_model = check_model
     from visenc.engine.outputs import Outputs
 
-    if "event.synchronize" in inspect.getsource(Outputs._to_host):
+    read = getattr(Outputs, "_to_host", None)
+    if read is None or "event.synchronize" in inspect.getsource(read):
         return
-    read = Outputs._to_host
 
     def to_host(self: Any, outputs: list[Any], event: Any) -> Any:
         for out in outputs:
             out.sim_event.synchronize()
         return read(self, outputs, event)
 
-    Outputs._to_host = to_host  # type: ignore[method-assign]
+    Outputs._to_host = to_host  # type: ignore[attr-defined]
 
 
-async def hog(busy_ms: float, period_ms: float) -> None:
-    while True:
-        until = time.perf_counter() + busy_ms / 1000
-        while time.perf_counter() < until:
-            pass
-        await asyncio.sleep(max(0.0, period_ms - busy_ms) / 1000)
-
-
-async def serve(args: argparse.Namespace) -> None:
-    import uvicorn
-
-    from visenc.bootstrap import create_app
-    from visenc.config import Settings
-
-    tower = sim_module().load(args.spec)
-    outputs_wait_for_the_stream()
-    settings = Settings(
-        port=args.port, log_level="warning", max_wait_ms=args.max_wait_ms, prefetch_tokens=args.prefetch_tokens
-    )
-    app = create_app(settings, tower=tower)
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=args.port, log_level="warning"))
-    hogging = asyncio.create_task(hog(args.hog_ms, args.period_ms)) if args.hog_ms > 0 else None
-    await server.serve()
-    if hogging is not None:
-        hogging.cancel()
-
-
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("spec")
-    p.add_argument("port", type=int)
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--hog-ms", type=float, default=0.0)
     p.add_argument("--period-ms", type=float, default=40.0)
-    p.add_argument("--max-wait-ms", type=float, default=2.0)
-    # staged input as a GPU host plans it (two batches ready, one a preprocessing worker: ``engine/budget.py``),
-    # not a CPU tower's quarter batch, which a decoding image alone can fill
-    p.add_argument("--prefetch-tokens", type=int, default=4 * 4096)
-    asyncio.run(serve(p.parse_args()))
+    args, serve = p.parse_known_args()
+    serve = [a for a in serve if a != "--"]
+    from visenc import cli
+
+    try:
+        from visenc import devices  # noqa: F401
+    except ImportError:
+        older_tree()
+    if args.hog_ms > 0:
+        hogged(args.hog_ms, args.period_ms)
+    return cli.main(["serve", *serve])
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

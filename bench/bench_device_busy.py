@@ -1,4 +1,5 @@
-"""Busy share of the simulated device (``models/sim.py``) under the service and prefill-like clients.
+"""Busy share of the simulated device (``models/sim.py``), served by ``visenc serve --model sim:...``,
+under prefill-like clients; images a forward; host bytes the device thread copies an image.
 
 python bench/bench_device_busy.py [--before /tmp/visenc-before] [--rounds 3] [--clients 16 64]
 """
@@ -45,7 +46,8 @@ async def prefill_pass(url: str, images: list[bytes], clients: int, namespace: s
 
 
 def read_spans(path: Path, start: float, end: float) -> list[Span]:
-    spans = [Span(**json.loads(line)) for line in path.read_text().splitlines() if line]
+    lines = [json.loads(line) for line in path.read_text().splitlines() if line]
+    spans = [Span(**x) for x in lines if "images" in x]  # the rest: the device thread's waits
     return [s for s in spans if s.start >= start and s.end <= end]
 
 
@@ -56,8 +58,8 @@ def one_pass(
     with tempfile.TemporaryDirectory(prefix="visenc-busy-") as tmp:
         timeline, port = Path(tmp) / "timeline.jsonl", c.free_port()
         spec = SPEC.format(token_us=args.token_us, sync=sync) + f",timeline={timeline}"
-        cmd = [c.PYTHON, str(Path(__file__).with_name("_sim_serve.py")), spec, str(port)]
-        cmd += ["--hog-ms", str(hog_ms)]
+        cmd = [c.PYTHON, str(Path(__file__).with_name("_sim_serve.py")), "--hog-ms", str(hog_ms), "--"]
+        cmd += ["--model", spec, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
         url = f"http://127.0.0.1:{port}"
         with c.server(cmd, f"{url}/readyz", env, Path(tmp) / "serve.log"):
             warm = [c.jpeg(10**6 + i, args.size, args.size) for i in range(clients)]
@@ -71,14 +73,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--before", type=Path, default=None, help="another source tree, side by side")
     p.add_argument("--rounds", type=int, default=3)
-    p.add_argument("--clients", type=int, nargs="+", default=[16], help="64 needs --images of 3 times that")
-    p.add_argument("--images", type=int, default=96, help="distinct images a pass")
+    p.add_argument("--clients", type=int, nargs="+", default=[16, 64])
+    p.add_argument("--images", type=int, default=192, help="distinct images a pass (3 times the clients)")
     p.add_argument("--hog-ms", type=float, default=20.0)
     p.add_argument("--size", type=int, default=512, help="side of the square JPEGs (16 pixels a token)")
     p.add_argument("--token-us", type=float, default=100.0, help="device time a token")
-    p.add_argument("--sync", type=int, nargs="+", default=[0, 1], help="0: async launch, 1: forward with a host sync")
+    p.add_argument("--sync", type=int, nargs="+", default=[0], help="0: async launch, 1: forward with a host sync")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
+    host_bytes()
     trees = {"now": c.service_env()}
     if args.before is not None:
         paths = [str(args.before / "service"), str(args.before / "clients"), os.environ.get("PYTHONPATH", "")]
@@ -110,6 +113,35 @@ def main() -> int:
     if args.json:
         print(json.dumps({"busy": summary}))
     return 0
+
+
+def host_bytes() -> None:
+    """Host bytes copied an image at launch, by the former path (``np.concatenate`` of the batch's float32
+    inputs, then ``pin_memory``) and now (staged once by preprocessing in the input dtype: the device reads it)."""
+    import numpy as np
+    import torch
+
+    from visenc.imaging.decode import decode
+    from visenc.models.loading import load_tower
+
+    tower = load_tower("tiny-qwen2-vl", dtype="bfloat16")
+    images = [decode(c.jpeg(7 + i, 1920, 1080), max_pixels=10**9) for i in range(4)]
+    prepared = [tower.preprocess(im) for im in images]
+    for n in (1, 4):
+        arrays = [p.pixels for p in prepared[:n]]
+        packed = np.concatenate(arrays) if n > 1 else arrays[0]
+        before = (packed.nbytes if n > 1 else 0) + packed.nbytes  # the concatenation, then the pinned copy
+        staged = [tower.stage(p) for p in prepared[:n]]
+        copied = tower.runtime.host_bytes_copied
+        with torch.inference_mode():
+            tower.forward(staged)
+        now = tower.runtime.host_bytes_copied - copied
+        written = sum(s.pixels.nbytes for s in staged)
+        print(
+            f"host bytes an image at launch, 1080p x{n} ({tower.name}, bfloat16): before {before / n / 1e6:.1f} MB, "
+            f"now {now / n / 1e6:.1f} MB; written once by preprocessing now {written / n / 1e6:.1f} MB",
+            flush=True,
+        )
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ def staged(tower: VisionTower, settings: Settings, process_bytes: int) -> tuple[
 
     budget = plan_budget(
         tower,
-        settings.memory_budget_bytes or device_memory_budget(tower.device, settings.memory_fraction),
+        settings.memory_budget_bytes or device_memory_budget(tower.runtime, settings.memory_fraction),
         max_batch_tokens=settings.max_batch_tokens,
         prefetch_tokens=settings.prefetch_tokens,
         workers=settings.preprocess_workers or default_preprocess_workers(tower.device),

@@ -75,6 +75,7 @@ class Metrics:
         self._health(r)
         self._sglang(r)
         self._tasks(r)
+        self._device(r)
 
     def _http(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -117,7 +118,9 @@ class Metrics:
             "visenc_queue_wait_seconds", "Time an image waited from admission to the start of its forward."
         )
         self.preprocess_seconds = seconds("visenc_preprocess_seconds", "Decode + preprocess time of one image.")
-        self.forward_seconds = seconds("visenc_forward_seconds", "Duration of one batched forward (device work).")
+        self.forward_seconds = seconds(
+            "visenc_forward_seconds", "Device time of one batched forward (events on its stream)."
+        )
         self.output_seconds = seconds(
             "visenc_output_seconds", "Device-to-host copy and packing of one forward's outputs (off the device thread)."
         )
@@ -298,3 +301,19 @@ class Metrics:
             for child in value if isinstance(value, list | tuple) else [value]:
                 if isinstance(child, Mapping):
                     self.export_index_health(child)
+
+    def _device(self, r: CollectorRegistry) -> None:
+        self.forward_launch_seconds = Histogram(
+            "visenc_forward_launch_seconds",
+            "Host time of one forward's launch on the device thread (the forward call itself).",
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.device_wait_seconds = Histogram(
+            "visenc_device_wait_seconds",
+            "Time the device thread waited before a launch, by reason (copy-out: rows not copied out at their bound).",
+            ["reason"],
+            buckets=SECONDS_BUCKETS,
+            registry=r,
+        )
+        _preset(self.device_wait_seconds, ["copy-out"])

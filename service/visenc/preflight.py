@@ -83,6 +83,9 @@ def check_model(spec: str) -> None:
     here (a hub id is checked against the hub at load)."""
     from visenc.models.hub import REPO_ID, looks_like_path
 
+    if spec.startswith("sim:"):  # the simulated device (``models/sim.py``): its keys are checked here
+        _check_sim(spec)
+        return
     path = Path(spec).expanduser()
     if spec in BUILT_IN or (path / "config.json").is_file():
         return
@@ -98,6 +101,15 @@ def check_model(spec: str) -> None:
         f"cannot serve {spec}: no such folder, and neither a built-in name ({', '.join(BUILT_IN)}) "
         "nor a hub id ORG/NAME[@REVISION]",
     )
+
+
+def _check_sim(spec: str) -> None:
+    from visenc.models.sim import SimSpec
+
+    try:
+        SimSpec.parse(spec)
+    except (ValueError, TypeError) as e:
+        raise StartError(EXIT_MODEL_UNAVAILABLE, f"cannot serve {spec}: {e}") from e
 
 
 def check_paths(settings: Settings) -> None:

@@ -111,7 +111,7 @@ def pipeline(
         metrics=Metrics(),
         fingerprint="f" * 32,
         hidden_size=4,
-        device=tower.device,
+        runtime=tower.runtime,
         coordination=local,
     )
     outputs.start()

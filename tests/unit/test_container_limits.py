@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from visenc import devices
 from visenc.engine import budget, host, threads
 
 GiB = 1 << 30
@@ -83,6 +84,6 @@ def test_budget_and_threads_follow_the_container(tmp_path, monkeypatch: pytest.M
     monkeypatch.setattr(host, "PROC_CGROUP", proc)
     monkeypatch.setattr(host.usable_memory_bytes, "__defaults__", (root, proc))
     monkeypatch.setattr(host.usable_cores, "__defaults__", (root, proc))
-    assert budget.device_memory_budget(torch.device("cpu"), 0.5) == GiB // 2
+    assert budget.device_memory_budget(devices.for_device("cpu"), 0.5) == GiB // 2
     assert threads.default_torch_threads(torch.device("cpu")) == 1
     assert threads.default_preprocess_workers(torch.device("cpu")) == 1

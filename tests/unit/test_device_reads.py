@@ -52,6 +52,59 @@ def test_a_packed_forward_reads_nothing_back_from_the_device(name: str, checkpoi
     assert all(r.device.type == "meta" for r in rows)
 
 
+#: towers that batch without packing; their forwards keep on the host what transformers reads there
+UNPACKED = ("llava_onevision", "idefics3", "smolvlm")
+#: what is left, and why: LLaVA-OneVision's ``pack_image_features`` builds ``feature_lens`` with
+#: ``torch.tensor(..., device=...)``, a blocking copy from pageable memory (its sizes are read on the host now)
+LEFT = {"llava_onevision": "feature_lens = torch.tensor"}
+
+
+@pytest.fixture(scope="module")
+def unpacked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {name: save_family(name, tmp_path_factory.mktemp(name)) for name in UNPACKED}
+
+
+@pytest.mark.parametrize("name", UNPACKED)
+def test_an_unpacked_forward_reads_nothing_back(name: str, unpacked: dict[str, Path]) -> None:
+    tower = _tower(name, unpacked, device="meta")
+    batch = _batch(tower, [(224, 224), (300, 200)])
+    if name in LEFT:
+        with pytest.raises(DeviceRead, match=LEFT[name]), DeviceReads():
+            tower.forward(batch)
+        return
+    with DeviceReads():
+        rows = tower.forward(batch)
+    assert [r.shape for r in rows] == [(p.layout.num_tokens, tower.hidden_size) for p in batch]
+
+
+@pytest.mark.parametrize("name", UNPACKED)
+def test_their_own_paths_read_back(name: str, unpacked: dict[str, Path]) -> None:
+    """transformers' ``get_image_features`` with every input on the device reads it back (the check can fail)."""
+    tower = _tower(name, unpacked, device="meta")
+    inputs = tower.collate([p.pixels for p in _batch(tower, [(224, 224)])])
+    moved = {k: v.to(tower.device, non_blocking=True) for k, v in inputs.items()}
+    with pytest.raises((DeviceRead, NotImplementedError)), DeviceReads(), torch.inference_mode():
+        # a read of a ``meta`` tensor's values, or of a shape that depends on them (``nonzero``), fails
+        tower.model.get_image_features(**tower.feature_kwargs(moved))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the sync check is CUDA's own)")
+@pytest.mark.parametrize("name", UNPACKED)
+def test_cuda_unpacked_forward_has_no_sync(name: str, unpacked: dict[str, Path]) -> None:
+    if name in LEFT:
+        pytest.skip(f"{name} still copies {LEFT[name]!r} blocking (test_an_unpacked_forward_reads_nothing_back)")
+    tower = _tower(name, unpacked, device="cuda", dtype="bfloat16")
+    batch = _batch(tower, [(224, 224), (300, 200)])
+    tower.forward(batch)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        rows = tower.forward(batch)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert [r.shape[0] for r in rows] == [p.layout.num_tokens for p in batch]
+
+
 def test_a_video_tube_forward_reads_nothing_back(checkpoints: dict[str, Path]) -> None:
     tower = _tower("qwen3_vl", checkpoints, device="meta")
     geometry = tower.video_geometry()

@@ -5,20 +5,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-import torch
-
+from visenc.devices import Device
 from visenc.engine.host import usable_memory_bytes
 from visenc.models.base import VisionTower
 
 log = logging.getLogger(__name__)
 
-#: share of the budget not handed to batches (decode workspace, allocator slack)
+#: share of the budget not handed to batches (decode workspace, allocator slack, rows not yet copied out)
 RESERVE = 0.2
+#: share of the budget, out of ``RESERVE``, the rows made and not yet copied out may hold (then the device waits)
+OUTPUT_SHARE = 0.1
 
 #: most patch tokens in one packed CPU forward: past it elementwise ops fall out of cache (bench_batching.py)
 CPU_PACKED_BATCH_TOKENS = 4096
 
-#: share of the process's memory budget the staged inputs may take on CUDA (where they live on the host)
+#: share of the process's memory budget the staged inputs may take on a GPU (where they live on the host)
 STAGING_SHARE = 0.125
 #: a staged line's bytes per input byte at most (a JPEG screenshot's decode is about 1.7 times its input)
 STAGED_LINE_FACTOR = 3
@@ -33,13 +34,15 @@ class BatchBudget:
     max_batch_bytes: int
     prefetch_tokens: int
 
+    @property
+    def max_output_bytes(self) -> int:
+        """Rows made on the device and not yet copied out, at most (one forward's always fits)."""
+        return int(OUTPUT_SHARE * self.memory_bytes)
 
-def device_memory_budget(device: torch.device, fraction: float) -> int:
-    """``fraction`` of the device's memory: CUDA's total (at most what is free), or the host's usable memory."""
-    if device.type == "cuda":
-        free, total = torch.cuda.mem_get_info(device)
-        return int(min(fraction * total, free))
-    return int(fraction * usable_memory_bytes())
+
+def device_memory_budget(device: Device, fraction: float) -> int:
+    """``fraction`` of the device's memory: a GPU's total (at most what is free), or the host's usable memory."""
+    return device.memory_bytes(fraction)
 
 
 def plan_budget(
@@ -56,7 +59,7 @@ def plan_budget(
         raise ValueError(f"memory budget must be positive, got {memory_bytes}")
     usable = int(memory_bytes * (1 - RESERVE))
     act = max(1, tower.activation_bytes_per_token())
-    staged_here = tower.device.type != "cuda"
+    staged_here = not tower.runtime.separate_memory
     inp = tower.input_bytes_per_token() if staged_here else 0
     if staged_here and tower.packable:
         max_batch_tokens = min(max_batch_tokens, CPU_PACKED_BATCH_TOKENS)

@@ -55,7 +55,7 @@ class Engine:
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="visenc-pre")
         self.budget = plan_budget(
             tower,
-            settings.memory_budget_bytes or device_memory_budget(tower.device, settings.memory_fraction),
+            settings.memory_budget_bytes or device_memory_budget(tower.runtime, settings.memory_fraction),
             max_batch_tokens=settings.max_batch_tokens,
             prefetch_tokens=settings.prefetch_tokens,
             workers=workers,
@@ -89,11 +89,12 @@ class Engine:
             metrics=metrics,
             fingerprint=tower.fingerprint,
             hidden_size=tower.hidden_size,
-            device=tower.device,
+            runtime=tower.runtime,
             coordination=self.coordination,
+            max_held_bytes=self.budget.max_output_bytes,
         )
         self.scheduler = Scheduler(
-            preprocess=prep.preprocess,
+            preprocess=lambda data: tower.stage(prep.preprocess(data)),
             pool=self.pool,
             outputs=self.outputs,
             coordination=self.coordination,

@@ -7,16 +7,17 @@ import collections
 import logging
 import time
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
 from visenc import heap
+from visenc.devices import Event
 from visenc.engine.job import Job, JobState
 from visenc.engine.outputs import Forwarded, Outputs
-from visenc.errors import NotReady, OutOfMemory
+from visenc.errors import EncodeFailed, NotReady, OutOfMemory
 from visenc.metrics import Metrics
 from visenc.models.base import Prepared, VisionTower
 
@@ -50,14 +51,16 @@ class DeviceLoop:
         self.metrics = metrics
         self.max_wait_s = max_wait_s
         self.heap_idle_s = 2.0
-        self._stream: Any = torch.cuda.Stream(tower.device) if tower.device.type == "cuda" else None
+        self.runtime = tower.runtime
+        #: bytes of one row of rows (the bound on rows not yet copied out counts them)
+        self.row_bytes = tower.hidden_size * tower.dtype.itemsize
         self._loop: asyncio.AbstractEventLoop | None = None
         self._generation = 0
         self.busy_since: float | None = None
         self._batch: list[Job] = []
         self._handed: set[int] = set()
-        #: the forwards launched, oldest first: (event, launch time, jobs)
-        self._launched: collections.deque[tuple[Any, float, list[Job]]] = collections.deque()
+        #: the forwards launched, oldest first: (end event, launch time, jobs)
+        self._launched: collections.deque[tuple[Event, float, list[Job]]] = collections.deque()
 
     def bind(self, loop: asyncio.AbstractEventLoop) -> int:
         self._loop = loop
@@ -136,17 +139,24 @@ class DeviceLoop:
                 return
             self._forward_fitting([batch[i] for i in group], generation)
 
+    def _room_for_rows(self, jobs: list[Job], generation: int) -> None:
+        """Wait while the rows not yet copied out would pass their bound with these jobs' (copy-out lags)."""
+        nbytes = sum(j.shape.num_tokens for j in jobs) * self.row_bytes
+        waited_from = time.monotonic()
+        if self.outputs.wait_for_room(nbytes, lambda: generation != self._generation):
+            self.runtime.note_wait("copy-out", waited_from, time.monotonic())
+            self.metrics.device_wait_seconds.labels("copy-out").observe(time.monotonic() - waited_from)
+
     def _forward_fitting(self, jobs: list[Job], generation: int) -> None:
         """One forward of ``jobs``; on out-of-memory, the halves in turn, down to one image."""
-        started = time.monotonic()
+        self._room_for_rows(jobs, generation)
         try:
-            outputs, event = self.forward([j.input for j in jobs])
+            launch = self.forward([j.input for j in jobs])
         except Exception as error:
-            if not is_out_of_memory(error):
+            if not self.runtime.is_out_of_memory(error):
                 raise
             self.metrics.oom_splits.inc()
-            if self.tower.device.type == "cuda":
-                torch.cuda.empty_cache()
+            self.runtime.free_cached()
             if len(jobs) == 1:
                 log.warning("image %s does not fit in device memory alone: %r", jobs[0].image_hash, error)
                 self._handed.add(id(jobs[0]))
@@ -159,16 +169,24 @@ class DeviceLoop:
             self._forward_fitting(jobs[:half], generation)
             self._forward_fitting(jobs[half:], generation)
             return
-        elapsed = time.monotonic() - started
-        self.metrics.forward_seconds.observe(elapsed)
+        self.metrics.forward_launch_seconds.observe(launch.launch_s)
         self.metrics.forwards.inc()
         self.metrics.batch_images.observe(len(jobs))
         self.metrics.batch_tokens.observe(sum(j.cost for j in jobs))
         self._handed.update(map(id, jobs))
-        if event is not None and generation == self._generation:
-            self._launched.append((event, started, jobs))
-        self._post(self._forwarded, jobs, started, elapsed)  # before the copy's answer: the loop runs them in order
-        self.outputs.submit(Forwarded(jobs, outputs, event))
+        if generation == self._generation:
+            self._launched.append((launch.end, launch.launched_at, jobs))
+        self._post(self._forwarded, jobs, launch.launched_at, launch.launch_s)  # before the copy's answer
+        self._hand_over(Forwarded(jobs, launch.outputs, launch.end, launch.start))
+
+    def _hand_over(self, forwarded: Forwarded) -> None:
+        """The rows to the outputs; a hand-over that fails answers its jobs with the error."""
+        try:
+            self.outputs.submit(forwarded)
+        except Exception as error:
+            log.error("handing %d images' rows to the outputs failed", len(forwarded.batch), exc_info=error)
+            self.metrics.encode_failures.labels("output").inc(len(forwarded.batch))
+            self._post(self.outputs.fail, forwarded.batch, EncodeFailed(f"encoding failed: {type(error).__name__}"))
 
     def _forwarded(self, jobs: list[Job], started: float, elapsed: float) -> None:
         for job in jobs:
@@ -183,27 +201,30 @@ class DeviceLoop:
         except RuntimeError:  # the event loop is closed: nobody is left to answer
             log.debug("event loop closed; %s dropped", getattr(fn, "__name__", fn))
 
-    def on_stream(self) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(self._stream) if self._stream is not None else nullcontext()
+    def on_stream(self) -> AbstractContextManager[object]:
+        return self.runtime.stream()
 
-    def forward(self, prepared: Sequence[Prepared]) -> tuple[list[torch.Tensor], Any]:
-        with self.on_stream():
+    def forward(self, prepared: Sequence[Prepared]) -> Launch:
+        """Launch one forward on the device thread's stream, between two events; returns at launch."""
+        with self.runtime.stream():
+            start = self.runtime.record()
+            launched_at = time.monotonic()
             outputs = self.tower.forward(prepared)
-            if self._stream is None:
-                return outputs, self.tower.record_event()
-            event = torch.cuda.Event()
-            event.record(self._stream)
-        return outputs, event
+            launch_s = time.monotonic() - launched_at
+            end = self.runtime.record()
+        return Launch(outputs, start, end, launched_at, launch_s)
 
 
-def _done(event: Any) -> bool:
-    query = getattr(event, "query", None)
-    return query is None or bool(query())
+@dataclass(slots=True)
+class Launch:
+    outputs: list[torch.Tensor]
+    #: events recorded around the forward on the device's stream: its device time, read once the rows are out
+    start: Event
+    end: Event
+    launched_at: float
+    #: host time of the launch (the forward call's own)
+    launch_s: float
 
 
-def is_out_of_memory(error: BaseException) -> bool:
-    """A device or host allocation failure (CUDA OOM, a CPU allocator refusal, ``MemoryError``)."""
-    if isinstance(error, torch.OutOfMemoryError | MemoryError):
-        return True
-    text = str(error)
-    return isinstance(error, RuntimeError) and ("out of memory" in text or "can't allocate memory" in text)
+def _done(event: Event) -> bool:
+    return event.query()

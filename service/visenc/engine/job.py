@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import enum
 import itertools
+import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -56,6 +57,9 @@ EDGES: dict[JobState, frozenset[JobState]] = {
 assert all(S.FAILED in EDGES[s] for s in _UNFINISHED)
 #: the states that hold staged input (the job's staging line is open): preprocessing, ready, on the device
 STAGED = frozenset({S.PREPARING, S.READY, S.RUNNING})
+
+
+_MOVES = threading.Lock()
 
 
 class Place(enum.Enum):
@@ -146,9 +150,10 @@ class Job:
         return self._input
 
     def _move(self, to: JobState) -> None:
-        if to not in EDGES[self._state]:
-            raise IllegalTransition(f"job {self.key}: no edge {self._state.name} -> {to.name}")
-        self._state = to
+        with _MOVES:  # preprocessing and device threads move jobs too: a check and its move are one step
+            if to not in EDGES[self._state]:
+                raise IllegalTransition(f"job {self.key}: no edge {self._state.name} -> {to.name}")
+            self._state = to
         if to not in STAGED and self._line is not None:
             self._line.refund()
             self._line = None

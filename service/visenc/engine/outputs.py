@@ -5,14 +5,16 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import logging
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from visenc.devices import DONE, Device, Event
 from visenc.engine.coordination import Coordination
 from visenc.engine.job import Job
 from visenc.errors import Cancelled, EncodeFailed, PayloadTooLarge, VisencError
@@ -28,8 +30,14 @@ log = logging.getLogger(__name__)
 class Forwarded:
     batch: list[Job]
     outputs: list[torch.Tensor]
-    #: event behind the forward (``None``: its outputs are ready when it returns)
-    event: Any = None
+    #: the events recorded after and before the forward on the device's stream
+    end: Event = DONE
+    start: Event | None = None
+    #: bytes of its rows, held on the device until copied out
+    nbytes: int = field(init=False, default=0)
+
+    def __post_init__(self) -> None:
+        self.nbytes = sum(o.nbytes for o in self.outputs)
 
 
 @dataclass(slots=True)
@@ -57,8 +65,9 @@ class Outputs:
         metrics: Metrics,
         fingerprint: str,
         hidden_size: int,
-        device: torch.device,
+        runtime: Device,
         coordination: Coordination,
+        max_held_bytes: int | None = None,
     ) -> None:
         self.index = index
         self.metrics = metrics
@@ -66,7 +75,11 @@ class Outputs:
         self.hidden_size = hidden_size
         self.coordination = coordination
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="visenc-output")
-        self._stream: Any = torch.cuda.Stream(device) if device.type == "cuda" else None
+        self.runtime = runtime
+        #: rows made on the device and not yet copied out: bounded (``wait_for_room``), counted in the budget
+        self.max_held_bytes = max_held_bytes
+        self.held_bytes = self.peak_held_bytes = 0
+        self._room = threading.Condition()
         self._queue: asyncio.Queue[_Done | _Failed] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
@@ -93,11 +106,34 @@ class Outputs:
     def pending_writes(self) -> int:
         return len(self._writes)
 
+    def wait_for_room(self, nbytes: int, given_up: Callable[[], bool]) -> bool:
+        """On the device thread: wait while ``nbytes`` more rows would pass the bound; whether it waited."""
+        if self.max_held_bytes is None:
+            return False
+        with self._room:
+            waited = False
+            while self.held_bytes and self.held_bytes + nbytes > self.max_held_bytes and not given_up():
+                waited = True
+                self._room.wait(0.05)
+            return waited
+
+    def _hold(self, nbytes: int) -> None:
+        with self._room:
+            self.held_bytes += nbytes
+            self.peak_held_bytes = max(self.peak_held_bytes, self.held_bytes)
+            if nbytes < 0:
+                self._room.notify_all()
+
     def submit(self, forwarded: Forwarded) -> None:
         """A forward was launched (any thread): copy and pack its outputs on the output thread."""
         assert self._loop is not None, "outputs are submitted after start"
         loop, t0 = self._loop, time.perf_counter()
-        copy = self._thread.submit(self._materialise, forwarded)
+        self._hold(forwarded.nbytes)
+        try:
+            copy = self._thread.submit(self._materialise, forwarded)
+        except BaseException:
+            self._hold(-forwarded.nbytes)
+            raise
         self._copies.add(copy)
 
         def copied(fut: concurrent.futures.Future[list[Entry]]) -> None:
@@ -138,9 +174,14 @@ class Outputs:
 
     def _materialise(self, forwarded: Forwarded) -> list[Entry]:
         batch, outputs = forwarded.batch, forwarded.outputs
-        if len(outputs) != len(batch):
-            raise RuntimeError(f"tower returned {len(outputs)} outputs for {len(batch)} images")
-        hosts = self._to_host(outputs, forwarded.event)
+        try:
+            if len(outputs) != len(batch):
+                raise RuntimeError(f"tower returned {len(outputs)} outputs for {len(batch)} images")
+            hosts = self.runtime.copy_out(outputs, forwarded.end)
+        finally:
+            self._hold(-forwarded.nbytes)
+        if forwarded.start is not None:
+            self.metrics.forward_seconds.observe(self.runtime.seconds(forwarded.start, forwarded.end))
         entries = []
         for job, out in zip(batch, hosts):
             assert job.layout is not None
@@ -159,23 +200,6 @@ class Outputs:
                 )
             )
         return entries
-
-    def _to_host(self, outputs: list[torch.Tensor], event: Any) -> list[torch.Tensor]:
-        if self._stream is None:
-            if event is not None:  # a tower whose forward returns before its outputs are made
-                event.synchronize()
-            return [o.contiguous() for o in outputs]
-        with torch.cuda.stream(self._stream):
-            if event is not None:
-                self._stream.wait_event(event)
-            hosts = []
-            for o in outputs:
-                o.record_stream(self._stream)  # the allocator keeps it until this stream is done
-                host = torch.empty(o.shape, dtype=o.dtype, pin_memory=True)
-                host.copy_(o, non_blocking=True)
-                hosts.append(host)
-        self._stream.synchronize()
-        return hosts
 
     async def _run(self) -> None:
         while True:

@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 
 from visenc.engine.coordination import Coordination, WaitOutcome
-from visenc.engine.job import Job, JobState, Place
+from visenc.engine.job import IllegalTransition, Job, JobState, Place
 from visenc.engine.outputs import Outputs
 from visenc.engine.prepare import Source
 from visenc.engine.staging import Staging
@@ -75,7 +75,8 @@ class Scheduler:
 
     @property
     def _in_preparation(self) -> int:
-        return sum(not t.done() for t in self._preparing)
+        # a job its preprocessing thread made ready counts as ready, while its task ends on the loop
+        return sum(not t.done() and job.state is JobState.PREPARING for t, job in self._preparing.items())
 
     @property
     def idle(self) -> bool:
@@ -195,15 +196,25 @@ class Scheduler:
     async def _preprocess_here(self, job: Job) -> None:
         t0 = time.perf_counter()
         data = job.take_bytes()
-        tower_input = await asyncio.get_running_loop().run_in_executor(self._pool, self._preprocess, data)
+        handed = await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare_and_hand, job, data)
         if self._on_prepared is not None:
             self._on_prepared(job, time.perf_counter() - t0)
-        if self._drop_if_unwanted(job):
-            return
-        job.prepared(tower_input)
+        if not handed:
+            self._drop_if_unwanted(job)
+
+    def _prepare_and_hand(self, job: Job, data: Source) -> bool:
+        """On a preprocessing thread: the tower input, put where the device thread takes it (no event loop)."""
+        tower_input = self._preprocess(data)
         with self._lock:
+            if job.interest <= 0 or job.state is not JobState.PREPARING:
+                return False
+            try:
+                job.prepared(tower_input)
+            except IllegalTransition:  # failed meanwhile by the loop (cancelled, shut down)
+                return False
             self._ready.append(job)
             self._lock.notify()
+        return True
 
     def take_batch(self) -> list[Job]:
         with self._lock:
@@ -218,6 +229,7 @@ class Scheduler:
     def take(self, max_wait_s: float, timeout_s: float) -> list[Job]:
         """On the device thread: the next batch within ``timeout_s`` (``docs/internals.md``)."""
         with self._lock:
+            self._ready = [job for job in self._ready if not job.finished]  # failed while ready
             idle = not self._wanted()
             if idle and not self._lock.wait_for(self._wanted, timeout_s):
                 return []

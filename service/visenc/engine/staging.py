@@ -3,10 +3,13 @@ transitions (``job.STAGED``)."""
 
 from __future__ import annotations
 
+import threading
+
 
 class Staging:
     def __init__(self) -> None:
         self._tokens = 0
+        self._lock = threading.Lock()  # lines are refunded on preprocessing and device threads too
 
     @property
     def tokens(self) -> int:
@@ -14,11 +17,13 @@ class Staging:
         return self._tokens
 
     def open(self, tokens: int, decode_tokens: int) -> Line:
-        self._tokens += tokens + decode_tokens
+        with self._lock:
+            self._tokens += tokens + decode_tokens
         return Line(self, tokens, decode_tokens)
 
     def _refund(self, tokens: int) -> None:
-        self._tokens -= tokens
+        with self._lock:
+            self._tokens -= tokens
 
 
 class Line:

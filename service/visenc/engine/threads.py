@@ -11,6 +11,7 @@ from typing import Any, TypeVar
 
 import torch
 
+from visenc import devices
 from visenc.engine.host import usable_cores
 
 T = TypeVar("T")
@@ -27,8 +28,7 @@ def default_preprocess_workers(device: torch.device, cores: int | None = None) -
 
 
 def default_torch_threads(device: torch.device, cores: int | None = None) -> int:
-    cores = cores or available_cores()
-    return 1 if device.type == "cuda" else cores
+    return devices.for_device(device).torch_threads(cores or available_cores())
 
 
 class DaemonThread(Executor):

@@ -247,9 +247,9 @@ class DeviceWorker:
 
     def _probe_forward(self, image: Image.Image) -> None:
         prepared = self.tower.preprocess(image)
-        (out,), event = self.device.forward([prepared])
-        if event is not None:
-            event.synchronize()
+        launch = self.device.forward([prepared])
+        launch.end.synchronize()
+        (out,) = launch.outputs
         if out.shape[0] != prepared.layout.num_tokens:
             raise RuntimeError(f"probe produced {out.shape[0]} rows, expected {prepared.layout.num_tokens}")
 

@@ -13,6 +13,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from visenc import devices
 from visenc.imaging.decode import LOADERS
 from visenc.imaging.video import Rule, VideoPreprocess
 from visenc.models import compiled
@@ -121,12 +122,31 @@ class VisionTower(ABC):
         small, large = (self.preprocess(Image.new("RGB", size, (120, 130, 140))) for size in WARM_UP_SIZES)
         for batch in ([small], [small, large if self.packable else small]):
             self.forward(batch)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
+        self.runtime.synchronize()
 
-    def record_event(self) -> Any:
-        """Off CUDA: an event whose ``synchronize()`` waits for the forward just launched (``None``: outputs made)."""
-        return None
+    @property
+    def runtime(self) -> devices.Device:
+        """The device interface the tower runs through (``visenc.devices``)."""
+        return devices.for_device(self.device)
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype the forward reads its pixels in: staged in it on the host where the cast is the model's own."""
+        return torch.float32
+
+    def stage(self, prepared: Prepared) -> Prepared:
+        """``prepared``'s input written once into a host buffer the device reads (a preprocessing thread)."""
+        pixels = prepared.pixels
+        if isinstance(pixels, np.ndarray):
+            staged: Any = self.runtime.stage(torch.from_numpy(pixels), self.input_dtype)
+        elif isinstance(pixels, dict):
+            staged = {
+                k: self.runtime.stage(v, v.dtype) if isinstance(v, torch.Tensor) and v.is_floating_point() else v
+                for k, v in pixels.items()
+            }
+        else:
+            return prepared
+        return Prepared(staged, prepared.layout)
 
     def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
         """The device calls ``forward`` would cut ``batch`` into anyway, as index lists in order (default: one)."""
@@ -180,10 +200,8 @@ class VisionTower(ABC):
         return self.activation_bytes_per_token() * sum(self.input_tokens(lay) for lay in layouts)
 
     def to_device(self, pixels: torch.Tensor) -> torch.Tensor:
-        """Host input → the tower's device and dtype without blocking (pinned and queued on CUDA)."""
-        if self.device.type == "cuda":
-            return pixels.pin_memory().to(self.device, self.dtype, non_blocking=True)
-        return pixels.to(self.device, self.dtype, non_blocking=True)
+        """Host input → the tower's device and dtype, queued (from a staged host buffer: no host copy)."""
+        return self.runtime.to_device(pixels, self.dtype)
 
     @property
     def fingerprint(self) -> str:

@@ -14,6 +14,8 @@ from typing import Any, Literal
 
 import torch
 
+from visenc import devices
+
 log = logging.getLogger(__name__)
 
 #: most graphs one block's code may compile (dynamo falls back to eager past it)
@@ -56,8 +58,8 @@ NOT_COMPILED = Status("eager", "setting", "the tower was not compiled")
 
 
 def wanted(setting: Compile, device: torch.device) -> bool:
-    """``auto``: on for CUDA, off on a CPU (where compiling takes longer than it saves for small towers)."""
-    return setting == "on" or (setting == "auto" and device.type == "cuda")
+    """``auto``: on where the device compiles by default (CUDA), off on a CPU (compiling costs more than it saves)."""
+    return setting == "on" or (setting == "auto" and devices.for_device(device).compiles_by_default)
 
 
 def why_eager(setting: Compile, device: torch.device) -> Status | None:
@@ -70,17 +72,15 @@ def why_eager(setting: Compile, device: torch.device) -> Status | None:
 
 def toolchain_problem(device: torch.device) -> str | None:
     """What the compiler backend needs at run time and this host lacks (``None``: nothing found missing)."""
+    runtime = devices.for_device(device)
     missing = []
-    if device.type == "cuda":
-        if _compiler("CC", "gcc", "clang") is None:
-            missing.append("C compiler (set CC, or install gcc)")
-    elif _compiler("CXX", "g++") is None:
-        missing.append("C++ compiler (set CXX, or install g++)")
+    variable, *names = runtime.compiler
+    if _compiler(variable, *names) is None:
+        missing.append(f"{runtime.compiler_name} (set {variable}, or install {names[0]})")
     headers = python_headers()
     if not (headers / "Python.h").is_file():
         missing.append(f"Python.h in {headers} (install the headers of this Python: python3-dev)")
-    if device.type == "cuda" and (problem := _libcuda_problem()) is not None:
-        missing.append(problem)
+    missing += runtime.compiler_problems()
     return None if not missing else "missing " + "; ".join(missing)
 
 
@@ -96,16 +96,6 @@ def python_headers() -> Path:
     if scheme == "posix_local":
         scheme = "posix_prefix"
     return Path(sysconfig.get_paths(scheme=scheme)["include"])
-
-
-def _libcuda_problem() -> str | None:
-    try:
-        from triton.backends.nvidia.driver import libcuda_dirs
-
-        libcuda_dirs()  # asserts that libcuda.so.1 is found (ldconfig, LD_LIBRARY_PATH, TRITON_LIBCUDA_PATH)
-    except Exception as error:
-        return f"what Triton needs to build its launcher ({type(error).__name__}: {_first_line(error)})"
-    return None
 
 
 def warm_up_limit_s(blocks: int) -> float:

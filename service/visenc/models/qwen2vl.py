@@ -7,7 +7,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
 from typing import Any
 
-import numpy as np
 import torch
 from PIL import Image
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
@@ -209,8 +208,8 @@ class QwenVisionTower(VisionTower):
         return Prepared(pixels=pixels, layout=layout)
 
     def forward_groups(self, batch: Sequence[Prepared]) -> list[list[int]]:
-        """One packed forward for the batch, except on a CPU (``docs/internals.md``)."""
-        if self.device.type != "cpu":
+        """One packed forward for the batch, except where the device is the host (``docs/internals.md``)."""
+        if self.runtime.separate_memory:
             return super().forward_groups(batch)
         groups: list[list[int]] = []
         small: list[int] = []
@@ -225,11 +224,16 @@ class QwenVisionTower(VisionTower):
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
         return [out for g in self.forward_groups(batch) for out in self._forward_packed([batch[i] for i in g])]
 
+    @property
+    def input_dtype(self) -> torch.dtype:
+        return self.dtype  # transformers' first step: ``pixel_values.type(self.visual.dtype)``
+
     def _forward_packed(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
         if not batch:
             return []
-        arrays = [p.pixels for p in batch]
-        pixels = torch.from_numpy(np.concatenate(arrays) if len(arrays) > 1 else arrays[0])
+        # each image's staged buffer is copied to the device as it is: the packing is the device's own cat
+        inputs = [self.to_device(torch.as_tensor(p.pixels)) for p in batch]
+        pixels = inputs[0] if len(inputs) == 1 else torch.cat(inputs)
         grid = [p.layout.grid_thw for p in batch]
         if self.varlen:  # grid_thw stays on the CPU: the forward reads only the precomputed metadata
             extra = varlen.packed_kwargs(self.model.config, grid, self.device)
@@ -237,7 +241,7 @@ class QwenVisionTower(VisionTower):
         else:
             extra, grid_thw = {}, torch.tensor(grid, dtype=torch.long, device=self.device)
         with torch.inference_mode():
-            out = self.model(self.to_device(pixels), grid_thw=grid_thw, **extra).pooler_output
+            out = self.model(pixels, grid_thw=grid_thw, **extra).pooler_output
         return list(torch.split(out, [p.layout.num_tokens for p in batch]))
 
     def fingerprint_fields(self) -> dict[str, Any]:

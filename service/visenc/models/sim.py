@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import json
 import math
@@ -10,6 +11,7 @@ import queue
 import threading
 import time
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -17,6 +19,7 @@ import numpy as np
 import torch
 from PIL import Image
 
+from visenc.devices import Device, Event, HostPool
 from visenc.models.base import Prepared, TokenLayout, VisionTower
 
 PREFIX = "sim:"
@@ -31,6 +34,12 @@ class SimSpec:
     hidden: int = 64
     #: 1: the forward returns only once its device work is done (a forward with a host sync inside)
     sync: int = 0
+    #: the device's memory, planned as a GPU's (``engine/budget.py``); past it a forward runs out of memory
+    memory_mb: int = 1024
+    #: the launch's host cost of each byte it copies (an input not staged in a host buffer): ~10 GB/s memcpy
+    copy_ns_per_byte: float = 0.1
+    #: the copy out's device time a byte (the copy engine, beside the forwards): ~25 GB/s
+    out_ns_per_byte: float = 0.04
     timeline: str | None = field(default=None, compare=False)
 
     @classmethod
@@ -56,21 +65,35 @@ class Span:
     tokens: int
 
 
+@dataclass(frozen=True, slots=True)
+class Wait:
+    """The device thread waited (``reason``), from ``start`` to ``end``."""
+
+    wait: str
+    start: float
+    end: float
+
+
 class SimEvent:
-    def __init__(self, device: SimDevice, seq: int) -> None:
-        self._device, self._seq = device, seq
+    """A point in the simulated stream: complete at ``at``, once the work queued before it (``seq``) ends."""
+
+    def __init__(self, device: SimDevice, seq: int, at: float) -> None:
+        self._device, self.seq, self.at = device, seq, at
 
     def synchronize(self) -> None:
-        self._device.wait_for(self._seq)
+        self._device.wait_for(self.seq)
 
     def query(self) -> bool:
-        return self._device.done(self._seq)
+        return self._device.done(self.seq)
 
 
-class SimDevice:
-    """The simulated stream: work runs in queue order, each item after the one before it ends."""
+class SimDevice(Device):
+    """The simulated stream: work runs in queue order, each item after the one before it ends; CUDA's semantics."""
 
-    def __init__(self, timeline: str | None = None) -> None:
+    def __init__(self, spec: SimSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.pool = HostPool()
         self._work: queue.SimpleQueue[int] = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._completing = threading.Lock()
@@ -79,7 +102,10 @@ class SimDevice:
         self._queued_seq = 0
         self._free_at = 0.0
         self.spans: list[Span] = []
-        self._timeline = open(timeline, "a", buffering=1) if timeline else None
+        self.waits: list[Wait] = []
+        #: (the forward's end, when its rows were on the host), one a copy out
+        self.copies: list[tuple[float, float]] = []
+        self._timeline = open(spec.timeline, "a", buffering=1) if spec.timeline else None
         threading.Thread(target=self._run, name="visenc-sim-device", daemon=True).start()
 
     def queue(self, launched: float, seconds: float, images: int, tokens: int, fill: Callable[[], None]) -> None:
@@ -93,12 +119,47 @@ class SimDevice:
             self._pending.append((self._queued_seq, Span(launched, now, start, self._free_at, images, tokens), fill))
         self._work.put(self._queued_seq)
 
-    def event(self) -> SimEvent:
+    def stream(self) -> AbstractContextManager[object]:
+        return contextlib.nullcontext()
+
+    def record(self) -> SimEvent:
         with self._lock:
-            return SimEvent(self, self._queued_seq)
+            return SimEvent(self, self._queued_seq, max(time.monotonic(), self._free_at))
+
+    def seconds(self, start: Event, end: Event) -> float:
+        assert isinstance(start, SimEvent) and isinstance(end, SimEvent)
+        return end.at - start.at
+
+    def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+        buffer = self.pool.take(shape, dtype)
+        buffer.visenc_pinned = True  # type: ignore[attr-defined]
+        return buffer
+
+    def to_device(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        if getattr(host, "visenc_pinned", False) and host.dtype == dtype:
+            return host  # the device reads the host buffer (kept alive by the forward until it ends)
+        self.host_bytes_copied += host.nbytes  # a pageable input: copied to a buffer by the launching thread
+        return host.to(dtype, copy=True)
+
+    def copy_out(self, outputs: Sequence[torch.Tensor], after: Event) -> list[torch.Tensor]:
+        after.synchronize()  # the copy stream waits for the forward's event
+        time.sleep(sum(o.nbytes for o in outputs) * self.spec.out_ns_per_byte / 1e9)  # the copy engine
+        hosts = [self.host_buffer(o.shape, o.dtype).copy_(o) for o in outputs]
+        assert isinstance(after, SimEvent)
+        self.copies.append((after.at, time.monotonic()))
+        return hosts
+
+    def memory_bytes(self, fraction: float) -> int:
+        return int(fraction * self.spec.memory_mb * 2**20)
 
     def synchronize(self) -> None:
-        self.event().synchronize()
+        self.record().synchronize()
+
+    def note_wait(self, reason: str, start: float, end: float) -> None:
+        wait = Wait(reason, start, end)
+        self.waits.append(wait)
+        if self._timeline is not None:
+            self._timeline.write(json.dumps(asdict(wait)) + "\n")
 
     def done(self, seq: int) -> bool:
         with self._lock:
@@ -162,7 +223,11 @@ class SimTower(VisionTower):
         self.hidden_size = spec.hidden
         self.dtype = torch.float32
         self.device = torch.device("cpu")
-        self.sim = SimDevice(spec.timeline)
+        self.sim = SimDevice(spec)
+
+    @property
+    def runtime(self) -> SimDevice:
+        return self.sim
 
     def layout(self, width: int, height: int) -> TokenLayout:
         scale = min(1.0, self.spec.max_side / max(width, height))
@@ -181,11 +246,15 @@ class SimTower(VisionTower):
 
     def forward(self, batch: Sequence[Prepared]) -> list[torch.Tensor]:
         launched = time.monotonic()
-        spin_until = time.perf_counter() + self.spec.launch_ms / 1000
-        while time.perf_counter() < spin_until:  # the launch: Python, the GIL held
+        if self.forward_bytes([p.layout for p in batch]) > self.sim.memory_bytes(1.0):
+            raise torch.OutOfMemoryError(f"simulated device: a forward of {len(batch)} images does not fit")
+        copied = self.sim.host_bytes_copied
+        values = [self.to_device(torch.as_tensor(p.pixels)) for p in batch]
+        host_s = self.spec.launch_ms / 1000 + (self.sim.host_bytes_copied - copied) * self.spec.copy_ns_per_byte / 1e9
+        spin_until = time.perf_counter() + host_s
+        while time.perf_counter() < spin_until:  # the launch and its host copies: Python, the GIL held
             pass
         outputs = [torch.empty(p.layout.num_tokens, self.hidden_size) for p in batch]
-        values = [torch.from_numpy(np.asarray(p.pixels, dtype=np.float32)) for p in batch]
 
         def fill() -> None:
             for out, v in zip(outputs, values):
@@ -193,19 +262,9 @@ class SimTower(VisionTower):
 
         tokens = sum(p.layout.num_tokens for p in batch)
         self.sim.queue(launched, tokens * self.spec.token_us / 1e6, len(batch), tokens, fill)
-        event = self.sim.event()
         if self.spec.sync:
-            event.synchronize()
-        for out in outputs:  # for a caller that knows no ``record_event`` (``bench/_sim_serve.py``)
-            setattr(out, "sim_event", event)  # noqa: B010
+            self.sim.synchronize()
         return outputs
-
-    def record_event(self) -> SimEvent:
-        return self.sim.event()
-
-    def warm_up(self) -> None:
-        super().warm_up()
-        self.sim.synchronize()
 
     def input_tokens(self, layout: TokenLayout) -> int:
         return layout.num_tokens

@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from visenc import devices
+
 log = logging.getLogger(__name__)
 
 VARLEN = "visenc_flash_varlen"
@@ -101,12 +103,12 @@ def works(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) 
 def _seconds(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> float:
     """Median time of ``kernel`` on a Qwen-shaped packed sequence: a 1080p image's windows and itself."""
     args = _sample(device, dtype, head_dim, [64] * 160 + [10304], heads=16)
-    times = []
+    times, runtime = [], devices.for_device(device)
     for _ in range(7):
-        torch.cuda.synchronize(device)
+        runtime.synchronize()
         t0 = time.perf_counter()
         IMPLEMENTATIONS[kernel](*args)
-        torch.cuda.synchronize(device)
+        runtime.synchronize()
         times.append(time.perf_counter() - t0)
     return sorted(times)[len(times) // 2]
 
@@ -114,7 +116,7 @@ def _seconds(kernel: str, device: torch.device, dtype: torch.dtype, head_dim: in
 @functools.cache
 def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
     """The kernel packed attention runs on ``device`` in ``dtype`` (decided once, logged)."""
-    if device.type != "cuda":
+    if not devices.for_device(device).fused_attention:
         return "per-segment"
     usable = [k for k in KERNELS[:-1] if works(k, device, dtype, head_dim)]
     if len(usable) > 1:
@@ -127,9 +129,7 @@ def kernel_for(device: torch.device, dtype: torch.dtype, head_dim: int) -> str:
 
 
 def device_key(device: torch.device) -> torch.device:
-    if device.type == "cuda" and device.index is None:
-        return torch.device("cuda", torch.cuda.current_device())
-    return device
+    return devices.for_device(device).current()
 
 
 @torch.library.custom_op("visenc::varlen_attention", mutates_args=())
@@ -219,6 +219,4 @@ def packed_kwargs(config: Any, grid: list[tuple[int, int, int]] | torch.Tensor, 
 def to_device(value: Any, device: torch.device) -> Any:
     if not isinstance(value, torch.Tensor) or value.device == device:
         return value
-    if device.type == "cuda":
-        value = value.pin_memory()
-    return value.to(device, non_blocking=True)
+    return devices.for_device(device).to_device(value, value.dtype)

@@ -44,6 +44,8 @@ class FamilyTower(VisionTower):
     base_model: ClassVar[str]
     #: the vision attention takes ``cu_seqlens``: it runs on the varlen kernels (``models/varlen.py``)
     varlen: ClassVar[bool] = False
+    #: inputs transformers reads on the host (sizes, counts): they stay on the host
+    host_inputs: ClassVar[tuple[str, ...]] = ()
 
     def __init__(
         self,
@@ -99,7 +101,11 @@ class FamilyTower(VisionTower):
     def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
         """The base model's image features of one collated batch of host inputs (``image_rows`` reads them)."""
         moved = {
-            k: self.to_device(v) if v.is_floating_point() else varlen.to_device(v, self.device)
+            k: v
+            if k in self.host_inputs
+            else self.to_device(v)
+            if v.is_floating_point()
+            else varlen.to_device(v, self.device)
             for k, v in inputs.items()
         }
         return self.model.get_image_features(**self.feature_kwargs(moved))

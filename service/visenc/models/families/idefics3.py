@@ -4,10 +4,12 @@ downsized, last; each tile runs SigLIP, pixel shuffle (``scale_factor``) and the
 
 from __future__ import annotations
 
+from types import SimpleNamespace
 from typing import Any
 
 import torch
 
+from visenc.models import varlen
 from visenc.models.base import Rows, Segment, TokenLayout
 from visenc.models.vlm import FamilyTower, cat
 
@@ -58,6 +60,38 @@ class Idefics3Tower(FamilyTower):
     def collate(self, inputs: Any) -> dict[str, torch.Tensor]:
         # one sample holding every image's tiles; all-zero tiles are padding to the model
         return {k: cat([x[k] for x in inputs], dim=1) for k in self.input_names}
+
+    def image_features(self, inputs: dict[str, torch.Tensor]) -> Any:
+        """transformers' ``get_image_features``, with what it reads (padding tiles, patch mask, tile counts)
+        computed on the host from the host inputs, and only the vision model and connector on the device."""
+        pixels = inputs["pixel_values"]
+        batch, tiles = pixels.shape[:2]
+        pixels = pixels.to(dtype=self.dtype).view(batch * tiles, *pixels.shape[2:])
+        real = (pixels == 0.0).sum(dim=(-1, -2, -3)) != pixels.shape[1:].numel()
+        counts = real.view(batch, tiles).sum(dim=1).tolist()
+        mask = inputs["pixel_attention_mask"]
+        mask = mask.view(batch * tiles, *mask.shape[2:])[real]
+        patch = self.vision_config.patch_size
+        patches = mask.unfold(dimension=1, size=patch, step=patch).unfold(dimension=2, size=patch, step=patch)
+        patch_mask = (patches.sum(dim=(-1, -2)) > 0).bool()
+        hidden = self._vision(self.to_device(pixels[real].contiguous()), patch_mask)
+        features = self.model.connector(hidden)  # type: ignore[operator]
+        return SimpleNamespace(pooler_output=[f.reshape(-1, f.shape[-1]) for f in features.split(counts)])
+
+    def _vision(self, pixels: torch.Tensor, patch_mask: torch.Tensor) -> torch.Tensor:
+        """The vision transformer's forward, its attention mask decided from the host's patch mask."""
+        from transformers.masking_utils import create_bidirectional_mask
+
+        vision: Any = self.model.vision_model
+        mask = varlen.to_device(patch_mask, self.device)
+        hidden = vision.embeddings(pixel_values=pixels, patch_attention_mask=mask)
+        if vision.config._attn_implementation == "sdpa" and bool(patch_mask.all()):
+            attention = None  # what ``create_bidirectional_mask`` gives SDPA for a mask with no padding
+        else:
+            attention = create_bidirectional_mask(
+                config=vision.config, inputs_embeds=hidden, attention_mask=mask.view(pixels.shape[0], -1)
+            )
+        return vision.post_layernorm(vision.encoder(inputs_embeds=hidden, attention_mask=attention).last_hidden_state)
 
 
 class SmolVLMTower(Idefics3Tower):

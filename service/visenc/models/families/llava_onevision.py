@@ -18,6 +18,7 @@ class LlavaOnevisionTower(FamilyTower):
     processor_class = "LlavaOnevisionProcessor"
     base_model = "LlavaOnevisionModel"
     input_names = ("pixel_values", "image_sizes")
+    host_inputs = ("image_sizes",)  # the tile counts and the unpadding read them (``.tolist()``)
 
     @classmethod
     def vision_modules(cls, config: Any) -> dict[str, Any]:

@@ -34,6 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
+    """Built, started and stopped on the event loop, where the API calls it; ``stopping`` is its own flag."""
+
     def __init__(
         self,
         tower: VisionTower,

@@ -75,8 +75,7 @@ class Intake:
     """Admission and placement of an encode's items over the Locator's answers, then the wait.
 
     Event loop only, no lock; a request's items are its own. Lifecycle: open until ``close``, which
-    refuses every later request.
-    """
+    refuses every later request."""
 
     def __init__(
         self, config: IntakeConfig, prep: ImagePrep, pool: Executor, metrics: Metrics, stages: FrontStages

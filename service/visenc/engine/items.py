@@ -91,7 +91,8 @@ ITEM_EDGES: dict[type[State], frozenset[type[State]]] = {
 
 @dataclass(slots=True)
 class Item:
-    """One request item (an image, a video, or one of a video's tubes) and its state."""
+    """One request item (an image, a video, or one of a video's tubes) and its state.
+    One request's, on the event loop; ``state`` moves only through ``to``, along ``ITEM_EDGES``."""
 
     hash: str
     state: State

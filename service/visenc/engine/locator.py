@@ -58,8 +58,7 @@ READ = Ask(reference=False, rows=True, replicas=True)
 class Locator:
     """The one answer to "where is this image?" for intake, the fetch path and videos.
 
-    Event loop only, no lock; it holds no state (L1, the in-flight map and the coordination own theirs).
-    """
+    Event loop only, no lock; it holds no state (L1, the in-flight map and the coordination own theirs)."""
 
     def __init__(self, index: Index, entries: EntryCheck, inflight: InFlight, coordination: Coordination) -> None:
         self.index, self.entries, self.inflight, self.coordination = index, entries, inflight, coordination

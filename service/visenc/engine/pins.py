@@ -45,6 +45,8 @@ class Reader:
 
 
 class Pins:
+    """Event loop only; no state of its own (L1 holds the pins)."""
+
     def __init__(self, index: Index, fingerprint: str, videos: Videos) -> None:
         self.index = index
         self.fingerprint = fingerprint

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 
 class Staging:
+    """Written on the loop and, through ``Job.run``, on the device thread under the scheduler's lock."""
+
     def __init__(self) -> None:
         self._tokens = 0
 

@@ -38,7 +38,8 @@ class Span:
 
 
 class Videos:
-    """Every video path: a request with videos (``request``), its manifests, and reads by a video's hash."""
+    """Every video path: a request with videos (``request``), its manifests, and reads by a video's hash.
+    Event loop only, no lock; no state of its own (manifests live in L1, joined rows in ``Joins``)."""
 
     def __init__(
         self, prep: ImagePrep, pool: Executor, index: Index, metrics: Metrics, joins: Joins, locator: Locator
@@ -198,7 +199,8 @@ def join_rows(grid_thw: tuple[int, int, int], video: str, tubes: Sequence[Entry]
 
 class Joins:
     """Videos' rows joined for reads by the video's hash, at most ``max_bytes`` of them, least recently read
-    evicted first."""
+    evicted first.
+    Event loop only, no lock; what it holds stays within ``max_bytes``."""
 
     def __init__(
         self, max_bytes: int, metrics: Metrics, tube_rows: Callable[[tuple[int, int, int]], int], row_bytes: int

@@ -146,8 +146,6 @@ class Intake:
         await self._locate(part, namespace, ask)
         placed = await self._place(part, self._admission(part))
         for i, it in enumerate(part, lo):
-            if it.open and (entry := self.locator.stored_here(it.looked_up, it.hash)) is not None:
-                it.to(Found(entry))  # finished while we placed it
             match it.state:
                 case Found(entry):
                     self.pins.hold(it.hash, namespace, entry, reader.lease)
@@ -185,11 +183,10 @@ class Intake:
         return new
 
     async def _place(self, items: list[Item], new: set[str]) -> dict[str, Entry | Place]:
-        """Where each new image is encoded; one another replica has just stored is found."""
-        hashes = {it.looked_up: it.hash for it in items if isinstance(it.state, Encodable)}
-        placed = await self.locator.place({key: hashes[key] for key in new}) if new else {}
+        """Where each new image is encoded; one stored meanwhile (here or by another replica) is found."""
+        placed = await self.locator.place({it.looked_up: it.hash for it in items if it.open}, new)
         for it in items:
-            if isinstance(it.state, Encodable) and isinstance(entry := placed.get(it.looked_up), Entry):
+            if it.open and isinstance(entry := placed.get(it.looked_up), Entry):
                 it.to(Found(entry))
         return placed
 

@@ -78,20 +78,19 @@ class Locator:
             await self._elsewhere(keys, found)
         return found
 
-    def stored_here(self, key: str, image_hash: str) -> Entry | None:
-        """L1's entry for an image, checked (no round trip)."""
-        return self.entries.peek(key, image_hash)
-
-    async def place(self, new: Mapping[str, str]) -> dict[str, Entry | Place]:
-        """Where each new image (key -> hash) is encoded: here, at another replica, or nowhere (its entry,
-        just stored by another replica, held in L1 from now on)."""
-        placed = await self.coordination.admit(sorted(new))
+    async def place(self, open_: Mapping[str, str], new: set[str]) -> dict[str, Entry | Place]:
+        """Where each new image (of ``open_``, key -> hash) is encoded: here or at another replica; an
+        entry where one was stored meanwhile, by another replica (held in L1 from now on) or here."""
+        placed = await self.coordination.admit(sorted(new)) if new else {}
         for key, got in placed.items():
             if isinstance(got, Entry):
-                entry = self.entries.checked(key, new[key], got)
+                entry = self.entries.checked(key, open_[key], got)
                 placed[key] = Place.HERE if entry is None else entry
                 if entry is not None:
                     self.index.store_local(key, entry)
+        for key, image_hash in open_.items():  # finished here while we asked
+            if (entry := self.entries.peek(key, image_hash)) is not None:
+                placed[key] = entry
         return placed
 
     def _here(self, key: str, image_hash: str, *, peek: bool) -> Located:

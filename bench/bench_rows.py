@@ -110,6 +110,8 @@ PAIRS = [
     ("HTTP Client.fetch", "http_sync", "raw_socket", "http"),
     ("HTTP AsyncClient.fetch", "http_async", "raw_socket", "http"),
     ("include_rows look-up", "include_rows", "raw_socket", "http"),
+    # the same client and bytes as a fetch: what the look-up itself costs, apart from the transport
+    ("include_rows vs Client.fetch", "include_rows", "http_sync", ""),
     ("shm fetch_chunk", "shm", "memcpy", "shm"),
     ("Redis RedisRows.fetch", "redis_rows", "redis_raw", "redis"),
     ("SGLang /encode + ZMQ push", "zmq_visenc", "zmq_raw", "zmq"),

@@ -217,8 +217,8 @@ async def test_a_request_of_images_never_touches_video_code(service, monkeypatch
         (videos, "fold"),
         (videos, "manifests"),
         (videos.Videos, "outcome"),
-        (videos.Videos, "rows"),
-        (videos.Videos, "wait"),
+        (videos.Videos, "tubes"),
+        (videos.Videos, "joined"),
         (videos, "tube_hashes"),
         (videos.Joins, "rows"),
     ]:

@@ -1,4 +1,4 @@
-"""An item's state moves only along ``items.EDGES``, as a job's does along ``job.EDGES``."""
+"""An item's state moves only along ``items.ITEM_EDGES``, as a job's does along ``job.EDGES``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from visenc.engine.items import (
-    EDGES,
     HASH_ONLY,
+    ITEM_EDGES,
     MISSING,
     Encodable,
     Failed,
@@ -50,7 +50,7 @@ SAMPLES = _samples()
 
 
 def test_every_state_has_its_edges():
-    assert {type(s) for s in SAMPLES} == set(EDGES)
+    assert {type(s) for s in SAMPLES} == set(ITEM_EDGES)
 
 
 @settings(max_examples=300, deadline=None)
@@ -59,7 +59,7 @@ def test_legal_moves_pass_and_illegal_ones_raise(first: int, moves: list[int]):
     item = Item("a" * 64, SAMPLES[first])
     for m in moves:
         before, target = item.state, SAMPLES[m]
-        if type(target) in EDGES[type(before)]:
+        if type(target) in ITEM_EDGES[type(before)]:
             item.to(target)
             assert item.state is target
         else:

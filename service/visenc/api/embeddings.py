@@ -74,7 +74,8 @@ class Resolved:
 
 
 async def resolve_ranges(request: Request) -> list[Resolved | dict[str, Any]]:
-    """Parse a fetch body and find every range's entry, looked up (and, if pending, bumped) all at once."""
+    """Parse a fetch body and find every range's entry: located in one pass, then waited for (and, if
+    pending, bumped) together."""
     settings = request.app.state.settings
     limit = f"fetch_timeout_s={settings.fetch_timeout_s}"
     deadline = asyncio.get_running_loop().time() + settings.fetch_timeout_s  # one for the whole request
@@ -88,14 +89,12 @@ async def resolve_ranges(request: Request) -> list[Resolved | dict[str, Any]]:
     if len(body.ranges) > settings.max_items:
         raise PayloadTooLarge(f"{len(body.ranges)} ranges exceed max_items={settings.max_items}")
     timeout_s = remaining(deadline) if body.wait else 0.0
-    lookups = asyncio.gather(
-        *(engine.lookup(r.hash, ns, timeout_s=timeout_s) for r in body.ranges), return_exceptions=True
-    )
+    lookups = engine.lookup_many([r.hash for r in body.ranges], ns, timeout_s=timeout_s)
     found = await guarded(request, lookups, deadline + 1.0, f"the ranges were not ready within {limit}")
     out: list[Resolved | dict[str, Any]] = []
     for r, f in zip(body.ranges, found):
         try:
-            if isinstance(f, BaseException):
+            if isinstance(f, VisencError):
                 raise f
             out.append(Resolved(r.hash, f, *check_range(f, r.start, r.end), read_lease(request, r.lease)))
         except VisencError as err:

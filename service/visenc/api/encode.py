@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
@@ -46,13 +45,21 @@ async def encode(request: Request) -> Response:
     )
     inputs = [EncodeItem(it.hash, it.data, it.frames) for it in body.items]
     timing = Timing()
-    # rows inline are read by this answer: kept only until then, under a lease it unpins itself
-    lease = "inline" if body.include_rows else lease_mode(request)
+    # rows inline come with the answer itself: nothing is kept for a later read
+    lease = "none" if body.include_rows else lease_mode(request)
     # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
     # cancels the wait if the client goes away first
     handles = await guarded(
         request,
-        engine.encode(inputs, ns, wait=body.wait, timing=timing, timeout_s=remaining(deadline), lease=lease),
+        engine.encode(
+            inputs,
+            ns,
+            wait=body.wait,
+            timing=timing,
+            timeout_s=remaining(deadline),
+            lease=lease,
+            rows=body.include_rows,
+        ),
         deadline + 1.0,
         f"the request was not answered within {limit}",
     )
@@ -60,7 +67,13 @@ async def encode(request: Request) -> Response:
     headers = {"X-Visenc-Queue-Time": f"{timing.queue_s:.6f}", "X-Visenc-Encode-Time": f"{timing.encode_s:.6f}"}
     if not body.include_rows:
         return render(request, {"model": engine.fingerprint, "items": items}, headers=headers)
-    rows = await _ready_rows(request, items, settings.max_body_bytes)
+    rows = [(it, memoryview(h.rows).cast("B")) for it, h in zip(items, handles) if h.rows is not None]
+    total = sum(len(view) for _, view in rows)
+    if total > settings.max_body_bytes:
+        raise PayloadTooLarge(
+            f"{total} bytes of rows exceed max_body_bytes={settings.max_body_bytes} inline; fetch them instead"
+        )
+    request.app.state.metrics.bytes_served.labels("inline").inc(total)
     if ROWS_MEDIA_TYPE in request.headers.get("accept", ""):  # a rows frame: the handles, then raw rows
         offset = 0
         for it, view in rows:
@@ -71,24 +84,3 @@ async def encode(request: Request) -> Response:
     for it, view in rows:
         it["rows"] = view if binary else base64.b64encode(view).decode()
     return render(request, {"model": engine.fingerprint, "items": items}, headers=headers)
-
-
-async def _ready_rows(
-    request: Request, items: list[dict[str, Any]], limit: int
-) -> list[tuple[dict[str, Any], memoryview]]:
-    """Each ready item with a view of its rows (read by this answer, or refused: its pin goes either way)."""
-    engine = engine_of(request)
-    ns = namespace_of(request)
-    ready = [it for it in items if it["status"] == "ready"]
-    try:
-        entries = [await engine.lookup(it["hash"], ns) for it in ready]
-        total = sum(len(e.rows_view()) for e in entries)
-        if total > limit:
-            raise PayloadTooLarge(f"{total} bytes of rows exceed max_body_bytes={limit} inline; fetch them instead")
-    finally:
-        for it in items:
-            lease, it["lease"] = it.get("lease"), None
-            if it["status"] == "ready":
-                engine.read(it["hash"], ns, lease, last=True)
-    request.app.state.metrics.bytes_served.labels("inline").inc(total)
-    return [(it, entry.rows_view()) for it, entry in zip(ready, entries)]

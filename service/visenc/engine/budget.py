@@ -27,7 +27,8 @@ STAGED_LINE_FACTOR = 3
 
 @dataclass(frozen=True, slots=True)
 class BatchBudget:
-    """Limits the scheduler applies: hard bounds, except that one image over them runs alone."""
+    """Limits the scheduler applies: hard bounds, except that one image over them runs alone.
+    Immutable, planned once at start-up; read from the loop and the device thread."""
 
     memory_bytes: int
     max_batch_tokens: int

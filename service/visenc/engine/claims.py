@@ -18,6 +18,8 @@ log = logging.getLogger(__name__)
 
 
 class Claims:
+    """Event loop only, no lock; this replica's claims are its own, renewed by one task (``start`` to ``stop``)."""
+
     def __init__(self, store: RedisClaims, *, ttl_ms: int, metrics: Metrics) -> None:
         self.store = store
         self.token = uuid.uuid4().hex  # one per replica process: identifies its claims

@@ -64,7 +64,8 @@ class Coordination(Protocol):
 
 
 class LocalCoordination:
-    """No other replica: every image is encoded here, nothing is claimed or waited for."""
+    """No other replica: every image is encoded here, nothing is claimed or waited for.
+    Stateless."""
 
     watching = 0
 
@@ -97,7 +98,8 @@ class LocalCoordination:
 
 
 class SharedCoordination:
-    """Replicas sharing a Redis index: claims at encode start, waits for each other's encodes."""
+    """Replicas sharing a Redis index: claims at encode start, waits for each other's encodes.
+    Event loop only, no lock; owns its claims and waits: ``start``, ``stop_waits``, ``stop``."""
 
     def __init__(self, claims: Claims, *, poll_max_s: float, wait_s: float, metrics: Metrics) -> None:
         self.claims = claims

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,7 +14,8 @@ from visenc.engine.coordination import Coordination, LocalCoordination, SharedCo
 from visenc.engine.entries import EntryCheck
 from visenc.engine.fetch import Fetch
 from visenc.engine.inflight import InFlight
-from visenc.engine.intake import FrontStages, Intake
+from visenc.engine.intake import FrontStages, Intake, IntakeConfig
+from visenc.engine.locator import Locator
 from visenc.engine.outputs import Outputs
 from visenc.engine.pins import Pins
 from visenc.engine.prepare import ImagePrep
@@ -22,7 +23,7 @@ from visenc.engine.scheduler import Scheduler
 from visenc.engine.threads import default_preprocess_workers
 from visenc.engine.videos import Joins, Videos
 from visenc.engine.worker import DeviceWorker
-from visenc.errors import NotReady
+from visenc.errors import NotReady, VisencError
 from visenc.index.redis_claims import RedisClaims
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
@@ -33,6 +34,8 @@ log = logging.getLogger(__name__)
 
 
 class Engine:
+    """Built, started and stopped on the event loop, where the API calls it; ``stopping`` is its own flag."""
+
     def __init__(
         self,
         tower: VisionTower,
@@ -51,6 +54,8 @@ class Engine:
         self.settings = settings
         self.metrics = metrics
         self.fingerprint = tower.fingerprint
+        #: set once, by ``stop``: the engine takes no new work
+        self.stopping = False
         workers = settings.preprocess_workers or default_preprocess_workers(tower.device)
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="visenc-pre")
         self.budget = plan_budget(
@@ -122,32 +127,17 @@ class Engine:
 
     def _build_front(self, prep: ImagePrep) -> None:
         tower, index, settings, metrics = self.tower, self.index, self.settings, self.metrics
-        self.entries = EntryCheck(index, tower, metrics)
         self.inflight = InFlight(self.scheduler, metrics)
+        self.locator = Locator(index, EntryCheck(index, tower, metrics), self.inflight, self.coordination)
         tube_rows = tower.video.tube_tokens if tower.video is not None else (lambda grid: 0)
         joins = Joins(settings.joined_rows_bytes or 0, metrics, tube_rows, tower.hidden_size * tower.dtype.itemsize)
-        self.videos = Videos(prep, self.pool, index, metrics, joins)
-        self.fetch = Fetch(
-            index,
-            self.entries,
-            self.inflight,
-            self.scheduler,
-            self.coordination,
-            settings.fetch_timeout_s,
-            metrics,
-            self.videos,
-        )
+        self.videos = Videos(prep, self.pool, index, metrics, joins, self.locator)
+        self.fetch = Fetch(self.locator, self.inflight, self.scheduler, self.videos, settings.fetch_timeout_s, metrics)
         self.pins = Pins(index, tower.fingerprint, self.videos)
-        self.intake = Intake(
-            index=index,
-            prep=prep,
-            pool=self.pool,
-            scheduler=self.scheduler,
-            settings=settings,
-            metrics=metrics,
-            coordination=self.coordination,
-            stages=FrontStages(self.entries, self.inflight, self.fetch, self.videos, self.pins, self.not_ready_reason),
+        stages = FrontStages(
+            self.locator, self.inflight, self.scheduler, self.fetch, self.videos, self.pins, self.not_ready_reason
         )
+        self.intake = Intake(IntakeConfig.of(settings), prep, self.pool, metrics, stages)
         self.encode = self.intake.encode
 
     async def start(self, on_fatal: Callable[[str], None] | None = None) -> None:
@@ -162,7 +152,8 @@ class Engine:
     async def stop(self) -> None:
         """Drain within ``shutdown_timeout_s``; never hangs on a stalled device."""
         timeout_s = self.settings.shutdown_timeout_s
-        self.intake.closing = True
+        self.stopping = True
+        self.intake.close()
         self.scheduler.cancel_all(NotReady("the service is shutting down"))
         await self.worker.stop(timeout_s)
         await self.coordination.stop_waits()
@@ -173,11 +164,16 @@ class Engine:
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
         return await self.fetch.lookup(image_hash, namespace, timeout_s=timeout_s)
 
+    async def lookup_many(
+        self, hashes: Sequence[str], namespace: str, *, timeout_s: float | None = None
+    ) -> list[Entry | VisencError]:
+        return await self.fetch.lookup_many(hashes, namespace, timeout_s=timeout_s)
+
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
         self.pins.read(image_hash, namespace, lease, last=last)
 
     def not_ready_reason(self) -> str | None:
-        if self.intake.closing:
+        if self.stopping:
             return "the service is shutting down"
         if not self.worker.healthy:
             return self.worker.reason or "the device worker is not running"

@@ -42,6 +42,8 @@ class Failure:
 
 
 class DeviceLoop:
+    """``run`` on the device thread, no lock of its own (it takes under the scheduler's); ``bind`` on the loop."""
+
     def __init__(
         self, tower: VisionTower, ready: ReadyJobs, outputs: Outputs, *, metrics: Metrics, max_wait_s: float
     ) -> None:

@@ -12,13 +12,19 @@ from visenc_client.format import CorruptEntry, Entry, unpack_entry
 log = logging.getLogger(__name__)
 
 
+def wire_dtype(dtype: object) -> str:
+    """A torch dtype as the wire names it (``bfloat16``)."""
+    return str(dtype).removeprefix("torch.")
+
+
 class EntryCheck:
+    """Checks entries against the tower; a corrupt one is discarded from L1. Event loop only; stateless."""
+
     def __init__(self, index: Index, tower: VisionTower, metrics: Metrics) -> None:
         self.index = index
         self.fingerprint = tower.fingerprint
         self.hidden_size = tower.hidden_size
-        #: the rows' dtype, as the wire names it
-        self.dtype = str(tower.dtype).removeprefix("torch.")
+        self.dtype = wire_dtype(tower.dtype)
         self.metrics = metrics
 
     def checked(self, key: str, image_hash: str, entry: Entry | None, *, video: bool = False) -> Entry | None:

@@ -16,6 +16,8 @@ from visenc_client.format import Entry
 
 
 class InFlight:
+    """Event loop only, no lock; a job is in ``jobs`` from ``admit`` until its future resolves."""
+
     def __init__(self, scheduler: Scheduler, metrics: Metrics) -> None:
         self.scheduler = scheduler
         self.metrics = metrics

@@ -1,4 +1,5 @@
-"""Intake, the front of the engine: admission, single-flight, placement, waiting (``docs/internals.md``)."""
+"""Intake, the front of the engine: admission and placement over the Locator's answers, single-flight,
+waiting (``docs/internals.md``)."""
 
 from __future__ import annotations
 
@@ -8,16 +9,16 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass
-from functools import partial
 
 from visenc.config import Settings
-from visenc.engine.coordination import Coordination
-from visenc.engine.entries import EntryCheck
+from visenc.engine.entries import wire_dtype
 from visenc.engine.fetch import Fetch
 from visenc.engine.inflight import InFlight
 from visenc.engine.interface import EncodeItem, Handle, LeaseMode, Timing
 from visenc.engine.items import (
+    MISSING,
     Encodable,
+    Failed,
     Found,
     Frames,
     HashOnly,
@@ -33,23 +34,37 @@ from visenc.engine.items import (
     waves,
 )
 from visenc.engine.job import Job, Place
+from visenc.engine.locator import ENCODE, ENCODE_ROWS, Ask, Locator, Stored
 from visenc.engine.pins import Pins, Reader
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.videos import Videos
-from visenc.errors import DeadlineExceeded, NotReady, Overloaded, PayloadTooLarge
+from visenc.errors import DeadlineExceeded, NotFound, NotReady, Overloaded, PayloadTooLarge
 from visenc.index.memory import Lease
-from visenc.index.tiered import Index
 from visenc.metrics import Metrics
-from visenc_client.format import Entry, entry_key
+from visenc_client.format import Entry
+
+
+@dataclass(frozen=True, slots=True)
+class IntakeConfig:
+    """The settings intake applies (``config.Settings`` documents each)."""
+
+    max_items: int
+    max_queue_images: int
+    request_timeout_s: float
+
+    @classmethod
+    def of(cls, settings: Settings) -> IntakeConfig:
+        return cls(settings.max_items, settings.max_queue_images, settings.request_timeout_s)
 
 
 @dataclass(frozen=True, slots=True)
 class FrontStages:
-    """What the engine hands intake: the parts it shares with the fetch and read paths, and readiness."""
+    """What the engine hands intake: the stages it shares with the fetch and read paths, and readiness."""
 
-    entries: EntryCheck
+    locator: Locator
     inflight: InFlight
+    scheduler: Scheduler
     fetch: Fetch
     videos: Videos
     pins: Pins
@@ -57,24 +72,25 @@ class FrontStages:
 
 
 class Intake:
+    """Admission and placement of an encode's items over the Locator's answers, then the wait.
+
+    Event loop only, no lock; a request's items are its own. Lifecycle: open until ``close``, which
+    refuses every later request."""
+
     def __init__(
-        self,
-        *,
-        index: Index,
-        prep: ImagePrep,
-        pool: Executor,
-        scheduler: Scheduler,
-        settings: Settings,
-        metrics: Metrics,
-        coordination: Coordination,
-        stages: FrontStages,
+        self, config: IntakeConfig, prep: ImagePrep, pool: Executor, metrics: Metrics, stages: FrontStages
     ) -> None:
-        self.index, self.prep, self.pool, self.coordination = index, prep, pool, coordination
-        self.scheduler, self.settings, self.metrics = scheduler, settings, metrics
-        self.tower, self.fingerprint = prep.tower, prep.tower.fingerprint
-        self.entries, self.inflight, self.fetch = stages.entries, stages.inflight, stages.fetch
-        self.videos, self.pins, self.not_ready_reason = stages.videos, stages.pins, stages.not_ready_reason
-        self.closing = False
+        self.config, self.prep, self.pool, self.metrics = config, prep, pool, metrics
+        self.tower = prep.tower
+        self.dtype = wire_dtype(prep.tower.dtype)
+        self.locator, self.inflight, self.scheduler = stages.locator, stages.inflight, stages.scheduler
+        self.fetch, self.videos, self.pins = stages.fetch, stages.videos, stages.pins
+        self.not_ready_reason = stages.not_ready_reason
+        self._closed = False
+
+    def close(self) -> None:
+        """No request is taken from now on (the engine is stopping)."""
+        self._closed = True
 
     async def encode(
         self,
@@ -85,37 +101,37 @@ class Intake:
         timing: Timing | None = None,
         timeout_s: float | None = None,
         lease: LeaseMode = "anonymous",
+        rows: bool = False,
     ) -> list[Handle]:
         """``interface.EngineAPI.encode``."""
-        if self.closing:
+        if self._closed:
             raise NotReady("the service is shutting down")
-        if len(items) > self.settings.max_items:
-            raise PayloadTooLarge(f"{len(items)} items exceed the limit of max_items={self.settings.max_items}")
+        if len(items) > self.config.max_items:
+            raise PayloadTooLarge(f"{len(items)} items exceed the limit of max_items={self.config.max_items}")
         asked = itemise(items)
         has_videos = any(isinstance(it.state, Frames) for it in asked)
         request = await self.videos.request(asked, namespace) if has_videos else ImageRequest(asked)
         admitted, reader = time.monotonic(), Reader.new(lease, waits=wait)
         try:
-            jobs = await self._take_all(request.work, namespace, reader)
+            jobs = await self._take_all(request.work, namespace, reader, ENCODE_ROWS if rows else ENCODE)
             request.started(reader.of_pending(uploaded=True))
             if wait:
                 await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
-                if any(isinstance(it.state, VideoPending) for it in request.work):  # videos asked by their hash
-                    await self.videos.wait(request.work, namespace, self.fetch.lookup_in(namespace, timeout_s))
+                await self._wait_videos(request.work, namespace, timeout_s, rows)
+            handles = [self._handle(it, rows) for it in request.work]
+            return self.metrics.count_failed_items(request.answer(reader.handles(request.work, handles), rows=rows))
         except BaseException:  # refused, past the deadline, or the client went away
             self.pins.unpin(request.held, namespace, reader.lease)
             raise
-        handles = request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
-        return self.metrics.count_failed_items(handles)
 
-    async def _take_all(self, work: list[Item], namespace: str, reader: Reader) -> dict[int, Job]:
+    async def _take_all(self, work: list[Item], namespace: str, reader: Reader, ask: Ask) -> dict[int, Job]:
         """Every item taken, wave after wave (one wave where it may not fit: a 429 before any starts)."""
         order = self.inflight.next_request()
         uploads = sum(isinstance(it.state, Upload | Encodable) for it in work)
-        fits = self.scheduler.depth + uploads <= self.settings.max_queue_images
+        fits = self.scheduler.depth + uploads <= self.config.max_queue_images
         try:
             for lo, hi in waves(work) if fits else [(0, len(work))]:
-                await self._take(work[lo:hi], lo, namespace, (order, reader))
+                await self._take(work[lo:hi], lo, namespace, (order, reader), ask)
         except BaseException:
             for job in joined(work).values():
                 self.inflight.leave(job, reader.lease)
@@ -123,15 +139,13 @@ class Intake:
         self.metrics.queue_depth.set(self.scheduler.depth)
         return joined(work)
 
-    async def _take(self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader]) -> None:
-        """Inspect, look up, admit and start (or join) ``part`` (items ``lo``...)."""
+    async def _take(self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader], ask: Ask) -> None:
+        """Inspect, locate, admit and start (or join) ``part`` (items ``lo``...)."""
         order, reader = by
         await inspect(part, self.prep, self.pool)
-        await self._lookup(part, namespace)
+        await self._locate(part, namespace, ask)
         placed = await self._place(part, self._admission(part))
         for i, it in enumerate(part, lo):
-            if it.open and (entry := self.entries.peek(it.looked_up, it.hash)) is not None:
-                it.to(Found(entry))  # finished while we looked elsewhere
             match it.state:
                 case Found(entry):
                     self.pins.hold(it.hash, namespace, entry, reader.lease)
@@ -139,27 +153,18 @@ class Intake:
                     keep = reader.of_pending(uploaded=isinstance(it.state, Encodable))
                     it.to(self.inflight.join_or_start(it, (order, i), placed.get(it.looked_up), keep))
 
-    async def _lookup(self, items: list[Item], namespace: str) -> None:
-        """Every tier, one round trip for the whole wave (images in flight are not looked up)."""
+    async def _locate(self, items: list[Item], namespace: str, ask: Ask) -> None:
+        """Each open item's place: stored (found), a video's manifest (a hash alone may be a video's), or
+        still open (in flight, or nowhere)."""
         live = [it for it in items if it.open]
         for it in live:
-            it.key = entry_key(namespace, self.fingerprint, it.hash)
-        todo = [it for it in live if self.inflight.joinable(it.looked_up) is None]
-        step = self.index.batch_keys
-        locate = partial(self.fetch.locate, namespace=namespace)
-        for lo in range(0, len(todo), step):  # one batch of Redis reads at a time (``redis_batch_bytes``)
-            for it, got in zip(
-                todo[lo : lo + step], await self.index.get_many([it.looked_up for it in todo[lo : lo + step]])
-            ):
-                # a hash alone may be a video's: its key then holds the video's manifest
-                match self.entries.checked(it.looked_up, it.hash, got, video=isinstance(it.state, HashOnly)):
-                    case Entry(kind="video") as manifest:
-                        it.to(await self.videos.outcome(manifest, it.hash, namespace, locate))
-                    case Entry() as entry:
-                        it.to(Found(entry))
-            for it in todo[: lo + step]:  # what L1 let go (Redis still holds it) is answered from its fields
-                if isinstance(it.state, Found) and self.index.peek(it.looked_up) is not it.state.entry:
-                    it.to(Found(dataclasses.replace(it.state.entry, blob=b"")))
+            it.key = self.locator.key(namespace, it.hash)
+        for it, where in zip(live, await self.locator.locate_many([it.hash for it in live], namespace, ask)):
+            match where:
+                case Stored(Entry(kind="video") as manifest) if isinstance(it.state, HashOnly):
+                    it.to(await self.videos.outcome(manifest, it.hash, namespace, rows=ask.rows))
+                case Stored(Entry(kind="rows") as entry):
+                    it.to(Found(entry))
 
     def _admission(self, items: list[Item]) -> set[str]:
         live = [it for it in items if it.open]
@@ -171,25 +176,22 @@ class Intake:
         if new or any(self.inflight.joinable(it.looked_up) for it in live):
             if (reason := self.not_ready_reason()) is not None:
                 raise NotReady(reason)
-        if self.scheduler.depth + len(new) > self.settings.max_queue_images:
+        if self.scheduler.depth + len(new) > self.config.max_queue_images:
             raise Overloaded(
-                f"encoder queue is full (max_queue_images={self.settings.max_queue_images})", retry_after_s=1.0
+                f"encoder queue is full (max_queue_images={self.config.max_queue_images})", retry_after_s=1.0
             )
         return new
 
     async def _place(self, items: list[Item], new: set[str]) -> dict[str, Entry | Place]:
-        placed = await self.coordination.admit(sorted(new)) if new else {}
+        """Where each new image is encoded; one stored meanwhile (here or by another replica) is found."""
+        placed = await self.locator.place({it.looked_up: it.hash for it in items if it.open}, new)
         for it in items:
-            if not isinstance(it.state, Encodable):
-                continue
-            if isinstance(got := placed.get(it.looked_up), Entry):
-                if (entry := self.entries.checked(it.looked_up, it.hash, got)) is not None:
-                    it.to(Found(entry))
-                    self.index.store_local(it.looked_up, entry)
+            if it.open and isinstance(entry := placed.get(it.looked_up), Entry):
+                it.to(Found(entry))
         return placed
 
-    def _handle(self, item: Item) -> Handle:
-        return handle_of(item, self.tower.hidden_size, self.entries.dtype, self.tower.video)
+    def _handle(self, item: Item, rows: bool) -> Handle:
+        return handle_of(item, self.tower.hidden_size, self.dtype, self.tower.video, rows=rows)
 
     async def _wait(
         self,
@@ -203,11 +205,11 @@ class Intake:
         """Until every joined job is done (``timeout_s`` at most); each item takes its job's outcome."""
         if not jobs:
             return
-        timeout_s = self.settings.request_timeout_s if timeout_s is None else timeout_s
+        timeout_s = self.config.request_timeout_s if timeout_s is None else timeout_s
         try:
             _, not_done = await asyncio.wait({j.future for j in jobs.values()}, timeout=max(0.0, timeout_s))
             if not_done:
-                limit = f"request_timeout_s={self.settings.request_timeout_s}"
+                limit = f"request_timeout_s={self.config.request_timeout_s}"
                 raise DeadlineExceeded(f"{len(not_done)} images were not encoded within {limit}")
         finally:
             for job in jobs.values():
@@ -218,3 +220,15 @@ class Intake:
             timing.encode_s = sum({j.started_at: j.forward_s or 0.0 for j in ran if j.started_at}.values())
         for i, job in jobs.items():
             work[i].to(outcome_of(job))
+
+    async def _wait_videos(self, work: list[Item], namespace: str, timeout_s: float | None, rows: bool) -> None:
+        """Each video asked by its hash whose tubes were being encoded: its rows once all are, or missing."""
+        for it in work:
+            if isinstance(it.state, VideoPending):
+                try:
+                    video = await self.fetch.video(it.state.manifest, it.hash, namespace, timeout_s)
+                    it.to(Found(video if rows else dataclasses.replace(video, blob=b"")))
+                except NotFound:
+                    it.to(MISSING)
+                except PayloadTooLarge as e:
+                    it.to(Failed(e))

@@ -6,12 +6,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from visenc.errors import VisencError
 from visenc_client.format import Entry, Handle
 
 __all__ = ["EncodeItem", "EngineAPI", "Handle", "LeaseMode", "Timing"]
 
 #: how a request's answers are kept for its caller to read (``docs/internals.md``, "Pins, leases")
-LeaseMode = Literal["id", "none", "anonymous", "inline"]
+LeaseMode = Literal["id", "none", "anonymous"]
 
 
 @dataclass(slots=True)
@@ -46,12 +47,20 @@ class EngineAPI(Protocol):
         timing: Timing | None = None,
         timeout_s: float | None = None,
         lease: LeaseMode = "anonymous",
+        rows: bool = False,
     ) -> list[Handle]:
-        """Handles for ``items`` in order (per-item errors inside); raises only for the whole request."""
+        """Handles for ``items`` in order (per-item errors inside); raises only for the whole request.
+        ``rows``: each ready handle carries its rows (``Handle.rows``), nothing to look up again."""
         ...
 
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
         """The entry of an image, waiting (and raising its priority) while it is being encoded."""
+        ...
+
+    async def lookup_many(
+        self, hashes: Sequence[str], namespace: str, *, timeout_s: float | None = None
+    ) -> list[Entry | VisencError]:
+        """``lookup`` of every hash, located at once: each one's entry, or the error that is its answer."""
         ...
 
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:

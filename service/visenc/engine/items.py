@@ -75,7 +75,7 @@ Outcome = Failed | Found | Pending | VideoPending | Missing
 State = Stage | Outcome
 
 #: state -> the states an item may move to from it (``Item.to`` raises on any other edge)
-EDGES: dict[type[State], frozenset[type[State]]] = {
+ITEM_EDGES: dict[type[State], frozenset[type[State]]] = {
     HashOnly: frozenset({Found, Pending, VideoPending, Missing, Failed}),
     Upload: frozenset({Encodable, Failed}),
     Frames: frozenset({Tubes, Failed}),
@@ -91,7 +91,8 @@ EDGES: dict[type[State], frozenset[type[State]]] = {
 
 @dataclass(slots=True)
 class Item:
-    """One request item (an image, a video, or one of a video's tubes) and its state."""
+    """One request item (an image, a video, or one of a video's tubes) and its state.
+    One request's, on the event loop; ``state`` moves only through ``to``, along ``ITEM_EDGES``."""
 
     hash: str
     state: State
@@ -103,7 +104,7 @@ class Item:
         return isinstance(self.state, Stage)
 
     def to(self, state: State) -> None:
-        if type(state) not in EDGES[type(self.state)]:
+        if type(state) not in ITEM_EDGES[type(self.state)]:
             raise IllegalTransition(f"item {self.hash}: {type(self.state).__name__} -> {type(state).__name__}")
         self.state = state
 
@@ -113,28 +114,6 @@ class Item:
         if self.key is None:
             raise IllegalTransition(f"item {self.hash} has not been looked up")
         return self.key
-
-
-@dataclass(frozen=True, slots=True)
-class Stored:
-    entry: Entry
-
-
-@dataclass(frozen=True, slots=True)
-class Encoding:
-    job: Job
-
-
-@dataclass(frozen=True, slots=True)
-class Elsewhere: ...
-
-
-@dataclass(frozen=True, slots=True)
-class Absent: ...
-
-
-Located = Stored | Encoding | Elsewhere | Absent
-ABSENT = Absent()
 
 
 def itemise(items: Sequence[EncodeItem]) -> list[Item]:
@@ -195,13 +174,13 @@ def waves(work: list[Item]) -> Iterator[tuple[int, int]]:
         yield lo, len(work)
 
 
-def handle_of(item: Item, hidden_size: int, dtype: str, video: VideoPreprocess | None) -> Handle:
-    """The handle of ``item``'s outcome."""
+def handle_of(item: Item, hidden_size: int, dtype: str, video: VideoPreprocess | None, *, rows: bool) -> Handle:
+    """The handle of ``item``'s outcome (``rows``: a ready one carries its rows)."""
     match item.state:
         case Failed(error):
             return Handle(item.hash, "error", error=error.message, reason=error.item_reason)
         case Found(e):
-            return Handle(item.hash, "ready", e.rows, e.hidden, e.dtype, e.grid_thw)
+            return Handle(item.hash, "ready", e.rows, e.hidden, e.dtype, e.grid_thw, rows=e.array() if rows else None)
         case Pending(Job(layout=lay)) if lay is not None:
             return Handle(item.hash, "pending", lay.num_tokens, hidden_size, dtype, lay.grid_thw)
         case VideoPending(manifest) if video is not None:
@@ -229,6 +208,8 @@ def outcome_of(job: Job) -> Found | Failed:
 
 
 class ImageRequest:
+    """A request of images alone: its items are its work. Lives for one request, on the event loop."""
+
     def __init__(self, items: list[Item]) -> None:
         self.work = items
 
@@ -238,5 +219,5 @@ class ImageRequest:
 
     def started(self, lease: Lease | None) -> None: ...
 
-    def answer(self, handles: list[Handle]) -> list[Handle]:
+    def answer(self, handles: list[Handle], *, rows: bool) -> list[Handle]:
         return handles

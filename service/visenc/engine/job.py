@@ -73,6 +73,8 @@ class IllegalTransition(RuntimeError):
 
 @dataclass(eq=False)
 class Job:
+    """Moved only by its methods along ``EDGES``: on the loop, and ``run`` on the device thread under a lock."""
+
     key: str
     image_hash: str
     order: tuple[int, int]

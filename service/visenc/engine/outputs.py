@@ -58,6 +58,8 @@ raw_rows = tensor_words  # a CPU tensor's values as numpy without a copy (bfloat
 
 
 class Outputs:
+    """Event loop (its task), plus one output thread for copies; ``start`` then ``stop``; alone finishes jobs."""
+
     def __init__(
         self,
         *,

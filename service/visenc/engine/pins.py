@@ -18,16 +18,15 @@ class Reader:
 
     lease: Lease | None
     waits: bool = True
-    inline: bool = False
 
     @classmethod
     def new(cls, mode: LeaseMode, *, waits: bool) -> Reader:
         lease = None if mode == "none" else Lease.new(named=mode != "anonymous")
-        return cls(lease, waits, mode == "inline")
+        return cls(lease, waits)
 
     def of_pending(self, uploaded: bool) -> Lease | None:
         """The lease a pending image is pinned for once stored (``None``: not pinned)."""
-        return self.lease if self.waits or (uploaded and not self.inline) else None
+        return self.lease if self.waits or uploaded else None
 
     def handles(self, work: list[Item], handles: list[Handle]) -> list[Handle]:
         """``handles`` with the lease id where the item is pinned for this request."""
@@ -46,6 +45,8 @@ class Reader:
 
 
 class Pins:
+    """Event loop only; no state of its own (L1 holds the pins)."""
+
     def __init__(self, index: Index, fingerprint: str, videos: Videos) -> None:
         self.index = index
         self.fingerprint = fingerprint

@@ -46,6 +46,8 @@ Source = bytes | Tube
 
 
 class ImagePrep:
+    """Immutable after construction; called from the preprocess pool's threads."""
+
     def __init__(
         self,
         tower: VisionTower,

@@ -41,6 +41,8 @@ class _Watch:
 
 
 class RemoteWaits:
+    """Event loop only, no lock; its watches are polled by one task (``start`` to ``stop``, which ends them all)."""
+
     def __init__(self, claims: Claims, *, poll_max_s: float, wait_s: float, metrics: Metrics) -> None:
         self.claims = claims
         self.poll_max_s = max(poll_max_s, FIRST_POLL_S)

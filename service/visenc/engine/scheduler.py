@@ -26,6 +26,8 @@ Preprocess = Callable[[Source], Prepared]
 
 
 class Scheduler:
+    """Event loop, but ``take`` on the device thread: ``_ready`` under ``_lock``; open until ``cancel_all``."""
+
     def __init__(
         self,
         *,

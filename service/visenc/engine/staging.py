@@ -7,6 +7,8 @@ import threading
 
 
 class Staging:
+    """Written on the loop and, through ``Job.run``, on the device thread under the scheduler's lock."""
+
     def __init__(self) -> None:
         self._tokens = 0
         self._lock = threading.Lock()  # lines are refunded on preprocessing and device threads too

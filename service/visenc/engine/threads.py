@@ -32,7 +32,8 @@ def default_torch_threads(device: torch.device, cores: int | None = None) -> int
 
 
 class DaemonThread(Executor):
-    """A one-thread executor whose thread is a daemon: a stalled forward never holds up the exit."""
+    """A one-thread executor whose thread is a daemon: a stalled forward never holds up the exit.
+    ``submit`` from any thread (a queue); its one thread runs until ``shutdown``."""
 
     def __init__(self, name: str, initializer: Callable[[], object] | None = None) -> None:
         self._initializer = initializer

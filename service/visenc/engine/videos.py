@@ -1,29 +1,16 @@
 """Videos: inspected whole, taken as their tubes, folded back into one handle; their manifests stored,
-pinned, read and waited for (``docs/internals.md``)."""
+pinned, and placed by the Locator (``docs/internals.md``)."""
 
 from __future__ import annotations
 
-import asyncio
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 
 from visenc.engine.interface import Handle
-from visenc.engine.items import (
-    MISSING,
-    Absent,
-    Encodable,
-    Failed,
-    Found,
-    Item,
-    Located,
-    Missing,
-    Stored,
-    Tubes,
-    VideoPending,
-    inspect,
-)
+from visenc.engine.items import MISSING, Encodable, Failed, Found, Item, Missing, Tubes, VideoPending, inspect
+from visenc.engine.locator import READ, Absent, Locator, Stored
 from visenc.engine.prepare import ImagePrep, Video
 from visenc.errors import NotFound, PayloadTooLarge
 from visenc.index.memory import Lease
@@ -51,18 +38,22 @@ class Span:
 
 
 class Videos:
-    """Every video path: a request with videos (``request``), its manifests, and reads by a video's hash."""
+    """Every video path: a request with videos (``request``), its manifests, and reads by a video's hash.
+    Event loop only, no lock; no state of its own (manifests live in L1, joined rows in ``Joins``)."""
 
-    def __init__(self, prep: ImagePrep, pool: Executor, index: Index, metrics: Metrics, joins: Joins) -> None:
+    def __init__(
+        self, prep: ImagePrep, pool: Executor, index: Index, metrics: Metrics, joins: Joins, locator: Locator
+    ) -> None:
         self.prep, self.pool, self.index, self.metrics, self.joins = prep, pool, index, metrics, joins
+        self.locator = locator
         self.fingerprint = prep.tower.fingerprint
 
     async def request(self, items: list[Item], namespace: str) -> VideoRequest:
         await inspect(items, self.prep, self.pool, videos=True)
         work, spans = expand(items)
-        return VideoRequest(work, spans, lambda lease: self._store_manifests(spans, work, namespace, lease))
+        return VideoRequest(work, spans, self, namespace)
 
-    def _store_manifests(self, spans: list[Span], work: list[Item], namespace: str, lease: Lease | None) -> None:
+    def store_manifests(self, spans: list[Span], work: list[Item], namespace: str, lease: Lease | None) -> None:
         for key, manifest in manifests(spans, work, namespace, self.fingerprint):
             self.index.store_local(key, manifest, leases=() if lease is None else (lease,))
             spawn(self.index.write_through(key, manifest), "manifest-write", self.metrics)
@@ -78,54 +69,45 @@ class Videos:
         except NotFound:
             return []
 
-    async def rows(
-        self, manifest: Entry, video: str, namespace: str, lookup: Callable[[str], Awaitable[Entry]]
-    ) -> Entry:
-        """A video's rows: every tube ``lookup``-ed by its hash, joined in order."""
+    def tubes(self, manifest: Entry, video: str) -> list[str]:
+        """The hashes of a video's tubes; ``NotFound`` (unreadable manifest), ``PayloadTooLarge`` (its rows
+        would exceed ``joined_rows_bytes``: refused before its tubes are read for nothing)."""
         tubes = tube_hashes(manifest, video)
-        self.joins.check(manifest, video)  # before its tubes are read: they would be read for nothing
-        entries = await asyncio.gather(*(lookup(t) for t in tubes))
-        return self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, entries)
+        self.joins.check(manifest, video)
+        return tubes
 
-    async def wait(self, items: list[Item], namespace: str, lookup: Callable[[str], Awaitable[Entry]]) -> None:
-        """Each video asked by its hash whose tubes are being encoded: its rows once all are, or missing."""
-        for it in items:
-            if isinstance(it.state, VideoPending):
-                try:
-                    rows = await self.rows(it.state.manifest, it.hash, namespace, lookup)
-                    it.to(Found(replace(rows, blob=b"")))  # its fields: the rows stay within ``joins``
-                except NotFound:
-                    it.to(MISSING)
-                except PayloadTooLarge as e:
-                    it.to(Failed(e))
+    def joined(self, video: str, grid_thw: tuple[int, int, int], namespace: str, tubes: Sequence[Entry]) -> Entry:
+        """A video's rows: its tubes' entries joined in order."""
+        return self.joins.rows(entry_key(namespace, self.fingerprint, video), grid_thw, video, tubes)
 
     async def outcome(
-        self, manifest: Entry, video: str, namespace: str, locate: Callable[[str], Awaitable[Located]]
+        self, manifest: Entry, video: str, namespace: str, *, rows: bool
     ) -> Found | VideoPending | Missing | Failed:
-        """Where a video asked by its hash stands, without waiting: ready, pending or missing."""
+        """Where a video asked by its hash stands, without waiting: ready (``rows``: with its rows, else its
+        fields alone, the rows staying within ``joins``), pending or missing."""
         try:
-            tubes = tube_hashes(manifest, video)
-            self.joins.check(manifest, video)
+            tubes = self.tubes(manifest, video)
         except NotFound:
             return MISSING
         except PayloadTooLarge as e:
             return Failed(e)
-        found = await asyncio.gather(*(locate(t) for t in tubes))
+        found = await self.locator.locate_many(tubes, namespace, READ)
         stored = [f.entry for f in found if isinstance(f, Stored)]
         if len(stored) == len(found):
             try:
-                rows = self.joins.rows(entry_key(namespace, self.fingerprint, video), manifest, video, stored)
-                return Found(replace(rows, blob=b""))
+                joined = self.joined(video, manifest.grid_thw, namespace, stored)
+                return Found(joined if rows else replace(joined, blob=b""))
             except PayloadTooLarge as e:
                 return Failed(e)
         return MISSING if any(isinstance(f, Absent) for f in found) else VideoPending(manifest)
 
 
 class VideoRequest:
-    """A request with videos: intake takes its images and tubes (``work``); the answer folds them."""
+    """A request with videos: intake takes its images and tubes (``work``); the answer folds them.
+    Lives for one request, on the event loop."""
 
-    def __init__(self, work: list[Item], spans: list[Span], store_manifests: Callable[[Lease | None], None]) -> None:
-        self.work, self._spans, self._store_manifests = work, spans, store_manifests
+    def __init__(self, work: list[Item], spans: list[Span], videos: Videos, namespace: str) -> None:
+        self.work, self._spans, self._videos, self._namespace = work, spans, videos, namespace
 
     @property
     def held(self) -> list[Item]:
@@ -133,10 +115,17 @@ class VideoRequest:
 
     def started(self, lease: Lease | None) -> None:
         """Every image and tube is taken: the manifests are stored, pinned for ``lease``."""
-        self._store_manifests(lease)
+        self._videos.store_manifests(self._spans, self.work, self._namespace, lease)
 
-    def answer(self, handles: list[Handle]) -> list[Handle]:
-        return fold(handles, self._spans)
+    def answer(self, handles: list[Handle], *, rows: bool) -> list[Handle]:
+        """One handle per item asked; ``rows``: a ready video carries its tubes' rows joined."""
+        folded = fold(handles, self._spans)
+        for i, span in enumerate(self._spans):
+            if rows and span.video is not None and folded[i].status == "ready":
+                tubes = [it.state.entry for it in self.work[span.lo : span.hi] if isinstance(it.state, Found)]
+                joined = self._videos.joined(span.video.hash, span.video.grid_thw, self._namespace, tubes)
+                folded[i] = replace(folded[i], rows=joined.array())
+        return folded
 
 
 def expand(items: list[Item]) -> tuple[list[Item], list[Span]]:
@@ -202,15 +191,16 @@ def tube_hashes(manifest: Entry, video: str) -> list[str]:
         raise NotFound(f"no embedding for video {video} (its manifest is unreadable: {e})") from e
 
 
-def join_rows(manifest: Entry, video: str, tubes: Sequence[Entry]) -> Entry:
+def join_rows(grid_thw: tuple[int, int, int], video: str, tubes: Sequence[Entry]) -> Entry:
     first = tubes[0]
     rows = [e.array() for e in tubes]
-    return pack_entry(rows, dtype=first.dtype, grid_thw=manifest.grid_thw, fingerprint=first.fingerprint, hash=video)
+    return pack_entry(rows, dtype=first.dtype, grid_thw=grid_thw, fingerprint=first.fingerprint, hash=video)
 
 
 class Joins:
     """Videos' rows joined for reads by the video's hash, at most ``max_bytes`` of them, least recently read
-    evicted first."""
+    evicted first.
+    Event loop only, no lock; what it holds stays within ``max_bytes``."""
 
     def __init__(
         self, max_bytes: int, metrics: Metrics, tube_rows: Callable[[tuple[int, int, int]], int], row_bytes: int
@@ -229,7 +219,7 @@ class Joins:
                 f"the rows of video {video} ({nbytes} bytes) exceed joined_rows_bytes={self.max_bytes}; read its tubes"
             )
 
-    def rows(self, key: str, manifest: Entry, video: str, tubes: Sequence[Entry]) -> Entry:
+    def rows(self, key: str, grid_thw: tuple[int, int, int], video: str, tubes: Sequence[Entry]) -> Entry:
         """The video's rows; ``PayloadTooLarge`` when they alone exceed ``max_bytes``."""
         source = tuple(id(t) for t in tubes)
         held = self._held.get(key)
@@ -241,7 +231,7 @@ class Joins:
         self._evict(key)
         while self.bytes + nbytes > self.max_bytes:
             self._evict(next(iter(self._held)))
-        entry = join_rows(manifest, video, tubes)
+        entry = join_rows(grid_thw, video, tubes)
         self._held[key] = (source, entry)
         self.bytes += entry.nbytes
         self._metrics.joined_bytes.set(self.bytes)

@@ -40,6 +40,8 @@ class WorkerState(enum.Enum):
 
 
 class DeviceWorker:
+    """On the event loop; its device loop on one daemon thread; ``state`` moves along ``WorkerState``."""
+
     def __init__(
         self,
         tower: VisionTower,

@@ -182,35 +182,11 @@ class EPD:
         items = await asyncio.gather(*(self._item(i, url, h, present) for i, (url, h) in enumerate(refs)))
         try:
             timeout_s = self.settings.encode_timeout_s
-            handles = await engine.encode(items, ns, wait=True, timeout_s=timeout_s, lease="id")
+            # the rows come with the answer: nothing is pinned for a later read
+            handles = await engine.encode(items, ns, wait=True, timeout_s=timeout_s, lease="none", rows=True)
         except VisencError as e:
             raise EPDError(str(e), e.status_code) from e
-        try:
-            return await self._frames(engine, part, handles)
-        finally:  # read (or refused): the pins of the ready answers go
-            for h in handles:
-                if h.lease is not None:
-                    engine.read(h.hash, ns, h.lease, last=True)
-
-    async def _frames(self, engine: EngineAPI, part: EncodePart, handles: list[Handle]) -> list[bytes | memoryview]:
-        ns = self.settings.namespace
-        bad = [(i, h) for i, h in enumerate(handles) if h.status != "ready"]
-        if bad:
-            i, h = bad[0]
-            raise EPDError(f"image {i} of the part: {h.error or h.status}", 400 if h.status == "error" else 504)
-        entries = [await engine.lookup(h.hash, ns) for h in handles]
-        dtype, width = entries[0].dtype, entries[0].hidden
-        rows = sum(e.rows for e in entries)
-        header = embedding_data_frame(
-            part.req_id,
-            part.num_parts,
-            part.part_idx,
-            grid=[list(e.grid_thw) for e in entries],
-            dtype=dtype,
-            shape=[rows, width],
-        )
-        views = [e.rows_view() for e in entries]
-        return [header, views[0] if len(views) == 1 else b"".join(views)]
+        return _frames(part, handles)
 
     async def _item(self, index: int, url: str, content_hash: str | None, present: set[str]) -> EncodeItem:
         """The engine's item for one image: its hash alone where visenc holds it, else its bytes."""
@@ -266,3 +242,20 @@ def _reference(item: str | MediaItem) -> tuple[str, str | None]:
     if m is None:
         raise EPDError("content_hash must use the form 'sha256:<64 hex digits>'")
     return item.url, m.group(1).lower()
+
+
+def _frames(part: EncodePart, handles: list[Handle]) -> list[bytes | memoryview]:
+    bad = [(i, h) for i, h in enumerate(handles) if h.status != "ready" or h.rows is None]
+    if bad:
+        i, h = bad[0]
+        raise EPDError(f"image {i} of the part: {h.error or h.status}", 400 if h.status == "error" else 504)
+    header = embedding_data_frame(
+        part.req_id,
+        part.num_parts,
+        part.part_idx,
+        grid=[list(h.grid_thw or ()) for h in handles],
+        dtype=handles[0].dtype,
+        shape=[sum(h.num_tokens or 0 for h in handles), handles[0].hidden_size],
+    )
+    views = [memoryview(h.rows).cast("B") for h in handles if h.rows is not None]
+    return [header, views[0] if len(views) == 1 else b"".join(views)]

@@ -166,7 +166,8 @@ def reference(url: str, images: list[bytes]) -> dict[int, np.ndarray]:
     """The rows of a run without faults, before any kill: in a namespace of its own, so that the soak's
     clients find none of its entries and encode their images during the kills."""
     with Client(url, namespace="reference", timeout=120) as vc:
-        return {i: vc.fetch(h) for i, h in enumerate(vc.encode(images))}
+        handles = [h for at in range(0, len(images), 64) for h in vc.encode(images[at : at + 64])]
+        return {i: vc.fetch(h) for i, h in enumerate(handles)}
 
 
 def claim_keys(redis_url: str) -> int:

@@ -7,7 +7,7 @@ retryable error and is tried again on the other one. Every row is compared with 
 without faults (before the first kill, in a namespace of its own). Afterwards the shared-memory folder,
 the download folder and Redis' claim keys are back at their level before the load. Prints the counts.
 
-    python bench/bench_kill_soak.py [--kills 20] [--clients 4] [--images 600] [--seed 0]
+    python bench/bench_kill_soak.py [--kills 20] [--clients 4] [--images 600] [--seed 0] [--gap-s 9]
 """
 
 from __future__ import annotations
@@ -166,7 +166,8 @@ def reference(url: str, images: list[bytes]) -> dict[int, np.ndarray]:
     """The rows of a run without faults, before any kill: in a namespace of its own, so that the soak's
     clients find none of its entries and encode their images during the kills."""
     with Client(url, namespace="reference", timeout=120) as vc:
-        return {i: vc.fetch(h) for i, h in enumerate(vc.encode(images))}
+        handles = [h for at in range(0, len(images), 64) for h in vc.encode(images[at : at + 64])]
+        return {i: vc.fetch(h) for i, h in enumerate(handles)}
 
 
 def claim_keys(redis_url: str) -> int:
@@ -269,9 +270,10 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--images", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--gap-s", type=float, default=9.0, help="longest time from a start to the next kill")
     a = parser.parse_args()
     started = time.monotonic()
-    soak(a.kills, a.clients, a.images, a.seed)
+    soak(a.kills, a.clients, a.images, a.seed, gap_s=a.gap_s)
     print(f"{'seconds':40s} {time.monotonic() - started:.0f}")
 
 

@@ -34,7 +34,10 @@ def _unshare_refused() -> str | None:
     return None if done.returncode == 0 else f"unshare --pid is refused here: {done.stderr.strip()}"
 
 
-pytestmark = pytest.mark.skipif(_unshare_refused() is not None, reason=str(_unshare_refused()))
+pytestmark = [
+    pytest.mark.skipif(_unshare_refused() is not None, reason=str(_unshare_refused())),
+    pytest.mark.timeout(900),  # three to four starts in a row (minutes on a loaded host)
+]
 
 
 @pytest.fixture
@@ -57,6 +60,7 @@ def pid1(shm_dir: Path, log: Path, lease_s: int) -> Iterator[tuple[str, int]]:
             [*NAMESPACE, sys.executable, "-m", "visenc", "serve", *argv], env=env, stdout=out, stderr=out
         )
     url = f"http://127.0.0.1:{port}"
+    inner = ""
     try:
         wait_ready(url, proc)
         (inner,) = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
@@ -66,7 +70,7 @@ def pid1(shm_dir: Path, log: Path, lease_s: int) -> Iterator[tuple[str, int]]:
     finally:
         if proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
-                os.kill(int(inner), signal.SIGTERM)
+                os.kill(int(inner), signal.SIGTERM) if inner else proc.kill()  # unshare kills its child then
             proc.wait(timeout=30)
 
 

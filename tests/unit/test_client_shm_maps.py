@@ -40,7 +40,7 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Any]
 
 
 def segments(directory: Path) -> list[str]:
-    return [f.name for f in directory.iterdir() if "-probe-" not in f.name]
+    return [f.name for f in directory.iterdir() if ".probe-" not in f.name and not f.name.startswith("visenc-life-")]
 
 
 def deleted_mapped_bytes(directory: Path) -> int:

@@ -43,8 +43,9 @@ def bytes_served(url: str) -> float:
     return metric(httpx.get(f"{url}/metrics", timeout=10).text, "visenc_bytes_served_total")
 
 
-def test_kills_of_a_replica_cost_vllm_no_request(qwen2_vl: tuple[Path, Path], openai_pair, tmp_path: Path) -> None:
-    checkpoint, alone = qwen2_vl[0], openai_pair[0]
+@pytest.mark.timeout(1200)  # two vLLM servers of its own start here (minutes on a loaded host)
+def test_kills_of_a_replica_cost_vllm_no_request(qwen2_vl: tuple[Path, Path], tmp_path: Path) -> None:
+    checkpoint = qwen2_vl[0]
     rng = random.Random(7)
     with redis_process() as (redis_url, _):
         args = ["--model", str(checkpoint), "--max-wait-ms", "1", "--redis-url", redis_url]
@@ -58,19 +59,22 @@ def test_kills_of_a_replica_cost_vllm_no_request(qwen2_vl: tuple[Path, Path], op
                 defer_timeout_s=1.5,
                 backoff_s=0.001,
             )
-            port = free_port()
+            port, alone_port = free_port(), free_port()
             behind = openai_server(checkpoint, port, "--ec-transfer-config", config, log=tmp_path / "vllm.log")
-            url = f"http://127.0.0.1:{port}"
+            by_itself = openai_server(checkpoint, alone_port, log=tmp_path / "alone.log")
+            url, alone = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{alone_port}"
             try:
-                wait_ready(killed.url, killed.proc)
-                wait_ready(url, behind, 300, "/health")
+                wait_ready(killed.url, killed.proc, 300)
+                wait_ready(url, behind, 600, "/health")
+                wait_ready(alone, by_itself, 600, "/health")
                 asked = run_while_killed(url, alone, kept, killed, rng)
-                wait_ready(killed.url, killed.proc)
+                wait_ready(killed.url, killed.proc, 300)
                 assert asked >= KILLS
                 assert bytes_served(kept) + bytes_served(killed.url) > 0  # rows came from visenc too
             finally:
                 killed.stop()
                 stop_process(behind)
+                stop_process(by_itself)
 
 
 def run_while_killed(url: str, alone: str, kept: str, killed: Replica, rng: random.Random) -> int:

@@ -28,6 +28,7 @@ from visenc_client._exceptions import (
     UnavailableError,
     VisencClientError,
 )
+from visenc_client._extras import needs
 from visenc_client._types import Handle, RowRange, Video, image_hash, video_hash
 from visenc_client.chunks import ChunkPiece, ChunkPlan, ImagePlacement, plan_chunk
 from visenc_client.prefill import PromptLayout, VisencPrefill, expand_placeholders
@@ -41,15 +42,8 @@ _EXTRAS = {"AsyncRedisRows": "redis", "RedisRows": "redis", "RowsInfo": "redis"}
 def __getattr__(name: str) -> Any:
     if name not in _EXTRAS:
         raise AttributeError(f"module 'visenc_client' has no attribute {name!r}")
-    try:
+    with needs(_EXTRAS[name], f"visenc_client.{name}"):
         from visenc_client import _redis
-    except ModuleNotFoundError as e:
-        extra = _EXTRAS[name]
-        raise ModuleNotFoundError(
-            f"visenc_client.{name} needs the '{extra}' extra ({e.name} is not installed): "
-            f"pip install 'visenc-client[{extra}]'",
-            name=e.name,
-        ) from None
     return getattr(_redis, name)
 
 

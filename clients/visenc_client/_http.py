@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import http.client
 import ipaddress
+import os
 import socket
 import threading
 import time
@@ -178,9 +179,18 @@ class AsyncResolvingBackend(httpcore.AnyIOBackend):
             left = None if deadline is None else max(1e-3, deadline - time.monotonic())
             try:
                 return await super().connect_tcp(str(info[4][0]), port, left, local_address, socket_options)
-            except httpcore.ConnectError as e:
-                error = e
+            except httpcore.ConnectError as e:  # anyio's "All connection attempts failed": say which, as sync does
+                error = httpcore.ConnectError(_system_reason(e))
         raise error
+
+
+def _system_reason(e: BaseException) -> str:
+    cause: BaseException | None = e
+    while cause is not None:
+        if isinstance(cause, OSError) and cause.errno:
+            return f"[Errno {cause.errno}] {os.strerror(cause.errno)}"
+        cause = cause.__cause__
+    return str(e)
 
 
 def _on_backend(transport: Any, backend: Any) -> Any:

@@ -10,19 +10,22 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-import torch
-from vllm.distributed.ec_transfer.ec_connector.base import (
-    ECConnectorBase,
-    ECConnectorMetadata,
-    ECConnectorRole,
-)
+from visenc_client._extras import needs
 
-from visenc_client._local_rows import LocalRows
-from visenc_client._vllm_config import ConnectorOptions, MiB, encoder_output_width
-from visenc_client._vllm_requests import encodable, item_grid, told_absent
-from visenc_client._vllm_stats import Reporter, VisencPromMetrics, VisencStats, counts
-from visenc_client._wants import Absent, Mismatch, Want
-from visenc_client.format import is_valid_hash
+with needs("vllm", "visenc_client.vllm"):
+    import torch
+    from vllm.distributed.ec_transfer.ec_connector.base import (
+        ECConnectorBase,
+        ECConnectorMetadata,
+        ECConnectorRole,
+    )
+
+    from visenc_client._local_rows import LocalRows
+    from visenc_client._vllm_config import ConnectorOptions, MiB, encoder_output_width
+    from visenc_client._vllm_requests import encodable, item_grid, told_absent
+    from visenc_client._vllm_stats import Reporter, VisencPromMetrics, VisencStats, counts
+    from visenc_client._wants import Absent, Mismatch, Want
+    from visenc_client.format import is_valid_hash
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig

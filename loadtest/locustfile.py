@@ -1,146 +1,126 @@
-"""Locust scenarios that look like prefill-worker traffic against visenc."""
+"""Locust scenarios that look like prefill-worker traffic against visenc (the shared request flow:
+``users.py``)."""
 
 from __future__ import annotations
 
-import logging
-import random
 import sys
-import time
 import uuid
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any
 
-from locust import FastHttpUser, events, tag, task
+from locust import events, tag, task
 
 if __package__ in (None, ""):  # run by `locust -f loadtest/locustfile.py`: make `loadtest.*` importable
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from loadtest.payloads import (
-    DEFAULT_STAGES,
-    MSGPACK,
-    PayloadError,
-    RowLedger,
-    check_handles,
-    check_rows_body,
-    check_rows_get,
-    derive_seed,
-    encode_body,
-    fetch_body,
-    image_hash,
-    parse_size,
-    plan_chunks,
-    screenshot_png,
-    timing_headers,
-)
+from loadtest.payloads import DEFAULT_STAGES
+from loadtest.users import Image, VisencUser, log
+
+__all__ = ["SCENARIOS", "VisencUser"]
 
 SCENARIOS = ("agent", "probe", "cold", "hot", "mixed")
-HEADERS = {"content-type": MSGPACK, "accept": MSGPACK}
-#: every row read in this process, checked against its first read (wrong answers fail the request)
-LEDGER = RowLedger()
-log = logging.getLogger("visenc.loadtest")
+_SHOWN = {"include_in_web_ui": True}
+#: the scenario options, as ``parser.add_argument`` takes them
+OPTIONS: list[tuple[str, dict[str, Any]]] = [
+    (
+        "--scenario",
+        {
+            **_SHOWN,
+            "choices": SCENARIOS,
+            "default": None,
+            "help": "User class to run (default: every class left after --tags / class names).",
+        },
+    ),
+    (
+        "--image-size",
+        {**_SHOWN, "default": "1280x720", "help": "WIDTHxHEIGHT of generated screenshots (CPU runs: e.g. 320x180)."},
+    ),
+    (
+        "--chunk-tokens",
+        {**_SHOWN, "type": int, "default": 512, "help": "Token rows per prefill chunk (one fetch request each)."},
+    ),
+    (
+        "--fetch-mode",
+        {
+            **_SHOWN,
+            "choices": ("batch", "get"),
+            "default": "batch",
+            "help": "Fetch a chunk with one POST /v1/embeddings/fetch, or one GET per image range.",
+        },
+    ),
+    (
+        "--agent-turns",
+        {**_SHOWN, "type": int, "default": 8, "help": "Turns of one agent conversation before it starts a new one."},
+    ),
+    (
+        "--agent-fetch",
+        {
+            **_SHOWN,
+            "choices": ("all", "new"),
+            "default": "all",
+            "help": "Fetch every image's rows each turn (no prefix cache) or only the new image's.",
+        },
+    ),
+    ("--probe-max", {**_SHOWN, "type": int, "default": 8, "help": "The probe cycles through requests of 1..N images."}),
+    (
+        "--images-per-request",
+        {**_SHOWN, "type": int, "default": 4, "help": "Images per request of the cold, hot and mixed scenarios."},
+    ),
+    (
+        "--hit-ratio",
+        {
+            **_SHOWN,
+            "type": float,
+            "default": 0.5,
+            "help": "mixed: probability that an image comes from the cached pool.",
+        },
+    ),
+    (
+        "--hot-pool",
+        {**_SHOWN, "type": int, "default": 16, "help": "Images in the shared pool that hot and mixed warm at start."},
+    ),
+    (
+        "--upload",
+        {
+            **_SHOWN,
+            "choices": ("hash-first", "bytes"),
+            "default": "hash-first",
+            "help": "Send hashes first, or bytes with every item.",
+        },
+    ),
+    (
+        "--encode-wait",
+        {
+            "action": "store_true",
+            "default": False,
+            "help": "Encode with wait=true (the answer comes when every image is encoded).",
+        },
+    ),
+    (
+        "--think-time",
+        {**_SHOWN, "type": float, "default": 0.2, "help": "Seconds a user pauses between requests (turns)."},
+    ),
+    (
+        "--run-id",
+        {
+            "default": uuid.uuid4().hex[:12],
+            "help": "Salt of every generated image: the same id regenerates the same images.",
+        },
+    ),
+    (
+        "--stages",
+        {
+            "default": DEFAULT_STAGES,
+            "help": "StagedShape (loadtest/shapes.py): END_S:USERS:SPAWN_RATE, comma-separated.",
+        },
+    ),
+]
 
 
 @events.init_command_line_parser.add_listener
 def _add_arguments(parser: Any) -> None:
-    parser.add_argument(
-        "--scenario",
-        choices=SCENARIOS,
-        default=None,
-        include_in_web_ui=True,
-        help="User class to run (default: every class left after --tags / class names).",
-    )
-    parser.add_argument(
-        "--image-size",
-        default="1280x720",
-        include_in_web_ui=True,
-        help="WIDTHxHEIGHT of generated screenshots (CPU runs: e.g. 320x180).",
-    )
-    parser.add_argument(
-        "--chunk-tokens",
-        type=int,
-        default=512,
-        include_in_web_ui=True,
-        help="Token rows per prefill chunk (one fetch request each).",
-    )
-    parser.add_argument(
-        "--fetch-mode",
-        choices=("batch", "get"),
-        default="batch",
-        include_in_web_ui=True,
-        help="Fetch a chunk with one POST /v1/embeddings/fetch, or one GET per image range.",
-    )
-    parser.add_argument(
-        "--agent-turns",
-        type=int,
-        default=8,
-        include_in_web_ui=True,
-        help="Turns of one agent conversation before it starts a new one.",
-    )
-    parser.add_argument(
-        "--agent-fetch",
-        choices=("all", "new"),
-        default="all",
-        include_in_web_ui=True,
-        help="Fetch every image's rows each turn (no prefix cache) or only the new image's.",
-    )
-    parser.add_argument(
-        "--probe-max",
-        type=int,
-        default=8,
-        include_in_web_ui=True,
-        help="The probe cycles through requests of 1..N images.",
-    )
-    parser.add_argument(
-        "--images-per-request",
-        type=int,
-        default=4,
-        include_in_web_ui=True,
-        help="Images per request of the cold, hot and mixed scenarios.",
-    )
-    parser.add_argument(
-        "--hit-ratio",
-        type=float,
-        default=0.5,
-        include_in_web_ui=True,
-        help="mixed: probability that an image comes from the cached pool.",
-    )
-    parser.add_argument(
-        "--hot-pool",
-        type=int,
-        default=16,
-        include_in_web_ui=True,
-        help="Images in the shared pool that hot and mixed warm at start.",
-    )
-    parser.add_argument(
-        "--upload",
-        choices=("hash-first", "bytes"),
-        default="hash-first",
-        include_in_web_ui=True,
-        help="Send hashes first, or bytes with every item.",
-    )
-    parser.add_argument(
-        "--encode-wait",
-        action="store_true",
-        default=False,
-        help="Encode with wait=true (the answer comes when every image is encoded).",
-    )
-    parser.add_argument(
-        "--think-time",
-        type=float,
-        default=0.2,
-        include_in_web_ui=True,
-        help="Seconds a user pauses between requests (turns).",
-    )
-    parser.add_argument(
-        "--run-id",
-        default=uuid.uuid4().hex[:12],
-        help="Salt of every generated image: the same id regenerates the same images.",
-    )
-    parser.add_argument(
-        "--stages",
-        default=DEFAULT_STAGES,
-        help="StagedShape (loadtest/shapes.py): END_S:USERS:SPAWN_RATE, comma-separated.",
-    )
+    for flag, options in OPTIONS:
+        parser.add_argument(flag, **options)
 
 
 @events.init.add_listener
@@ -162,164 +142,6 @@ def _select_users(environment: Any, **_: Any) -> None:
     environment.user_classes[:] = keep
 
 
-def _record(
-    environment: Any, request_type: str, name: str, ms: float, length: int = 0, exception: Exception | None = None
-) -> None:
-    environment.events.request.fire(
-        request_type=request_type, name=name, response_time=ms, response_length=length, exception=exception, context={}
-    )
-
-
-class _Image:
-    """One generated image: bytes kept for a possible upload, hash sent first."""
-
-    __slots__ = ("data", "hash")
-
-    def __init__(self, seed: int, size: tuple[int, int]) -> None:
-        self.data = screenshot_png(seed, *size)
-        self.hash = image_hash(self.data)
-
-
-class VisencUser(FastHttpUser):
-    """Shared request flow; subclasses only choose which images each request carries."""
-
-    abstract = True
-    scenario: ClassVar[str] = ""
-    #: a ``missing`` answer is a failure (the images were warmed)
-    expect_hits: ClassVar[bool] = False
-    network_timeout = 120.0
-    connection_timeout = 10.0
-
-    def on_start(self) -> None:
-        o = self.environment.parsed_options
-        self.opts = o
-        self.size = parse_size(o.image_size)
-        self.user_key = uuid.uuid4().hex
-        self.counter = 0
-        self.rng = random.Random(derive_seed(o.run_id, self.user_key))
-
-    def wait_time(self) -> float:
-        return float(self.opts.think_time)
-
-    def new_image(self, kind: str) -> _Image:
-        """An image no one has sent before in this run (unique per run, user and counter)."""
-        self.counter += 1
-        return _Image(derive_seed(self.opts.run_id, kind, self.user_key, self.counter), self.size)
-
-    def pool_image(self, i: int) -> _Image:
-        """Image ``i`` of the pool every user of the run shares (same seed, same bytes)."""
-        return _Image(derive_seed(self.opts.run_id, "pool", i), self.size)
-
-    # --- one prefill request: encode (hash-first), then fetch chunk by chunk ----
-
-    def _encode(self, name: str, images: list[_Image], with_data: bool, allowed: frozenset[str]) -> list[dict]:
-        items = [{"hash": im.hash, "data": im.data} if with_data else {"hash": im.hash} for im in images]
-        wait = bool(self.opts.encode_wait)
-        with self.client.post(
-            "/v1/encode", data=encode_body(items, wait), headers=HEADERS, name=name, catch_response=True
-        ) as resp:
-            if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
-                return []
-            try:
-                handles = check_handles(resp.content, [im.hash for im in images], allowed)
-            except PayloadError as e:
-                resp.failure(str(e))
-                return []
-            for label, ms in timing_headers(resp.headers).items():
-                _record(self.environment, "server", label, ms)
-        return handles
-
-    def encode(self, images: list[_Image]) -> list[dict] | None:
-        """Handles of ``images`` in order (hash-first unless --upload bytes); None after a failure."""
-        done = frozenset({"ready"}) if self.opts.encode_wait else frozenset({"ready", "pending"})
-        if self.opts.upload == "bytes":
-            handles = self._encode("/v1/encode [bytes]", images, True, done)
-            return handles or None
-        handles = self._encode("/v1/encode [hashes]", images, False, done | {"missing"})
-        if not handles:
-            return None
-        missing = [i for i, h in enumerate(handles) if h["status"] == "missing"]
-        for h in handles:
-            if h["status"] != "missing":
-                _record(self.environment, "images", "hit", 0.0)
-            elif self.expect_hits:  # hot: the pool was warmed, so a miss means the index dropped it
-                _record(
-                    self.environment,
-                    "images",
-                    "miss",
-                    0.0,
-                    exception=PayloadError("a warmed pool image answered missing (evicted? index too small)"),
-                )
-            else:
-                _record(self.environment, "images", "miss", 0.0)
-        if missing:
-            uploaded = self._encode("/v1/encode [upload]", [images[i] for i in missing], True, done)
-            if not uploaded:
-                return None
-            for i, h in zip(missing, uploaded):
-                handles[i] = h
-        return handles
-
-    def prefill(self, images: list[_Image], fetch_from: int = 0) -> bool:
-        """Encode ``images``, then fetch the rows of ``images[fetch_from:]`` chunk by chunk, as a prefill
-        worker would; records TTFC and TTA. True when every step passed its checks."""
-        t0 = time.perf_counter()
-        handles = self.encode(images)
-        if handles is None:
-            return False
-        fetched = handles[fetch_from:]
-        label = f"n={len(images):02d}"
-        for k, chunk in enumerate(plan_chunks([h["num_tokens"] for h in fetched], self.opts.chunk_tokens)):
-            ranges = [(fetched[r.index]["hash"], r.start, r.end) for r in chunk]
-            chunk_handles = [fetched[r.index] for r in chunk]
-            if not (
-                self.fetch_batch(ranges, chunk_handles)
-                if self.opts.fetch_mode == "batch"
-                else all(self.fetch_get(rng, h) for rng, h in zip(ranges, chunk_handles))
-            ):
-                return False
-            if k == 0:
-                _record(self.environment, "TTFC", label, (time.perf_counter() - t0) * 1000.0)
-        _record(self.environment, "TTA", label, (time.perf_counter() - t0) * 1000.0)
-        return True
-
-    def fetch_batch(self, ranges: list[tuple[str, int, int]], handles: list[dict]) -> bool:
-        """One chunk's ranges in one ``POST /v1/embeddings/fetch``."""
-        with self.client.post(
-            "/v1/embeddings/fetch",
-            data=fetch_body(ranges),
-            headers=HEADERS,
-            name="/v1/embeddings/fetch [chunk]",
-            catch_response=True,
-        ) as resp:
-            if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
-                return False
-            try:
-                check_rows_body(resp.content, ranges, handles, LEDGER)
-            except PayloadError as e:
-                resp.failure(str(e))
-                return False
-        return True
-
-    def fetch_get(self, rng: tuple[str, int, int], handle: dict) -> bool:
-        """One image's part of a chunk with ``GET /v1/embeddings/{hash}?start=&end=``."""
-        h, start, end = rng
-        with self.client.get(
-            f"/v1/embeddings/{h}?start={start}&end={end}", name="/v1/embeddings/{hash}", catch_response=True
-        ) as resp:
-            if resp.status_code != 200:
-                resp.failure(f"HTTP {resp.status_code}: {bytes(resp.content or b'')[:200]!r}")
-                return False
-            try:
-                check_rows_get(resp.headers, resp.content, start, end, handle, LEDGER)
-            except PayloadError as e:
-                resp.failure(str(e))
-                return False
-        return True
-
-
 class AgentUser(VisencUser):
     """A multi-turn agent: one new screenshot a turn, the earlier ones resent by hash."""
 
@@ -327,7 +149,7 @@ class AgentUser(VisencUser):
 
     def on_start(self) -> None:
         super().on_start()
-        self.conversation: list[_Image] = []
+        self.conversation: list[Image] = []
 
     @tag("agent")
     @task

@@ -143,7 +143,12 @@ def test_the_tower_is_compiled_in_one_place_with_dynamic_shapes():
 
 
 #: the trees whose files and functions stay small
-SIZED = {"service": SERVICE, "clients": ROOT / "clients" / "visenc_client", "bench": ROOT / "bench"}
+SIZED = {
+    "service": SERVICE,
+    "clients": ROOT / "clients" / "visenc_client",
+    "bench": ROOT / "bench",
+    "loadtest": ROOT / "loadtest",
+}
 
 
 def oversized(tree: Path) -> list[str]:

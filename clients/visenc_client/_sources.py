@@ -211,7 +211,7 @@ class RowSources:
                 return {i: Absent(refusal) for i in wants}
             if not self._check(replica, info):
                 return {i: Absent(str(replica.refused)) for i in wants}
-        handles = client.lookup(list(wants), wait=wait, include_rows=not client.shared_memory)
+        handles = client.lookup(list(wants), wait=wait, include_rows=client.rows.rows_with_lookup)
         answers: Answers = {}
         rejected: list[Handle] = []
         for (identifier, want), handle in zip(wants.items(), handles):

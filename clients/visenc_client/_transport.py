@@ -26,6 +26,8 @@ class RowsTransport(ABC):
     """The three reads of rows, as flows the client's driver runs."""
 
     shared_memory = False
+    #: a look-up asks for the rows with the handles (one round trip) rather than reading them after
+    rows_with_lookup = True
     segments: SegmentHandles | None = None
 
     @property
@@ -70,6 +72,7 @@ class ShmRows(RowsTransport):
     """Read-only views of the service's segments; what its budget cannot hold, over HTTP."""
 
     shared_memory = True
+    rows_with_lookup = False
 
     def __init__(self) -> None:
         self.segments = SegmentHandles()
@@ -114,6 +117,10 @@ class AutoRows(RowsTransport):
     @property
     def shared_memory(self) -> bool:  # type: ignore[override]
         return self.chosen is not None and self.chosen.shared_memory
+
+    @property
+    def rows_with_lookup(self) -> bool:  # type: ignore[override]
+        return self.chosen is None or self.chosen.rows_with_lookup
 
     @property
     def segments(self) -> SegmentHandles | None:  # type: ignore[override]

@@ -103,7 +103,7 @@ def test_hub_style_names_load_the_same_rows(family: tuple[str, Path, Any], tmp_p
 
 def test_only_vision_tensors_are_read(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     """The language model's tensors are never read (spy on safetensors' reader)."""
-    import visenc.models.loading as loading
+    import visenc.models.registry as loading
 
     path = save_family("gemma3", tmp_path / "g")
     read: list[str] = []

@@ -31,7 +31,7 @@ from transformers import (  # the fast (torchvision) processors: the default bac
     SiglipModel,
 )
 
-import visenc.models.loading as loading
+import visenc.models.registry as registry
 from visenc.models.loading import load_tower
 
 ATOL = 1e-5
@@ -99,7 +99,7 @@ class _Spy:
 @pytest.fixture
 def spy(monkeypatch: pytest.MonkeyPatch) -> _Spy:
     recorder = _Spy()
-    monkeypatch.setattr(loading, "safe_open", recorder)
+    monkeypatch.setattr(registry, "safe_open", recorder)
     return recorder
 
 

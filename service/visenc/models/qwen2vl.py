@@ -10,9 +10,7 @@ from typing import Any
 import torch
 from PIL import Image
 from transformers.models.qwen2_5_vl.configuration_qwen2_5_vl import Qwen2_5_VLVisionConfig
-from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionTransformerPretrainedModel
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
-from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
 from visenc.imaging.decode import rgb_like_transformers
 from visenc.imaging.preprocess import (
@@ -35,11 +33,6 @@ log = logging.getLogger(__name__)
 #: default resize ceiling for the service: 1280 merged tokens (≈1.0 Mpx), as Qwen2-VL's processor
 DEFAULT_MAX_PIXELS = 1280 * 28 * 28
 DEFAULT_MIN_PIXELS = 56 * 56
-
-ARCHITECTURES: dict[str, tuple[type, type[torch.nn.Module]]] = {
-    "qwen2_vl": (Qwen2VLVisionConfig, Qwen2VisionTransformerPretrainedModel),
-    "qwen2_5_vl": (Qwen2_5_VLVisionConfig, Qwen2_5_VisionTransformerPretrainedModel),
-}
 
 
 @dataclass(frozen=True)

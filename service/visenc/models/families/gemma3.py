@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from visenc.models.base import Rows, Segment, TokenLayout
+from visenc.models.registry import vlm_families
 from visenc.models.vlm import FamilyTower
 
 
@@ -35,3 +36,6 @@ class Gemma3Tower(FamilyTower):
     def span(self, width: int, height: int) -> list[Segment]:
         layout = self.layout(width, height)
         return ["\n\n<start_of_image>", Rows(layout.num_tokens), "<end_of_image>\n\n"]
+
+
+FAMILIES = vlm_families(Gemma3Tower)

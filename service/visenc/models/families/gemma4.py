@@ -10,6 +10,7 @@ from transformers.models.gemma4.image_processing_pil_gemma4 import get_aspect_ra
 
 from visenc.errors import InvalidImage
 from visenc.models.base import Rows, Segment, TokenLayout
+from visenc.models.registry import vlm_families
 from visenc.models.vlm import FamilyTower
 
 
@@ -55,3 +56,6 @@ class Gemma4Tower(FamilyTower):
     def span(self, width: int, height: int) -> list[Segment]:
         layout = self.layout(width, height)
         return ["<|image>", Rows(layout.num_tokens), "<image|>"]
+
+
+FAMILIES = vlm_families(Gemma4Tower)

@@ -10,6 +10,7 @@ from transformers.models.glm4v.image_processing_pil_glm4v import smart_resize
 from visenc.models import varlen
 from visenc.models.base import Rows, Segment, TokenLayout
 from visenc.models.families.qwen3_vl import grid_layout
+from visenc.models.registry import vlm_families
 from visenc.models.vlm import FamilyTower
 
 
@@ -45,3 +46,6 @@ class Glm4vTower(FamilyTower):
     def span(self, width: int, height: int) -> list[Segment]:
         layout = self.layout(width, height)
         return ["<|begin_of_image|>", Rows(layout.num_tokens), "<|end_of_image|>"]
+
+
+FAMILIES = vlm_families(Glm4vTower)

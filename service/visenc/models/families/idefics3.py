@@ -11,6 +11,7 @@ import torch
 
 from visenc.models import varlen
 from visenc.models.base import Rows, Segment, TokenLayout
+from visenc.models.registry import vlm_families
 from visenc.models.vlm import FamilyTower, cat
 
 FAKE = "<fake_token_around_image>"
@@ -108,3 +109,6 @@ class SmolVLMTower(Idefics3Tower):
             "vision_model": m.SmolVLMVisionTransformer._from_config(config.vision_config),
             "connector": m.SmolVLMConnector(config),
         }
+
+
+FAMILIES = vlm_families(Idefics3Tower, SmolVLMTower)

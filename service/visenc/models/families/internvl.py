@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from visenc.models.base import Rows, Segment, TokenLayout
+from visenc.models.registry import vlm_families
 from visenc.models.vlm import FamilyTower
 
 
@@ -45,3 +46,6 @@ class InternVLTower(FamilyTower):
     def span(self, width: int, height: int) -> list[Segment]:
         layout = self.layout(width, height)
         return ["<img>", Rows(layout.num_tokens), "</img>"]
+
+
+FAMILIES = vlm_families(InternVLTower)

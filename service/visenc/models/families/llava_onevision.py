@@ -9,6 +9,7 @@ from typing import Any
 import torch
 
 from visenc.models.base import TokenLayout
+from visenc.models.registry import vlm_families
 from visenc.models.vlm import FamilyTower, cat
 
 
@@ -71,3 +72,6 @@ class LlavaOnevisionTower(FamilyTower):
         # tiles are stacked, plus the unpadding's per-image copies of the projected grid
         extra = sum(4 * lay.num_tokens * self.hidden_size * self.dtype.itemsize for lay in layouts)
         return super().forward_bytes(layouts) + math.ceil(extra)
+
+
+FAMILIES = vlm_families(LlavaOnevisionTower)

@@ -12,6 +12,7 @@ from transformers.models.pixtral.image_processing_pil_pixtral import get_resize_
 from visenc.errors import InvalidImage
 from visenc.models import varlen
 from visenc.models.base import Rows, Segment, TokenLayout
+from visenc.models.registry import vlm_families
 from visenc.models.vlm import FamilyTower, cat
 
 
@@ -122,3 +123,6 @@ def _packed_grids(grids: list[tuple[int, int]], device: torch.device) -> tuple[t
     cu = varlen.to_device(cu, device)
     attention = {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu, "max_length_q": max(lengths), "max_length_k": max(lengths)}
     return varlen.to_device(positions, device), attention
+
+
+FAMILIES = vlm_families(Mistral3Tower)

@@ -11,6 +11,7 @@ from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_res
 from visenc.errors import InvalidImage
 from visenc.models import varlen
 from visenc.models.base import Prepared, Rows, Segment, TokenLayout
+from visenc.models.registry import vlm_families
 from visenc.models.vlm import FamilyTower
 
 
@@ -110,3 +111,6 @@ def grid_layout(processor: Any, width: int, height: int, resize: Any, **resize_k
         raise InvalidImage(f"the image processor refuses {width}x{height}: {e}") from e
     grid = (1, h // p, w // p)
     return TokenLayout(num_tokens=grid[1] * grid[2] // (m * m), grid_thw=grid, bucket=grid)
+
+
+FAMILIES = vlm_families(Qwen3VLTower, Qwen3VLMoeTower)

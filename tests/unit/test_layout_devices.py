@@ -29,7 +29,10 @@ def test_cuda_code_sits_in_the_cuda_implementation_alone() -> None:
         name = path.relative_to(SERVICE).as_posix()
         if name in DEVICES | START_UP:
             continue
-        if lines := cuda_lines(path.read_text()):
+        lines = cuda_lines(path.read_text())
+        if name == "devices/host.py":  # the host device queues its copies too: ``non_blocking`` alone is allowed
+            lines = [x for x in lines if cuda_lines(x.replace("non_blocking", ""))]
+        if lines:
             found[name] = lines
     assert found == {}, f"CUDA code outside visenc/devices/cuda.py: {found}"
 

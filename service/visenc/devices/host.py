@@ -51,7 +51,7 @@ class HostDevice(Device):
     def to_device(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if host.dtype != dtype:
             self.host_bytes_copied += host.nbytes
-        return host.to(self.device, dtype)
+        return host.to(self.device, dtype, non_blocking=True)  # no wait on a device that is not the host
 
     def copy_out(self, outputs: Sequence[torch.Tensor], after: Event) -> list[torch.Tensor]:
         after.synchronize()

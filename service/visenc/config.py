@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from visenc.tenancy import TenantSettings
 from visenc_client.format import NAMESPACE_PATTERN
 
 MiB = 1 << 20
@@ -32,7 +33,7 @@ def parse_bytes(value: object) -> object:
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 
-class Settings(BaseSettings):
+class Settings(TenantSettings):
     model_config = SettingsConfigDict(env_prefix="VISENC_", extra="forbid", validate_default=True)
 
     # --- server -------------------------------------------------------------

@@ -53,6 +53,9 @@ BACKGROUND_TASKS = (
 PART_OUTCOMES = ("delivered", "refused", "failed")
 #: where an encode failed: the forward raised, the forward stalled, copying its outputs out failed
 FAILURE_STAGES = ("forward", "stall", "output")
+#: why an encode was refused: a tenant's quota, or the global queue limit (shedding the tenant using the most)
+REFUSALS = ("tenant_images", "tenant_tokens", "queue_full")
+PRIORITY_CLASSES = ("interactive", "batch")
 
 
 def _preset(family: MetricWrapperBase, *values: Iterable[str]) -> None:
@@ -74,6 +77,7 @@ class Metrics:
         self._health(r)
         self._sglang(r)
         self._tasks(r)
+        self._tenancy(r)
 
     def _http(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -284,3 +288,37 @@ class Metrics:
             for child in value if isinstance(value, list | tuple) else [value]:
                 if isinstance(child, Mapping):
                     self.export_index_health(child)
+
+    def _tenancy(self, r: CollectorRegistry) -> None:
+        self.tenant_device_seconds = Counter(
+            "visenc_tenant_device_seconds",
+            "Device time spent on a tenant's images (each forward split by token share); tenants past the "
+            "labelled ones count as 'other'.",
+            ["tenant"],
+            registry=r,
+        )
+        self.refusals = Counter(
+            "visenc_refusals",
+            "Encodes refused with 429, by tenant and reason (tenant_images, tenant_tokens, queue_full).",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.device_busy = Gauge(
+            "visenc_device_busy_ratio", "Share of the last busy_window_s the device spent in forwards.", registry=r
+        )
+        self.queued_device_seconds = Gauge(
+            "visenc_queued_device_seconds",
+            "Device time the images waiting for the device would take (at the recent seconds per token), by class.",
+            ["priority"],
+            registry=r,
+        )
+        self.oldest_waiting = Gauge(
+            "visenc_oldest_waiting_seconds",
+            "Age of the oldest image waiting for the device (admitted, not yet forwarded), by class.",
+            ["priority"],
+            registry=r,
+        )
+        _preset(self.refusals, ["default"], REFUSALS)
+        _preset(self.tenant_device_seconds, ["default"])
+        for family in (self.queued_device_seconds, self.oldest_waiting):
+            _preset(family, PRIORITY_CLASSES)

@@ -10,7 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response, wants_msgpack
-from visenc.api.deps import ERRORS, body_schema, engine_of, lease_mode, namespace_of
+from visenc.api.deps import ERRORS, body_schema, engine_of, lease_mode, namespace_of, priority_of
 from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import EncodeRequest, EncodeResponse
 from visenc.engine.interface import EncodeItem, Timing
@@ -48,11 +48,14 @@ async def encode(request: Request) -> Response:
     timing = Timing()
     # rows inline are read by this answer: kept only until then, under a lease it unpins itself
     lease = "inline" if body.include_rows else lease_mode(request)
+    priority = priority_of(request, body.priority)
     # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
     # cancels the wait if the client goes away first
     handles = await guarded(
         request,
-        engine.encode(inputs, ns, wait=body.wait, timing=timing, timeout_s=remaining(deadline), lease=lease),
+        engine.encode(
+            inputs, ns, wait=body.wait, timing=timing, timeout_s=remaining(deadline), lease=lease, priority=priority
+        ),
         deadline + 1.0,
         f"the request was not answered within {limit}",
     )

@@ -17,8 +17,10 @@ from visenc.engine.inflight import InFlight
 from visenc.engine.intake import FrontStages, Intake
 from visenc.engine.outputs import Outputs
 from visenc.engine.pins import Pins
+from visenc.engine.policy import SchedulerConfig
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
+from visenc.engine.tenants import Tenants, export_backlog
 from visenc.engine.threads import default_preprocess_workers
 from visenc.engine.videos import Joins, Videos
 from visenc.engine.worker import DeviceWorker
@@ -27,6 +29,7 @@ from visenc.index.redis_claims import RedisClaims
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.models.base import VisionTower, compact
+from visenc.tenancy import TenantPolicy, load_tenants
 from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
@@ -93,18 +96,28 @@ class Engine:
             coordination=self.coordination,
         )
         self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch_tokens=self.budget.max_batch_tokens,
+                max_batch_images=settings.max_batch_images,
+                packable=tower.packable,
+                prefetch_tokens=self.budget.prefetch_tokens,
+                max_batch_bytes=self.budget.max_batch_bytes,
+                batch_floor=settings.batch_floor,
+            ),
             preprocess=prep.preprocess,
             pool=self.pool,
             outputs=self.outputs,
             coordination=self.coordination,
-            max_batch_tokens=self.budget.max_batch_tokens,
-            max_batch_images=settings.max_batch_images,
-            packable=tower.packable,
-            prefetch_tokens=self.budget.prefetch_tokens,
-            max_batch_bytes=self.budget.max_batch_bytes,
             metrics=metrics,
             batch_bytes=tower.forward_bytes,
             on_prepared=lambda job, s: metrics.preprocess_seconds.observe(s),
+        )
+        self.tenants = Tenants(
+            load_tenants(settings, settings.api_keys_file),
+            TenantPolicy(max_images=settings.tenant_max_images, max_queued_tokens=settings.tenant_max_queued_tokens),
+            settings.max_queue_images,
+            metrics,
+            settings.busy_window_s,
         )
         self.worker = DeviceWorker(
             tower,
@@ -146,6 +159,7 @@ class Engine:
             metrics=metrics,
             coordination=self.coordination,
             stages=FrontStages(self.entries, self.inflight, self.fetch, self.videos, self.pins, self.not_ready_reason),
+            tenants=self.tenants,
         )
         self.encode = self.intake.encode
 
@@ -206,5 +220,7 @@ class Engine:
 
     def export_gauges(self) -> None:
         self.metrics.queue_depth.set(self.scheduler.depth)
+        backlog = [(job.priority, job.cost, job.admitted_at) for job in self.scheduler.backlog()]
+        export_backlog(self.metrics, backlog, self.tenants.clock)
         self.metrics.worker_alive.set(1 if self.not_ready_reason() is None else 0)
         self.metrics.export_index_health(self.index.health())

@@ -36,12 +36,13 @@ from visenc.engine.job import Job, Place
 from visenc.engine.pins import Pins, Reader
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
+from visenc.engine.tenants import Tenants
 from visenc.engine.videos import Videos
-from visenc.errors import DeadlineExceeded, NotReady, Overloaded, PayloadTooLarge
+from visenc.errors import DeadlineExceeded, NotReady, PayloadTooLarge
 from visenc.index.memory import Lease
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
-from visenc_client.format import Entry, entry_key
+from visenc_client.format import DEFAULT_PRIORITY, Entry, Priority, entry_key
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class Intake:
         metrics: Metrics,
         coordination: Coordination,
         stages: FrontStages,
+        tenants: Tenants,
     ) -> None:
         self.index, self.prep, self.pool, self.coordination = index, prep, pool, coordination
         self.scheduler, self.settings, self.metrics = scheduler, settings, metrics
@@ -75,6 +77,7 @@ class Intake:
         self.entries, self.inflight, self.fetch = stages.entries, stages.inflight, stages.fetch
         self.videos, self.pins, self.not_ready_reason = stages.videos, stages.pins, stages.not_ready_reason
         self.closing = False
+        self.tenants = tenants
 
     async def encode(
         self,
@@ -85,6 +88,7 @@ class Intake:
         timing: Timing | None = None,
         timeout_s: float | None = None,
         lease: LeaseMode = "anonymous",
+        priority: Priority = DEFAULT_PRIORITY,
     ) -> list[Handle]:
         """``interface.EngineAPI.encode``."""
         if self.closing:
@@ -96,7 +100,7 @@ class Intake:
         request = await self.videos.request(asked, namespace) if has_videos else ImageRequest(asked)
         admitted, reader = time.monotonic(), Reader.new(lease, waits=wait)
         try:
-            jobs = await self._take_all(request.work, namespace, reader)
+            jobs = await self._take_all(request.work, namespace, reader, priority)
             request.started(reader.of_pending(uploaded=True))
             if wait:
                 await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
@@ -107,14 +111,14 @@ class Intake:
             raise
         return request.answer(reader.handles(request.work, [self._handle(it) for it in request.work]))
 
-    async def _take_all(self, work: list[Item], namespace: str, reader: Reader) -> dict[int, Job]:
+    async def _take_all(self, work: list[Item], namespace: str, reader: Reader, priority: Priority) -> dict[int, Job]:
         """Every item taken, wave after wave (one wave where it may not fit: a 429 before any starts)."""
         order = self.inflight.next_request()
         uploads = sum(isinstance(it.state, Upload | Encodable) for it in work)
         fits = self.scheduler.depth + uploads <= self.settings.max_queue_images
         try:
             for lo, hi in waves(work) if fits else [(0, len(work))]:
-                await self._take(work[lo:hi], lo, namespace, (order, reader))
+                await self._take(work[lo:hi], lo, namespace, (order, reader, priority))
         except BaseException:
             for job in joined(work).values():
                 self.inflight.leave(job, reader.lease)
@@ -122,12 +126,12 @@ class Intake:
         self.metrics.queue_depth.set(self.scheduler.depth)
         return joined(work)
 
-    async def _take(self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader]) -> None:
+    async def _take(self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader, Priority]) -> None:
         """Inspect, look up, admit and start (or join) ``part`` (items ``lo``...)."""
-        order, reader = by
+        order, reader, priority = by
         await inspect(part, self.prep, self.pool)
         await self._lookup(part, namespace)
-        placed = await self._place(part, self._admission(part))
+        placed = await self._place(part, self._admission(part, namespace))
         for i, it in enumerate(part, lo):
             if it.open and (entry := self.entries.peek(it.looked_up, it.hash)) is not None:
                 it.to(Found(entry))  # finished while we looked elsewhere
@@ -136,7 +140,8 @@ class Intake:
                     self.pins.hold(it.hash, namespace, entry, reader.lease)
                 case HashOnly() | Encodable():
                     keep = reader.of_pending(uploaded=isinstance(it.state, Encodable))
-                    it.to(self.inflight.join_or_start(it, (order, i), placed.get(it.looked_up), keep))
+                    asker = (self.tenants.account(namespace), priority)
+                    it.to(self.inflight.join_or_start(it, (order, i), placed.get(it.looked_up), keep, asker))
 
     async def _lookup(self, items: list[Item], namespace: str) -> None:
         """Every tier, one round trip for the whole wave (images in flight are not looked up)."""
@@ -160,7 +165,7 @@ class Intake:
                 if isinstance(it.state, Found) and self.index.peek(it.looked_up) is not it.state.entry:
                     it.to(Found(dataclasses.replace(it.state.entry, blob=b"")))
 
-    def _admission(self, items: list[Item]) -> set[str]:
+    def _admission(self, items: list[Item], namespace: str) -> set[str]:
         live = [it for it in items if it.open]
         new = {
             it.looked_up
@@ -170,10 +175,8 @@ class Intake:
         if new or any(self.inflight.joinable(it.looked_up) for it in live):
             if (reason := self.not_ready_reason()) is not None:
                 raise NotReady(reason)
-        if self.scheduler.depth + len(new) > self.settings.max_queue_images:
-            raise Overloaded(
-                f"encoder queue is full (max_queue_images={self.settings.max_queue_images})", retry_after_s=1.0
-            )
+        costs = [it.state.inspected.cost for it in live if isinstance(it.state, Encodable) and it.looked_up in new]
+        self.tenants.admit(namespace, len(costs), sum(costs))  # a quota, or the queue limit: 429
         return new
 
     async def _place(self, items: list[Item], new: set[str]) -> dict[str, Entry | Place]:

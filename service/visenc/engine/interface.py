@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
-from visenc_client.format import Entry, Handle
+from visenc_client.format import DEFAULT_PRIORITY, Entry, Handle, Priority
 
 __all__ = ["EncodeItem", "EngineAPI", "Handle", "LeaseMode", "Timing"]
 
@@ -46,6 +46,7 @@ class EngineAPI(Protocol):
         timing: Timing | None = None,
         timeout_s: float | None = None,
         lease: LeaseMode = "anonymous",
+        priority: Priority = DEFAULT_PRIORITY,
     ) -> list[Handle]:
         """Handles for ``items`` in order (per-item errors inside); raises only for the whole request."""
         ...

@@ -290,10 +290,10 @@ class Metrics:
                     self.export_index_health(child)
 
     def _tenancy(self, r: CollectorRegistry) -> None:
-        self.tenant_device_seconds = Counter(
-            "visenc_tenant_device_seconds",
-            "Device time spent on a tenant's images (each forward split by token share); tenants past the "
-            "labelled ones count as 'other'.",
+        self.tenant_device_tokens = Counter(
+            "visenc_tenant_device_tokens",
+            "Tower-input tokens forwarded for a tenant's images (the unit its device share is kept in); tenants "
+            "past the labelled ones count as 'other'.",
             ["tenant"],
             registry=r,
         )
@@ -304,7 +304,9 @@ class Metrics:
             registry=r,
         )
         self.device_busy = Gauge(
-            "visenc_device_busy_ratio", "Share of the last busy_window_s the device spent in forwards.", registry=r
+            "visenc_device_busy_ratio",
+            "Share of the last busy_window_s the device held work (a batch taken, launched or copied out).",
+            registry=r,
         )
         self.queued_device_seconds = Gauge(
             "visenc_queued_device_seconds",
@@ -319,6 +321,6 @@ class Metrics:
             registry=r,
         )
         _preset(self.refusals, ["default"], REFUSALS)
-        _preset(self.tenant_device_seconds, ["default"])
+        _preset(self.tenant_device_tokens, ["default"])
         for family in (self.queued_device_seconds, self.oldest_waiting):
             _preset(family, PRIORITY_CLASSES)

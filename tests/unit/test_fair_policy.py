@@ -8,7 +8,7 @@ from harness.waits import until
 from tests.support.stages import forwarded, job, make_scheduler
 
 from visenc.engine.policy import BatchPolicy, SchedulerConfig
-from visenc.engine.tenants import Account, Tenants
+from visenc.engine.tenants import Account, DeviceClock, Tenants
 from visenc.errors import Overloaded
 from visenc.metrics import Metrics
 from visenc.tenancy import TenantError, TenantPolicy, tenant_policies
@@ -164,3 +164,22 @@ def test_a_tenant_named_twice_is_refused():
 
 def test_policies_parse():
     assert tenant_policies([("a weight=2.5 max_images=3", "x")]) == {"a": TenantPolicy(2.5, 3, None)}
+
+
+def test_the_device_clock_counts_the_time_the_device_held_work(monkeypatch):
+    now = [100.0]
+    monkeypatch.setattr("visenc.engine.tenants.time.monotonic", lambda: now[0])
+    clock = DeviceClock(window_s=10.0)
+    clock.hold(1)  # two images taken into a batch
+    clock.hold(1)
+    now[0] += 2.0
+    clock.ran(100)
+    clock.ran(100)
+    clock.hold(-1)
+    assert clock.busy_share() == pytest.approx(0.2)  # one still held: the stretch is open
+    clock.hold(-1)
+    now[0] += 3.0  # idle
+    assert clock.busy_share() == pytest.approx(0.2) and clock.per_token_s == pytest.approx(0.01)
+    clock.hold(1)
+    now[0] += 9.0  # the first stretch left the window: only the open one counts
+    assert clock.busy_share() == pytest.approx(0.9)

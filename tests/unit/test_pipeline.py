@@ -18,6 +18,7 @@ from visenc.models.base import Prepared
 
 async def test_batches_stay_under_the_byte_budget():
     s = make_scheduler(packable=True, max_tokens=1000, max_images=64)
+
     def batch_bytes(layouts):  # linear + the largest image's quadratic share
         return sum(lay.num_tokens for lay in layouts) + max(lay.num_tokens for lay in layouts) ** 2 // 10
 

@@ -59,6 +59,8 @@ assert all(S.FAILED in JOB_EDGES[s] for s in _UNFINISHED)
 STAGED = frozenset({S.PREPARING, S.READY, S.RUNNING})
 #: the states that count against a tenant's queue: admitted here, not yet on the device
 QUEUED_HERE = frozenset({S.QUEUED, S.PREPARING, S.READY})
+#: the states in which the device holds it: taken into a batch, launched, its rows being copied out
+ON_DEVICE = frozenset({S.RUNNING, S.FORWARDED})
 
 
 class Place(enum.Enum):
@@ -98,7 +100,6 @@ class Job:
     _input: Prepared | None = field(default=None, init=False, repr=False)
     _line: Line | None = field(default=None, init=False, repr=False)
     _counted: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False)
-    _share: float = field(default=1.0, init=False, repr=False)
 
     @property
     def state(self) -> JobState:
@@ -175,6 +176,8 @@ class Job:
     def _move(self, to: JobState) -> None:
         if to not in JOB_EDGES[self._state]:
             raise IllegalTransition(f"job {self.key}: no edge {self._state.name} -> {to.name}")
+        if self.account is not None and (self._state in ON_DEVICE) != (to in ON_DEVICE):
+            self.account.hold(1 if to in ON_DEVICE else -1)
         self._state = to
         self._recount()
         if to not in STAGED and self._line is not None:
@@ -216,17 +219,15 @@ class Job:
         if self._line is not None:
             self._line.decoded()
 
-    def run(self, share: float = 1.0) -> None:
-        """On the device, in a batch whose tokens it holds ``share`` of."""
+    def run(self) -> None:
         self._move(S.RUNNING)
-        self._share = share
 
     def forwarded(self, started_at: float, forward_s: float) -> None:
-        """Its forward ended: the tower input is freed now, its share of the forward charged to its tenant."""
+        """Its forward ended: the tower input is freed now, its tokens charged to its tenant's device work."""
         self._move(S.FORWARDED)
         self.started_at, self.forward_s, self._input = started_at, forward_s, None
         if self.account is not None:
-            self.account.ran(forward_s * self._share, self.cost)
+            self.account.ran(self.cost)
 
     def finish(self) -> None:
         self._move(S.DONE)

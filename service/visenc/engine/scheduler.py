@@ -227,9 +227,8 @@ class Scheduler:
         batch = self.policy.form_batch([job for job in self._ready if job.interest > 0])
         taken = set(map(id, batch))
         self._ready = [j for j in self._ready if id(j) not in taken]
-        tokens = sum(job.cost for job in batch) or 1
         for job in batch:
-            job.run(job.cost / tokens)
+            job.run()
         return batch
 
     def backlog(self) -> list[Job]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -18,29 +19,59 @@ LABELLED_TENANTS = 32
 
 @dataclass(slots=True)
 class DeviceClock:
-    """Device seconds by tenant, the busy share over ``window_s``, seconds per token (event loop only)."""
+    """When the device holds work (a batch taken, launched or being copied out) and the tokens it forwarded,
+    over the last ``window_s``: its busy share and seconds per token. Its jobs move on the event loop and
+    the device thread: ``_lock`` guards it."""
 
     window_s: float = 30.0
-    per_token_s: float = 0.0
-    _ran: deque[tuple[float, float]] = field(default_factory=deque)
+    _holding: int = 0
+    _since: float = 0.0
+    #: (end, seconds) of each stretch the device held work; (when, tokens) of each forward's share
+    _busy: deque[tuple[float, float]] = field(default_factory=deque)
+    _tokens: deque[tuple[float, int]] = field(default_factory=deque)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def ran(self, seconds: float, tokens: int) -> None:
-        now = time.monotonic()
-        self._ran.append((now, seconds))
-        if tokens > 0:
-            rate = seconds / tokens
-            self.per_token_s = rate if self.per_token_s == 0 else 0.8 * self.per_token_s + 0.2 * rate
+    def hold(self, change: int) -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self._holding == 0 and change > 0:
+                self._since = now
+            self._holding += change
+            if self._holding == 0 and change < 0:
+                self._busy.append((now, now - self._since))
+
+    def ran(self, tokens: int) -> None:
+        with self._lock:
+            self._tokens.append((time.monotonic(), tokens))
+
+    def _busy_s(self, now: float) -> float:
+        with self._lock:
+            return self._busy_in(now)
+
+    def _busy_in(self, now: float) -> float:
+        start = now - self.window_s
+        while self._busy and self._busy[0][0] < start:
+            self._busy.popleft()
+        while self._tokens and self._tokens[0][0] < start:
+            self._tokens.popleft()
+        held = now - max(self._since, start) if self._holding else 0.0
+        return held + sum(min(s, end - start) for end, s in self._busy)
 
     def busy_share(self) -> float:
-        now = time.monotonic()
-        while self._ran and self._ran[0][0] < now - self.window_s:
-            self._ran.popleft()
-        return min(1.0, sum(s for _, s in self._ran) / self.window_s)
+        return min(1.0, self._busy_s(time.monotonic()) / self.window_s)
+
+    @property
+    def per_token_s(self) -> float:
+        """Device seconds a token took over the window (0 before any forward)."""
+        with self._lock:
+            busy, tokens = self._busy_in(time.monotonic()), sum(t for _, t in self._tokens)
+        return busy / tokens if tokens else 0.0
 
 
 @dataclass(eq=False, slots=True)
 class Account:
-    """What one tenant holds now; written by its jobs on the event loop (``Job``'s transitions)."""
+    """What one tenant holds now; written by its jobs' transitions (the event loop's, and the device thread's
+    ``run``) under ``lock``, read on the event loop."""
 
     tenant: str
     policy: TenantPolicy
@@ -50,25 +81,32 @@ class Account:
     queued: int = 0
     tokens: int = 0
     label: str = "other"
-    #: where its device time goes: the tier's clock, its counter (``visenc_tenant_device_seconds_total``)
+    #: where its device work goes: the tier's clock, its counter (``visenc_tenant_device_tokens_total``)
     clock: DeviceClock | None = None
     counter: Any = None
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
     @property
     def weight(self) -> float:
         return self.policy.weight
 
     def change(self, now: tuple[int, int, int], before: tuple[int, int, int]) -> None:
-        self.images += now[0] - before[0]
-        self.queued += now[1] - before[1]
-        self.tokens += now[2] - before[2]
+        with self.lock:
+            self.images += now[0] - before[0]
+            self.queued += now[1] - before[1]
+            self.tokens += now[2] - before[2]
 
-    def ran(self, seconds: float, tokens: int) -> None:
-        """Its share of a forward: ``seconds`` of device time for ``tokens`` tower-input tokens."""
+    def ran(self, tokens: int) -> None:
+        """One of its images was forwarded: ``tokens`` tower-input tokens of device work."""
         if self.counter is not None:
-            self.counter.inc(seconds)
+            self.counter.inc(tokens)
         if self.clock is not None:
-            self.clock.ran(seconds, tokens)
+            self.clock.ran(tokens)
+
+    def hold(self, change: int) -> None:
+        """One of its images went on the device (+1) or came off it (-1)."""
+        if self.clock is not None:
+            self.clock.hold(change)
 
 
 class Tenants:
@@ -94,7 +132,7 @@ class Tenants:
             if tenant in self.policies or len(self._labels) < len(self.policies) + LABELLED_TENANTS:
                 self._labels.add(tenant)
             label = tenant if tenant in self._labels else "other"
-            counter = self.metrics.tenant_device_seconds.labels(label)
+            counter = self.metrics.tenant_device_tokens.labels(label)
             acc = self.accounts[tenant] = Account(tenant, policy, label=label, clock=self.clock, counter=counter)
         return acc
 

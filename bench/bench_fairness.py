@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 import tempfile
 import time
@@ -125,6 +126,37 @@ def token_shares(spans: list[Span]) -> tuple[float, float]:
     return a / (a + b), b / (a + b)
 
 
+def one_round(args: argparse.Namespace, capacity: float, r: int) -> dict[str, float]:
+    """B alone, then A's flood beside B, side by side: B's p95 against its bound, the device's busy share."""
+    b_rate, seed = 0.2 * capacity, 10**7 * r
+    alone = Tenant("b", 240, "interactive", b_rate, 1, seed)
+    one_pass(args, [alone], f"round {r}, alone")
+    flood = Tenant("a", 256, "batch", 10 * capacity, 8, seed + 10**6)
+    b = Tenant("b", 240, "interactive", b_rate, 1, seed + 10**5)
+    spans, warm_from, refused = one_pass(args, [flood, b], f"round {r}, flood")
+    longest = max(s.end - s.start for s in spans)
+    return {
+        "b_alone_p95_s": alone.p95(0.0),
+        "b_flood_p95_s": b.p95(warm_from),
+        "longest_forward_s": longest,
+        "b_p95_over_bound": b.p95(warm_from) / (alone.p95(0.0) + 3 * longest),
+        "device_busy": stats(spans)["busy_share"],
+        "a_refused": refused["a"],
+        "a_answered": flood.statuses.get(200, 0),
+        "b_refused": refused["b"] + sum(n for code, n in b.statuses.items() if code != 200),
+    }
+
+
+def equal_shares(args: argparse.Namespace, capacity: float) -> tuple[float, float]:
+    """Two tenants flooding at equal weight: each one's share of the device's time."""
+    c1, c2 = (
+        Tenant("c", 256, "batch", 5 * capacity, 8, 2 * 10**8),
+        Tenant("d", 240, "batch", 5 * capacity, 8, 3 * 10**8),
+    )
+    spans, _, _ = one_pass(args, [c1, c2], "equal")
+    return token_shares(spans)
+
+
 def main() -> int:
     if "--serve" in sys.argv:
         i = sys.argv.index("--serve")
@@ -134,42 +166,23 @@ def main() -> int:
     p.add_argument("--image-ms", type=float, default=25.0, help="device time of one 256-token image")
     p.add_argument("--seconds", type=float, default=20.0, help="length of each pass")
     p.add_argument("--warm-up-s", type=float, default=4.0, help="start of each pass left out")
+    p.add_argument("--rounds", type=int, default=1, help="alone and flood passes, alternating")
     p.add_argument("--json", action="store_true")
     args = p.parse_args()
     args.token_us = (args.image_ms - 1) * 1000 / 256
     capacity = 8 / (0.001 + 2048 * args.token_us / 1e6)  # images a second, in full batches of 8
-    b_rate = 0.2 * capacity
-    alone = Tenant("b", 240, "interactive", b_rate, 1, 0)
-    one_pass(args, [alone], "alone")
-    flood, b = Tenant("a", 256, "batch", 10 * capacity, 8, 10**6), Tenant("b", 240, "interactive", b_rate, 1, 10**5)
-    spans, warm_from, refused = one_pass(args, [flood, b], "flood")
-    longest = max(s.end - s.start for s in spans)
-    bound = alone.p95(0.0) + 3 * longest
-    busy = stats(spans)["busy_share"]
-    c1, c2 = (
-        Tenant("c", 256, "batch", 5 * capacity, 8, 2 * 10**6),
-        Tenant("d", 240, "batch", 5 * capacity, 8, 3 * 10**6),
-    )
-    equal_spans, _, _ = one_pass(args, [c1, c2], "equal")
-    share_c, share_d = token_shares(equal_spans)
-    out = {
-        "image_ms": args.image_ms,
-        "capacity_img_s": capacity,
-        "b_alone_p95_s": alone.p95(0.0),
-        "b_flood_p95_s": b.p95(warm_from),
-        "longest_forward_s": longest,
-        "b_p95_over_bound": b.p95(warm_from) / bound,
-        "device_busy": busy,
-        "a_refused": refused["a"],
-        "a_answered": flood.statuses.get(200, 0),
-        "b_refused": refused["b"] + sum(n for code, n in b.statuses.items() if code != 200),
-        "equal_share_c": share_c,
-        "equal_share_d": share_d,
-    }
+    runs = [one_round(args, capacity, r) for r in range(args.rounds)]
+    med = {k: statistics.median(run[k] for run in runs) for k in runs[0]}
+    share_c, share_d = equal_shares(args, capacity)
+    out = {**med, "equal_share_c": share_c, "equal_share_d": share_d, "rounds": args.rounds}
     print(f"\nsimulated device {SPEC.format(token_us=args.token_us)}; capacity {capacity:.1f} images/s")
     print(f"  B alone p95 {out['b_alone_p95_s'] * 1000:.0f} ms; beside A's flood {out['b_flood_p95_s'] * 1000:.0f} ms")
-    print(f"  bound (alone p95 + 3 x longest forward {longest * 1000:.0f} ms) {bound * 1000:.0f} ms:")
-    print(f"  B's p95 / bound {out['b_p95_over_bound']:.2f} (<= 1); device busy {busy:.3f} (>= 0.95)")
+    bound = out["b_alone_p95_s"] + 3 * out["longest_forward_s"]
+    print(f"  bound (alone p95 + 3 x longest forward {out['longest_forward_s'] * 1000:.0f} ms) {bound * 1000:.0f} ms:")
+    ratios = c.spread([run["b_p95_over_bound"] for run in runs], "")
+    print(
+        f"  B's p95 / bound {ratios} (<= 1); device busy {c.spread([run['device_busy'] for run in runs], '')} (>= 0.95)"
+    )
     print(
         f"  A: {out['a_answered']} requests answered, {out['a_refused']:.0f} refused 429; B refused {out['b_refused']}"
     )

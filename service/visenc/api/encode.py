@@ -39,6 +39,7 @@ async def encode(request: Request) -> Response:
     deadline = asyncio.get_running_loop().time() + settings.request_timeout_s
     ns = namespace_of(request)
     engine = engine_of(request)
+    engine.precheck(ns)  # a tenant at its quota is refused before its body is read
     body = await within(
         parse(request, EncodeRequest, settings.max_body_bytes, settings.max_items),
         deadline,

@@ -186,6 +186,9 @@ class Engine:
     async def lookup(self, image_hash: str, namespace: str, *, timeout_s: float | None = None) -> Entry:
         return await self.fetch.lookup(image_hash, namespace, timeout_s=timeout_s)
 
+    def precheck(self, namespace: str) -> None:
+        self.tenants.precheck(namespace)
+
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
         self.pins.read(image_hash, namespace, lease, last=last)
 

@@ -55,6 +55,10 @@ class EngineAPI(Protocol):
         """The entry of an image, waiting (and raising its priority) while it is being encoded."""
         ...
 
+    def precheck(self, namespace: str) -> None:
+        """Raise ``Overloaded`` at once where the tenant is already at one of its quotas."""
+        ...
+
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
         """A caller read rows of an image naming its lease (or none): unpinned at the ``last`` row, else renewed."""
         ...

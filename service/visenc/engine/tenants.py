@@ -161,6 +161,17 @@ class Tenants:
             raise self._refuse(acc, "queue_full", f"encoder queue is full ({limit}); tenant {tenant!r} holds "
                                f"{acc.queued} of it")  # fmt: skip
 
+    def precheck(self, tenant: str) -> None:
+        """Refuse at once a tenant already at a quota, or holding its share of a full queue: a flood's refusal
+        then costs no body read and no inspection (``admit`` still decides for the rest)."""
+        acc, p = self.account(tenant), self.account(tenant).policy
+        if p.max_images is not None and acc.images >= p.max_images:
+            raise self._refuse(acc, "tenant_images", f"tenant {tenant!r} has {acc.images} images in flight "
+                               f"(max_images={p.max_images})")  # fmt: skip
+        if p.max_queued_tokens is not None and acc.tokens >= p.max_queued_tokens:
+            raise self._refuse(acc, "tenant_tokens", f"tenant {tenant!r} has {acc.tokens} tokens queued "
+                               f"(max_queued_tokens={p.max_queued_tokens})")  # fmt: skip
+
     def _refuse(self, acc: Account, reason: str, message: str) -> Overloaded:
         active = sum(a.weight for a in self.accounts.values() if a.queued or a is acc)
         wait_s = acc.tokens * self.clock.per_token_s * active / acc.weight

@@ -32,8 +32,9 @@ from loadtest.payloads import (
     screenshot_png,
     timing_headers,
 )
+from loadtest.tenants import FloodTenantUser, InteractiveTenantUser  # noqa: F401  (the tenants scenario)
 
-SCENARIOS = ("agent", "probe", "cold", "hot", "mixed")
+SCENARIOS = ("agent", "probe", "cold", "hot", "mixed", "tenants")
 HEADERS = {"content-type": MSGPACK, "accept": MSGPACK}
 #: every row read in this process, checked against its first read (wrong answers fail the request)
 LEDGER = RowLedger()

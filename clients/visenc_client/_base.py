@@ -16,7 +16,7 @@ from visenc_client._shm import SegmentHandles, same_host
 from visenc_client._steps import AnyFlow
 from visenc_client._types import Handle, ImageInput, RowRange, Video
 from visenc_client.chunks import ImagePlacement, plan_chunk
-from visenc_client.format import LEASE_HEADER
+from visenc_client.format import LEASE_HEADER, PRIORITY_HEADER, Priority
 
 log = logging.getLogger("visenc_client")
 
@@ -51,6 +51,7 @@ class ClientBase:
         shared_memory: SharedMemory,
         timeout: httpx.Timeout,
         custom_transport: bool,
+        priority: Priority | None = None,
     ) -> None:
         self.shared_memory = shared_memory is True
         self._auto = shared_memory == "auto"
@@ -61,6 +62,8 @@ class ClientBase:
             self.headers["x-visenc-namespace"] = namespace
         if api_key is not None:
             self.headers["authorization"] = f"Bearer {api_key}"
+        if priority is not None:  # the class of this client's encodes (the service's default: interactive)
+            self.headers[PRIORITY_HEADER] = priority
         self.base_url = base_url
         self.timeout = timeout
         self._conns = (

@@ -94,3 +94,31 @@ async def test_a_client_going_away_frees_its_tenants_share_and_quota_at_once(tin
             assert queued(encoder, "a") == []
             r = await encode_json(client, [{"data": png_bytes(760, 28, 28)}], wait=False, headers=A)
             assert r.status_code == 200
+
+
+async def test_the_client_and_the_vllm_connector_can_set_the_class(tiny_tower, monkeypatch):
+    import httpx
+    import pytest
+
+    from visenc_client import AsyncClient
+    from visenc_client._vllm_config import ConnectorOptions
+
+    async with running_app(tiny_tower) as client:
+        encoder = client.app.state.engine
+        with held_device(encoder, monkeypatch):
+            transport = httpx.ASGITransport(app=client.app)
+            async with AsyncClient("http://visenc", transport=transport, priority="batch") as batch:
+                await batch.encode([png_bytes(770, 28, 28)], wait=False)
+            assert [j.priority for j in encoder.scheduler.backlog()] == ["batch"]
+
+    class Extra:
+        def __init__(self, **options):
+            self.options = options
+
+        def get_from_extra_config(self, key, default):
+            return self.options.get(key, default)
+
+    assert ConnectorOptions.read(Extra()).priority == "interactive"
+    assert ConnectorOptions.read(Extra(priority="batch")).priority == "batch"
+    with pytest.raises(ValueError, match="priority must be 'interactive' or 'batch'"):
+        ConnectorOptions.read(Extra(priority="urgent"))

@@ -183,3 +183,22 @@ def test_the_device_clock_counts_the_time_the_device_held_work(monkeypatch):
     clock.hold(1)
     now[0] += 9.0  # the first stretch left the window: only the open one counts
     assert clock.busy_share() == pytest.approx(0.9)
+
+
+async def test_interactive_work_is_staged_past_batch_work_that_fills_the_gate():
+    """Batch work fills the prefetch gate; an interactive image is prepared at once (one batch past it), so it
+    runs in the next batch the device takes, ahead of the batch work staged before it."""
+    acc = accounts(a=1, b=1)
+    s = make_scheduler(prefetch=20, max_tokens=10, max_images=1)
+    flood = [job(10, (0, i), account=acc["a"], priority="batch") for i in range(5)]
+    for j in flood:
+        s.submit(j)
+    await until(lambda: len(s._ready) == 2)
+    assert s.staged_tokens == 20 and len(s._waiting) == 3
+    b = job(10, (1, 0), account=acc["b"])
+    s.submit(b)
+    await until(lambda: len(s._ready) == 3)
+    assert s.take_batch() == [b]
+    another = job(10, (1, 1), account=acc["b"], priority="batch")
+    s.submit(another)  # batch work is not staged past the gate
+    assert another in s._waiting

@@ -128,6 +128,13 @@ class BatchPolicy:
             tokens += job.cost
         return batch
 
+    def prefetch_bound(self, job: Job, batch_staged: Callable[[], bool]) -> int:
+        """The staged tokens ``job`` may be prepared within: the prefetch gate, one batch more for a fetch-bumped
+        job, or for an interactive one while batch work holds staged input (it runs in the next batch taken,
+        not behind the batch work staged ahead of it)."""
+        ahead = job.urgent or (job.priority == "interactive" and batch_staged())
+        return self.config.prefetch + (self.config.max_batch_tokens if ahead else 0)
+
     def fits(self, job: Job, staged_tokens: int, bound: int, nothing_ahead: bool) -> bool:
         """Whether staging ``job`` keeps the staged tokens within ``bound`` (always, with nothing staged)."""
         return staged_tokens + job.cost + job.decode_cost <= bound or nothing_ahead

@@ -149,11 +149,16 @@ class Scheduler:
     def dispatch(self) -> None:
         """Start preprocessing the most urgent waiting jobs while the prefetch budget allows."""
         while (job := self.policy.pick(self._waiting)) is not None:
-            bound = self.config.prefetch + (self.config.max_batch_tokens if job.urgent else 0)
+            bound = self.policy.prefetch_bound(job, self._batch_staged)
             if job.interest > 0 and not self._fits(job, bound):
                 return  # wait for the device to free staged work: priority order is kept
             self._waiting.remove(job)
             self._start(job)
+
+    def _batch_staged(self) -> bool:
+        """Whether batch-class work holds staged input (preparing or ready)."""
+        staged = [*(job for task, job in self._preparing.items() if not task.done()), *list(self._ready)]
+        return any(job.priority == "batch" for job in staged)
 
     def _start(self, job: Job) -> None:
         if self._drop_if_unwanted(job):

@@ -33,6 +33,9 @@ async def test_priority_by_header_or_field_and_bad_values_are_4xx(tiny_tower, mo
             assert r.status_code == 400 and "X-Visenc-Priority must be one of interactive, batch" in r.text
             r = await client.post("/v1/encode", json={"items": [{"data": b64(imgs[0])}], "priority": "urgent"})
             assert r.status_code == 422 and "priority" in r.text
+            doc = (await client.get("/openapi.json")).json()
+            params = {p["name"]: p for p in doc["paths"]["/v1/encode"]["post"]["parameters"]}
+            assert params["X-Visenc-Priority"]["schema"]["enum"] == ["interactive", "batch"]
             # an interactive request joining a batch image makes it interactive
             await encode_json(client, [{"data": imgs[0]}], wait=False)
             assert sorted(j.priority for j in encoder.scheduler.backlog()) == ["batch", "interactive", "interactive"]

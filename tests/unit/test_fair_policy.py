@@ -202,3 +202,14 @@ async def test_interactive_work_is_staged_past_batch_work_that_fills_the_gate():
     another = job(10, (1, 1), account=acc["b"], priority="batch")
     s.submit(another)  # batch work is not staged past the gate
     assert another in s._waiting
+
+
+def test_accounts_of_tenants_holding_nothing_are_forgotten(monkeypatch):
+    monkeypatch.setattr("visenc.engine.tenants.MAX_ACCOUNTS", 3)
+    tenants = Tenants({"a": TenantPolicy(weight=2)}, TenantPolicy(), 10, Metrics())
+    busy = tenants.account("busy")
+    busy.change((1, 1, 10), (0, 0, 0))
+    tenants.account("idle")
+    tenants.account("a")
+    tenants.account("new")  # the fourth: the idle one goes, the configured and the busy ones stay
+    assert set(tenants.accounts) == {"a", "busy", "new"} and tenants.account("busy") is busy

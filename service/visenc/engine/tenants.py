@@ -15,6 +15,8 @@ from visenc.tenancy import TenantPolicy
 
 #: tenants with a metric label of their own beyond the configured ones; the rest count as ``other``
 LABELLED_TENANTS = 32
+#: accounts kept before those holding nothing are forgotten
+MAX_ACCOUNTS = 4096
 
 
 @dataclass(slots=True)
@@ -128,6 +130,8 @@ class Tenants:
 
     def account(self, tenant: str) -> Account:
         if (acc := self.accounts.get(tenant)) is None:
+            if len(self.accounts) >= MAX_ACCOUNTS:  # namespaces come from callers: forget those holding nothing
+                self.accounts = {t: a for t, a in self.accounts.items() if a.images or t in self.policies}
             policy = self.policies.get(tenant, self.default)
             if tenant in self.policies or len(self._labels) < len(self.policies) + LABELLED_TENANTS:
                 self._labels.add(tenant)

@@ -14,11 +14,12 @@ if __package__ in (None, ""):  # run by `locust -f loadtest/locustfile.py`: make
     sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from loadtest.payloads import DEFAULT_STAGES
+from loadtest.tenants import FloodTenantUser, InteractiveTenantUser  # noqa: F401  (the tenants scenario)
 from loadtest.users import Image, VisencUser, log
 
 __all__ = ["SCENARIOS", "VisencUser"]
 
-SCENARIOS = ("agent", "probe", "cold", "hot", "mixed")
+SCENARIOS = ("agent", "probe", "cold", "hot", "mixed", "tenants")
 _SHOWN = {"include_in_web_ui": True}
 #: the scenario options, as ``parser.add_argument`` takes them
 OPTIONS: list[tuple[str, dict[str, Any]]] = [

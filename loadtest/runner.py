@@ -45,7 +45,7 @@ def parse_args(argv: list[str]) -> tuple[argparse.Namespace, list[str]]:
     p.add_argument("--url", help="Service to load (default: start `visenc serve` on a free loopback port).")
     p.add_argument(
         "--scenario",
-        choices=("agent", "probe", "cold", "hot", "mixed"),
+        choices=("agent", "probe", "cold", "hot", "mixed", "tenants"),
         help="Scenario to run (default: agent, unless Locust's --tags picks the users).",
     )
     p.add_argument("-u", "--users", type=int, default=2, help="Concurrent users.")

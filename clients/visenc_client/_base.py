@@ -17,7 +17,7 @@ from visenc_client._steps import AnyFlow
 from visenc_client._transport import rows_for, rows_transport
 from visenc_client._types import Handle, ImageInput, RowRange, Video
 from visenc_client.chunks import ImagePlacement, plan_chunk
-from visenc_client.format import LEASE_HEADER
+from visenc_client.format import LEASE_HEADER, PRIORITY_HEADER, Priority
 
 #: a replica that does not accept costs this, not the read timeout
 DEFAULT_CONNECT_TIMEOUT_S = 5.0
@@ -62,6 +62,7 @@ class ClientBase:
         shared_memory: SharedMemory,
         timeout: httpx.Timeout,
         custom_transport: bool,
+        priority: Priority | None = None,
     ) -> None:
         base_url = api_root(base_url)
         self.rows = rows_transport(shared_memory, base_url)
@@ -71,6 +72,8 @@ class ClientBase:
             self.headers["x-visenc-namespace"] = namespace
         if api_key is not None:
             self.headers["authorization"] = f"Bearer {api_key}"
+        if priority is not None:  # the class of this client's encodes (the service's default: interactive)
+            self.headers[PRIORITY_HEADER] = priority
         self.base_url = base_url
         self.timeout = timeout
         self._conns = (

@@ -29,6 +29,7 @@ from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Head, async_res
 from visenc_client._steps import READ, AnyFlow, Read, ReadInto, Stream
 from visenc_client._types import Handle, ImageInput, RowRange, Video
 from visenc_client.chunks import ImagePlacement
+from visenc_client.format import Priority
 
 T = TypeVar("T")
 #: a caller's preallocated buffer (numpy array or CPU torch tensor), returned filled
@@ -37,7 +38,8 @@ Out = TypeVar("Out")
 
 class Client(ClientBase):
     """Blocking client. ``timeout``: seconds a read or write may take (or an ``httpx.Timeout``);
-    ``connect_timeout``: seconds to connect (5 by default)."""
+    ``connect_timeout``: seconds to connect (5 by default); ``priority``: the class of its encodes
+    (``interactive``, the service's default, or ``batch``)."""
 
     _http: httpx.Client
 
@@ -51,9 +53,10 @@ class Client(ClientBase):
         connect_timeout: float | None = None,
         transport: httpx.BaseTransport | None = None,
         shared_memory: SharedMemory = False,
+        priority: Priority | None = None,
     ) -> None:
         t = timeouts(timeout, connect_timeout)
-        super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None)
+        super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None, priority)
         self._http = httpx.Client(base_url=self.base_url, timeout=t, transport=transport or resolving_transport())
 
     def _open(self, request: httpx.Request) -> tuple[Head, Body | ChunkBody]:
@@ -192,9 +195,10 @@ class AsyncClient(ClientBase):
         connect_timeout: float | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         shared_memory: SharedMemory = False,
+        priority: Priority | None = None,
     ) -> None:
         t = timeouts(timeout, connect_timeout)
-        super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None)
+        super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None, priority)
         self._http = httpx.AsyncClient(
             base_url=self.base_url, timeout=t, transport=transport or async_resolving_transport()
         )

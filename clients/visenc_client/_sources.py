@@ -20,6 +20,7 @@ from visenc_client._shared_index import SharedIndex
 from visenc_client._types import Handle
 from visenc_client._wants import Absent, Answers, Mismatch, Want, check_handle, checked_rows, torch_rows
 from visenc_client._weights import Served
+from visenc_client.format import Priority
 
 log = logging.getLogger("visenc_client.vllm")
 
@@ -66,6 +67,7 @@ class RowSources:
         redis_url: str | None = None,
         redis_mode: str = "standalone",
         backoff_s: float = BACKOFF_FIRST_S,
+        priority: Priority | None = None,
     ) -> None:
         if redis_mode not in ("standalone", "cluster"):
             raise ValueError(f"redis_mode must be 'standalone' or 'cluster', not {redis_mode!r}")
@@ -79,6 +81,7 @@ class RowSources:
                 shared_memory=shared,
                 namespace=namespace,
                 api_key=api_key,
+                priority=priority,
             )
 
         self.replicas = [Replica(u, client(u, timeout_s), client(u, answer_timeout_s), shared == "auto") for u in urls]

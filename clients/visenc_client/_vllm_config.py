@@ -7,6 +7,7 @@ from typing import Any
 
 from visenc_client._sources import RowSources
 from visenc_client._weights import ACCEPT_OPTION, EngineWeights, Served, checkpoint_folder
+from visenc_client.format import DEFAULT_PRIORITY, PRIORITIES, Priority
 
 MiB = 1 << 20
 TRANSPORTS = ("auto", "http", "shm")
@@ -46,6 +47,8 @@ class ConnectorOptions:
     redis_mode: str
     backoff_s: float
     local_cache_bytes: int
+    #: the class of the connector's encodes: interactive (default) or batch, for an offline vLLM
+    priority: Priority = DEFAULT_PRIORITY
 
     @classmethod
     def read(cls, transfer_config: Any) -> ConnectorOptions:
@@ -54,6 +57,9 @@ class ConnectorOptions:
         transport = option("transport", "auto")
         if transport not in TRANSPORTS:
             raise ValueError(f"VisencConnector: transport must be 'auto', 'http' or 'shm', not {transport!r}")
+        priority = option("priority", DEFAULT_PRIORITY)
+        if priority not in PRIORITIES:
+            raise ValueError(f"VisencConnector: priority must be 'interactive' or 'batch', not {priority!r}")
         return cls(
             urls=[urls] if isinstance(urls, str) else list(urls),
             defer_timeout_s=float(option("defer_timeout_s", 2.0)),
@@ -70,6 +76,7 @@ class ConnectorOptions:
             redis_mode=option("redis_mode", "standalone"),
             backoff_s=float(option("backoff_s", 1.0)),
             local_cache_bytes=int(option("local_cache_bytes", 256 * MiB)),
+            priority=priority,
         )
 
     def sources(self, hidden: int, model: str, checkpoint: tuple[Any, ...]) -> RowSources:
@@ -86,4 +93,5 @@ class ConnectorOptions:
             redis_url=self.redis_url,
             redis_mode=self.redis_mode,
             backoff_s=self.backoff_s,
+            priority=self.priority,
         )

@@ -55,6 +55,7 @@ GROUPS: dict[str, tuple[str, ...]] = {
         "max_video_frames", "max_video_pixels",
     ),
     "observability": ("log_level",),
+    "tenants": ("tenant", "tenant_max_images", "tenant_max_queued_tokens", "batch_floor", "busy_window_s"),
 }  # fmt: skip
 
 

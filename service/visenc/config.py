@@ -7,8 +7,9 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field, SecretStr, field_validator, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import SettingsConfigDict
 
+from visenc.tenancy import TenantSettings
 from visenc_client.format import NAMESPACE_PATTERN
 
 MiB = 1 << 20
@@ -40,7 +41,7 @@ def octal(value: object) -> object:
 Mode = Annotated[int, BeforeValidator(octal), Field(ge=0, le=0o777)]
 
 
-class Settings(BaseSettings):
+class Settings(TenantSettings):
     model_config = SettingsConfigDict(env_prefix="VISENC_", extra="forbid", validate_default=True)
 
     # --- server -------------------------------------------------------------

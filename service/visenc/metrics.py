@@ -54,6 +54,9 @@ BACKGROUND_TASKS = (
 PART_OUTCOMES = ("delivered", "refused", "failed")
 #: where an encode failed: the forward raised, the forward stalled, copying its outputs out failed
 FAILURE_STAGES = ("forward", "stall", "output")
+#: why an encode was refused: a tenant's quota, or the global queue limit (shedding the tenant using the most)
+REFUSALS = ("tenant_images", "tenant_tokens", "queue_full")
+PRIORITY_CLASSES = ("interactive", "batch")
 
 
 def _preset(family: MetricWrapperBase, *values: Iterable[str]) -> None:
@@ -76,6 +79,7 @@ class Metrics:
         self._sglang(r)
         self._tasks(r)
         self._device(r)
+        self._tenancy(r)
 
     def _http(self, r: CollectorRegistry) -> None:
         self.requests = Counter(
@@ -317,3 +321,39 @@ class Metrics:
             registry=r,
         )
         _preset(self.device_wait_seconds, ["copy-out"])
+
+    def _tenancy(self, r: CollectorRegistry) -> None:
+        self.tenant_device_tokens = Counter(
+            "visenc_tenant_device_tokens",
+            "Tower-input tokens forwarded for a tenant's images (the unit its device share is kept in); tenants "
+            "past the labelled ones count as 'other'.",
+            ["tenant"],
+            registry=r,
+        )
+        self.refusals = Counter(
+            "visenc_refusals",
+            "Encodes refused with 429, by tenant and reason (tenant_images, tenant_tokens, queue_full).",
+            ["tenant", "reason"],
+            registry=r,
+        )
+        self.device_busy = Gauge(
+            "visenc_device_busy_ratio",
+            "Share of the last busy_window_s the device held work (a batch taken, launched or copied out).",
+            registry=r,
+        )
+        self.queued_device_seconds = Gauge(
+            "visenc_queued_device_seconds",
+            "Device time the images waiting for the device would take (at the recent seconds per token), by class.",
+            ["priority"],
+            registry=r,
+        )
+        self.oldest_waiting = Gauge(
+            "visenc_oldest_waiting_seconds",
+            "Age of the oldest image waiting for the device (admitted, not yet forwarded), by class.",
+            ["priority"],
+            registry=r,
+        )
+        _preset(self.refusals, ["default"], REFUSALS)
+        _preset(self.tenant_device_tokens, ["default"])
+        for family in (self.queued_device_seconds, self.oldest_waiting):
+            _preset(family, PRIORITY_CLASSES)

@@ -44,8 +44,11 @@ def dashboard_exprs() -> list[str]:
 
 
 def rule_exprs() -> list[str]:
-    rules = yaml.safe_load((PROMETHEUS / "alerts.yml").read_text())
-    return [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    exprs = []
+    for name in ("alerts.yml", "autoscaling.yml"):
+        rules = yaml.safe_load((PROMETHEUS / name).read_text())
+        exprs += [r["expr"] for g in rules["groups"] for r in g["rules"]]
+    return exprs
 
 
 class FailingTower:
@@ -141,6 +144,11 @@ def test_every_metric_in_the_dashboard_and_the_rules_is_exposed(exposition):
         "visenc_errors_total",
         "visenc_redis_errors_total",
         "visenc_encode_failures_total",
+        "visenc_tenant_device_tokens_total",
+        "visenc_refusals_total",
+        "visenc_device_busy_ratio",
+        "visenc_queued_device_seconds",
+        "visenc_oldest_waiting_seconds",
     ):
         assert needed in referenced, needed
 
@@ -164,7 +172,7 @@ def test_dashboard_is_a_provisioned_grafana_dashboard():
             assert p["datasource"]["uid"] in uids
             assert all(t["datasource"]["uid"] in uids and t["refId"] for t in p["targets"])
     titles = " ".join(p["title"].lower() for p in dash["panels"])
-    for word in ("latency", "queue", "batch", "hit ratio", "bytes served", "errors", "redis"):
+    for word in ("latency", "queue", "batch", "hit ratio", "bytes served", "errors", "redis", "tenant", "autoscaling"):
         assert word in titles, word
     assert any("histogram_quantile" in e for e in dashboard_exprs())
     # the provider loads the folder that compose mounts the dashboard JSON into

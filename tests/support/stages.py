@@ -18,6 +18,7 @@ import torch
 from visenc.engine.coordination import LocalCoordination
 from visenc.engine.job import Job
 from visenc.engine.outputs import Outputs
+from visenc.engine.policy import SchedulerConfig
 from visenc.engine.prepare import Inspected
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.worker import DeviceWorker
@@ -46,21 +47,26 @@ def make_scheduler(packable=False, max_tokens=100, max_images=8, prefetch=None, 
         return Prepared(np.zeros((n, 1), np.float32), TokenLayout(n, (1, 1, n), n))
 
     return Scheduler(
+        SchedulerConfig(max_tokens, max_images, packable, prefetch_tokens=prefetch),
         preprocess=preprocess,
         pool=ThreadPoolExecutor(2),
         outputs=RecordedFailures(failed),  # type: ignore[arg-type]
         coordination=LocalCoordination(),
-        max_batch_tokens=max_tokens,
-        max_batch_images=max_images,
-        packable=packable,
-        prefetch_tokens=prefetch,
         metrics=Metrics(),
     )
 
 
-def job(cost: int, order: tuple[int, int], bucket=None) -> Job:
+def job(cost: int, order: tuple[int, int], bucket=None, account=None, priority="interactive") -> Job:
     loop = asyncio.get_running_loop()
-    j = Job(key=f"k{order}", image_hash="h", order=order, future=loop.create_future(), admitted_at=0.0)
+    j = Job(
+        key=f"k{order}{id(account)}",
+        image_hash="h",
+        order=order,
+        future=loop.create_future(),
+        admitted_at=0.0,
+        account=account,
+        priority=priority,
+    )
     j.give_bytes(b"x" * cost, Inspected("h", TokenLayout(cost, (1, 1, cost), bucket or cost), cost, 0))
     j.join()
     return j
@@ -116,14 +122,11 @@ def pipeline(
     )
     outputs.start()
     s = Scheduler(
+        SchedulerConfig(batch, batch, False, prefetch_tokens=prefetch),
         preprocess=lambda data: tower.preprocess(data),
         pool=pool,
         outputs=outputs,
         coordination=local,
-        max_batch_tokens=batch,
-        max_batch_images=batch,
-        packable=False,
-        prefetch_tokens=prefetch,
         metrics=Metrics(),
     )
     return pool, outputs, s, DeviceWorker(tower, s, outputs, metrics=Metrics(), max_wait_s=0.0, stall_timeout_s=30)

@@ -63,12 +63,25 @@ def busy_port():
         (["--api-keys-file", "/no/such/file"], preflight.EXIT_BAD_PATH, "No such file or directory"),
         (["--download-dir", "/proc/no/such"], preflight.EXIT_BAD_PATH, "--download-dir /proc/no/such"),
         (["--uds", "/no/such/dir/visenc.sock"], preflight.EXIT_CANNOT_LISTEN, "cannot listen on /no/such/dir"),
+        (["--tenant", "a weight=0"], preflight.EXIT_USAGE, "weight must be a positive number, got '0'"),
+        (["--tenant", "a", "--tenant", "a weight=2"], preflight.EXIT_USAGE, "tenant 'a' is named twice"),
+        (["--tenant-max-images", "0"], preflight.EXIT_USAGE, "invalid --tenant-max-images=0"),
+        (["--tenant-max-queued-tokens", "0"], preflight.EXIT_USAGE, "invalid --tenant-max-queued-tokens=0"),
+        (["--batch-floor", "1"], preflight.EXIT_USAGE, "invalid --batch-floor=1"),
     ],
 )
 def test_a_misuse_is_one_line_with_its_own_status(argv, code, said):
     r = serve("--port", "1", *argv) if "--port" not in argv else serve(*argv)
     assert r.returncode == code, r.stderr
     assert said in refused(r)
+
+
+def test_a_key_file_naming_a_tenant_twice_stops_the_start(tmp_path):
+    keys = tmp_path / "keys"
+    keys.write_text("k" * 16 + ":a\ntenant a weight=2\ntenant a max_images=4\n")
+    r = serve("--port", "1", "--api-keys-file", str(keys))
+    assert r.returncode == preflight.EXIT_USAGE
+    assert refused(r) == f"visenc: {keys}, line 3: tenant 'a' is named twice"
 
 
 def test_a_busy_port_is_refused_before_the_model_loads(busy_port):

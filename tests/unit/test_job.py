@@ -1,4 +1,4 @@
-"""The job state machine: every edge of ``EDGES`` can be walked through ``Job``'s methods, every other
+"""The job state machine: every edge of ``JOB_EDGES`` can be walked through ``Job``'s methods, every other
 move is refused, and what a state holds (bytes, tower input) exists only in the states that own it."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from visenc.engine.coordination import LocalCoordination, Place
-from visenc.engine.job import EDGES, STAGED, IllegalTransition, Job, JobState
+from visenc.engine.job import JOB_EDGES, STAGED, IllegalTransition, Job, JobState
 from visenc.engine.prepare import Inspected
 from visenc.engine.staging import Staging
 from visenc.models.base import Prepared, TokenLayout
@@ -71,7 +71,7 @@ MOVES: dict[JobState, Callable[[Job], object]] = {
 def test_every_state_is_reached_and_has_a_move():
     assert set(PATHS) == set(S)
     assert set(MOVES) == set(S) - {S.NEW}  # nothing moves a job back to NEW
-    assert not any(S.NEW in targets for targets in EDGES.values())
+    assert not any(S.NEW in targets for targets in JOB_EDGES.values())
 
 
 #: every (source, target) pair; FOLLOWING (waiting without bytes) is a target only for a job without
@@ -83,7 +83,7 @@ PAIRS = [(a, b) for a in S for b in S if b is not S.NEW and (b is not S.FOLLOWIN
 async def test_each_edge_is_walked_and_every_other_move_refused(source: JobState, target: JobState):
     job = fresh(with_bytes=False) if (source, target) == (S.NEW, S.FOLLOWING) else PATHS[source]()
     assert job.state is source
-    if target in EDGES[source]:
+    if target in JOB_EDGES[source]:
         MOVES[target](job)
         assert job.state is target
         assert job.finished is target.finished
@@ -95,7 +95,7 @@ async def test_each_edge_is_walked_and_every_other_move_refused(source: JobState
 
 async def test_a_finished_job_never_moves_again():
     for state in (S.DONE, S.FAILED):
-        assert EDGES[state] == frozenset()
+        assert JOB_EDGES[state] == frozenset()
         job = PATHS[state]()
         for move in MOVES.values():
             with pytest.raises(IllegalTransition):
@@ -158,7 +158,9 @@ async def test_staging_is_held_only_in_the_staged_states_and_every_exit_gives_it
         S.READY: [Job.fail],
         S.RUNNING: [lambda j: j.forwarded(1.0, 0.5), Job.fail],
     }
-    assert set(exits) == STAGED and all(set(EDGES[s]) - STAGED <= {S.WATCHING, S.FORWARDED, S.FAILED} for s in exits)
+    assert set(exits) == STAGED and all(
+        set(JOB_EDGES[s]) - STAGED <= {S.WATCHING, S.FORWARDED, S.FAILED} for s in exits
+    )
     for state, moves in exits.items():
         for move in moves:
             staging = Staging()

@@ -27,6 +27,9 @@ ENGINE_RANKS = {
     "threads": 1,
     "budget": 1,
     "staging": 0,
+    # each tenant's weight, quotas and usage (job charges it); the batching policy orders the jobs
+    "tenants": 0,
+    "policy": 2,
     # coordination across replicas: beside the stages, below every one of them (it calls none)
     "claims": 2,
     "remote": 3,

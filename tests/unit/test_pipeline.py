@@ -11,16 +11,18 @@ import torch
 from harness.waits import until
 from tests.support.stages import SlowTower, forwarded, job, make_scheduler, pipeline
 
+from visenc.engine.policy import BatchPolicy, SchedulerConfig
 from visenc.errors import InvalidHash
 from visenc.models.base import Prepared
 
 
 async def test_batches_stay_under_the_byte_budget():
     s = make_scheduler(packable=True, max_tokens=1000, max_images=64)
-    s.max_batch_bytes = 100
-    s._batch_bytes = lambda layouts: (
-        sum(lay.num_tokens for lay in layouts) + max(lay.num_tokens for lay in layouts) ** 2 // 10
-    )  # linear + the largest image's quadratic share
+
+    def batch_bytes(layouts):  # linear + the largest image's quadratic share
+        return sum(lay.num_tokens for lay in layouts) + max(lay.num_tokens for lay in layouts) ** 2 // 10
+
+    s.policy = BatchPolicy(SchedulerConfig(1000, 64, True, max_batch_bytes=100), batch_bytes)
     jobs = [job(10, (0, 0)), job(30, (0, 1)), job(10, (0, 2)), job(10, (0, 3)), job(40, (0, 4))]
     for j in jobs:
         s.submit(j)
@@ -28,10 +30,10 @@ async def test_batches_stay_under_the_byte_budget():
     first = s.take_batch()
     # the 30 would bring 40 + 90 > 100: the batch stops there (no smaller job overtakes it: token order)
     assert first == [jobs[0]]
-    assert s._batch_bytes([j.layout for j in first]) <= 100
+    assert batch_bytes([j.layout for j in first]) <= 100
     assert s.take_batch() == [jobs[1]]  # 30 + 90 > 100 on its own: runs, alone
     third = s.take_batch()
-    assert third == [jobs[2], jobs[3]] and s._batch_bytes([j.layout for j in third]) <= 100
+    assert third == [jobs[2], jobs[3]] and batch_bytes([j.layout for j in third]) <= 100
     assert s.take_batch() == [jobs[4]]
 
 

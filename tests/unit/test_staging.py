@@ -25,6 +25,7 @@ from tests.support.stages import InlinePool, RecordedFailures, forwarded, settle
 
 from visenc.engine.coordination import LocalCoordination
 from visenc.engine.job import Job, JobState
+from visenc.engine.policy import SchedulerConfig
 from visenc.engine.prepare import Inspected
 from visenc.engine.scheduler import Scheduler
 from visenc.engine.staging import Line, Staging
@@ -106,14 +107,11 @@ async def scenario(costs: list[tuple[int, int]], ops: list[tuple[str, int]]) -> 
     preprocess = Flaky()
     failed: list = []
     s = Scheduler(
+        SchedulerConfig(max_batch_tokens=40, max_batch_images=3, packable=True, prefetch_tokens=50),
         preprocess=preprocess,
         pool=InlinePool(),
         outputs=RecordedFailures(failed),  # type: ignore[arg-type]
         coordination=LocalCoordination(),
-        max_batch_tokens=40,
-        max_batch_images=3,
-        packable=True,
-        prefetch_tokens=50,
         metrics=Metrics(),
     )
     jobs = [make_job(i, c, d, loop) for i, (c, d) in enumerate(costs)]

@@ -31,11 +31,15 @@ from visenc_client.format.frame import (
     split_frame,
 )
 from visenc_client.format.handle import (
+    DEFAULT_PRIORITY,
     HANDLE_FIELDS,
     LEASE_HEADER,
+    PRIORITIES,
+    PRIORITY_HEADER,
     REASONS,
     STATUSES,
     Handle,
+    Priority,
     Reason,
     Status,
 )
@@ -59,6 +63,7 @@ from visenc_client.format.manifest import (
 __all__ = [
     "ABSENT_KEY",
     "DATA_OFFSET",
+    "DEFAULT_PRIORITY",
     "FRAME_PREFIX_BYTES",
     "HANDLE_FIELDS",
     "HASH_PATTERN",
@@ -71,6 +76,8 @@ __all__ = [
     "NAMESPACE_PATTERN",
     "NAMESPACE_RULE",
     "NUMPY_DTYPES",
+    "PRIORITIES",
+    "PRIORITY_HEADER",
     "REASONS",
     "ROWS_MEDIA_TYPE",
     "STATUSES",
@@ -80,6 +87,7 @@ __all__ = [
     "CorruptFrame",
     "Entry",
     "Handle",
+    "Priority",
     "Reason",
     "Status",
     "bfloat16_as_float32",

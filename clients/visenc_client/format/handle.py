@@ -26,6 +26,13 @@ REASONS: tuple[str, ...] = get_args(Reason)
 #: ``none``; absent: the first read of an image's last row that names no lease unpins (docs/api.md)
 LEASE_HEADER = "X-Visenc-Lease"
 
+#: an encode's class (header ``X-Visenc-Priority`` or the body's ``priority``): interactive work goes before
+#: batch work on the device; batch work keeps a floor of it (docs/operations.md, "Tenants")
+Priority = Literal["interactive", "batch"]
+PRIORITIES: tuple[str, ...] = get_args(Priority)
+DEFAULT_PRIORITY: Priority = "interactive"
+PRIORITY_HEADER = "X-Visenc-Priority"
+
 
 @dataclass(frozen=True, slots=True)
 class Handle:

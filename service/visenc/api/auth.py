@@ -13,6 +13,7 @@ from visenc.api.codec import error_response
 from visenc.config import Settings
 from visenc.errors import Unauthorized
 from visenc.metrics import Metrics
+from visenc.tenancy import TenantError, is_tenant_line, load_tenants
 
 _TENANT_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 #: routes that need a key when auth is on
@@ -27,7 +28,7 @@ def _parse(text: str, where: str, separator: str) -> list[tuple[str, str]]:
     pairs = []
     for n, raw in enumerate(text.split(separator), 1):
         line = raw.split("#", 1)[0].strip() if separator == "\n" else raw.strip()
-        if not line:
+        if not line or (separator == "\n" and is_tenant_line(line)):
             continue
         key, sep, tenant = line.rpartition(":")
         key, tenant = key.strip(), tenant.strip()
@@ -54,6 +55,10 @@ def load_api_keys(settings: Settings) -> dict[bytes, str]:
         except OSError as e:
             raise ApiKeyError(f"api_keys_file {settings.api_keys_file}: {e.strerror}") from e
         pairs += _parse(text, f"api_keys_file {settings.api_keys_file}", "\n")
+    try:
+        load_tenants(settings, settings.api_keys_file)
+    except TenantError as e:
+        raise ApiKeyError(str(e)) from None
     keys: dict[bytes, str] = {}
     for key, tenant in pairs:
         digest = hashlib.sha256(key.encode()).digest()

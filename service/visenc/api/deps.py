@@ -9,7 +9,18 @@ from fastapi import Request
 from visenc.api.schemas import ErrorResponse
 from visenc.engine.interface import EngineAPI, LeaseMode
 from visenc.errors import BadRequest, NotReady
-from visenc_client.format import JSON, LEASE_HEADER, MSGPACK, NAMESPACE_RULE, Entry, is_valid_namespace
+from visenc_client.format import (
+    DEFAULT_PRIORITY,
+    JSON,
+    LEASE_HEADER,
+    MSGPACK,
+    NAMESPACE_RULE,
+    PRIORITIES,
+    PRIORITY_HEADER,
+    Entry,
+    Priority,
+    is_valid_namespace,
+)
 
 #: the error answers every /v1 route may give, for the OpenAPI document
 ERRORS: dict[int | str, dict[str, Any]] = {
@@ -63,6 +74,16 @@ def lease_mode(request: Request) -> LeaseMode:
     if mode not in ("id", "none"):
         raise BadRequest(f"{LEASE_HEADER} must be 'id' or 'none'")
     return "id" if mode == "id" else "none"
+
+
+def priority_of(request: Request, asked: Priority | None) -> Priority:
+    """An encode's class: the body's ``priority``, else the ``X-Visenc-Priority`` header, else interactive."""
+    if asked is not None:
+        return asked
+    header = request.headers.get(PRIORITY_HEADER, DEFAULT_PRIORITY)
+    if header not in PRIORITIES:
+        raise BadRequest(f"{PRIORITY_HEADER} must be one of {', '.join(PRIORITIES)}, got {header!r}")
+    return "batch" if header == "batch" else "interactive"
 
 
 def read_lease(request: Request, lease: str | None) -> str | None:

@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response, wants_msgpack
-from visenc.api.deps import ERRORS, body_schema, engine_of, lease_mode, namespace_of
+from visenc.api.deps import ERRORS, body_schema, engine_of, lease_mode, namespace_of, priority_of
 from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import EncodeRequest, EncodeResponse
 from visenc.engine.interface import EncodeItem, Timing
@@ -38,6 +38,7 @@ async def encode(request: Request) -> Response:
     deadline = asyncio.get_running_loop().time() + settings.request_timeout_s
     ns = namespace_of(request)
     engine = engine_of(request)
+    engine.precheck(ns)  # a tenant at its quota is refused before its body is read
     body = await within(
         parse(request, EncodeRequest, settings.max_body_bytes, settings.max_items),
         deadline,
@@ -47,6 +48,7 @@ async def encode(request: Request) -> Response:
     timing = Timing()
     # rows inline come with the answer itself: nothing is kept for a later read
     lease = "none" if body.include_rows else lease_mode(request)
+    priority = priority_of(request, body.priority)
     # the engine's own wait ends at the deadline; the guard (1 s later) backs it up and
     # cancels the wait if the client goes away first
     handles = await guarded(
@@ -59,6 +61,7 @@ async def encode(request: Request) -> Response:
             timeout_s=remaining(deadline),
             lease=lease,
             rows=body.include_rows,
+            priority=priority,
         ),
         deadline + 1.0,
         f"the request was not answered within {limit}",

@@ -53,6 +53,13 @@ _NAMESPACE = {
     "description": "Key namespace (tenant) when API keys are off; ignored when they are on.",
     "schema": {"type": "string", "pattern": "^[A-Za-z0-9_.-]{1,64}$"},
 }
+_PRIORITY = {
+    "name": "X-Visenc-Priority",
+    "in": "header",
+    "required": False,
+    "description": "The encode's class when the body names none: interactive (default) goes before batch.",
+    "schema": {"type": "string", "enum": ["interactive", "batch"]},
+}
 _HASH_PARAM = {"type": "string", "pattern": "^[0-9a-f]{64}$"}
 
 #: path → (request body model, JSON/msgpack response model or None, error statuses)
@@ -130,6 +137,7 @@ def build_openapi(app: FastAPI, *, auth: bool, max_items: int) -> dict[str, Any]
                 responses["200"] = _both(out, responses["200"].get("description") or "OK")
             if path == "/v1/encode":
                 responses["200"]["headers"] = _TIMING_HEADERS
+                op["parameters"].append(_PRIORITY)
             if path == "/v1/embeddings/shm":
                 responses["200"] = {
                     "description": "Shared-memory handles of the ranges",

@@ -6,7 +6,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from visenc_client.format import HASH_PATTERN, Reason, Status
+from visenc_client.format import HASH_PATTERN, Priority, Reason, Status
 
 #: bound of a token-row index (no image comes near it; keeps every integer a fixed-width msgpack int)
 MAX_ROW = 2**31 - 1
@@ -40,6 +40,11 @@ class EncodeRequest(_Wire):
         False,
         description="Also return each ready image's rows inline (``rows``: raw little-endian bytes, "
         "base64 in JSON), saving a fetch. For small embeddings (CLIP-style); requires wait=true.",
+    )
+    priority: Priority | None = Field(
+        None,
+        description="The request's class: interactive work goes to the device before batch work (batch work keeps "
+        "a floor of it). Unset: the X-Visenc-Priority header, else interactive.",
     )
 
 

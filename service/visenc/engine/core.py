@@ -18,8 +18,10 @@ from visenc.engine.intake import FrontStages, Intake, IntakeConfig
 from visenc.engine.locator import Locator
 from visenc.engine.outputs import Outputs
 from visenc.engine.pins import Pins
+from visenc.engine.policy import SchedulerConfig
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
+from visenc.engine.tenants import Tenants, export_backlog
 from visenc.engine.threads import default_preprocess_workers
 from visenc.engine.videos import Joins, Videos
 from visenc.engine.worker import DeviceWorker
@@ -28,6 +30,7 @@ from visenc.index.redis_claims import RedisClaims
 from visenc.index.tiered import Index
 from visenc.metrics import Metrics
 from visenc.models.base import VisionTower, compact
+from visenc.tenancy import TenantPolicy, load_tenants
 from visenc_client.format import Entry
 
 log = logging.getLogger(__name__)
@@ -99,18 +102,28 @@ class Engine:
             max_held_bytes=self.budget.max_output_bytes,
         )
         self.scheduler = Scheduler(
+            SchedulerConfig(
+                max_batch_tokens=self.budget.max_batch_tokens,
+                max_batch_images=settings.max_batch_images,
+                packable=tower.packable,
+                prefetch_tokens=self.budget.prefetch_tokens,
+                max_batch_bytes=self.budget.max_batch_bytes,
+                batch_floor=settings.batch_floor,
+            ),
             preprocess=lambda data: tower.stage(prep.preprocess(data)),
             pool=self.pool,
             outputs=self.outputs,
             coordination=self.coordination,
-            max_batch_tokens=self.budget.max_batch_tokens,
-            max_batch_images=settings.max_batch_images,
-            packable=tower.packable,
-            prefetch_tokens=self.budget.prefetch_tokens,
-            max_batch_bytes=self.budget.max_batch_bytes,
             metrics=metrics,
             batch_bytes=tower.forward_bytes,
             on_prepared=lambda job, s: metrics.preprocess_seconds.observe(s),
+        )
+        self.tenants = Tenants(
+            load_tenants(settings, settings.api_keys_file),
+            TenantPolicy(max_images=settings.tenant_max_images, max_queued_tokens=settings.tenant_max_queued_tokens),
+            settings.max_queue_images,
+            metrics,
+            settings.busy_window_s,
         )
         self.worker = DeviceWorker(
             tower,
@@ -135,7 +148,14 @@ class Engine:
         self.fetch = Fetch(self.locator, self.inflight, self.scheduler, self.videos, settings.fetch_timeout_s, metrics)
         self.pins = Pins(index, tower.fingerprint, self.videos)
         stages = FrontStages(
-            self.locator, self.inflight, self.scheduler, self.fetch, self.videos, self.pins, self.not_ready_reason
+            self.locator,
+            self.inflight,
+            self.scheduler,
+            self.fetch,
+            self.videos,
+            self.pins,
+            self.tenants,
+            self.not_ready_reason,
         )
         self.intake = Intake(IntakeConfig.of(settings), prep, self.pool, metrics, stages)
         self.encode = self.intake.encode
@@ -168,6 +188,9 @@ class Engine:
         self, hashes: Sequence[str], namespace: str, *, timeout_s: float | None = None
     ) -> list[Entry | VisencError]:
         return await self.fetch.lookup_many(hashes, namespace, timeout_s=timeout_s)
+
+    def precheck(self, namespace: str) -> None:
+        self.tenants.precheck(namespace)
 
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:
         self.pins.read(image_hash, namespace, lease, last=last)
@@ -203,5 +226,7 @@ class Engine:
 
     def export_gauges(self) -> None:
         self.metrics.queue_depth.set(self.scheduler.depth)
+        backlog = [(job.priority, job.cost, job.admitted_at) for job in self.scheduler.backlog()]
+        export_backlog(self.metrics, backlog, self.tenants.clock)
         self.metrics.worker_alive.set(1 if self.not_ready_reason() is None else 0)
         self.metrics.export_index_health(self.index.health())

@@ -10,9 +10,13 @@ import time
 from visenc.engine.items import MISSING, Encodable, Item, Outcome, Pending
 from visenc.engine.job import Job, JobState, Place
 from visenc.engine.scheduler import Scheduler
+from visenc.engine.tenants import Account
 from visenc.index.memory import Lease
 from visenc.metrics import Metrics
-from visenc_client.format import Entry
+from visenc_client.format import Entry, Priority
+
+#: who asks: the tenant's account (none: counted nowhere) and the request's class
+Requester = tuple[Account | None, Priority]
 
 
 class InFlight:
@@ -32,13 +36,15 @@ class InFlight:
         job = self.jobs.get(key)
         return None if job is None or job.finished else job
 
-    def admit(self, key: str, image_hash: str, order: tuple[int, int]) -> Job:
+    def admit(self, key: str, image_hash: str, order: tuple[int, int], by: Requester = (None, "interactive")) -> Job:
         job = Job(
             key=key,
             image_hash=image_hash,
             order=order,
             future=asyncio.get_running_loop().create_future(),
             admitted_at=time.monotonic(),
+            account=by[0],
+            priority=by[1],
         )
         self.jobs[key] = job
         job.future.add_done_callback(lambda _: self._forget(job))
@@ -46,14 +52,15 @@ class InFlight:
         return job
 
     def join_or_start(
-        self, it: Item, order: tuple[int, int], placed: Entry | Place | None, reader: Lease | None
+        self, it: Item, order: tuple[int, int], placed: Entry | Place | None, reader: Lease | None, by: Requester
     ) -> Outcome:
-        """The job in flight for an open item, joined, or a new one with its bytes; missing without."""
+        """The job in flight for an open item, joined, or a new one with its bytes (charged to ``by``'s tenant,
+        in its class); missing without."""
         job = self.joinable(it.looked_up)
         if job is None:
             if not isinstance(it.state, Encodable):
                 return MISSING
-            job = self.admit(it.looked_up, it.hash, order)
+            job = self.admit(it.looked_up, it.hash, order, by)
             job.join(reader)
             job.give_bytes(it.state.source, it.state.inspected)
             if placed is Place.ELSEWHERE:
@@ -62,7 +69,7 @@ class InFlight:
                 self.scheduler.submit(job)
             return Pending(job)
         self.metrics.singleflight_joins.inc()
-        job.join(reader)
+        job.join(reader, by[1])
         if job.state is JobState.FOLLOWING and isinstance(it.state, Encodable):
             job.give_bytes(it.state.source, it.state.inspected)  # a fetch's wait for another replica adopts the bytes
         return Pending(job)

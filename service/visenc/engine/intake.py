@@ -38,11 +38,12 @@ from visenc.engine.locator import ENCODE, ENCODE_ROWS, Ask, Locator, Stored
 from visenc.engine.pins import Pins, Reader
 from visenc.engine.prepare import ImagePrep
 from visenc.engine.scheduler import Scheduler
+from visenc.engine.tenants import Tenants
 from visenc.engine.videos import Videos
-from visenc.errors import DeadlineExceeded, NotFound, NotReady, Overloaded, PayloadTooLarge
+from visenc.errors import DeadlineExceeded, NotFound, NotReady, PayloadTooLarge
 from visenc.index.memory import Lease
 from visenc.metrics import Metrics
-from visenc_client.format import Entry
+from visenc_client.format import DEFAULT_PRIORITY, Entry, Priority
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,7 @@ class FrontStages:
     fetch: Fetch
     videos: Videos
     pins: Pins
+    tenants: Tenants
     not_ready_reason: Callable[[], str | None]
 
 
@@ -85,7 +87,7 @@ class Intake:
         self.dtype = wire_dtype(prep.tower.dtype)
         self.locator, self.inflight, self.scheduler = stages.locator, stages.inflight, stages.scheduler
         self.fetch, self.videos, self.pins = stages.fetch, stages.videos, stages.pins
-        self.not_ready_reason = stages.not_ready_reason
+        self.not_ready_reason, self.tenants = stages.not_ready_reason, stages.tenants
         self._closed = False
 
     def close(self) -> None:
@@ -102,6 +104,7 @@ class Intake:
         timeout_s: float | None = None,
         lease: LeaseMode = "anonymous",
         rows: bool = False,
+        priority: Priority = DEFAULT_PRIORITY,
     ) -> list[Handle]:
         """``interface.EngineAPI.encode``."""
         if self._closed:
@@ -113,7 +116,7 @@ class Intake:
         request = await self.videos.request(asked, namespace) if has_videos else ImageRequest(asked)
         admitted, reader = time.monotonic(), Reader.new(lease, waits=wait)
         try:
-            jobs = await self._take_all(request.work, namespace, reader, ENCODE_ROWS if rows else ENCODE)
+            jobs = await self._take_all(request.work, namespace, reader, ENCODE_ROWS if rows else ENCODE, priority)
             request.started(reader.of_pending(uploaded=True))
             if wait:
                 await self._wait(jobs, request.work, admitted, timing, timeout_s, reader.lease)
@@ -124,14 +127,16 @@ class Intake:
             self.pins.unpin(request.held, namespace, reader.lease)
             raise
 
-    async def _take_all(self, work: list[Item], namespace: str, reader: Reader, ask: Ask) -> dict[int, Job]:
+    async def _take_all(
+        self, work: list[Item], namespace: str, reader: Reader, ask: Ask, priority: Priority
+    ) -> dict[int, Job]:
         """Every item taken, wave after wave (one wave where it may not fit: a 429 before any starts)."""
         order = self.inflight.next_request()
         uploads = sum(isinstance(it.state, Upload | Encodable) for it in work)
         fits = self.scheduler.depth + uploads <= self.config.max_queue_images
         try:
             for lo, hi in waves(work) if fits else [(0, len(work))]:
-                await self._take(work[lo:hi], lo, namespace, (order, reader), ask)
+                await self._take(work[lo:hi], lo, namespace, (order, reader, priority), ask)
         except BaseException:
             for job in joined(work).values():
                 self.inflight.leave(job, reader.lease)
@@ -139,19 +144,22 @@ class Intake:
         self.metrics.queue_depth.set(self.scheduler.depth)
         return joined(work)
 
-    async def _take(self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader], ask: Ask) -> None:
+    async def _take(
+        self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader, Priority], ask: Ask
+    ) -> None:
         """Inspect, locate, admit and start (or join) ``part`` (items ``lo``...)."""
-        order, reader = by
+        order, reader, priority = by
         await inspect(part, self.prep, self.pool)
         await self._locate(part, namespace, ask)
-        placed = await self._place(part, self._admission(part))
+        placed = await self._place(part, self._admission(part, namespace))
         for i, it in enumerate(part, lo):
             match it.state:
                 case Found(entry):
                     self.pins.hold(it.hash, namespace, entry, reader.lease)
                 case HashOnly() | Encodable():
                     keep = reader.of_pending(uploaded=isinstance(it.state, Encodable))
-                    it.to(self.inflight.join_or_start(it, (order, i), placed.get(it.looked_up), keep))
+                    asker = (self.tenants.account(namespace), priority)
+                    it.to(self.inflight.join_or_start(it, (order, i), placed.get(it.looked_up), keep, asker))
 
     async def _locate(self, items: list[Item], namespace: str, ask: Ask) -> None:
         """Each open item's place: stored (found), a video's manifest (a hash alone may be a video's), or
@@ -166,7 +174,7 @@ class Intake:
                 case Stored(Entry(kind="rows") as entry):
                     it.to(Found(entry))
 
-    def _admission(self, items: list[Item]) -> set[str]:
+    def _admission(self, items: list[Item], namespace: str) -> set[str]:
         live = [it for it in items if it.open]
         new = {
             it.looked_up
@@ -176,10 +184,8 @@ class Intake:
         if new or any(self.inflight.joinable(it.looked_up) for it in live):
             if (reason := self.not_ready_reason()) is not None:
                 raise NotReady(reason)
-        if self.scheduler.depth + len(new) > self.config.max_queue_images:
-            raise Overloaded(
-                f"encoder queue is full (max_queue_images={self.config.max_queue_images})", retry_after_s=1.0
-            )
+        costs = [it.state.inspected.cost for it in live if isinstance(it.state, Encodable) and it.looked_up in new]
+        self.tenants.admit(namespace, len(costs), sum(costs))  # a quota, or the queue limit: 429
         return new
 
     async def _place(self, items: list[Item], new: set[str]) -> dict[str, Entry | Place]:

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
 from visenc.errors import VisencError
-from visenc_client.format import Entry, Handle
+from visenc_client.format import DEFAULT_PRIORITY, Entry, Handle, Priority
 
 __all__ = ["EncodeItem", "EngineAPI", "Handle", "LeaseMode", "Timing"]
 
@@ -48,6 +48,7 @@ class EngineAPI(Protocol):
         timeout_s: float | None = None,
         lease: LeaseMode = "anonymous",
         rows: bool = False,
+        priority: Priority = DEFAULT_PRIORITY,
     ) -> list[Handle]:
         """Handles for ``items`` in order (per-item errors inside); raises only for the whole request.
         ``rows``: each ready handle carries its rows (``Handle.rows``), nothing to look up again."""
@@ -61,6 +62,10 @@ class EngineAPI(Protocol):
         self, hashes: Sequence[str], namespace: str, *, timeout_s: float | None = None
     ) -> list[Entry | VisencError]:
         """``lookup`` of every hash, located at once: each one's entry, or the error that is its answer."""
+        ...
+
+    def precheck(self, namespace: str) -> None:
+        """Raise ``Overloaded`` at once where the tenant is already at one of its quotas."""
         ...
 
     def read(self, image_hash: str, namespace: str, lease: str | None, *, last: bool) -> None:

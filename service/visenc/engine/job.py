@@ -1,4 +1,4 @@
-"""One image's trip through the engine: a state machine moved only by its own methods along ``EDGES``."""
+"""One image's trip through the engine: a state machine moved only by its own methods along ``JOB_EDGES``."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from visenc.engine.tenants import Account
 from visenc.index.memory import Lease
-from visenc_client.format import Entry
+from visenc_client.format import DEFAULT_PRIORITY, Entry, Priority
 
 if TYPE_CHECKING:
     from visenc.engine.prepare import Inspected, Source
@@ -42,7 +43,7 @@ class JobState(enum.Enum):
 S = JobState
 _UNFINISHED = frozenset(s for s in S if not s.finished)
 #: state -> the states a job may move to from it (the drawing in ``docs/design.md``, as data)
-EDGES: dict[JobState, frozenset[JobState]] = {
+JOB_EDGES: dict[JobState, frozenset[JobState]] = {
     S.NEW: frozenset({S.QUEUED, S.WATCHING, S.FOLLOWING, S.FAILED}),
     S.FOLLOWING: frozenset({S.WATCHING, S.DONE, S.FAILED}),
     S.WATCHING: frozenset({S.QUEUED, S.DONE, S.FAILED}),
@@ -54,9 +55,13 @@ EDGES: dict[JobState, frozenset[JobState]] = {
     S.DONE: frozenset(),
     S.FAILED: frozenset(),
 }
-assert all(S.FAILED in EDGES[s] for s in _UNFINISHED)
+assert all(S.FAILED in JOB_EDGES[s] for s in _UNFINISHED)
 #: the states that hold staged input (the job's staging line is open): preprocessing, ready, on the device
 STAGED = frozenset({S.PREPARING, S.READY, S.RUNNING})
+#: the states that count against a tenant's queue: admitted here, not yet on the device
+QUEUED_HERE = frozenset({S.QUEUED, S.PREPARING, S.READY})
+#: the states in which the device holds it: taken into a batch, launched, its rows being copied out
+ON_DEVICE = frozenset({S.RUNNING, S.FORWARDED})
 
 
 _MOVES = threading.Lock()
@@ -87,6 +92,12 @@ class Job:
     started_at: float | None = None
     forward_s: float | None = None
     seq: int = field(default_factory=lambda: next(_arrivals))
+    #: the tenant it is charged to (its quotas, its device share); none: counted nowhere
+    account: Account | None = None
+    #: its class: interactive while any request that joined it is
+    priority: Priority = DEFAULT_PRIORITY
+    #: its place in the order the scheduler handed jobs to preprocessing (``policy.BatchPolicy``)
+    turn: int = 0
     _state: JobState = field(default=JobState.NEW, init=False)
     _interest: int = field(default=0, init=False)
     _readers: dict[str, Lease] = field(default_factory=dict, init=False, repr=False)
@@ -94,6 +105,7 @@ class Job:
     _data: Source | None = field(default=None, init=False, repr=False)
     _input: Prepared | None = field(default=None, init=False, repr=False)
     _line: Line | None = field(default=None, init=False, repr=False)
+    _counted: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False)
 
     @property
     def state(self) -> JobState:
@@ -118,18 +130,33 @@ class Job:
     def has_reader(self, lease: Lease) -> bool:
         return lease.id in self._readers
 
-    def join(self, reader: Lease | None = None) -> None:
-        """One more waiter wants the result; ``reader``: its lease, where it reads the entry from L1."""
+    def join(self, reader: Lease | None = None, priority: Priority | None = None) -> None:
+        """One more waiter wants the result; ``reader``: its lease, where it reads the entry from L1; an
+        interactive waiter makes the job interactive."""
         self._interest += 1
         if reader is not None:
             self._readers[reader.id] = reader
+        if priority == "interactive":
+            self.priority = priority
+        self._recount()
 
     def leave(self, reader: Lease | None = None) -> bool:
         """One waiter is done with it; whether nobody wants it any more."""
         self._interest -= 1
         if reader is not None and not self.finished:
             self._readers.pop(reader.id, None)
+        self._recount()
         return self._interest <= 0 and not self.finished
+
+    def _recount(self) -> None:
+        """Its account holds it while a waiter wants it: an image until it finishes, its tokens until it runs."""
+        if self.account is None:
+            return
+        wanted = self._interest > 0 and not self._state.finished
+        queued = wanted and self._state in QUEUED_HERE
+        now = (int(wanted), int(queued), self.cost if queued else 0)
+        self.account.change(now, self._counted)
+        self._counted = now
 
     def bump(self) -> bool:
         """A fetch waits on it; whether it was not urgent before."""
@@ -137,7 +164,8 @@ class Job:
         return not was
 
     @property
-    def priority(self) -> tuple[bool, tuple[int, int], int]:
+    def queue_order(self) -> tuple[bool, tuple[int, int], int]:
+        """Its place within its tenant and class: fetch-bumped first, then prompt order."""
         return (not self._urgent, self.order, self.seq)
 
     @property
@@ -153,9 +181,12 @@ class Job:
 
     def _move(self, to: JobState) -> None:
         with _MOVES:  # preprocessing and device threads move jobs too: a check and its move are one step
-            if to not in EDGES[self._state]:
+            if to not in JOB_EDGES[self._state]:
                 raise IllegalTransition(f"job {self.key}: no edge {self._state.name} -> {to.name}")
+            if self.account is not None and (self._state in ON_DEVICE) != (to in ON_DEVICE):
+                self.account.hold(1 if to in ON_DEVICE else -1)
             self._state = to
+            self._recount()
         if to not in STAGED and self._line is not None:
             self._line.refund()
             self._line = None
@@ -168,6 +199,7 @@ class Job:
             raise IllegalTransition(f"job {self.key}: bytes given in state {self._state.name}, or twice")
         self._data, self.layout = data, inspected.layout
         self.cost, self.decode_cost = inspected.cost, inspected.decode_cost
+        self._recount()
 
     def queue(self) -> None:
         self._move(S.QUEUED)
@@ -198,9 +230,11 @@ class Job:
         self._move(S.RUNNING)
 
     def forwarded(self, started_at: float, forward_s: float) -> None:
-        """Its forward ended: the tower input is freed now."""
+        """Its forward ended: the tower input is freed now, its tokens charged to its tenant's device work."""
         self._move(S.FORWARDED)
         self.started_at, self.forward_s, self._input = started_at, forward_s, None
+        if self.account is not None:
+            self.account.ran(self.cost)
 
     def finish(self) -> None:
         self._move(S.DONE)

@@ -12,6 +12,7 @@ from concurrent.futures import Executor
 from visenc.engine.coordination import Coordination, WaitOutcome
 from visenc.engine.job import IllegalTransition, Job, JobState, Place
 from visenc.engine.outputs import Outputs
+from visenc.engine.policy import BatchPolicy, SchedulerConfig
 from visenc.engine.prepare import Source
 from visenc.engine.staging import Staging
 from visenc.errors import Cancelled, NotFound
@@ -26,36 +27,30 @@ Preprocess = Callable[[Source], Prepared]
 
 
 class Scheduler:
-    """Event loop, but ``take`` on the device thread: ``_ready`` under ``_lock``; open until ``cancel_all``."""
+    """Queues jobs, dispatches their preparation and claims, and hands the device its batches; what runs next
+    and together is ``policy.BatchPolicy``'s. Event loop, except ``take`` and the preparation threads' hand-over
+    (``_ready`` under ``_lock``); open until ``cancel_all``."""
 
     def __init__(
         self,
+        config: SchedulerConfig,
         *,
         preprocess: Preprocess,
         pool: Executor,
         outputs: Outputs,
         coordination: Coordination,
-        max_batch_tokens: int,
-        max_batch_images: int,
-        packable: bool,
-        prefetch_tokens: int | None = None,
-        on_prepared: Callable[[Job, float], None] | None = None,
-        max_batch_bytes: int | None = None,
-        batch_bytes: Callable[[Sequence[TokenLayout]], int] | None = None,
         metrics: Metrics,
+        batch_bytes: Callable[[Sequence[TokenLayout]], int] | None = None,
+        on_prepared: Callable[[Job, float], None] | None = None,
     ) -> None:
         self._metrics = metrics
         self._preprocess = preprocess
         self._pool = pool
         self._outputs = outputs
         self._coordination = coordination
-        self.max_batch_tokens = max_batch_tokens
-        self.max_batch_images = max_batch_images
-        self.packable = packable
-        self.prefetch_tokens = prefetch_tokens or 2 * max_batch_tokens
+        self.config = config
+        self.policy = BatchPolicy(config, batch_bytes)
         self._on_prepared = on_prepared
-        self.max_batch_bytes = max_batch_bytes
-        self._batch_bytes = batch_bytes
         self._waiting: list[Job] = []
         #: preprocessed, not yet taken; written only under ``_lock`` (the device thread takes from it)
         self._ready: list[Job] = []
@@ -120,15 +115,12 @@ class Scheduler:
         """Move a job ahead of all non-urgent work, past the prefetch gate by one batch at most."""
         if not job.bump():
             return
-        if job in self._waiting and self._fits(job, self.prefetch_tokens + self.max_batch_tokens):
+        if job in self._waiting and self._fits(job, self.config.prefetch + self.config.max_batch_tokens):
             self._waiting.remove(job)
             self._start(job)
 
     def _fits(self, job: Job, bound: int) -> bool:
-        """Whether staging ``job`` keeps the staged tokens within ``bound`` (always, with nothing staged)."""
-        if self.staging.tokens + job.cost + job.decode_cost <= bound:
-            return True
-        return not self._ready and not self._in_preparation
+        return self.policy.fits(job, self.staging.tokens, bound, not self._ready and not self._in_preparation)
 
     def drop(self, job: Job) -> None:
         """A waiter went away: drop ``job`` if nobody else wants it and it is not on the device."""
@@ -151,22 +143,29 @@ class Scheduler:
     def _drop_if_unwanted(self, job: Job) -> bool:
         if job.interest > 0:
             return False
+        if job.turn:
+            self.policy.refund(job)
         self._outputs.fail([job], Cancelled("every request waiting for this image went away"))
         return True
 
     def dispatch(self) -> None:
         """Start preprocessing the most urgent waiting jobs while the prefetch budget allows."""
-        while self._waiting:
-            job = min(self._waiting, key=lambda j: j.priority)
-            bound = self.prefetch_tokens + (self.max_batch_tokens if job.urgent else 0)
+        while (job := self.policy.pick(self._waiting)) is not None:
+            bound = self.policy.prefetch_bound(job, self._batch_staged)
             if job.interest > 0 and not self._fits(job, bound):
                 return  # wait for the device to free staged work: priority order is kept
             self._waiting.remove(job)
             self._start(job)
 
+    def _batch_staged(self) -> bool:
+        """Whether batch-class work holds staged input (preparing or ready)."""
+        staged = [*(job for task, job in self._preparing.items() if not task.done()), *list(self._ready)]
+        return any(job.priority == "batch" for job in staged)
+
     def _start(self, job: Job) -> None:
         if self._drop_if_unwanted(job):
             return
+        self.policy.charge(job)
         job.start_preparing(self.staging)
         task = spawn(self._prepare(job), "prepare", self._metrics)
         self._preparing[task] = job
@@ -236,38 +235,26 @@ class Scheduler:
             if idle and not self._lock.wait_for(self._wanted, timeout_s):
                 return []
             if idle and max_wait_s > 0 and self._preparations:
-                self._lock.wait_for(lambda: len(self._ready) >= self.max_batch_images, max_wait_s)
+                self._lock.wait_for(lambda: len(self._ready) >= self.config.max_batch_images, max_wait_s)
             return self._form_batch()
 
     def _wanted(self) -> bool:
         return any(job.interest > 0 for job in self._ready)
 
     def _form_batch(self) -> list[Job]:
-        ready = sorted((job for job in self._ready if job.interest > 0), key=lambda j: j.priority)
-        if not ready:
-            return []
-        head = ready[0]
-        batch, tokens = [head], head.cost
-        layouts = [head.shape]
-        for job in ready[1:]:
-            if len(batch) >= self.max_batch_images or (head.urgent and not job.urgent):
-                break
-            if not self.packable and job.shape.bucket != head.shape.bucket:
-                continue
-            if tokens + job.cost > self.max_batch_tokens or (
-                self._batch_bytes is not None
-                and self.max_batch_bytes is not None
-                and self._batch_bytes([*layouts, job.shape]) > self.max_batch_bytes
-            ):
-                break  # never let a smaller job behind it overtake the one that did not fit
-            batch.append(job)
-            layouts.append(job.shape)
-            tokens += job.cost
+        batch = self.policy.form_batch([job for job in self._ready if job.interest > 0])
         taken = set(map(id, batch))
         self._ready = [j for j in self._ready if id(j) not in taken]
         for job in batch:
             job.run()
         return batch
+
+    def backlog(self) -> list[Job]:
+        """Jobs wanted and not yet on the device, in no order (for the autoscaling gauges)."""
+        with self._lock:
+            ready = list(self._ready)
+        preparing = [job for task, job in self._preparing.items() if not task.done()]
+        return [job for job in (*self._waiting, *preparing, *ready) if job.interest > 0]
 
     def cancel_all(self, error: BaseException) -> None:
         """Fail every job not yet on the device with ``error``; nothing is encoded here afterwards."""

@@ -8,6 +8,7 @@ import os
 import socket
 import stat
 from collections.abc import Iterable, Mapping
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from visenc.config import Settings
@@ -28,7 +29,7 @@ EXIT_BAD_PATH = 7
 
 #: the listening socket's backlog (uvicorn's default)
 BACKLOG = 2048
-#: the built-in towers (``visenc.models.registry.REGISTRY``, which imports torch; a test keeps them equal)
+#: this package's built-in towers (``visenc.models.registry.built_in_names`` imports torch; a test keeps them equal)
 BUILT_IN = ("tiny-clip", "tiny-qwen2-vl", "tiny-qwen2.5-vl", "tiny-siglip")
 #: ``VISENC_*`` variables that are no setting of the service but are read elsewhere (the client, compose)
 OTHER_VARIABLES = frozenset(
@@ -96,9 +97,12 @@ def check_model(spec: str) -> None:
         raise StartError(EXIT_MODEL_UNAVAILABLE, f"cannot serve {spec}: {what} (a path: not looked up on the hub)")
     if REPO_ID.match(spec.partition("@")[0]):
         return
+    names = built_in_names()
+    if spec in names:
+        return
     raise StartError(
         EXIT_MODEL_UNAVAILABLE,
-        f"cannot serve {spec}: no such folder, and neither a built-in name ({', '.join(BUILT_IN)}) "
+        f"cannot serve {spec}: no such folder, and neither a built-in name ({', '.join(names)}) "
         "nor a hub id ORG/NAME[@REVISION]",
     )
 
@@ -110,6 +114,16 @@ def _check_sim(spec: str) -> None:
         SimSpec.parse(spec)
     except (ValueError, TypeError) as e:
         raise StartError(EXIT_MODEL_UNAVAILABLE, f"cannot serve {spec}: {e}") from e
+
+
+def built_in_names() -> tuple[str, ...]:
+    """``BUILT_IN``, and the built-in towers of families installed under a ``visenc.families`` entry point
+    (only then is the registry, and torch with it, imported)."""
+    if not entry_points(group="visenc.families"):
+        return BUILT_IN
+    from visenc.models.registry import built_in_names as registered
+
+    return tuple(registered())
 
 
 def check_paths(settings: Settings) -> None:

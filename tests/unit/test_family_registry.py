@@ -19,6 +19,7 @@ from safetensors.torch import save_file
 from transformers.models.qwen2_vl.configuration_qwen2_vl import Qwen2VLVisionConfig
 from transformers.models.qwen2_vl.modeling_qwen2_vl import Qwen2VisionTransformerPretrainedModel
 
+from visenc import preflight
 from visenc.models import families, registry
 from visenc.models.loading import load_tower
 from visenc_client import Client
@@ -109,16 +110,31 @@ def test_the_tiny_built_ins_are_families_like_any_other() -> None:
     assert by_type["qwen2_vl"].built_in.keys() >= {"tiny-qwen2-vl"} and "tiny-clip" in by_type["clip"].built_in
 
 
+def installed(site: Path) -> Path:
+    """``site`` holding the test family as a distribution with a ``visenc.families`` entry point."""
+    meta = site / "visenc_test_family-0.dist-info"
+    meta.mkdir(parents=True)
+    (site / "visenc_test_family.py").write_text(FAMILY)
+    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: visenc-test-family\nVersion: 0\n")
+    (meta / "entry_points.txt").write_text(textwrap.dedent("[visenc.families]\ntest_vl = visenc_test_family\n"))
+    return site
+
+
+def test_preflight_knows_the_built_in_names_of_installed_families(tmp_path, monkeypatch, fresh_registry) -> None:
+    with pytest.raises(preflight.StartError, match="neither a built-in name"):
+        preflight.check_model("tiny-test-vl")
+    monkeypatch.syspath_prepend(str(installed(tmp_path / "site")))
+    preflight.check_model("tiny-test-vl")
+    assert "tiny-test-vl" in preflight.built_in_names() and set(preflight.BUILT_IN) < set(preflight.built_in_names())
+    with pytest.raises(preflight.StartError, match="tiny-test-vl"):
+        preflight.check_model("tiny-nothing")
+
+
 @pytest.mark.slow
 def test_a_family_named_by_an_entry_point_is_served(tmp_path) -> None:
     """Out of the tree: a module and its distribution's ``visenc.families`` entry point, on the path of a
     real ``visenc serve``, serve that family's checkpoint."""
-    site = tmp_path / "site"
-    (site / "visenc_test_family-0.dist-info").mkdir(parents=True)
-    (site / "visenc_test_family.py").write_text(FAMILY)
-    meta = site / "visenc_test_family-0.dist-info"
-    (meta / "METADATA").write_text("Metadata-Version: 2.1\nName: visenc-test-family\nVersion: 0\n")
-    (meta / "entry_points.txt").write_text(textwrap.dedent("[visenc.families]\ntest_vl = visenc_test_family\n"))
+    site = installed(tmp_path / "site")
     folder = checkpoint(tmp_path / "ckpt")
     path = ":".join(str(p) for p in (ROOT / "service", ROOT / "clients", ROOT, site))
     with serve_process("--model", str(folder), "--max-wait-ms", "1", env={"PYTHONPATH": path}) as url:

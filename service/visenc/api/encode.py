@@ -70,7 +70,7 @@ async def encode(request: Request) -> Response:
     headers = {"X-Visenc-Queue-Time": f"{timing.queue_s:.6f}", "X-Visenc-Encode-Time": f"{timing.encode_s:.6f}"}
     if not body.include_rows:
         return render(request, {"model": engine.fingerprint, "items": items}, headers=headers)
-    rows = [(it, memoryview(h.rows).cast("B")) for it, h in zip(items, handles) if h.rows is not None]
+    rows = [(it, h.rows.data.cast("B")) for it, h in zip(items, handles) if h.rows is not None]
     total = sum(len(view) for _, view in rows)
     if total > settings.max_body_bytes:
         raise PayloadTooLarge(

@@ -255,7 +255,7 @@ def _frames(part: EncodePart, handles: list[Handle]) -> list[bytes | memoryview]
         part.part_idx,
         grid=[list(h.grid_thw or ()) for h in handles],
         dtype=handles[0].dtype,
-        shape=[sum(h.num_tokens or 0 for h in handles), handles[0].hidden_size],
+        shape=[sum(h.num_tokens or 0 for h in handles), handles[0].hidden_size or 0],
     )
-    views = [memoryview(h.rows).cast("B") for h in handles if h.rows is not None]
+    views = [h.rows.data.cast("B") for h in handles if h.rows is not None]
     return [header, views[0] if len(views) == 1 else b"".join(views)]

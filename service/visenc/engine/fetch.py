@@ -53,6 +53,13 @@ class Fetch:
                 return entry
             case Encoding(job):
                 return await self._wait(job, image_hash, timeout_s)
+        if (settling := self.inflight.settling(key)) is not None:  # finished: its answer is on its way
+            answer = settling.future
+            await asyncio.wait({answer}, timeout=self.fetch_timeout_s)
+            if answer.done() and not answer.cancelled() and answer.exception() is None:
+                return answer.result()
+        if (failed := self.inflight.failure(key)) is not None:
+            raise failed
         raise NotFound(f"no embedding for image {image_hash}: {self.index.absence(key)}")
 
     def lookup_in(self, namespace: str, timeout_s: float | None) -> Callable[[str], Awaitable[Entry]]:
@@ -90,6 +97,8 @@ class Fetch:
 
     async def _elsewhere(self, key: str, image_hash: str, *, follow: bool) -> Located:
         """Another replica's encode of ``key``; with ``follow``, a job here follows it."""
+        if self.inflight.settling(key) is not None or self.inflight.failure(key) is not None:
+            return ABSENT  # encoded or failed here: a mark of its in Redis is this replica's, not waited for
         if not await self.coordination.elsewhere(key):
             return ABSENT
         if (job := self.inflight.joinable(key)) is not None:  # a local encode may have started while we asked

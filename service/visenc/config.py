@@ -13,8 +13,8 @@ from visenc.tenancy import TenantSettings
 from visenc_client.format import NAMESPACE_PATTERN
 
 MiB = 1 << 20
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10, "mi": 1 << 20}
-_UNITS |= {"gi": 1 << 30, "ti": 1 << 40}
+_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_UNITS |= {"ki": 1 << 10, "mi": 1 << 20, "gi": 1 << 30, "ti": 1 << 40}
 _SIZE = re.compile(r"(-?\d+(?:\.\d+)?)\s*([kmgt]i?)?b?", re.I)
 
 
@@ -29,7 +29,6 @@ def parse_bytes(value: object) -> object:
     return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
-#: bytes: an int, or '2GiB', '512MB', ...
 Bytes = Annotated[int, BeforeValidator(parse_bytes)]
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 from harness.images import png_bytes
 from harness.waits import metric
-from tests.support.api import encode_json, fetch_rows, sha
+from tests.support.api import encode_json, fetch_rows, running_app, sha
 
 
 async def _counts(service, reason: str) -> tuple[float, float]:
@@ -59,3 +59,14 @@ async def test_a_404_says_whether_the_image_was_evicted_or_never_encoded(service
     local.max_bytes *= 4
     assert (await encode_json(service, [{"data": first}])).json()["items"][0]["status"] == "ready"
     assert local.gone(next(k for k in local._order if k.endswith(sha(first)))) is None
+
+
+async def test_with_redis_a_failed_image_is_answered_its_error_not_another_replicas(redis_url, tiny_tower):
+    """The queued mark of an image whose bytes failed here outlives it in Redis: a fetch answers the
+    item's error, not a wait for "another replica that did not finish"."""
+    truncated = png_bytes(45, 64, 64)[:200]
+    async with running_app(tiny_tower, redis_url=redis_url) as app:
+        r = await encode_json(app, [{"data": truncated}], wait=True)
+        assert r.json()["items"][0]["reason"] == "invalid_image", r.text
+        fetched = await app.get(f"/v1/embeddings/{sha(truncated)}")
+        assert fetched.status_code == 400 and fetched.json()["error"]["kind"] == "invalid_image", fetched.text

@@ -83,10 +83,20 @@ class Fetch:
                     return await self._wait(
                         self._follow(self.locator.key(namespace, image_hash), image_hash), image_hash, timeout_s
                     )
-            key = self.locator.key(namespace, image_hash)
-            raise NotFound(f"no embedding for image {image_hash}: {self.locator.index.absence(key)}")
+            return await self._absent(self.locator.key(namespace, image_hash), image_hash)
         except VisencError as e:
             return e
+
+    async def _absent(self, key: str, image_hash: str) -> Entry:
+        """An image found nowhere: the answer of an encode here that just finished, its item's error, or 404."""
+        if (settling := self.inflight.settling(key)) is not None:  # finished: its answer is on its way
+            answer = settling.future
+            await asyncio.wait({answer}, timeout=self.timeout_s)
+            if answer.done() and not answer.cancelled() and answer.exception() is None:
+                return answer.result()
+        if (failed := self.inflight.failure(key)) is not None:
+            raise failed
+        raise NotFound(f"no embedding for image {image_hash}: {self.locator.index.absence(key)}")
 
     def _follow(self, key: str, image_hash: str) -> Job:
         """A job here that follows another replica's encode of ``key`` (or the one here, if one started)."""

@@ -118,7 +118,8 @@ class Locator:
                     found[i] = Stored(replace(f.entry, blob=b""))
 
     async def _elsewhere(self, keys: list[str], found: list[Located]) -> None:
-        absent = [i for i, f in enumerate(found) if f is ABSENT]
+        # an image encoded or failed here: a mark of it in Redis is this replica's own, not waited for
+        absent = [i for i, f in enumerate(found) if f is ABSENT and not self.inflight.ended_here(keys[i])]
         there = await asyncio.gather(*(self.coordination.elsewhere(keys[i]) for i in absent))
         for i, encoding in zip(absent, there):
             if encoding:  # a local encode may have started while we asked

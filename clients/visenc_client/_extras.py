@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 from collections.abc import Iterator
 
 
@@ -15,7 +16,15 @@ def needs(extra: str, what: str) -> Iterator[None]:
         package = (e.name or "").split(".")[0]
         if package in ("", "visenc_client"):
             raise
+        missing = e.name if _installed(package) else package  # an older release's gap is not "not installed"
         raise ModuleNotFoundError(
-            f"{what} needs the '{extra}' extra ({package} is not installed): pip install 'visenc-client[{extra}]'",
-            name=package,
+            f"{what} needs the '{extra}' extra ({missing} is not installed): pip install 'visenc-client[{extra}]'",
+            name=missing,
         ) from None
+
+
+def _installed(package: str) -> bool:
+    try:
+        return importlib.util.find_spec(package) is not None
+    except (ImportError, ValueError):
+        return False

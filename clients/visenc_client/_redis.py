@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Generator
 from dataclasses import dataclass
 from typing import Any
@@ -127,6 +128,7 @@ class _Rows:
     def __init__(self, client: Any, *, fingerprint: str, namespace: str = "default") -> None:
         self._client = client
         self._connect: Callable[[], Any] | None = None
+        self._connecting = threading.Lock()  # threads that read first make one client, not one each
         self.fingerprint = fingerprint
         self.namespace = namespace
         self.url = _address(client)
@@ -142,7 +144,9 @@ class _Rows:
     @property
     def redis(self) -> Any:
         if self._client is None and self._connect is not None:
-            self._client = self._connect()  # a cluster's client asks its nodes for the slots here
+            with self._connecting:
+                if self._client is None:
+                    self._client = self._connect()  # a cluster's client asks its nodes for the slots here
         return self._client
 
     def key(self, image: str | Handle) -> str:

@@ -182,6 +182,33 @@ async def test_a_redis_cluster_that_does_not_answer_is_a_transport_error() -> No
         await arows.aclose()
 
 
+def test_threads_that_read_first_share_one_redis_client(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The client ``from_url`` defers is made once, however many threads read first (none left unclosed)."""
+    made: list[Any] = []
+    entered = threading.Barrier(4)
+    make = redis.Redis.from_url
+
+    def from_url(url: str, **options: Any) -> Any:
+        time.sleep(0.2)  # the other threads reach the client meanwhile
+        made.append(make(url, **options))
+        return made[-1]
+
+    monkeypatch.setattr(redis.Redis, "from_url", from_url)
+    rows = RedisRows.from_url("redis://127.0.0.1:1/0", fingerprint="f")
+
+    def first_read() -> Any:
+        entered.wait()
+        return rows.redis
+
+    threads = [threading.Thread(target=first_read) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and rows.redis is made[0]
+    rows.close()
+
+
 def test_a_redis_client_given_as_is_is_named_too() -> None:
     with dead_end("refused") as url:
         port = int(url.rsplit(":", 1)[1])

@@ -12,6 +12,7 @@ import pytest
 from harness.paths import ROOT
 
 from visenc_client import AsyncClient, Client, Handle, ImageEncodeError, ImagePlacement, ProtocolError
+from visenc_client._extras import needs
 
 FAILED = Handle("b" * 64, "error", error="unsupported or unrecognised image format", reason="invalid_image")
 
@@ -90,6 +91,13 @@ def test_an_optional_part_not_installed_is_named_in_one_line(
         f"ModuleNotFoundError: {what} needs the '{extra}' extra ({absent} is not installed): "
         f"pip install 'visenc-client[{extra}]'"
     )
+
+
+def test_a_module_missing_from_an_installed_package_is_named_as_itself() -> None:
+    """An older release without a module (vLLM before its encoder-cache connectors) is not "not installed"."""
+    with pytest.raises(ModuleNotFoundError, match=r"needs the 'vllm' extra \(json\.absent is not installed\)"):
+        with needs("vllm", "visenc_client.vllm"):
+            import json.absent  # noqa: F401
 
 
 def test_what_needs_no_extra_imports_without_them() -> None:

@@ -13,8 +13,7 @@ from visenc.tenancy import TenantSettings
 from visenc_client.format import NAMESPACE_PATTERN
 
 MiB = 1 << 20
-_UNITS = {"": 1, "b": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 1 << 10, "mi": 1 << 20}
-_UNITS |= {"gi": 1 << 30, "ti": 1 << 40}
+_UNITS = {u + i: 1 << 10 * n if i else 1000**n for n, u in enumerate(["", *"kmgt"]) for i in ("", "i")}
 _SIZE = re.compile(r"(-?\d+(?:\.\d+)?)\s*([kmgt]i?)?b?", re.I)
 
 

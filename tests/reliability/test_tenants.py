@@ -125,3 +125,18 @@ async def test_the_client_and_the_vllm_connector_can_set_the_class(tiny_tower, m
     assert ConnectorOptions.read(Extra(priority="batch")).priority == "batch"
     with pytest.raises(ValueError, match="priority must be 'interactive' or 'batch'"):
         ConnectorOptions.read(Extra(priority="urgent"))
+
+
+async def test_a_request_over_the_quota_of_an_idle_tenant_runs_whole_across_its_waves(tiny_tower, monkeypatch):
+    # taken in waves of 1, 2, 4 uploads: the second wave must not be refused for the first wave's images
+    async with running_app(tiny_tower, tenant=["a max_images=2"]) as client:
+        encoder = client.app.state.engine
+        with held_device(encoder, monkeypatch) as gate:
+            a = [png_bytes(760 + i, 28, 28) for i in range(5)]
+            r = await encode_json(client, [{"data": x} for x in a[:4]], wait=False, headers=A)
+            assert r.status_code == 200, r.text
+            assert [it["status"] for it in r.json()["items"]] == ["pending"] * 4
+            r = await encode_json(client, [{"data": a[4]}], wait=False, headers=A)
+            assert r.status_code == 429 and "has 4 images in flight" in r.text
+            gate.set()
+            await until(lambda: not encoder.inflight.jobs)

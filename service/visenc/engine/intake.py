@@ -153,16 +153,17 @@ class Intake:
         order, reader, priority, exempt = by
         await inspect(part, self.prep, self.pool)
         await self._locate(part, namespace, ask)
-        new, exempt = self._admission(part, namespace, exempt)
-        placed = await self._place(part, new)
-        for i, it in enumerate(part, lo):
-            match it.state:
-                case Found(entry):
-                    self.pins.hold(it.hash, namespace, entry, reader.lease)
-                case HashOnly() | Encodable():
-                    keep = reader.of_pending(uploaded=isinstance(it.state, Encodable))
-                    asker = (self.tenants.account(namespace), priority)
-                    it.to(self.inflight.join_or_start(it, (order, i), placed.get(it.looked_up), keep, asker))
+        new, exempt, (images, tokens) = self._admission(part, namespace, exempt)
+        with self.tenants.reserved(namespace, images, tokens):  # admitted: counted while its place is asked
+            placed = await self._place(part, new)
+            for i, it in enumerate(part, lo):
+                match it.state:
+                    case Found(entry):
+                        self.pins.hold(it.hash, namespace, entry, reader.lease)
+                    case HashOnly() | Encodable():
+                        keep = reader.of_pending(uploaded=isinstance(it.state, Encodable))
+                        asker = (self.tenants.account(namespace), priority)
+                        it.to(self.inflight.join_or_start(it, (order, i), placed.get(it.looked_up), keep, asker))
         return exempt
 
     async def _locate(self, items: list[Item], namespace: str, ask: Ask) -> None:
@@ -178,7 +179,7 @@ class Intake:
                 case Stored(Entry(kind="rows") as entry):
                     it.to(Found(entry))
 
-    def _admission(self, items: list[Item], namespace: str, exempt: bool) -> tuple[set[str], bool]:
+    def _admission(self, items: list[Item], namespace: str, exempt: bool) -> tuple[set[str], bool, tuple[int, int]]:
         live = [it for it in items if it.open]
         new = {
             it.looked_up
@@ -190,7 +191,7 @@ class Intake:
                 raise NotReady(reason)
         costs = [it.state.inspected.cost for it in live if isinstance(it.state, Encodable) and it.looked_up in new]
         exempt = self.tenants.admit(namespace, len(costs), sum(costs), exempt)  # a quota, or the queue limit: 429
-        return new, exempt
+        return new, exempt, (len(costs), sum(costs))
 
     async def _place(self, items: list[Item], new: set[str]) -> dict[str, Entry | Place]:
         """Where each new image is encoded; one stored meanwhile (here or by another replica) is found."""

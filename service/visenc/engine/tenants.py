@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -167,6 +168,17 @@ class Tenants:
             raise self._refuse(acc, "queue_full", f"encoder queue is full ({limit}); tenant {tenant!r} holds "
                                f"{acc.queued} of it")  # fmt: skip
         return exempt
+
+    @contextlib.contextmanager
+    def reserved(self, tenant: str, images: int, tokens: int) -> Iterator[None]:
+        """Images just admitted, counted against the quotas and the queue limit until their jobs count them:
+        a request admitted meanwhile sees them."""
+        acc, held = self.account(tenant), (images, images, tokens)
+        acc.change(held, (0, 0, 0))
+        try:
+            yield
+        finally:
+            acc.change((0, 0, 0), held)
 
     def precheck(self, tenant: str) -> None:
         """Refuse at once a tenant already at a quota, or holding its share of a full queue: a flood's refusal

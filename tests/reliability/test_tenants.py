@@ -125,3 +125,33 @@ async def test_the_client_and_the_vllm_connector_can_set_the_class(tiny_tower, m
     assert ConnectorOptions.read(Extra(priority="batch")).priority == "batch"
     with pytest.raises(ValueError, match="priority must be 'interactive' or 'batch'"):
         ConnectorOptions.read(Extra(priority="urgent"))
+
+
+async def test_a_request_over_the_quota_of_an_idle_tenant_runs_whole_across_its_waves(tiny_tower, monkeypatch):
+    # taken in waves of 1, 2, 4 uploads: the second wave must not be refused for the first wave's images
+    async with running_app(tiny_tower, tenant=["a max_images=2"]) as client:
+        encoder = client.app.state.engine
+        with held_device(encoder, monkeypatch) as gate:
+            a = [png_bytes(780 + i, 28, 28) for i in range(5)]
+            r = await encode_json(client, [{"data": x} for x in a[:4]], wait=False, headers=A)
+            assert r.status_code == 200, r.text
+            assert [it["status"] for it in r.json()["items"]] == ["pending"] * 4
+            r = await encode_json(client, [{"data": a[4]}], wait=False, headers=A)
+            assert r.status_code == 429 and "has 4 images in flight" in r.text
+            gate.set()
+            await until(lambda: not encoder.inflight.jobs)
+
+
+async def test_requests_admitted_while_their_place_is_asked_count_against_the_quota(tiny_tower, monkeypatch, redis_url):
+    # with a shared index, an admitted request asks Redis where to encode before its jobs exist: a request
+    # admitted meanwhile must see it
+    async with running_app(tiny_tower, tenant=["a max_images=2"], redis_url=redis_url) as client:
+        encoder = client.app.state.engine
+        with held_device(encoder, monkeypatch) as gate:
+            imgs = [png_bytes(790 + i, 56, 56) for i in range(8)]
+            rs = await asyncio.gather(*(encode_json(client, [{"data": x}], wait=False, headers=A) for x in imgs))
+            assert sorted(r.status_code for r in rs) == [200, 200, *[429] * 6]
+            assert encoder.tenants.account("a").images == 2
+            gate.set()
+            await until(lambda: not encoder.inflight.jobs)
+        assert encoder.tenants.account("a").images == 0

@@ -4,6 +4,7 @@ move is refused, and what a state holds (bytes, tower input) exists only in the 
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Callable
 
 import numpy as np
@@ -13,7 +14,9 @@ from visenc.engine.coordination import LocalCoordination, Place
 from visenc.engine.job import JOB_EDGES, STAGED, IllegalTransition, Job, JobState
 from visenc.engine.prepare import Inspected
 from visenc.engine.staging import Staging
+from visenc.engine.tenants import Account
 from visenc.models.base import Prepared, TokenLayout
+from visenc.tenancy import TenantPolicy
 
 S = JobState
 LAYOUT = TokenLayout(4, (1, 2, 2), 4)
@@ -175,3 +178,29 @@ async def test_staging_is_held_only_in_the_staged_states_and_every_exit_gives_it
                 job.run()
             move(job)
             assert job.state not in STAGED and staging.tokens == 0
+
+
+async def test_a_waiter_leaving_while_a_thread_moves_the_job_is_uncharged_once():
+    # the loop's leave and a preprocessing thread's move both recount the job: neither may use a stale count
+    mover: list[threading.Thread] = []
+
+    class Interleaved(Account):
+        def change(self, now, before):  # the thread moves the job between the leave's count and its store
+            super().change(now, before)
+            if not mover and now == (0, 0, 0):
+                mover.append(threading.Thread(target=job.prepared, args=(tower_input(),)))
+                mover[0].start()
+                mover[0].join(0.5)
+
+    account = Interleaved("a", TenantPolicy())
+    job = Job(key="k", image_hash="h", order=(0, 0), future=asyncio.get_running_loop().create_future(),
+              admitted_at=0, account=account)  # fmt: skip
+    job.join()
+    job.give_bytes(b"png", Inspected("h", LAYOUT, 4, 1))
+    job.queue()
+    job.start_preparing(Staging())
+    assert (account.images, account.queued, account.tokens) == (1, 1, 4)
+    assert job.leave()
+    mover[0].join()
+    assert job.state is S.READY
+    assert (account.images, account.queued, account.tokens) == (0, 0, 0)

@@ -148,3 +148,32 @@ async def scenario(costs: list[tuple[int, int]], ops: list[tuple[str, int]]) -> 
     s.cancel_all(RuntimeError("stopped"))
     assert s.staged_tokens == 0
     assert all(jobs[k].finished or jobs[k].state is JobState.FORWARDED for k in admitted)
+
+
+async def test_a_job_left_and_joined_again_while_it_is_preprocessed_still_runs() -> None:
+    # its only waiter goes while the thread preprocesses it, a new request joins it before the loop hears
+    # that the preparation ended: it is still handed to the device, and one nobody joins is dropped
+    from tests.support.stages import job as make_one
+    from tests.support.stages import make_scheduler
+
+    scheduler = make_scheduler()
+    scheduler._pool = InlinePool()
+    kept, dropped = make_one(4, (0, 0)), make_one(5, (0, 1))
+    real = scheduler._preprocess
+
+    def preprocess(data: bytes) -> Prepared:
+        for j in (kept, dropped):
+            if j.interest:
+                j.leave()
+                scheduler.drop(j)
+        return real(data)
+
+    scheduler._preprocess = preprocess
+    scheduler._on_prepared = lambda j, _s: j.join() if j is kept else None
+    scheduler.submit(kept)
+    scheduler.submit(dropped)
+    await settle(scheduler)
+    assert kept.state is JobState.READY and dropped.state is JobState.FAILED
+    assert scheduler.take(0.0, 0.0) == [kept]
+    forwarded(scheduler, [kept])
+    assert scheduler.staged_tokens == 0

@@ -134,9 +134,10 @@ class Intake:
         order = self.inflight.next_request()
         uploads = sum(isinstance(it.state, Upload | Encodable) for it in work)
         fits = self.scheduler.depth + uploads <= self.config.max_queue_images
+        exempt = False  # the tenant held nothing at the first wave: its later waves pass its quotas too
         try:
             for lo, hi in waves(work) if fits else [(0, len(work))]:
-                await self._take(work[lo:hi], lo, namespace, (order, reader, priority), ask)
+                exempt = await self._take(work[lo:hi], lo, namespace, (order, reader, priority, exempt), ask)
         except BaseException:
             for job in joined(work).values():
                 self.inflight.leave(job, reader.lease)
@@ -145,21 +146,25 @@ class Intake:
         return joined(work)
 
     async def _take(
-        self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader, Priority], ask: Ask
-    ) -> None:
-        """Inspect, locate, admit and start (or join) ``part`` (items ``lo``...)."""
-        order, reader, priority = by
+        self, part: list[Item], lo: int, namespace: str, by: tuple[int, Reader, Priority, bool], ask: Ask
+    ) -> bool:
+        """Inspect, locate, admit and start (or join) ``part`` (items ``lo``...); whether its tenant is exempt
+        from its quotas (``Tenants.admit``)."""
+        order, reader, priority, exempt = by
         await inspect(part, self.prep, self.pool)
         await self._locate(part, namespace, ask)
-        placed = await self._place(part, self._admission(part, namespace))
-        for i, it in enumerate(part, lo):
-            match it.state:
-                case Found(entry):
-                    self.pins.hold(it.hash, namespace, entry, reader.lease)
-                case HashOnly() | Encodable():
-                    keep = reader.of_pending(uploaded=isinstance(it.state, Encodable))
-                    asker = (self.tenants.account(namespace), priority)
-                    it.to(self.inflight.join_or_start(it, (order, i), placed.get(it.looked_up), keep, asker))
+        new, exempt, (images, tokens) = self._admission(part, namespace, exempt)
+        with self.tenants.reserved(namespace, images, tokens):  # admitted: counted while its place is asked
+            placed = await self._place(part, new)
+            for i, it in enumerate(part, lo):
+                match it.state:
+                    case Found(entry):
+                        self.pins.hold(it.hash, namespace, entry, reader.lease)
+                    case HashOnly() | Encodable():
+                        keep = reader.of_pending(uploaded=isinstance(it.state, Encodable))
+                        asker = (self.tenants.account(namespace), priority)
+                        it.to(self.inflight.join_or_start(it, (order, i), placed.get(it.looked_up), keep, asker))
+        return exempt
 
     async def _locate(self, items: list[Item], namespace: str, ask: Ask) -> None:
         """Each open item's place: stored (found), a video's manifest (a hash alone may be a video's), or
@@ -174,7 +179,7 @@ class Intake:
                 case Stored(Entry(kind="rows") as entry):
                     it.to(Found(entry))
 
-    def _admission(self, items: list[Item], namespace: str) -> set[str]:
+    def _admission(self, items: list[Item], namespace: str, exempt: bool) -> tuple[set[str], bool, tuple[int, int]]:
         live = [it for it in items if it.open]
         new = {
             it.looked_up
@@ -185,8 +190,8 @@ class Intake:
             if (reason := self.not_ready_reason()) is not None:
                 raise NotReady(reason)
         costs = [it.state.inspected.cost for it in live if isinstance(it.state, Encodable) and it.looked_up in new]
-        self.tenants.admit(namespace, len(costs), sum(costs))  # a quota, or the queue limit: 429
-        return new
+        exempt = self.tenants.admit(namespace, len(costs), sum(costs), exempt)  # a quota, or the queue limit: 429
+        return new, exempt, (len(costs), sum(costs))
 
     async def _place(self, items: list[Item], new: set[str]) -> dict[str, Entry | Place]:
         """Where each new image is encoded; one stored meanwhile (here or by another replica) is found."""

@@ -138,15 +138,19 @@ class Job:
             self._readers[reader.id] = reader
         if priority == "interactive":
             self.priority = priority
-        self._recount()
+        self._recount_now()
 
     def leave(self, reader: Lease | None = None) -> bool:
         """One waiter is done with it; whether nobody wants it any more."""
         self._interest -= 1
         if reader is not None and not self.finished:
             self._readers.pop(reader.id, None)
-        self._recount()
+        self._recount_now()
         return self._interest <= 0 and not self.finished
+
+    def _recount_now(self) -> None:
+        with _MOVES:  # a thread's move recounts too: each reads and writes ``_counted`` as one step
+            self._recount()
 
     def _recount(self) -> None:
         """Its account holds it while a waiter wants it: an image until it finishes, its tokens until it runs."""
@@ -199,7 +203,7 @@ class Job:
             raise IllegalTransition(f"job {self.key}: bytes given in state {self._state.name}, or twice")
         self._data, self.layout = data, inspected.layout
         self.cost, self.decode_cost = inspected.cost, inspected.decode_cost
-        self._recount()
+        self._recount_now()
 
     def queue(self) -> None:
         self._move(S.QUEUED)

@@ -200,14 +200,15 @@ class Scheduler:
         handed = await asyncio.get_running_loop().run_in_executor(self._pool, self._prepare_and_hand, job, data)
         if self._on_prepared is not None:
             self._on_prepared(job, time.perf_counter() - t0)
-        if not handed:
+        # whether it is still wanted is told here, on the loop: a request may have joined it meanwhile
+        if not handed or (job.interest <= 0 and self._unready(job)):
             self._drop_if_unwanted(job)
 
     def _prepare_and_hand(self, job: Job, data: Source) -> bool:
         """On a preprocessing thread: the tower input, put where the device thread takes it (no event loop)."""
         tower_input = self._preprocess(data)
         with self._lock:
-            if job.interest <= 0 or job.state is not JobState.PREPARING:
+            if job.state is not JobState.PREPARING:
                 return False
             try:
                 job.prepared(tower_input)

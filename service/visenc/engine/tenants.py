@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -140,23 +141,25 @@ class Tenants:
             acc = self.accounts[tenant] = Account(tenant, policy, label=label, clock=self.clock, counter=counter)
         return acc
 
-    def admit(self, tenant: str, images: int, tokens: int) -> None:
+    def admit(self, tenant: str, images: int, tokens: int, exempt: bool = False) -> bool:
         """Refuse (``Overloaded``) ``images`` new images of ``tokens`` tower-input tokens over the tenant's
         quota, or over the queue limit when the tenant holds the most of it for its weight; a tenant holding
-        nothing is admitted whatever its quotas."""
+        nothing is admitted whatever its quotas, and so are the later waves of its request (``exempt``, what
+        this returns)."""
         acc = self.account(tenant)
+        exempt = exempt or not acc.images
         if images <= 0:
-            return
-        p = acc.policy
-        if acc.images and p.max_images is not None and acc.images + images > p.max_images:
+            return exempt
+        p, held = acc.policy, not exempt
+        if held and p.max_images is not None and acc.images + images > p.max_images:
             raise self._refuse(acc, "tenant_images", f"tenant {tenant!r} has {acc.images} images in flight "
                                f"(max_images={p.max_images})")  # fmt: skip
-        if acc.tokens and p.max_queued_tokens is not None and acc.tokens + tokens > p.max_queued_tokens:
+        if held and acc.tokens and p.max_queued_tokens is not None and acc.tokens + tokens > p.max_queued_tokens:
             raise self._refuse(acc, "tenant_tokens", f"tenant {tenant!r} has {acc.tokens} tokens queued "
                                f"(max_queued_tokens={p.max_queued_tokens})")  # fmt: skip
         total = sum(a.queued for a in self.accounts.values())
         if total + images <= self.max_queue_images:
-            return
+            return exempt
         share = (
             self.max_queue_images * acc.weight / sum(a.weight for a in self.accounts.values() if a.queued or a is acc)
         )
@@ -164,6 +167,18 @@ class Tenants:
             limit = f"max_queue_images={self.max_queue_images}"
             raise self._refuse(acc, "queue_full", f"encoder queue is full ({limit}); tenant {tenant!r} holds "
                                f"{acc.queued} of it")  # fmt: skip
+        return exempt
+
+    @contextlib.contextmanager
+    def reserved(self, tenant: str, images: int, tokens: int) -> Iterator[None]:
+        """Images just admitted, counted against the quotas and the queue limit until their jobs count them:
+        a request admitted meanwhile sees them."""
+        acc, held = self.account(tenant), (images, images, tokens)
+        acc.change(held, (0, 0, 0))
+        try:
+            yield
+        finally:
+            acc.change((0, 0, 0), held)
 
     def precheck(self, tenant: str) -> None:
         """Refuse at once a tenant already at a quota, or holding its share of a full queue: a flood's refusal

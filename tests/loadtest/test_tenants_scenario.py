@@ -20,5 +20,6 @@ def test_each_tenant_has_its_latency_and_refusals(tmp_path: Path) -> None:
     assert ("refused", "interactive") not in count
     table = (out / "tenants.md").read_text().splitlines()
     rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:-1]] for line in table if "| " in line}
-    assert rows["interactive"][4] == "0" and int(rows["flood"][4]) == count[("refused", "flood")]
+    # the table is written at quitting, after the CSV's last write: requests still in flight then count in it
+    assert rows["interactive"][4] == "0" and int(rows["flood"][4]) >= count[("refused", "flood")]
     assert int(rows["interactive"][1]) > 0 and float(rows["interactive"][3]) > 0  # answered, with a p95

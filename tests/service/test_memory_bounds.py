@@ -112,7 +112,7 @@ async def test_shared_memory_reads_of_a_video_share_one_segment(tiny_tower: Visi
             (item,) = msgpack.unpackb(r.content)["items"]
             assert "segment" in item, item  # not refused: the budget holds one copy of the video
             segments.add(item["segment"])
-        assert len(segments) == 1 and len(os.listdir(tmp_path)) == 2  # the segment and the probe
+        assert len(segments) == 1 and len(os.listdir(tmp_path)) == 3  # the segment, the probe, the life's lock
         exposed = (await service.get("/metrics")).text
         joined = metric(exposed, "visenc_joined_rows_bytes")
         assert joined == metric(exposed, "visenc_shm_bytes") == 256 + rows * video["hidden_size"] * 4

@@ -177,3 +177,31 @@ async def test_a_job_left_and_joined_again_while_it_is_preprocessed_still_runs()
     assert scheduler.take(0.0, 0.0) == [kept]
     forwarded(scheduler, [kept])
     assert scheduler.staged_tokens == 0
+
+
+async def test_a_job_both_preparing_and_ready_is_failed_once_at_stop() -> None:
+    # a preprocessing thread hands its job to the ready list while the job's task still runs: stopping
+    # lists it twice (preparing and ready), and it is failed, and answered, once
+    from tests.support.stages import job as make_one
+
+    from visenc.devices import for_device
+    from visenc.engine.outputs import Outputs
+    from visenc.errors import NotReady
+    from visenc.index.memory import MemoryCache
+    from visenc.index.tiered import Index
+
+    outputs = Outputs(
+        index=Index(MemoryCache(1 << 20, Metrics())),
+        metrics=Metrics(),
+        fingerprint="f" * 32,
+        hidden_size=4,
+        runtime=for_device("cpu"),
+        coordination=LocalCoordination(),
+    )
+    outputs.start()
+    twice = make_one(4, (0, 0))
+    outputs.fail([twice, twice], NotReady("the service is stopping"))
+    assert twice.state is JobState.FAILED
+    done, _ = await asyncio.wait({twice.future}, timeout=10)
+    assert done and isinstance(twice.future.exception(), NotReady)
+    await outputs.stop(5.0)

@@ -164,7 +164,8 @@ class Outputs:
 
     def fail(self, jobs: Sequence[Job], error: BaseException) -> None:
         """Fail ``jobs`` (any stage): marked failed now, answered by the output task."""
-        live = [j for j in jobs if not j.finished]
+        # a job its thread handed over while its task still runs is both preparing and ready: failed once
+        live = list({id(j): j for j in jobs if not j.finished}.values())
         for job in live:
             job.fail()
         if live:

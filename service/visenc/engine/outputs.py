@@ -157,6 +157,9 @@ class Outputs:
             self.metrics.encode_failures.labels("output").inc(len(forwarded.batch))
             self.fail(forwarded.batch, EncodeFailed(f"encoding failed: {type(error).__name__}"))
             return
+        if forwarded.start is not None:  # the Encode-Time header is the device's time, as the histogram's
+            for job in forwarded.batch:
+                job.forward_s = self.runtime.seconds(forwarded.start, forwarded.end)
         if self.on_materialised is not None:
             self.on_materialised(forwarded.batch, time.perf_counter() - t0)
         self.metrics.output_seconds.observe(time.perf_counter() - t0)

@@ -18,6 +18,7 @@ from tests.support.hub_checkpoints import reshard
 from tests.with_vllm import tiny_vlm
 
 import visenc.models.loading as loading
+import visenc.models.registry as registry
 
 pytest.importorskip("vllm", reason="needs the vLLM environment (make vllm)")
 
@@ -57,7 +58,7 @@ def visenc_read(folder: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[str
 
         return Reader()
 
-    monkeypatch.setattr(loading, "safe_open", spy)
+    monkeypatch.setattr(registry, "safe_open", spy)  # the checkpoint reader lives in the registry
     loading.load_tower(str(folder), image_backend="pil")
     return sorted(files), tensors
 

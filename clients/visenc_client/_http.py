@@ -140,12 +140,8 @@ class ResolvingBackend(httpcore.SyncBackend):
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.NetworkStream:
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
+        with _as_connect_errors():
             infos = resolve(host, port, timeout)
-        except TimeoutError as e:
-            raise httpcore.ConnectTimeout(str(e)) from e
-        except OSError as e:
-            raise httpcore.ConnectError(describe(e)) from e
         error: Exception = httpcore.ConnectError(f"no address for {host}")
         for info in infos:
             left = None if deadline is None else max(1e-3, deadline - time.monotonic())
@@ -168,12 +164,8 @@ class AsyncResolvingBackend(httpcore.AnyIOBackend):
         socket_options: Iterable[Any] | None = None,
     ) -> httpcore.AsyncNetworkStream:
         deadline = None if timeout is None else time.monotonic() + timeout
-        try:
+        with _as_connect_errors():
             infos = await anyio.to_thread.run_sync(resolve, host, port, timeout)
-        except TimeoutError as e:
-            raise httpcore.ConnectTimeout(str(e)) from e
-        except OSError as e:
-            raise httpcore.ConnectError(describe(e)) from e
         error: Exception = httpcore.ConnectError(f"no address for {host}")
         for info in infos:
             left = None if deadline is None else max(1e-3, deadline - time.monotonic())
@@ -356,3 +348,13 @@ class AsyncChunkBody(_Pending):
         filled = 0
         while filled < len(view):
             filled = self._fill(view, filled, await self._next())
+
+
+@contextlib.contextmanager
+def _as_connect_errors() -> Iterator[None]:
+    try:
+        yield
+    except TimeoutError as e:
+        raise httpcore.ConnectTimeout(str(e)) from e
+    except OSError as e:
+        raise httpcore.ConnectError(describe(e)) from e

@@ -55,3 +55,13 @@ def test_host_buffers_come_from_a_pool() -> None:
         buffer = tower.runtime.host_buffer((100, 3), torch.float32)
         del buffer
     assert pool.allocated == 1
+
+
+def test_the_host_device_reads_the_input_itself() -> None:
+    """On the host the forward reads the preprocessed array: no second copy, and no idle buffers kept
+    outside the memory budget (the C heap, held by ``heap.hold_freed``, is the pool)."""
+    tower = load_tower("tiny-qwen2-vl")
+    prepared = tower.preprocess(_image(3))
+    staged = tower.stage(prepared)
+    assert staged.pixels.data_ptr() == torch.from_numpy(prepared.pixels).data_ptr()
+    assert not hasattr(tower.runtime, "pool")

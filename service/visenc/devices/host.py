@@ -9,7 +9,7 @@ from contextlib import AbstractContextManager
 
 import torch
 
-from visenc.devices.api import DONE, Device, Event, HostPool
+from visenc.devices.api import DONE, Device, Event
 from visenc.engine.host import usable_memory_bytes
 
 
@@ -34,7 +34,6 @@ class HostDevice(Device):
     def __init__(self, device: torch.device) -> None:
         super().__init__()
         self.device = device
-        self.pool = HostPool()
 
     def stream(self) -> AbstractContextManager[object]:
         return contextlib.nullcontext()
@@ -46,7 +45,12 @@ class HostDevice(Device):
         return max(0.0, getattr(end, "at", 0.0) - getattr(start, "at", 0.0))
 
     def host_buffer(self, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
-        return self.pool.take(shape, dtype)
+        # the C heap is the pool (``heap.hold_freed``, inside the memory budget): no idle buffers kept outside it
+        return torch.empty(tuple(shape), dtype=dtype)
+
+    def stage(self, array: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """The device reads host memory: ``array`` itself, or its one cast to ``dtype``."""
+        return array if array.dtype == dtype else array.to(dtype)
 
     def to_device(self, host: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         if host.dtype != dtype:

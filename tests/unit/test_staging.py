@@ -205,3 +205,28 @@ async def test_a_job_both_preparing_and_ready_is_failed_once_at_stop() -> None:
     done, _ = await asyncio.wait({twice.future}, timeout=10)
     assert done and isinstance(twice.future.exception(), NotReady)
     await outputs.stop(5.0)
+
+
+async def test_a_job_handed_over_while_its_task_runs_is_in_the_backlog_once() -> None:
+    # the gauges and the tenants' queues read the backlog: a job its thread made ready, whose task has
+    # not yet ended on the loop, is one job waiting for the device, not two
+    loop = asyncio.get_running_loop()
+    scheduler = Scheduler(
+        SchedulerConfig(100, 8, False),
+        preprocess=lambda data: Prepared(np.zeros((len(data), 1), np.float32), TokenLayout(len(data), (1, 1, 1), 0)),
+        pool=InlinePool(),
+        outputs=RecordedFailures(),  # type: ignore[arg-type]
+        coordination=LocalCoordination(),
+        metrics=Metrics(),
+    )
+    handed = make_job(0, 4, 0, loop)
+    handed.join()
+    scheduler.submit(handed)
+    for _ in range(10):
+        if handed.state is JobState.READY:
+            break
+        await asyncio.sleep(0)
+    assert handed.state is JobState.READY and any(not t.done() for t in scheduler._preparing)
+    assert scheduler.backlog() == [handed]
+    await settle(scheduler)
+    assert scheduler.backlog() == [handed]

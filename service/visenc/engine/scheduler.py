@@ -252,9 +252,9 @@ class Scheduler:
 
     def backlog(self) -> list[Job]:
         """Jobs wanted and not yet on the device, in no order (for the autoscaling gauges)."""
-        with self._lock:
+        with self._lock:  # a job its thread handed over while its task still runs is listed once, as ready
             ready = list(self._ready)
-        preparing = [job for task, job in self._preparing.items() if not task.done()]
+            preparing = [j for t, j in self._preparing.items() if not t.done() and j.state is JobState.PREPARING]
         return [job for job in (*self._waiting, *preparing, *ready) if job.interest > 0]
 
     def cancel_all(self, error: BaseException) -> None:

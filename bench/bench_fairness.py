@@ -37,21 +37,6 @@ SIDES = {256: (256, 256), 240: (256, 240)}
 SERVE = ["--max-batch-tokens", "2048", "--prefetch-tokens", "4096", "--tenant-max-images", "64", "--max-wait-ms", "2"]
 
 
-def serve_main(spec: str, port: int, flags: list[str]) -> None:
-    """The server of one pass: ``visenc serve``'s settings, on the simulated device."""
-    import uvicorn
-    from _sim_serve import sim_module
-
-    from visenc.bootstrap import create_app
-    from visenc.cli import build_parser
-    from visenc.config import Settings
-
-    args = vars(build_parser().parse_args(["serve", "--port", str(port), "--log-level", "warning", *flags]))
-    args.pop("command")
-    app = create_app(Settings(**args), tower=sim_module().load(spec))
-    uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")).run()
-
-
 class Tenant:
     """Open-loop sender: ``rate`` images a second, ``per`` a request, for ``seconds``; latencies and statuses."""
 
@@ -96,7 +81,8 @@ def one_pass(args: argparse.Namespace, tenants: list[Tenant], tag: str) -> tuple
     with tempfile.TemporaryDirectory(prefix="visenc-fair-") as tmp:
         timeline, port = Path(tmp) / "timeline.jsonl", c.free_port()
         spec = SPEC.format(token_us=args.token_us) + f",timeline={timeline}"
-        cmd = [c.PYTHON, __file__, "--serve", spec, str(port)]
+        cmd = [c.PYTHON, str(Path(__file__).with_name("_sim_serve.py")), "--", "--model", spec, *SERVE]
+        cmd += ["--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
         url = f"http://127.0.0.1:{port}"
         for t in tenants:
             t.prepare(args.seconds)
@@ -158,10 +144,6 @@ def equal_shares(args: argparse.Namespace, capacity: float) -> tuple[float, floa
 
 
 def main() -> int:
-    if "--serve" in sys.argv:
-        i = sys.argv.index("--serve")
-        serve_main(sys.argv[i + 1], int(sys.argv[i + 2]), SERVE)
-        return 0
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--image-ms", type=float, default=25.0, help="device time of one 256-token image")
     p.add_argument("--seconds", type=float, default=20.0, help="length of each pass")

@@ -54,6 +54,8 @@ LEASE_S, CLAIM_TTL_MS = 3, 2000
 READY_S = 120.0
 #: after the last kill, the restarted replica serves this long under load too
 SERVE_AFTER_S = 2.0
+#: a kill of a serving replica waits this long at most for a request on it
+AIM_S = 1.0
 
 
 @dataclass
@@ -122,7 +124,7 @@ def claim_keys(redis_url: str) -> int:
 class Kills:
     """``kills`` SIGKILLs of ``victim``, each followed at once by a new start (as a supervisor does). A
     share ``starting_share`` lands while it starts; the others once it is ready, a random moment (up to
-    ``gap_s``) later, while it serves the load."""
+    ``gap_s``) later, while it serves the load, with a request on it where one comes within ``AIM_S``."""
 
     victim: Replica
     kills: int
@@ -139,6 +141,8 @@ class Kills:
             else:
                 wait_ready(self.victim.url, self.victim.proc, READY_S)
                 time.sleep(self.rng.uniform(0.3, self.gap_s))
+                with contextlib.suppress(TimeoutError):  # mid-request, when one comes soon
+                    wait_until(lambda: self.in_flight[self.victim.url] > 0, AIM_S, interval_s=0.002)
             busy = self.in_flight[self.victim.url]
             serving = self.victim.kill()
             self.counts["killed while serving" if serving else "killed while starting"] += 1

@@ -129,7 +129,7 @@ class SoakUser(User):
         try:
             return self.steps(*self.clients[url], data)
         finally:
-            self.soak.in_flight[url] -= 1
+            s.in_flight[url] -= 1
 
     def steps(self, vc: Client, shm: Client, data: bytes) -> tuple[str, list[np.ndarray]]:
         h = image_hash(data)

@@ -1,19 +1,28 @@
-"""Kill-and-restart soak: two replicas share one Redis under bounded prefill-like load; one of them is
-killed with SIGKILL at random moments and started again at once, as a supervisor does.
+"""Kill-and-restart soak: two replicas share one Redis under a bounded Locust load of prefill-like users
+(``loadtest/prefill_soak.py``: the connector's look-up, an encode that waits, the rows over HTTP and over
+shared memory, every row compared with a run without faults). One replica is killed with SIGKILL at random
+moments and started again at once, as a supervisor does: most kills land while it serves, under load (it
+is ready, then a random moment later), the others while it starts. A request that meets the killed replica
+gets a retryable error and is tried again on the other one. Afterwards the shared-memory folder, the
+download folder and Redis' claim keys are back at their level before the load. Prints the counts.
 
-Each client request is a prefill worker's path for one image: the connector's look-up by hash, an encode
-that waits, the rows over HTTP and over shared memory. A request that meets a killed replica gets a
-retryable error and is tried again on the other one. Every row is compared with the rows of a run
-without faults (before the first kill, in a namespace of its own). Afterwards the shared-memory folder,
-the download folder and Redis' claim keys are back at their level before the load. Prints the counts.
+    python bench/bench_kill_soak.py [--kills 20] [--clients 4] [--images 600] [--seed 0] [--gap-s 6]
+        [--starting-share 0.15] [--max-s S] [--json PATH]
 
-    python bench/bench_kill_soak.py [--kills 20] [--clients 4] [--images 600] [--seed 0] [--gap-s 9]
+Run it as a script: the load's users are gevent greenlets, so the process is patched before anything
+else is imported (importing this module, as the vLLM kill test does for ``Replica``, patches nothing).
 """
 
 from __future__ import annotations
 
+if __name__ == "__main__":
+    from gevent import monkey
+
+    monkey.patch_all()
+
 import argparse
 import contextlib
+import json
 import os
 import random
 import shutil
@@ -21,12 +30,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -38,22 +47,15 @@ from harness.images import png_bytes
 from harness.processes import redis_process
 from harness.waits import free_port, wait_ready, wait_until
 
-from visenc_client import (
-    Client,
-    DeadlineError,
-    OverloadedError,
-    ProtocolError,
-    TransportError,
-    UnavailableError,
-    VisencClientError,
-)
-from visenc_client.format import image_hash
+from visenc_client import Client
 
-#: what a client meets when a replica is killed or starting: it tries again, on the other replica
-RETRYABLE = (TransportError, UnavailableError, OverloadedError, DeadlineError, ProtocolError)
-TRIES = 8
-FRESH_SHARE = 0.25
 LEASE_S, CLAIM_TTL_MS = 3, 2000
+#: the longest a (re)started replica may take to be ready
+READY_S = 120.0
+#: after the last kill, the restarted replica serves this long under load too
+SERVE_AFTER_S = 2.0
+#: a kill of a serving replica waits this long at most for a request on it
+AIM_S = 1.0
 
 
 @dataclass
@@ -81,15 +83,18 @@ class Replica:
         with self.log.open("ab") as out:
             self.proc = subprocess.Popen(argv, env=env, stdout=out, stderr=out, cwd=ROOT)
 
-    def kill(self) -> bool:
-        """SIGKILL; returns whether it was ready then (else it was killed while it started)."""
+    def ready(self) -> bool:
         import httpx
 
-        assert self.proc is not None
         try:
-            ready = httpx.get(self.url + "/readyz", timeout=0.5).status_code == 200
+            return httpx.get(self.url + "/readyz", timeout=2.0).status_code == 200
         except httpx.HTTPError:
-            ready = False
+            return False
+
+    def kill(self) -> bool:
+        """SIGKILL; returns whether it was ready then (else it was killed while it started)."""
+        assert self.proc is not None
+        ready = self.ready()
         self.proc.send_signal(signal.SIGKILL)
         self.proc.wait()
         return ready
@@ -100,71 +105,9 @@ class Replica:
             self.proc.wait(timeout=60)
 
 
-@dataclass
-class Tally:
-    counts: Counter[str] = field(default_factory=Counter)
-    errors: Counter[str] = field(default_factory=Counter)
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    fresh: int = 0  #: images asked for so far (the next one is new to the service)
-
-    def pick(self, rng: random.Random, images: int) -> int:
-        """A new image a quarter of the time while any is left (it is encoded during the kills), else one
-        asked for before (a hit)."""
-        with self.lock:
-            if self.fresh == 0 or (self.fresh < images and rng.random() < FRESH_SHARE):
-                self.fresh += 1
-                return self.fresh - 1
-            return rng.randrange(self.fresh)
-
-    def add(self, what: str, error: BaseException | None = None) -> None:
-        with self.lock:
-            self.counts[what] += 1
-            if error is not None:
-                self.errors[f"{type(error).__name__}: {str(error)[:70]}"] += 1
-
-
-def prefill(vc: Client, shm: Client, data: bytes) -> tuple[str, list[np.ndarray]]:
-    """One image as a prefill worker takes it: look-up by hash, encode with wait, rows over HTTP and shm."""
-    (known,) = vc.lookup([image_hash(data)], pin=False)
-    (h,) = vc.encode([data])
-    return f"look-up found it {known.status}", [vc.fetch(h), shm.fetch(h)]
-
-
-def client_loop(replicas: list[Replica], images: list[bytes], want: dict[int, np.ndarray], tally: Tally, stop) -> None:
-    rng = random.Random(threading.get_ident())
-    clients = {r.url: (Client(r.url, timeout=30), Client(r.url, shared_memory=True, timeout=30)) for r in replicas}
-    try:
-        while not stop.is_set():
-            i = tally.pick(rng, len(images))
-            order = rng.sample(replicas, len(replicas))
-            for attempt in range(TRIES):
-                vc, shm = clients[order[attempt % len(order)].url]
-                try:
-                    found, rows = prefill(vc, shm, images[i])
-                except RETRYABLE as e:
-                    tally.add("retryable error", e)
-                    time.sleep(0.2 * (attempt + 1))
-                    continue
-                except VisencClientError as e:
-                    tally.add("unclear error", e)
-                    break
-                right = all(np.array_equal(r, want[i]) for r in rows)
-                tally.add("rows right" if right else "rows wrong")
-                tally.add(found)
-                tally.add("answered at once" if attempt == 0 else "answered on a retry")
-                break
-            else:
-                tally.add("no rows after retries")
-            time.sleep(0.02)
-    finally:
-        for pair in clients.values():
-            for c in pair:
-                c.close()
-
-
 def reference(url: str, images: list[bytes]) -> dict[int, np.ndarray]:
     """The rows of a run without faults, before any kill: in a namespace of its own, so that the soak's
-    clients find none of its entries and encode their images during the kills."""
+    users find none of its entries and encode their images during the kills."""
     with Client(url, namespace="reference", timeout=120) as vc:
         handles = [h for at in range(0, len(images), 64) for h in vc.encode(images[at : at + 64])]
         return {i: vc.fetch(h) for i, h in enumerate(handles)}
@@ -177,12 +120,37 @@ def claim_keys(redis_url: str) -> int:
         return sum(1 for _ in r.scan_iter("*:claim")) + sum(1 for _ in r.scan_iter("*:queued"))
 
 
-def killer(victim: Replica, kills: int, rng: random.Random, kinds: Counter[str], gap_s: float) -> None:
-    """``kills`` SIGKILLs at random moments, each followed at once by a new start (as a supervisor does)."""
-    for _ in range(kills):
-        time.sleep(rng.uniform(0.5, gap_s))  # some land while it starts (loading takes seconds)
-        kinds["killed while serving" if victim.kill() else "killed while starting"] += 1
-        victim.start()
+@dataclass
+class Kills:
+    """``kills`` SIGKILLs of ``victim``, each followed at once by a new start (as a supervisor does). A
+    share ``starting_share`` lands while it starts; the others once it is ready, a random moment (up to
+    ``gap_s``) later, while it serves the load, with a request on it where one comes within ``AIM_S``."""
+
+    victim: Replica
+    kills: int
+    rng: random.Random
+    gap_s: float
+    starting_share: float
+    in_flight: Counter[str]
+    counts: Counter[str]
+
+    def run(self) -> None:
+        for k in range(self.kills):
+            if self.rng.random() < self.starting_share and k > 0:  # the first one has served since the start
+                time.sleep(self.rng.uniform(0.2, 1.5))  # loading takes seconds
+            else:
+                wait_ready(self.victim.url, self.victim.proc, READY_S)
+                time.sleep(self.rng.uniform(0.3, self.gap_s))
+                with contextlib.suppress(TimeoutError):  # mid-request, when one comes soon
+                    wait_until(lambda: self.in_flight[self.victim.url] > 0, AIM_S, interval_s=0.002)
+            busy = self.in_flight[self.victim.url]
+            serving = self.victim.kill()
+            self.counts["killed while serving" if serving else "killed while starting"] += 1
+            self.counts["killed while serving with requests on it"] += serving and busy > 0
+            self.counts["requests on it at its kills"] += busy
+            self.victim.start()
+        wait_ready(self.victim.url, self.victim.proc, READY_S)
+        time.sleep(SERVE_AFTER_S)
 
 
 @contextlib.contextmanager
@@ -196,54 +164,44 @@ def folders() -> Iterator[Folders]:
         shutil.rmtree(downloads, ignore_errors=True)
 
 
-def soak(
-    kills: int, clients: int = 3, images: int = 200, seed: int = 0, logs: Path | None = None, gap_s: float = 9.0
-) -> dict[str, int]:
-    """The soak, bounded by ``kills`` (each at most ``gap_s`` after the last start); returns the counts (also
-    printed)."""
-    rng = random.Random(seed)
-    logs = logs or Path(tempfile.mkdtemp(prefix="visenc-soak-logs-"))
-    pool = [png_bytes(1000 * seed + i, rng.randrange(48, 160, 8), rng.randrange(48, 128, 8)) for i in range(images)]
+def serve_args(redis_url: str, where: Folders) -> list[str]:
+    args = ["--redis-url", redis_url, "--shm-enabled", "true", "--shm-dir", str(where.shm), "--torch-threads", "1"]
+    args += ["--shm-lease-s", str(LEASE_S), "--claim-ttl-ms", str(CLAIM_TTL_MS)]
+    return [*args, "--download-dir", str(where.downloads), "--log-level", "warning"]
+
+
+def soak(a: argparse.Namespace) -> dict[str, int]:
+    """The soak, bounded by ``a.kills`` and ``a.max_s``; returns the counts (also printed)."""
+    from gevent import monkey
+
+    if not monkey.is_module_patched("socket"):
+        raise RuntimeError("run the soak as a script (python bench/bench_kill_soak.py): its load is gevent's")
+    from loadtest.prefill_soak import Soak, run_load
+
+    rng = random.Random(a.seed)
+    logs = a.logs or Path(tempfile.mkdtemp(prefix="visenc-soak-logs-"))
+    pool = [png_bytes(1000 * a.seed + i, rng.randrange(48, 160, 8), rng.randrange(48, 128, 8)) for i in range(a.images)]
     with folders() as where, redis_process() as (redis_url, _):
-        args = ["--redis-url", redis_url, "--shm-enabled", "true", "--shm-dir", str(where.shm), "--torch-threads", "1"]
-        args += [
-            "--shm-lease-s",
-            str(LEASE_S),
-            "--claim-ttl-ms",
-            str(CLAIM_TTL_MS),
-            "--download-dir",
-            str(where.downloads),
-        ]
-        replicas = [Replica(n, args, logs / f"{n}.log") for n in ("a", "b")]
+        replicas = [Replica(n, serve_args(redis_url, where), logs / f"{n}.log") for n in ("a", "b")]
         try:
             for r in replicas:
                 r.start()
             for r in replicas:
-                wait_ready(r.url, r.proc)
+                wait_ready(r.url, r.proc, READY_S)
             want = reference(replicas[0].url, pool)
             wait_until(lambda: claim_keys(redis_url) == 0, 30, "the reference's claims lapse", interval_s=0.2)
             before, claims_before = where.level(), claim_keys(redis_url)
-            tally, kinds, stop = Tally(), Counter[str](), threading.Event()
-            threads = [
-                threading.Thread(target=client_loop, args=(replicas, pool, want, tally, stop)) for _ in range(clients)
-            ]
-            for t in threads:
-                t.start()
-            try:
-                killer(replicas[1], kills, rng, kinds, gap_s)
-                wait_ready(replicas[1].url, replicas[1].proc)
-                time.sleep(2.0)  # the restarted one serves a while too
-            finally:
-                stop.set()
-                for t in threads:
-                    t.join(timeout=120)
-            counts = {**kinds, **tally.counts, **settled(where, before, redis_url, claims_before)}
+            load = Soak([r.url for r in replicas], pool, want, seed=a.seed)
+            kills = Kills(replicas[1], a.kills, rng, a.gap_s, a.starting_share, load.in_flight, Counter())
+            max_s = a.max_s or 60.0 + a.kills * (a.gap_s + 60.0)
+            locust = run_load(load, a.clients, kills.run, max_s)
+            counts = {**kills.counts, **load.counts, **locust, **settled(where, before, redis_url, claims_before)}
         finally:
             for r in replicas:
                 r.stop()
     for name, n in counts.items():
-        print(f"{name:44s} {n}")
-    for kind, n in tally.errors.most_common(8):
+        print(f"{name:52s} {n}")
+    for kind, n in load.errors.most_common(8):
         print(f"  error seen {n}x: {kind}")
     return counts
 
@@ -264,17 +222,27 @@ def settled(where: Folders, before: tuple[int, int], redis_url: str, claims_befo
     }
 
 
-def main() -> None:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--kills", type=int, default=20)
-    parser.add_argument("--clients", type=int, default=4)
+    parser.add_argument("--clients", type=int, default=4, help="Locust users (prefill workers)")
     parser.add_argument("--images", type=int, default=600)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--gap-s", type=float, default=9.0, help="longest time from a start to the next kill")
-    a = parser.parse_args()
+    parser.add_argument("--gap-s", type=float, default=6.0, help="longest time from ready to the next kill")
+    parser.add_argument("--starting-share", type=float, default=0.15, help="share of kills aimed at a start")
+    parser.add_argument("--max-s", type=float, default=0.0, help="bound on the load (0: from --kills)")
+    parser.add_argument("--logs", type=Path, help="folder of the replicas' logs (default: a new one)")
+    parser.add_argument("--json", type=Path, help="also write the counts here")
+    return parser.parse_args(argv)
+
+
+def main() -> None:
+    a = parse_args()
     started = time.monotonic()
-    soak(a.kills, a.clients, a.images, a.seed, gap_s=a.gap_s)
-    print(f"{'seconds':40s} {time.monotonic() - started:.0f}")
+    counts: dict[str, Any] = soak(a)
+    print(f"{'seconds':52s} {time.monotonic() - started:.0f}")
+    if a.json:
+        a.json.write_text(json.dumps(counts, indent=1))
 
 
 if __name__ == "__main__":

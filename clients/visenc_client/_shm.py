@@ -219,12 +219,15 @@ class SegmentHandles:
                 return None
             maps = SegmentMaps(k.directory)
             row_bytes = k.hidden * k.dtype.itemsize
-            rows = (maps.nbytes(k.segment) - k.base) // row_bytes
-            start, end = 0 if r.start is None else r.start, rows if r.end is None else r.end
-            if not 0 <= start <= end <= rows:
+            try:  # swept since the check (a restarted life removes a killed one's): asked for again
+                rows = (maps.nbytes(k.segment) - k.base) // row_bytes
+                start, end = 0 if r.start is None else r.start, rows if r.end is None else r.end
+                if not 0 <= start <= end <= rows:
+                    return None
+                offset = k.base + start * row_bytes
+                out.append(maps.view(k.segment, offset, (end - start) * row_bytes, k.dtype, end - start, k.hidden))
+            except ProtocolError:
                 return None
-            offset = k.base + start * row_bytes
-            out.append(maps.view(k.segment, offset, (end - start) * row_bytes, k.dtype, end - start, k.hidden))
         return out
 
 

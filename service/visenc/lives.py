@@ -57,11 +57,11 @@ class Life:
 
 
 def _taken(path: str) -> int | None:
-    """A descriptor holding the lock at ``path`` if no live process holds it; ``None`` if one does (or the
-    file is gone)."""
+    """A descriptor holding the lock at ``path`` if no live process holds it; ``None`` if one does, the file
+    is gone, or it may not be opened here (another user's: its life may run)."""
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
+    except (FileNotFoundError, PermissionError):
         return None
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -117,8 +117,13 @@ class SegmentPool:
 
     async def start(self) -> None:
         await asyncio.to_thread(self.life.begin)
-        await self.sweep()
-        await asyncio.to_thread(_write, self._path(self.probe), self.token.encode())
+        try:
+            await self.sweep()
+            await asyncio.to_thread(_write, self._path(self.probe), self.token.encode())
+        except BaseException:  # a start that fails leaves nothing: no probe, no lock file
+            await asyncio.to_thread(_unlink_all, [self._path(self.probe)])
+            self.life.end()
+            raise
         self._reaper = spawn(self._reap_forever(), "shm-reaper", self._metrics)
 
     def describe(self) -> dict[str, str]:

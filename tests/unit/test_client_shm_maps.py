@@ -17,7 +17,7 @@ from harness.images import png_bytes
 from harness.processes import serve_process
 from harness.waits import wait_until
 
-from visenc_client import Client
+from visenc_client import Client, RowRange
 from visenc_client import _shm as shm
 
 LEASE_S = 1.0
@@ -108,3 +108,25 @@ def test_two_threads_mapping_one_segment_keep_one_map(service: dict[str, Any], m
     assert len(cache._maps) == len(names) and cache.mapped_bytes == sum(
         os.path.getsize(service["dir"] / n) for n in names
     )
+
+
+def test_a_segment_swept_right_after_its_check_is_asked_for_again(tmp_path, monkeypatch) -> None:
+    """The service's segment goes between the check that it is there and its open (a restarted life sweeps
+    the killed one's): the known handle is not used, and the rows are asked for again."""
+    monkeypatch.setattr(shm, "_CACHE", shm._MapCache(1 << 30, 0))  # no sweeper thread drops the map early
+    rows = np.arange(8, dtype=np.float32).reshape(2, 4)
+    (tmp_path / "visenc-seg").write_bytes(rows.tobytes())
+    known = shm.SegmentHandles()
+    item = {"hash": "h", "segment": "visenc-seg", "offset": 0, "start": 0, "shape": [2, 4]}
+    known.learn(str(tmp_path), 60.0, item, np.dtype(np.float32))
+    assert np.array_equal(known.views([RowRange("h")])[0], rows)
+    checked = os.path.exists
+
+    def swept_after_check(path: Any) -> bool:
+        there = checked(path)
+        if str(path).endswith("visenc-seg"):
+            os.unlink(path)
+        return there
+
+    monkeypatch.setattr(shm.os.path, "exists", swept_after_check)
+    assert known.views([RowRange("h")]) is None

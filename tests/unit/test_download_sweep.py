@@ -4,10 +4,14 @@ files that the next sweep removes, whatever commit they were for; a running fetc
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
 import textwrap
+
+import pytest
+from harness.paths import ROOT
 
 from visenc.models.resume import sweep
 
@@ -59,3 +63,31 @@ def test_a_killed_fetch_is_swept_and_a_running_one_is_not(tmp_path):
         live.wait(timeout=10)
     assert len(sweep(tmp_path)) == 2  # once that one has ended too
     assert sweep(tmp_path) == []
+
+
+def test_locks_of_another_user_neither_fail_nor_stop_the_sweep(tmp_path):
+    """A volume shared by users: a lock file only readable here (huggingface_hub makes them 0664, another
+    user's) is taken as any other; one that cannot be opened at all is left, and the sweep goes on."""
+    for commit in ("c0", "c1", "c2"):
+        folder = tmp_path / "models--acme--a" / commit
+        folder.mkdir(parents=True)
+        (folder / "vision.lock").write_bytes(b"")
+        (folder / "vision.safetensors.incomplete").write_bytes(b"x")
+    (tmp_path / "models--acme--a" / "c0" / "vision.lock").chmod(0)
+    (tmp_path / "models--acme--a" / "c1" / "vision.lock").chmod(0o444)
+    script = "import sys; from pathlib import Path; from visenc.models.resume import sweep; sweep(Path(sys.argv[1]))"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "service")}
+    done = subprocess.run([*_without_file_access(), sys.executable, "-c", script, str(tmp_path)], env=env, text=True)
+    assert done.returncode == 0
+    left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*/*.incomplete"))
+    assert left == ["models--acme--a/c0/vision.safetensors.incomplete"]
+
+
+def _without_file_access() -> list[str]:
+    """A prefix that runs a command unable to open a file against its mode (root keeps no override)."""
+    if os.geteuid() != 0:
+        return []
+    setpriv = shutil.which("setpriv")
+    if setpriv is None:
+        pytest.skip("as root, needs setpriv(1) to drop the capability that opens any file")
+    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]

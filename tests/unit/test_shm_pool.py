@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import os
 import subprocess
 import sys
@@ -10,6 +11,7 @@ import sys
 import numpy as np
 import pytest
 
+from visenc import shm
 from visenc.errors import Overloaded
 from visenc.lives import Life
 from visenc.metrics import Metrics
@@ -122,3 +124,15 @@ async def test_a_serving_pool_sweeps_lives_that_end_meanwhile(tmp_path):
         assert sorted(os.listdir(tmp_path)) == sorted([p.probe, f"visenc-life-{p.life.id}.lock"])
     finally:
         await p.close()
+
+
+async def test_a_start_that_fails_leaves_no_probe_and_no_lock_file(tmp_path, monkeypatch):
+    def full(path: str, data: bytes) -> None:  # the directory is full: the probe is made, its bytes are not
+        os.close(os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600))
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), path)
+
+    monkeypatch.setattr(shm, "_write", full)
+    p = pool(tmp_path, Clock())
+    with pytest.raises(OSError):
+        await p.start()
+    assert os.listdir(tmp_path) == []

@@ -139,7 +139,10 @@ def sweep(root: Path) -> list[Path]:
     removed: list[Path] = []
     partials = sorted(root.glob(f"*/*/*{INCOMPLETE}*"))
     for lock in sorted({p.with_name(p.name.split(".")[0] + ".lock") for p in partials}):
-        fd = os.open(lock, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:  # read-only is enough to lock: another user's lock file (0664) is taken as any other
+            fd = os.open(lock, os.O_RDONLY | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except PermissionError:  # not ours to open: its fetch may run
+            continue
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:  # a fetch runs: its partial file is its own

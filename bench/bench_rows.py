@@ -154,7 +154,7 @@ class Env:
         self.async_client = AsyncClient(self.url)
         stack.callback(self.loop.close)
         stack.callback(lambda: self.loop.run_until_complete(self.async_client.aclose()))
-        self.connector = make_connector(self.url, self.http.model())
+        self.connector = make_connector(self.url, self.http.model(), checkpoint)
 
     @staticmethod
     def _serve(stack: contextlib.ExitStack, checkpoint: Path, env: dict[str, str], *flags: str) -> str:
@@ -170,7 +170,7 @@ class Env:
         return self.loop.run_until_complete(make(self.async_client))
 
 
-def make_connector(url: str, model: dict[str, Any]) -> Callable[[Handle], Any] | None:
+def make_connector(url: str, model: dict[str, Any], checkpoint: Path) -> Callable[[Handle], Any] | None:
     """One image through ``VisencConnector``: its scheduler side's look-up (rows checked against what
     vLLM reads) and its worker side's load into an encoder cache (``None`` where vLLM is not installed)."""
     try:
@@ -184,12 +184,16 @@ def make_connector(url: str, model: dict[str, Any]) -> Callable[[Handle], Any] |
     connector: Any = object.__new__(VisencConnector)  # its scheduler and worker halves, without a vLLM engine
     connector.stats = ConnectorStats()
     connector._hidden, connector._dtype, connector._device = int(model["hidden_size"]), torch.bfloat16, "cpu"
+    connector._model, connector._checkpoint = str(checkpoint), (str(checkpoint), None, None)  # the weights vLLM loads
     options = {"url": url, "transport": "http"}
     connector._start_scheduler_side(SimpleNamespace(get_from_extra_config=lambda k, d: options.get(k, d)))
 
+    bound = threading.local()  # each caller's thread loads its own metadata, as each vLLM worker does
+    connector._get_connector_metadata = lambda: bound.meta
+
     def load(h: Handle) -> Any:
         rows = connector._obtain({h.hash: Want(h.num_tokens, None)}, True)[h.hash]
-        connector._get_connector_metadata = lambda: VisencConnectorMetadata(items=[(h.hash, rows)])
+        bound.meta = VisencConnectorMetadata(items=[(h.hash, rows)])
         cache: dict[str, Any] = {}
         connector.start_load_caches(cache)
         return cache[h.hash]

@@ -54,9 +54,8 @@ def test_a_packed_forward_reads_nothing_back_from_the_device(name: str, checkpoi
 
 #: towers that batch without packing; their forwards keep on the host what transformers reads there
 UNPACKED = ("llava_onevision", "idefics3", "smolvlm")
-#: what is left, and why: LLaVA-OneVision's ``pack_image_features`` builds ``feature_lens`` with
-#: ``torch.tensor(..., device=...)``, a blocking copy from pageable memory (its sizes are read on the host now)
-LEFT = {"llava_onevision": "feature_lens = torch.tensor"}
+#: what is left, and why (none: LLaVA-OneVision's sizes are read on the host, its lengths made there)
+LEFT: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -161,3 +160,17 @@ def test_cuda_forward_has_no_sync(name: str, checkpoints: dict[str, Path]) -> No
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert [r.shape[0] for r in rows] == [p.layout.num_tokens for p in batch]
+
+
+def test_llava_onevision_makes_its_lengths_as_the_tower_expects() -> None:
+    """The tower keeps on the host the one tensor ``pack_image_features`` makes from a list of ints (its
+    per-image lengths), which ``get_image_features`` drops: pinned against the installed transformers."""
+    import inspect
+
+    from transformers.models.llava_onevision import modeling_llava_onevision as modeling
+
+    pack = inspect.getsource(modeling.LlavaOnevisionModel.pack_image_features)
+    assert "feature_lens = torch.tensor(feature_lens" in pack
+    features = inspect.getsource(modeling.LlavaOnevisionModel.get_image_features)
+    assert "image_features, feature_lens = self.pack_image_features(" in features
+    assert features.count("feature_lens") == 1  # made, and never read

@@ -27,6 +27,7 @@ class LlavaOnevisionTower(FamilyTower):
         from transformers.models.llava_onevision.modeling_llava_onevision import LlavaOnevisionMultiModalProjector
 
         hidden = config.text_config.hidden_size
+        keep_lengths_on_host()
         return {
             "vision_tower": AutoModel.from_config(config.vision_config),
             "multi_modal_projector": LlavaOnevisionMultiModalProjector(config),
@@ -72,6 +73,30 @@ class LlavaOnevisionTower(FamilyTower):
         # tiles are stacked, plus the unpadding's per-image copies of the projected grid
         extra = sum(4 * lay.num_tokens * self.hidden_size * self.dtype.itemsize for lay in layouts)
         return super().forward_bytes(layouts) + math.ceil(extra)
+
+
+class _LengthsOnHost:
+    """``torch`` as ``modeling_llava_onevision`` sees it, except that a tensor made from a list of ints stays on
+    the host: ``pack_image_features`` makes its per-image lengths into one on the features' device, a blocking
+    copy that waits for the device, and ``get_image_features`` drops them."""
+
+    def __init__(self, module: Any) -> None:
+        self._torch = module
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._torch, name)
+
+    def tensor(self, data: Any, *args: Any, device: Any = None, **kwargs: Any) -> torch.Tensor:
+        if isinstance(data, list) and all(type(x) is int for x in data):
+            device = None
+        return self._torch.tensor(data, *args, device=device, **kwargs)
+
+
+def keep_lengths_on_host() -> None:
+    from transformers.models.llava_onevision import modeling_llava_onevision as modeling
+
+    if not isinstance(modeling.torch, _LengthsOnHost):
+        modeling.torch = _LengthsOnHost(modeling.torch)  # type: ignore[assignment]
 
 
 FAMILIES = vlm_families(LlavaOnevisionTower)

@@ -4,14 +4,13 @@ files that the next sweep removes, whatever commit they were for; a running fetc
 from __future__ import annotations
 
 import os
-import shutil
 import signal
 import subprocess
 import sys
 import textwrap
 
-import pytest
 from harness.paths import ROOT
+from tests.support.access import without_file_access
 
 from visenc.models.resume import sweep
 
@@ -77,17 +76,7 @@ def test_locks_of_another_user_neither_fail_nor_stop_the_sweep(tmp_path):
     (tmp_path / "models--acme--a" / "c1" / "vision.lock").chmod(0o444)
     script = "import sys; from pathlib import Path; from visenc.models.resume import sweep; sweep(Path(sys.argv[1]))"
     env = {**os.environ, "PYTHONPATH": str(ROOT / "service")}
-    done = subprocess.run([*_without_file_access(), sys.executable, "-c", script, str(tmp_path)], env=env, text=True)
+    done = subprocess.run([*without_file_access(), sys.executable, "-c", script, str(tmp_path)], env=env, text=True)
     assert done.returncode == 0
     left = sorted(p.relative_to(tmp_path).as_posix() for p in tmp_path.glob("*/*/*.incomplete"))
     assert left == ["models--acme--a/c0/vision.safetensors.incomplete"]
-
-
-def _without_file_access() -> list[str]:
-    """A prefix that runs a command unable to open a file against its mode (root keeps no override)."""
-    if os.geteuid() != 0:
-        return []
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("as root, needs setpriv(1) to drop the capability that opens any file")
-    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]

@@ -4,13 +4,12 @@ held, and a lock file left half made (a start killed before it renamed it) is sw
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 import sys
 import textwrap
 
-import pytest
 from harness.paths import ROOT
+from tests.support.access import without_file_access
 
 from visenc import lives
 
@@ -53,16 +52,6 @@ def test_end_removes_its_lock_file_and_own_is_never_swept(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
-def _without_file_access() -> list[str]:
-    """A prefix that runs a command unable to open a mode-0 file it owns (root keeps no override)."""
-    if os.geteuid() != 0:
-        return []
-    setpriv = shutil.which("setpriv")
-    if setpriv is None:
-        pytest.skip("as root, needs setpriv(1) to drop the capability that opens any file")
-    return [setpriv, "--bounding-set", "-dac_override,-dac_read_search"]
-
-
 def test_a_lock_file_this_user_may_not_open_is_kept_and_the_sweep_goes_on(tmp_path):
     """Another user's lock file on a shared directory (0600, theirs): its life may run, so it and its files
     stay, and the sweep neither fails nor stops before the lives it can tell are over."""
@@ -78,7 +67,7 @@ def test_a_lock_file_this_user_may_not_open_is_kept_and_the_sweep_goes_on(tmp_pa
         print(sorted(lives.sweep(d, "", files)))
     """)
     env = {**os.environ, "PYTHONPATH": str(ROOT / "service")}
-    argv = [*_without_file_access(), sys.executable, "-c", sweep, str(tmp_path)]
+    argv = [*without_file_access(), sys.executable, "-c", sweep, str(tmp_path)]
     done = subprocess.run(argv, capture_output=True, text=True, env=env)
     assert done.returncode == 0, done.stderr
     assert done.stdout.strip() == str(sorted([f"visenc-{dead}-1", f"visenc-life-{dead}.lock"]))

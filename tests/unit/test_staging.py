@@ -17,6 +17,7 @@ only at the steps that await them, and a failing case replays from its seed
 from __future__ import annotations
 
 import asyncio
+import threading
 
 import numpy as np
 from hypothesis import given, settings
@@ -230,3 +231,54 @@ async def test_a_job_handed_over_while_its_task_runs_is_in_the_backlog_once() ->
     assert scheduler.backlog() == [handed]
     await settle(scheduler)
     assert scheduler.backlog() == [handed]
+
+
+def _handing_over(loop: asyncio.AbstractEventLoop, hand_first: bool) -> tuple[Scheduler, Job, threading.Thread]:
+    """A scheduler whose one job is preparing; reading its preparing jobs lets the job's thread hand it
+    over, before (``hand_first``) or after the job is read. That thread waits for the scheduler's lock."""
+    scheduler = Scheduler(
+        SchedulerConfig(100, 8, False),
+        preprocess=lambda data: Prepared(np.zeros((len(data), 1), np.float32), TokenLayout(len(data), (1, 1, 1), 0)),
+        pool=InlinePool(),
+        outputs=RecordedFailures(),  # type: ignore[arg-type]
+        coordination=LocalCoordination(),
+        metrics=Metrics(),
+    )
+    job = make_job(0, 4, 0, loop)
+    job.join()
+    job.queue()
+    job.start_preparing(scheduler.staging)
+    handed = threading.Thread(target=scheduler._prepare_and_hand, args=(job, job.take_bytes()))
+
+    class HandOverWhileRead(dict):  # type: ignore[type-arg]
+        def items(self):  # type: ignore[no-untyped-def]
+            if not hand_first:
+                yield from super().items()
+            if not handed.is_alive() and job.state is JobState.PREPARING:
+                handed.start()
+                handed.join(timeout=1)  # returns at once where the reader does not hold the lock
+            if hand_first:
+                yield from super().items()
+
+    scheduler._preparing = HandOverWhileRead({loop.create_task(asyncio.sleep(60)): job})
+    return scheduler, job, handed
+
+
+async def test_the_depth_counts_a_job_once_while_its_thread_hands_it_over() -> None:
+    # the depth gauge reads the preparing jobs, then the ready list: the job is counted once, not twice
+    scheduler, job, handed = _handing_over(asyncio.get_running_loop(), hand_first=False)
+    assert scheduler.depth == 1
+    handed.join()
+    assert job.state is JobState.READY and scheduler._ready == [job] and scheduler.depth == 1
+    for task in scheduler._preparing:
+        task.cancel()
+
+
+async def test_a_job_handed_over_meanwhile_still_holds_the_prefetch_gate() -> None:
+    # the gate reads the ready list, then the preparing jobs: a job staged in either is ahead, never in neither
+    scheduler, job, handed = _handing_over(asyncio.get_running_loop(), hand_first=True)
+    assert not scheduler._fits(make_job(1, 4, 0, job.future.get_loop()), 0)
+    handed.join()
+    assert job.state is JobState.READY and not scheduler._fits(make_job(1, 4, 0, job.future.get_loop()), 0)
+    for task in scheduler._preparing:
+        task.cancel()

@@ -68,7 +68,8 @@ class Scheduler:
     @property
     def depth(self) -> int:
         """Jobs admitted and not yet handed to the device (a just-prepared job counts once)."""
-        return len(self._waiting) + self._in_preparation + len(self._ready)
+        with self._lock:  # a thread hands its job over under the lock: not between the two reads
+            return len(self._waiting) + self._in_preparation + len(self._ready)
 
     @property
     def _in_preparation(self) -> int:
@@ -120,7 +121,9 @@ class Scheduler:
             self._start(job)
 
     def _fits(self, job: Job, bound: int) -> bool:
-        return self.policy.fits(job, self.staging.tokens, bound, not self._ready and not self._in_preparation)
+        with self._lock:  # a job handed over meanwhile is read in one of the two, never in neither
+            nothing_ahead = not self._ready and not self._in_preparation
+        return self.policy.fits(job, self.staging.tokens, bound, nothing_ahead)
 
     def drop(self, job: Job) -> None:
         """A waiter went away: drop ``job`` if nobody else wants it and it is not on the device."""

@@ -54,8 +54,6 @@ def test_a_packed_forward_reads_nothing_back_from_the_device(name: str, checkpoi
 
 #: towers that batch without packing; their forwards keep on the host what transformers reads there
 UNPACKED = ("llava_onevision", "idefics3", "smolvlm")
-#: what is left, and why (none: LLaVA-OneVision's sizes are read on the host, its lengths made there)
-LEFT: dict[str, str] = {}
 
 
 @pytest.fixture(scope="module")
@@ -67,10 +65,6 @@ def unpacked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_an_unpacked_forward_reads_nothing_back(name: str, unpacked: dict[str, Path]) -> None:
     tower = _tower(name, unpacked, device="meta")
     batch = _batch(tower, [(224, 224), (300, 200)])
-    if name in LEFT:
-        with pytest.raises(DeviceRead, match=LEFT[name]), DeviceReads():
-            tower.forward(batch)
-        return
     with DeviceReads():
         rows = tower.forward(batch)
     assert [r.shape for r in rows] == [(p.layout.num_tokens, tower.hidden_size) for p in batch]
@@ -90,10 +84,12 @@ def test_their_own_paths_read_back(name: str, unpacked: dict[str, Path]) -> None
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (the sync check is CUDA's own)")
 @pytest.mark.parametrize("name", UNPACKED)
 def test_cuda_unpacked_forward_has_no_sync(name: str, unpacked: dict[str, Path]) -> None:
-    if name in LEFT:
-        pytest.skip(f"{name} still copies {LEFT[name]!r} blocking (test_an_unpacked_forward_reads_nothing_back)")
     tower = _tower(name, unpacked, device="cuda", dtype="bfloat16")
-    batch = _batch(tower, [(224, 224), (300, 200)])
+    _no_sync_in_second_forward(tower, _batch(tower, [(224, 224), (300, 200)]))
+
+
+def _no_sync_in_second_forward(tower: Any, batch: list[Any]) -> None:
+    """The batch's second forward under CUDA's sync check (the first picks kernels, and may synchronise)."""
     tower.forward(batch)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
@@ -153,13 +149,7 @@ def test_cuda_forward_has_no_sync(name: str, checkpoints: dict[str, Path]) -> No
     batch = _batch(tower)
     tower.forward(batch)  # the first forward picks the attention kernel (its probe synchronises)
     assert tower.attention_kernel != "per-segment"  # a varlen kernel: the per-segment one reads its bounds
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        rows = tower.forward(batch)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    assert [r.shape[0] for r in rows] == [p.layout.num_tokens for p in batch]
+    _no_sync_in_second_forward(tower, batch)
 
 
 def test_llava_onevision_makes_its_lengths_as_the_tower_expects() -> None:

@@ -208,11 +208,9 @@ async def test_a_job_both_preparing_and_ready_is_failed_once_at_stop() -> None:
     await outputs.stop(5.0)
 
 
-async def test_a_job_handed_over_while_its_task_runs_is_in_the_backlog_once() -> None:
-    # the gauges and the tenants' queues read the backlog: a job its thread made ready, whose task has
-    # not yet ended on the loop, is one job waiting for the device, not two
-    loop = asyncio.get_running_loop()
-    scheduler = Scheduler(
+def _inline_scheduler() -> Scheduler:
+    """A scheduler whose preparations run on the loop's thread (``InlinePool``); it fails jobs into a record."""
+    return Scheduler(
         SchedulerConfig(100, 8, False),
         preprocess=lambda data: Prepared(np.zeros((len(data), 1), np.float32), TokenLayout(len(data), (1, 1, 1), 0)),
         pool=InlinePool(),
@@ -220,6 +218,13 @@ async def test_a_job_handed_over_while_its_task_runs_is_in_the_backlog_once() ->
         coordination=LocalCoordination(),
         metrics=Metrics(),
     )
+
+
+async def test_a_job_handed_over_while_its_task_runs_is_in_the_backlog_once() -> None:
+    # the gauges and the tenants' queues read the backlog: a job its thread made ready, whose task has
+    # not yet ended on the loop, is one job waiting for the device, not two
+    loop = asyncio.get_running_loop()
+    scheduler = _inline_scheduler()
     handed = make_job(0, 4, 0, loop)
     handed.join()
     scheduler.submit(handed)
@@ -236,14 +241,7 @@ async def test_a_job_handed_over_while_its_task_runs_is_in_the_backlog_once() ->
 def _handing_over(loop: asyncio.AbstractEventLoop, hand_first: bool) -> tuple[Scheduler, Job, threading.Thread]:
     """A scheduler whose one job is preparing; reading its preparing jobs lets the job's thread hand it
     over, before (``hand_first``) or after the job is read. That thread waits for the scheduler's lock."""
-    scheduler = Scheduler(
-        SchedulerConfig(100, 8, False),
-        preprocess=lambda data: Prepared(np.zeros((len(data), 1), np.float32), TokenLayout(len(data), (1, 1, 1), 0)),
-        pool=InlinePool(),
-        outputs=RecordedFailures(),  # type: ignore[arg-type]
-        coordination=LocalCoordination(),
-        metrics=Metrics(),
-    )
+    scheduler = _inline_scheduler()
     job = make_job(0, 4, 0, loop)
     job.join()
     job.queue()

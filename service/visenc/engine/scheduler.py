@@ -73,8 +73,11 @@ class Scheduler:
 
     @property
     def _in_preparation(self) -> int:
+        return len(self._preparing_jobs())
+
+    def _preparing_jobs(self) -> list[Job]:
         # a job its preprocessing thread made ready counts as ready, while its task ends on the loop
-        return sum(not t.done() and job.state is JobState.PREPARING for t, job in self._preparing.items())
+        return [job for t, job in self._preparing.items() if not t.done() and job.state is JobState.PREPARING]
 
     @property
     def idle(self) -> bool:
@@ -162,8 +165,8 @@ class Scheduler:
 
     def _batch_staged(self) -> bool:
         """Whether batch-class work holds staged input (preparing or ready)."""
-        staged = [*(job for task, job in self._preparing.items() if not task.done()), *list(self._ready)]
-        return any(job.priority == "batch" for job in staged)
+        with self._lock:
+            return any(job.priority == "batch" for job in (*self._preparing_jobs(), *self._ready))
 
     def _start(self, job: Job) -> None:
         if self._drop_if_unwanted(job):
@@ -257,7 +260,7 @@ class Scheduler:
         """Jobs wanted and not yet on the device, in no order (for the autoscaling gauges)."""
         with self._lock:  # a job its thread handed over while its task still runs is listed once, as ready
             ready = list(self._ready)
-            preparing = [j for t, j in self._preparing.items() if not t.done() and j.state is JobState.PREPARING]
+            preparing = self._preparing_jobs()
         return [job for job in (*self._waiting, *preparing, *ready) if job.interest > 0]
 
     def cancel_all(self, error: BaseException) -> None:

@@ -11,6 +11,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.requests import ClientDisconnect
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from visenc.api import embeddings, encode, ops, sglang
@@ -20,7 +21,7 @@ from visenc.api.codec import error_response
 from visenc.api.openapi import install_openapi
 from visenc.config import Settings
 from visenc.engine.interface import EngineAPI
-from visenc.errors import InvalidParams, VisencError
+from visenc.errors import ClientClosed, InvalidParams, VisencError
 from visenc.metrics import Metrics
 
 log = logging.getLogger("visenc")
@@ -106,6 +107,10 @@ def create_api(settings: Settings, metrics: Metrics, engine: EngineContext) -> F
         errs: list[Any] = list(exc.errors())[:5]
         msg = "; ".join(f"{'.'.join(map(str, e.get('loc', ())))}: {e.get('msg')}" for e in errs)
         return error_response(InvalidParams(msg or "invalid parameters"))
+
+    @app.exception_handler(ClientDisconnect)
+    async def _gone(request: Request, exc: ClientDisconnect) -> JSONResponse:
+        return await _visenc_error(request, ClientClosed("the client closed the connection mid-body"))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception) -> JSONResponse:

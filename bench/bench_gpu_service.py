@@ -8,11 +8,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
+import os
+import shutil
+import signal
 import statistics
+import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -25,8 +31,59 @@ import bench_gpu
 SCREENS = [(1280, 720), (1920, 1080), (2560, 1440), (1366, 768), (1440, 900), (1600, 900)]
 
 
-def bare_rate(tower: Any, prepared: list[Any], max_batch_tokens: int) -> float:
-    """images/s of the forward alone, in batches of up to ``max_batch_tokens`` patches, in order."""
+#: what a pass's ``/metrics`` deltas say of the device's share of its time (histograms: (sum, count))
+HISTOGRAMS = [
+    "visenc_forward_launch_seconds",
+    "visenc_forward_seconds",
+    "visenc_preprocess_seconds",
+    "visenc_queue_wait_seconds",
+    "visenc_output_seconds",
+    "visenc_batch_size_images",
+]
+
+
+def scrape(url: str) -> dict[str, float]:
+    """The service's histogram sums and counts (``name_sum``, ``name_count``), its copy-out waits, its busy share."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"{url}/metrics", timeout=30) as r:
+        text = r.read().decode()
+    found: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if any(s.name in (f"{h}_sum", f"{h}_count") for h in HISTOGRAMS) or s.name == "visenc_device_busy_ratio":
+                found[s.name] = s.value
+            elif s.name == "visenc_device_wait_seconds_sum" and s.labels.get("reason") == "copy-out":
+                found["copy_out_wait_s"] = s.value
+    return found
+
+
+def diagnosis(before: dict[str, float], after: dict[str, float], seconds: float) -> dict[str, float]:
+    """One pass's per-forward and per-image means, from the deltas of two scrapes ``seconds`` apart."""
+
+    def mean(h: str) -> float:
+        n = after.get(f"{h}_count", 0) - before.get(f"{h}_count", 0)
+        return (after.get(f"{h}_sum", 0) - before.get(f"{h}_sum", 0)) / n if n else float("nan")
+
+    forwards = after.get("visenc_forward_seconds_count", 0) - before.get("visenc_forward_seconds_count", 0)
+    device_s = after.get("visenc_forward_seconds_sum", 0) - before.get("visenc_forward_seconds_sum", 0)
+    return {
+        "forwards": forwards,
+        "images_per_forward": mean("visenc_batch_size_images"),
+        "launch_ms": 1e3 * mean("visenc_forward_launch_seconds"),
+        "forward_device_ms": 1e3 * mean("visenc_forward_seconds"),
+        "device_share": device_s / seconds,
+        "preprocess_ms": 1e3 * mean("visenc_preprocess_seconds"),
+        "queue_wait_ms": 1e3 * mean("visenc_queue_wait_seconds"),
+        "output_ms": 1e3 * mean("visenc_output_seconds"),
+        "copy_out_wait_s": after.get("copy_out_wait_s", 0) - before.get("copy_out_wait_s", 0),
+        "busy_ratio": after.get("visenc_device_busy_ratio", float("nan")),
+    }
+
+
+def bare_rate(tower: Any, prepared: list[Any], max_batch_tokens: int, launches: list[float] | None = None) -> float:
+    """images/s of the forward alone, in batches of up to ``max_batch_tokens`` patches, in order; each
+    batch's launch (host) seconds appended to ``launches``."""
     import torch
 
     batches: list[list[Any]] = [[]]
@@ -41,14 +98,19 @@ def bare_rate(tower: Any, prepared: list[Any], max_batch_tokens: int) -> float:
     sync()
     t0 = time.perf_counter()
     for batch in batches:
+        launched = time.perf_counter()
         tower.forward(batch)
+        if launches is not None:
+            launches.append(time.perf_counter() - launched)
     sync()
     return len(prepared) / (time.perf_counter() - t0)
 
 
-async def prefill_round(url: str, images: list[bytes], clients: int, namespace: str) -> tuple[float, list[float]]:
+async def prefill_round(
+    url: str, images: list[bytes], clients: int, namespace: str, fetch: bool = True
+) -> tuple[float, list[float]]:
     """(images/s, each image's seconds) of ``clients`` prefill-like workers: encode with wait, then fetch
-    the rows over HTTP, one image at a time each."""
+    the rows over HTTP (unless ``fetch`` is false), one image at a time each."""
     from visenc_client import AsyncClient
 
     todo = list(reversed(images))
@@ -59,7 +121,8 @@ async def prefill_round(url: str, images: list[bytes], clients: int, namespace: 
             while todo:
                 data, t0 = todo.pop(), time.perf_counter()
                 (handle,) = await vc.encode([data], wait=True)
-                await vc.fetch(handle, 0, handle.num_tokens)
+                if fetch:
+                    await vc.fetch(handle, 0, handle.num_tokens)
                 latencies.append(time.perf_counter() - t0)
 
     t0 = time.perf_counter()
@@ -78,18 +141,30 @@ def measure(proc: Any, port: int, tower: Any, prepared: list[Any], images: list[
     runs: dict[str, dict[str, list[float]]] = {
         f"{n} clients": {"cold": [], "hits": [], "lat": []} for n in args.clients
     }
+    diagnoses: dict[str, dict[str, float]] = {}
     for r in range(args.rounds):
         c.pause(proc)
-        bare.append(bare_rate(tower, prepared, args.max_batch_tokens))
+        launches: list[float] = []
+        bare.append(bare_rate(tower, prepared, args.max_batch_tokens, launches))
         c.resume(proc)
+        print(f"round {r}: bare launch {1e3 * statistics.mean(launches):.2f} ms a forward", flush=True)
         for n in args.clients:
             run = runs[f"{n} clients"]
-            cold, latencies = asyncio.run(prefill_round(url, images, n, f"round{r}-{n}"))
-            hits, _ = asyncio.run(prefill_round(url, images, n, f"round{r}-{n}"))  # the same images again
+            before, t0 = scrape(url), time.perf_counter()
+            with profiled(proc, args.profile_dir, f"round{r}-{n}") if r == 0 else contextlib.nullcontext():
+                cold, latencies = asyncio.run(prefill_round(url, images, n, f"round{r}-{n}"))
+            diagnoses[f"round {r}, {n} clients, cold"] = d = diagnosis(before, scrape(url), time.perf_counter() - t0)
+            print(f"round {r}: {n} clients cold: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items()), flush=True)
+            with profiled(proc, args.profile_dir, f"round{r}-{n}-hits") if r == 0 else contextlib.nullcontext():
+                hits, _ = asyncio.run(prefill_round(url, images, n, f"round{r}-{n}"))  # the same images again
             run["cold"].append(cold)
             run["hits"].append(hits)
             run["lat"] += latencies
             print(f"round {r}: bare {bare[-1]:.2f} img/s; {n} clients cold {cold:.2f}, hits {hits:.2f}", flush=True)
+            if args.encode_only:  # the rows' transfer left out: what the service's forward path alone keeps up
+                only, _ = asyncio.run(prefill_round(url, images, n, f"round{r}-{n}-only", fetch=False))
+                run.setdefault("encode_only", []).append(only)
+                print(f"round {r}: {n} clients cold, encode only (no rows fetched) {only:.2f} img/s", flush=True)
     passes = {}
     for label, run in runs.items():
         lat = sorted(run["lat"])
@@ -101,7 +176,32 @@ def measure(proc: Any, port: int, tower: Any, prepared: list[Any], images: list[
             "p50_s": lat[len(lat) // 2],
             "p95_s": lat[int(0.95 * (len(lat) - 1))],
         }
-    return {"bare_img_s": bare, "passes": passes, "served_compile": served_compile}
+        if "encode_only" in run:
+            passes[label]["encode_only_img_s"] = statistics.median(run["encode_only"])
+    return {"bare_img_s": bare, "passes": passes, "served_compile": served_compile, "diagnoses": diagnoses}
+
+
+@contextlib.contextmanager
+def profiled(proc: Any, folder: Path | None, name: str) -> Iterator[None]:
+    """While the block runs, py-spy samples the server (every thread, idle ones too) into ``folder``
+    (a collapsed-stack file), when a folder is given and py-spy is found (``PY_SPY`` or the path)."""
+    spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    if folder is None or spy is None:
+        yield
+        return
+    folder.mkdir(parents=True, exist_ok=True)
+    out = folder / f"{name}.txt"
+    argv = [spy, "record", "--pid", str(proc.pid), "--rate", "250", "--threads", "--idle", "--format", "raw"]
+    spying = subprocess.Popen([*argv, "--output", str(out), "--nonblocking"], stdout=subprocess.DEVNULL)
+    try:
+        yield
+    finally:
+        spying.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
+        try:
+            spying.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            spying.kill()
+        print(f"py-spy: {out} ({out.stat().st_size if out.exists() else 0} bytes)", flush=True)
 
 
 def main() -> int:
@@ -113,6 +213,8 @@ def main() -> int:
     p.add_argument("--device", default="cuda")
     p.add_argument("--tower", choices=["7b", "tiny"], default="7b")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--encode-only", action="store_true", help="also a cold pass that fetches no rows")
+    p.add_argument("--profile-dir", type=Path, default=None, help="py-spy the server's first cold pass into here")
     args = p.parse_args()
     import torch
 
@@ -155,6 +257,11 @@ def main() -> int:
             f"  {label}: cold {f['cold_img_s']:.2f} img/s (p50 {f['p50_s']:.3f} s, p95 {f['p95_s']:.3f} s), "
             f"service / bare forward {f['ratio']:.3f}; hits {f['hits_img_s']:.2f} img/s, "
             f"{f['hits_over_cold']:.1f}x cold"
+            + (
+                f"; encode only (no rows fetched) {f['encode_only_img_s']:.2f} img/s"
+                if "encode_only_img_s" in f
+                else ""
+            )
         )
     if args.json:
         first = found["passes"][f"{args.clients[0]} clients"]

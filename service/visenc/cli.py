@@ -204,6 +204,16 @@ def prepare(settings: Settings) -> socket.socket:
     return sock
 
 
+def http_protocol() -> Any:
+    """uvicorn's httptools protocol sending large rows bodies from threads (``api/sender.py``); without
+    httptools, uvicorn's own choice."""
+    try:
+        from visenc.api.sender import RowsProtocol
+    except ImportError:  # uvicorn without its [standard] extras: h11, every body written by the loop
+        return "auto"
+    return RowsProtocol
+
+
 def serve(settings: Settings) -> int:
     """Run the service until it is stopped: 0 after a graceful stop; a misuse found before the model loads,
     the model that cannot be served, the device worker that could not be restarted: one line on stderr
@@ -243,7 +253,10 @@ def serve(settings: Settings) -> int:
         print(f"visenc: invalid settings: {e}", file=sys.stderr)
         return EXIT_USAGE
     config = uvicorn.Config(
-        app, log_level=settings.log_level, timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s))
+        app,
+        log_level=settings.log_level,
+        timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
+        http=http_protocol(),
     )
     server = uvicorn.Server(config)
 

@@ -1,0 +1,110 @@
+"""Rows bodies sent from threads: the socket copy of a large body leaves the event loop.
+
+One event loop thread sending every caller's rows is one core's worth of socket copies; on loopback the
+receiver's half of the work runs in the sender's system call too. A body that is a view of at least
+``MIN_BYTES`` is sent by a pool thread on a duplicate of the connection's descriptor (the system call
+drops the GIL), once what uvicorn wrote before it has left; uvicorn then ends the response as usual.
+Anything else (TLS, a write buffer not yet empty, HEAD, chunked bodies) is written by uvicorn itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import socket
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
+
+log = logging.getLogger(__name__)
+
+#: smaller bodies are written by the loop (a thread's hand-off costs more than their copy)
+MIN_BYTES = 1 << 20
+#: a caller that reads nothing for this long loses its connection (the thread is not held for ever)
+STALL_S = 60.0
+#: threads sending at once; more wait their turn
+THREADS = min(16, 4 * (os.cpu_count() or 1))
+
+_pool: ThreadPoolExecutor | None = None
+
+
+def pool() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        _pool = ThreadPoolExecutor(THREADS, thread_name_prefix="visenc-send")
+    return _pool
+
+
+def send_all(sock: socket.socket, body: memoryview) -> None:
+    """On a pool thread: ``body`` whole, or ``OSError`` (the caller went away, or read nothing for ``STALL_S``)."""
+    sock.settimeout(STALL_S)  # the descriptor stays non-blocking (the loop's is the same); the wait is poll's
+    sock.sendall(body)
+
+
+class ThreadSentCycle(RequestResponseCycle):
+    """uvicorn's request cycle, sending a large view body from ``pool()``."""
+
+    async def send(self, message: Any) -> None:
+        body = message.get("body") if message["type"] == "http.response.body" else None
+        if isinstance(body, memoryview) and len(body) >= MIN_BYTES and self._may_send_raw(len(body)):
+            fd = self.transport.get_extra_info("socket").fileno()
+            sock = socket.socket(fileno=os.dup(fd))
+            sending = asyncio.get_running_loop().run_in_executor(pool(), send_all, sock, body)
+            sending.add_done_callback(lambda f: _closed(sock, f))
+            try:
+                await asyncio.shield(sending)
+            except asyncio.CancelledError:
+                _cut(sock)  # the thread's send fails at once: nothing of the body is left half-sent later
+                self.transport.close()
+                raise
+            except OSError as error:
+                log.debug("rows body not sent: %r", error)
+                self.disconnected = True
+                self.transport.close()
+                return
+            self.expected_content_length -= len(body)
+            message = {**message, "body": b""}
+        await super().send(message)
+
+    def _may_send_raw(self, nbytes: int) -> bool:
+        """Whether the body may go past uvicorn's transport: plain TCP or a Unix socket, nothing unsent before
+        it, the whole body announced by its content-length."""
+        transport = self.transport
+        return (
+            self.response_started
+            and not self.response_complete
+            and not self.disconnected
+            and self.chunked_encoding is False
+            and self.scope["method"] != "HEAD"
+            and nbytes <= self.expected_content_length
+            and not transport.is_closing()
+            and transport.get_write_buffer_size() == 0
+            and transport.get_extra_info("sslcontext") is None
+            and transport.get_extra_info("socket") is not None
+        )
+
+
+def _closed(sock: socket.socket, sent: asyncio.Future[None]) -> None:
+    """On the loop once the thread is done: the duplicate closed (the connection stays the loop's), the
+    outcome read (a cancelled send's error is nobody's to raise)."""
+    sock.close()
+    if not sent.cancelled():
+        sent.exception()
+
+
+def _cut(sock: socket.socket) -> None:
+    try:
+        sock.shutdown(socket.SHUT_RDWR)
+    except OSError:
+        pass
+
+
+class RowsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol whose request cycles are ``ThreadSentCycle``."""
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if type(self.cycle) is RequestResponseCycle:
+            self.cycle.__class__ = ThreadSentCycle  # before its task first runs: every send is the subclass's

@@ -1,0 +1,116 @@
+"""Large rows bodies sent from threads (``api/sender.py``), under real uvicorn on loopback: every byte in
+order, the connection kept alive after, a caller gone or stalled mid-body costs only its connection."""
+
+from __future__ import annotations
+
+import http.client
+import socket
+import threading
+import time
+
+import pytest
+import uvicorn
+
+from harness.waits import free_port
+from visenc.api import sender
+from visenc.api.codec import ChunksResponse
+
+BODY = bytes(range(256)) * (48 << 12)  # 48 MiB (more than loopback buffers hold), each byte known
+
+
+async def app(scope, receive, send):
+    if scope["type"] != "http":
+        return
+    size = int(scope["path"].strip("/") or 0)
+    parts = [b"head", memoryview(BODY)[:size]] if size else [b"small body"]
+    await ChunksResponse(parts, "application/octet-stream")(scope, receive, send)
+
+
+@pytest.fixture(params=["uvloop", "asyncio"])
+def served(request, monkeypatch):
+    """(port, bodies sent from a thread) of uvicorn with ``RowsProtocol`` on the given loop."""
+    sent: list[int] = []
+    real = sender.send_all
+
+    def counted(sock, body):
+        sent.append(len(body))
+        real(sock, body)
+
+    monkeypatch.setattr(sender, "send_all", counted)
+    port = free_port()
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, http=sender.RowsProtocol, loop=request.param)
+    server = uvicorn.Server(config)
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline and thread.is_alive(), "uvicorn did not start"
+        time.sleep(0.02)
+    yield port, sent
+    server.should_exit = True
+    thread.join(10)
+
+
+def get(conn: http.client.HTTPConnection, size: int) -> bytes:
+    conn.request("GET", f"/{size}")
+    response = conn.getresponse()
+    assert response.status == 200
+    return response.read()
+
+
+def test_a_large_body_comes_whole_and_in_order_and_the_connection_is_kept(served):
+    port, sent = served
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    for size in (len(BODY), 3 << 20):
+        assert get(conn, size) == b"head" + BODY[:size]
+    assert get(conn, 0) == b"small body"  # the same connection, a body the loop writes itself
+    assert sent == [len(BODY), 3 << 20]  # the views from a thread; the small parts by uvicorn
+    conn.close()
+
+
+def test_many_callers_at_once_each_get_their_own_body(served):
+    port, sent = served
+    sizes = [(1 << 20) + 4096 * i for i in range(12)]
+    got: dict[int, bytes] = {}
+
+    def one(size: int) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        got[size] = get(conn, size)
+        conn.close()
+
+    threads = [threading.Thread(target=one, args=(s,)) for s in sizes]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert {s: len(b) for s, b in got.items()} == {s: s + 4 for s in sizes}
+    assert all(got[s] == b"head" + BODY[:s] for s in sizes)
+    assert sorted(sent) == sizes
+
+
+def test_a_caller_gone_mid_body_leaves_the_server_answering(served):
+    port, _ = served
+    for _ in range(3):
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+            assert sock.recv(4096).startswith(b"HTTP/1.1 200")
+        # closed with most of the body unread: the thread's send fails, the pool thread is free again
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    assert get(conn, len(BODY)) == b"head" + BODY
+    conn.close()
+
+
+def test_a_caller_that_reads_nothing_loses_its_connection_after_the_stall_bound(served, monkeypatch):
+    port, _ = served
+    monkeypatch.setattr(sender, "STALL_S", 0.5)
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        time.sleep(2.0)  # past the bound: the server gave up on this connection
+        sock.settimeout(10)
+        received = 0
+        while chunk := sock.recv(1 << 20):
+            received += len(chunk)
+        assert received < len(BODY)  # cut short, not hung
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    assert get(conn, 2 << 20) == b"head" + BODY[: 2 << 20]
+    conn.close()

@@ -10,8 +10,8 @@ import time
 
 import pytest
 import uvicorn
-
 from harness.waits import free_port
+
 from visenc.api import sender
 from visenc.api.codec import ChunksResponse
 

@@ -10,21 +10,17 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
-import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import time
 import urllib.request
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 sys.path[:0] = [str(Path(__file__).resolve().parents[1] / "service"), str(Path(__file__).resolve().parent)]
 
 import _common as c
+import _spy
 import bench_gpu
 
 #: screenshot sizes the images cycle through
@@ -151,11 +147,13 @@ def measure(proc: Any, port: int, tower: Any, prepared: list[Any], images: list[
         for n in args.clients:
             run = runs[f"{n} clients"]
             before, t0 = scrape(url), time.perf_counter()
-            with profiled(proc, args.profile_dir, f"round{r}-{n}") if r == 0 else contextlib.nullcontext():
+            with _spy.recorded(proc.pid, args.profile_dir, f"round{r}-{n}") if r == 0 else contextlib.nullcontext():
                 cold, latencies = asyncio.run(prefill_round(url, images, n, f"round{r}-{n}"))
             diagnoses[f"round {r}, {n} clients, cold"] = d = diagnosis(before, scrape(url), time.perf_counter() - t0)
             print(f"round {r}: {n} clients cold: " + ", ".join(f"{k} {v:.3g}" for k, v in d.items()), flush=True)
-            with profiled(proc, args.profile_dir, f"round{r}-{n}-hits") if r == 0 else contextlib.nullcontext():
+            with (
+                _spy.recorded(proc.pid, args.profile_dir, f"round{r}-{n}-hits") if r == 0 else contextlib.nullcontext()
+            ):
                 hits, _ = asyncio.run(prefill_round(url, images, n, f"round{r}-{n}"))  # the same images again
             run["cold"].append(cold)
             run["hits"].append(hits)
@@ -179,29 +177,6 @@ def measure(proc: Any, port: int, tower: Any, prepared: list[Any], images: list[
         if "encode_only" in run:
             passes[label]["encode_only_img_s"] = statistics.median(run["encode_only"])
     return {"bare_img_s": bare, "passes": passes, "served_compile": served_compile, "diagnoses": diagnoses}
-
-
-@contextlib.contextmanager
-def profiled(proc: Any, folder: Path | None, name: str) -> Iterator[None]:
-    """While the block runs, py-spy samples the server (every thread, idle ones too) into ``folder``
-    (a collapsed-stack file), when a folder is given and py-spy is found (``PY_SPY`` or the path)."""
-    spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
-    if folder is None or spy is None:
-        yield
-        return
-    folder.mkdir(parents=True, exist_ok=True)
-    out = folder / f"{name}.txt"
-    argv = [spy, "record", "--pid", str(proc.pid), "--rate", "250", "--threads", "--idle", "--format", "raw"]
-    spying = subprocess.Popen([*argv, "--output", str(out), "--nonblocking"], stdout=subprocess.DEVNULL)
-    try:
-        yield
-    finally:
-        spying.send_signal(signal.SIGINT)  # py-spy writes what it sampled on SIGINT
-        try:
-            spying.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            spying.kill()
-        print(f"py-spy: {out} ({out.stat().st_size if out.exists() else 0} bytes)", flush=True)
 
 
 def main() -> int:

@@ -60,7 +60,7 @@ def sweep_stale(directory: str, own: str = "") -> list[str]:
     return removed
 
 
-def _write(path: str, data: bytes | bytearray) -> None:
+def _write(path: str, data: bytes | bytearray | memoryview) -> None:
     fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o600)
     try:
         view = memoryview(data)

@@ -39,7 +39,7 @@ class CorruptEntry(ValueError):
 class Entry:
     """One image's embedding, held as the stored value itself (no second copy)."""
 
-    blob: bytes | bytearray
+    blob: bytes | bytearray | memoryview
     rows: int
     hidden: int
     dtype: str
@@ -95,7 +95,10 @@ def pack_entry(
     if _PREFIX.size + len(header) > DATA_OFFSET:
         raise ValueError("entry header does not fit before DATA_OFFSET")
     npdtype = NUMPY_DTYPES[dtype]
-    blob = bytearray(DATA_OFFSET + n * hidden * npdtype.itemsize)
+    # not zero-filled: a bytearray's fill holds the GIL for a page fault of every page (the rows' copy
+    # below faults them in with the GIL released); the header's 256 bytes are zeroed: no stale byte is stored
+    blob = np.empty(DATA_OFFSET + n * hidden * npdtype.itemsize, np.uint8).data
+    blob[:DATA_OFFSET] = bytes(DATA_OFFSET)
     _PREFIX.pack_into(blob, 0, MAGIC, VERSION, len(header))
     blob[_PREFIX.size : _PREFIX.size + len(header)] = header
     out, at = np.frombuffer(blob, dtype=npdtype, offset=DATA_OFFSET).reshape(n, hidden), 0
@@ -130,7 +133,9 @@ def parse_header(prefix: bytes | bytearray | memoryview) -> dict:
     return header
 
 
-def unpack_entry(blob: bytes | bytearray, *, fingerprint: str | None = None, hash: str | None = None) -> Entry:
+def unpack_entry(
+    blob: bytes | bytearray | memoryview, *, fingerprint: str | None = None, hash: str | None = None
+) -> Entry:
     """Check a stored value against its header and the expected key; wrap it without copying."""
     header = parse_header(memoryview(blob)[:DATA_OFFSET])
     rows, hidden = header["shape"]

@@ -23,7 +23,7 @@ import _common as c
 from visenc.models.sim import Span, stats
 from visenc_client import AsyncClient
 
-SPEC = "sim:launch_ms=1,token_us={token_us:g},patch=16,hidden={hidden},sync={sync}"
+SPEC = "sim:launch_ms={launch_ms:g},token_us={token_us:g},patch=16,hidden={hidden},sync={sync}"
 
 
 async def prefill_pass(url: str, images: list[bytes], clients: int, namespace: str) -> tuple[float, float, float]:
@@ -57,7 +57,10 @@ def one_pass(
     clients, hog_ms, sync = case
     with tempfile.TemporaryDirectory(prefix="visenc-busy-") as tmp:
         timeline, port = Path(tmp) / "timeline.jsonl", c.free_port()
-        spec = SPEC.format(token_us=args.token_us, hidden=args.hidden, sync=sync) + f",timeline={timeline}"
+        spec = (
+            SPEC.format(launch_ms=args.launch_ms, token_us=args.token_us, hidden=args.hidden, sync=sync)
+            + f",timeline={timeline}"
+        )
         cmd = [c.PYTHON, str(Path(__file__).with_name("_sim_serve.py")), "--hog-ms", str(hog_ms), "--"]
         cmd += ["--model", spec, "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"]
         url = f"http://127.0.0.1:{port}"
@@ -78,6 +81,7 @@ def main() -> int:
     p.add_argument("--hog-ms", type=float, default=20.0)
     p.add_argument("--size", type=int, default=512, help="side of the square JPEGs (16 pixels a token)")
     p.add_argument("--token-us", type=float, default=100.0, help="device time a token")
+    p.add_argument("--launch-ms", type=float, default=1.0, help="host time of a launch (Python, the GIL held)")
     p.add_argument("--hidden", type=int, default=64, help="row width (3584: a 7B model's, rows of real size)")
     p.add_argument("--sync", type=int, nargs="+", default=[0], help="0: async launch, 1: forward with a host sync")
     p.add_argument("--json", action="store_true")
@@ -100,7 +104,7 @@ def main() -> int:
                 label = f"{tree}, {forward}, {case[0]} clients, loop busy {case[1]:g}/40 ms"
                 results.setdefault(label, []).append(found)
                 print(f"round {r}: {label}: " + ", ".join(f"{k} {v:.3f}" for k, v in found.items()), flush=True)
-    spec = SPEC.format(token_us=args.token_us, hidden=args.hidden, sync="0|1")
+    spec = SPEC.format(launch_ms=args.launch_ms, token_us=args.token_us, hidden=args.hidden, sync="0|1")
     print(f"\nsimulated device {spec}, {args.size}x{args.size} JPEGs, {args.images} distinct images a pass")
     summary: dict[str, dict[str, float]] = {}
     for label, runs in results.items():

@@ -179,6 +179,25 @@ def measure(proc: Any, port: int, tower: Any, prepared: list[Any], images: list[
     return {"bare_img_s": bare, "passes": passes, "served_compile": served_compile, "diagnoses": diagnoses}
 
 
+def report(found: dict[str, Any], args: Any, name: str) -> None:
+    print(f"{name}, {args.images} distinct screenshots 720p-1440p, {args.rounds} rounds, prefill-like clients")
+    print(f"  bare compiled forward: {statistics.median(found['bare_img_s']):.2f} img/s")
+    for label, f in found["passes"].items():
+        print(
+            f"  {label}: cold {f['cold_img_s']:.2f} img/s (p50 {f['p50_s']:.3f} s, p95 {f['p95_s']:.3f} s), "
+            f"service / bare forward {f['ratio']:.3f}; hits {f['hits_img_s']:.2f} img/s, "
+            f"{f['hits_over_cold']:.1f}x cold"
+            + (
+                f"; encode only (no rows fetched) {f['encode_only_img_s']:.2f} img/s"
+                if "encode_only_img_s" in f
+                else ""
+            )
+        )
+    if args.json:
+        first = found["passes"][f"{args.clients[0]} clients"]
+        print(json.dumps({**found, "ratio": first["ratio"], "device": name}))
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--images", type=int, default=96)
@@ -224,23 +243,7 @@ def main() -> int:
     except RuntimeError:
         print("".join(log.read_text(errors="replace").splitlines(keepends=True)[-30:]), file=sys.stderr)
         raise
-    name = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"{name}, {args.images} distinct screenshots 720p-1440p, {args.rounds} rounds, prefill-like clients")
-    print(f"  bare compiled forward: {statistics.median(found['bare_img_s']):.2f} img/s")
-    for label, f in found["passes"].items():
-        print(
-            f"  {label}: cold {f['cold_img_s']:.2f} img/s (p50 {f['p50_s']:.3f} s, p95 {f['p95_s']:.3f} s), "
-            f"service / bare forward {f['ratio']:.3f}; hits {f['hits_img_s']:.2f} img/s, "
-            f"{f['hits_over_cold']:.1f}x cold"
-            + (
-                f"; encode only (no rows fetched) {f['encode_only_img_s']:.2f} img/s"
-                if "encode_only_img_s" in f
-                else ""
-            )
-        )
-    if args.json:
-        first = found["passes"][f"{args.clients[0]} clients"]
-        print(json.dumps({**found, "ratio": first["ratio"], "device": name}))
+    report(found, args, torch.cuda.get_device_name() if args.device == "cuda" else "CPU")
     return 0
 
 

@@ -204,14 +204,19 @@ def prepare(settings: Settings) -> socket.socket:
     return sock
 
 
-def http_protocol() -> Any:
-    """uvicorn's httptools protocol sending large rows bodies from threads (``api/sender.py``); without
-    httptools, uvicorn's own choice."""
+def server_config(app: Any, settings: Settings) -> Any:
+    """uvicorn's settings for ``app``: its httptools protocol sending large rows bodies from threads
+    (``api/sender.py``); without httptools, uvicorn's own choice."""
+    import uvicorn
+
     try:
         from visenc.api.sender import RowsProtocol
+
+        protocol: Any = RowsProtocol
     except ImportError:  # uvicorn without its [standard] extras: h11, every body written by the loop
-        return "auto"
-    return RowsProtocol
+        protocol = "auto"
+    grace = max(1, round(settings.shutdown_timeout_s))
+    return uvicorn.Config(app, log_level=settings.log_level, timeout_graceful_shutdown=grace, http=protocol)
 
 
 def serve(settings: Settings) -> int:
@@ -252,12 +257,7 @@ def serve(settings: Settings) -> int:
     except ValueError as e:  # the memory budget's parts, known once the tower is
         print(f"visenc: invalid settings: {e}", file=sys.stderr)
         return EXIT_USAGE
-    config = uvicorn.Config(
-        app,
-        log_level=settings.log_level,
-        timeout_graceful_shutdown=max(1, round(settings.shutdown_timeout_s)),
-        http=http_protocol(),
-    )
+    config = server_config(app, settings)
     server = uvicorn.Server(config)
 
     def stop_server() -> None:

@@ -11,6 +11,7 @@ import re
 import shutil
 import signal
 import subprocess
+import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -26,9 +27,8 @@ FRAME = re.compile(r"^(?P<fn>.*) \((?P<file>[^()]*):(?P<line>\d+)\)$")
 @contextlib.contextmanager
 def recorded(pid: int, folder: Path | None, name: str) -> Iterator[None]:
     """While the block runs, py-spy samples ``pid`` (every thread, idle ones too) into ``folder/name.txt``
-    (collapsed stacks), then prints its summary; nothing without a folder or without py-spy (``PY_SPY`` or
-    the path)."""
-    spy = os.environ.get("PY_SPY") or shutil.which("py-spy")
+    (collapsed stacks), then prints its summary; nothing without a folder or without py-spy."""
+    spy = find_py_spy()
     if folder is None or spy is None:
         yield
         return
@@ -46,6 +46,14 @@ def recorded(pid: int, folder: Path | None, name: str) -> Iterator[None]:
             spying.kill()
         if out.exists() and out.stat().st_size:
             print(f"py-spy {name}:\n{summary(out)}", flush=True)
+
+
+def find_py_spy() -> str | None:
+    """``PY_SPY``, else py-spy on the path, beside this Python, or in the ``bin`` of a ``sys.path`` entry (where
+    ``pip install --target`` puts it)."""
+    beside = [Path(sys.executable).with_name("py-spy"), *(Path(p) / "bin" / "py-spy" for p in sys.path if p)]
+    found = os.environ.get("PY_SPY") or shutil.which("py-spy") or next((p for p in beside if p.is_file()), None)
+    return str(found) if found else None
 
 
 def samples(path: Path) -> dict[str, list[tuple[list[str], int]]]:

@@ -34,9 +34,11 @@ OPTIONAL = {"bench_staging"}
 MIN_STEP_S = 45
 
 
-def commands(smoke: bool) -> list[tuple[str, int, list[str]]]:
-    """(name, time limit in seconds, argv) of each step, smallest first; each step's figures are its own."""
+def commands(smoke: bool, spy_dir: Path) -> list[tuple[str, int, list[str]]]:
+    """(name, time limit in seconds, argv) of each step, smallest first; each step's figures are its own. The
+    16-client service step records the server with py-spy into ``spy_dir`` where py-spy is found."""
     py = sys.executable
+    spied = ["--encode-only", "--profile-dir", str(spy_dir)]
     gpu = [py, "bench/bench_gpu.py", "--json"]
     service = [py, "bench/bench_gpu_service.py", "--json"]
     if smoke:
@@ -44,14 +46,14 @@ def commands(smoke: bool) -> list[tuple[str, int, list[str]]]:
         return [
             ("tests", 600, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, "-k", "cuda"]),
             ("bench_gpu 1080p x1", 600, [*gpu, *tiny, "--rounds", "1", "--scenarios", "1080p x1"]),
-            ("bench_gpu_service 16", 600, [*service, *tiny, *"--images 8 --rounds 1 --clients 4".split()]),
+            ("bench_gpu_service 16", 600, [*service, *tiny, *"--images 8 --rounds 1 --clients 4".split(), *spied]),
             ("bench_staging", 600, [py, "bench/bench_staging.py", *"--images 8 --rounds 1".split()]),
         ]
     return [
         ("tests", 80, [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", *TESTS, "-k", "cuda"]),
         ("bench_gpu 1080p x1", 120, [*gpu, "--rounds", "3", "--profile", "--scenarios", "1080p x1"]),
         ("bench_gpu 1080p x4", 90, [*gpu, "--rounds", "3", "--scenarios", "1080p x4"]),
-        ("bench_gpu_service 16", 130, [*service, *"--images 96 --rounds 2 --clients 16".split()]),
+        ("bench_gpu_service 16", 150, [*service, *"--images 96 --rounds 2 --clients 16".split(), *spied]),
         ("bench_gpu_service 64", 130, [*service, *"--images 128 --rounds 2 --clients 64".split()]),
         ("bench_gpu mixed", 90, [*gpu, "--rounds", "2", "--scenarios", "720p x8", "mixed x6"]),
         (
@@ -163,7 +165,7 @@ def run_steps(args: argparse.Namespace, out: Path, env: dict[str, str]) -> tuple
     """Each chosen step within what is left of ``--budget-s``; (figures by target, steps skipped and why)."""
     found: dict[str, list[tuple[str, float]]] = {k: [] for k in TARGETS}
     skipped, device, deadline = [], "no device reported", time.monotonic() + args.budget_s
-    for name, limit_s, argv in commands(args.smoke):
+    for name, limit_s, argv in commands(args.smoke, out / "spy"):
         base = name.split(" ")[0]
         chosen = base in args.only if args.only is not None else base not in OPTIONAL
         if not chosen:

@@ -161,8 +161,12 @@ async def test_claims_are_taken_at_encode_start_and_renewed_while_it_runs(raw, r
         assert await raw.get(claim_key(k_first)) == token and await raw.exists(k_first) == 0
         rows = await a.get(f"/v1/embeddings/{image_hash(queued)}")  # a finds b's entry at encode start
         assert rows.content == (await b.get(f"/v1/embeddings/{image_hash(queued)}")).content
-        await until(lambda: raw.exists(k_first))
-        assert await raw.exists(claim_key(k_first)) == 0  # entry written, then the claim released
+
+        async def released() -> bool:
+            return await raw.exists(claim_key(k_first)) == 0
+
+        await until(released, what="a's claim released")  # only once its entry is written (two round trips)
+        assert await raw.exists(k_first) == 1
         assert (await a.get(f"/v1/embeddings/{image_hash(NEXT)}")).status_code == 200  # waits for its encode
         ma = await metrics_of(a)
         assert metric(ma, "visenc_encoded_images_total") == 2  # first and NEXT: not the queued one

@@ -114,3 +114,18 @@ def test_a_caller_that_reads_nothing_loses_its_connection_after_the_stall_bound(
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     assert get(conn, 2 << 20) == b"head" + BODY[: 2 << 20]
     conn.close()
+
+
+def test_a_bad_request_pipelined_behind_a_large_body_is_answered_after_that_body(served):
+    port, _ = served
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(30)
+        sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        data = bytearray(sock.recv(4096))  # the body has begun; most of it cannot have left yet
+        sock.sendall(b"NOT HTTP \x00\r\n\r\n")
+        time.sleep(0.5)  # the server has read the bad request while the body is still being sent
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+    start = data.index(b"\r\n\r\n") + 4
+    assert data[start : start + 4 + len(BODY)] == b"head" + BODY
+    assert data[start + 4 + len(BODY) :].startswith(b"HTTP/1.1 400")

@@ -46,6 +46,8 @@ def send_all(sock: socket.socket, body: memoryview) -> None:
 class ThreadSentCycle(RequestResponseCycle):
     """uvicorn's request cycle, sending a large view body from ``pool()``."""
 
+    owner: RowsProtocol | None = None
+
     async def send(self, message: Any) -> None:
         body = message.get("body") if message["type"] == "http.response.body" else None
         if isinstance(body, memoryview) and len(body) >= MIN_BYTES and self._may_send_raw(len(body)):
@@ -53,6 +55,8 @@ class ThreadSentCycle(RequestResponseCycle):
             sock = socket.socket(fileno=os.dup(fd))
             sending = asyncio.get_running_loop().run_in_executor(pool(), send_all, sock, body)
             sending.add_done_callback(lambda f: _closed(sock, f))
+            if self.owner is not None:
+                self.owner.sending = sending
             try:
                 await asyncio.shield(sending)
             except asyncio.CancelledError:
@@ -104,7 +108,20 @@ def _cut(sock: socket.socket) -> None:
 class RowsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol whose request cycles are ``ThreadSentCycle``."""
 
+    sending: asyncio.Future[None] | None = None
+
+    def send_400_response(self, msg: str) -> None:
+        """A bad request pipelined behind a body a thread sends is answered after that body, not inside it."""
+        sending = self.sending
+        if sending is not None and not sending.done():
+            sending.add_done_callback(lambda _: self.send_400_response(msg))
+        elif sending is not None and (sending.cancelled() or sending.exception() is not None):
+            self.transport.close()  # the body was cut short: nothing more is written on this connection
+        elif not self.transport.is_closing():
+            super().send_400_response(msg)
+
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         if type(self.cycle) is RequestResponseCycle:
             self.cycle.__class__ = ThreadSentCycle  # before its task first runs: every send is the subclass's
+            self.cycle.owner = self  # type: ignore[attr-defined]

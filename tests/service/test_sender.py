@@ -129,3 +129,17 @@ def test_a_bad_request_pipelined_behind_a_large_body_is_answered_after_that_body
     start = data.index(b"\r\n\r\n") + 4
     assert data[start : start + 4 + len(BODY)] == b"head" + BODY
     assert data[start + 4 + len(BODY) :].startswith(b"HTTP/1.1 400")
+
+
+def test_a_caller_reading_slowly_but_steadily_gets_the_whole_body(served, monkeypatch):
+    port, _ = served
+    monkeypatch.setattr(sender, "STALL_S", 1.0)  # the bound is on a caller reading nothing, not on the body
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(30)
+        sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        data = bytearray(sock.recv(4096))
+        start = data.index(b"\r\n\r\n") + 4
+        while len(data) < start + 4 + len(BODY) and (chunk := sock.recv(1 << 20)):
+            data += chunk
+            time.sleep(0.05)  # 48 reads at least: the body takes longer than the bound, no pause comes near it
+    assert data[start:] == b"head" + BODY

@@ -40,7 +40,9 @@ def pool() -> ThreadPoolExecutor:
 def send_all(sock: socket.socket, body: memoryview) -> None:
     """On a pool thread: ``body`` whole, or ``OSError`` (the caller went away, or read nothing for ``STALL_S``)."""
     sock.settimeout(STALL_S)  # the descriptor stays non-blocking (the loop's is the same); the wait is poll's
-    sock.sendall(body)
+    view = body.cast("B")
+    while view:  # not sendall: its timeout bounds the whole body, a caller reading slowly but steadily included
+        view = view[sock.send(view) :]
 
 
 class ThreadSentCycle(RequestResponseCycle):

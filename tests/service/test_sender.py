@@ -114,3 +114,32 @@ def test_a_caller_that_reads_nothing_loses_its_connection_after_the_stall_bound(
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     assert get(conn, 2 << 20) == b"head" + BODY[: 2 << 20]
     conn.close()
+
+
+def test_a_bad_request_pipelined_behind_a_large_body_is_answered_after_that_body(served):
+    port, _ = served
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(30)
+        sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        data = bytearray(sock.recv(4096))  # the body has begun; most of it cannot have left yet
+        sock.sendall(b"NOT HTTP \x00\r\n\r\n")
+        time.sleep(0.5)  # the server has read the bad request while the body is still being sent
+        while chunk := sock.recv(1 << 20):
+            data += chunk
+    start = data.index(b"\r\n\r\n") + 4
+    assert data[start : start + 4 + len(BODY)] == b"head" + BODY
+    assert data[start + 4 + len(BODY) :].startswith(b"HTTP/1.1 400")
+
+
+def test_a_caller_reading_slowly_but_steadily_gets_the_whole_body(served, monkeypatch):
+    port, _ = served
+    monkeypatch.setattr(sender, "STALL_S", 1.0)  # the bound is on a caller reading nothing, not on the body
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.settimeout(30)
+        sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        data = bytearray(sock.recv(4096))
+        start = data.index(b"\r\n\r\n") + 4
+        while len(data) < start + 4 + len(BODY) and (chunk := sock.recv(1 << 20)):
+            data += chunk
+            time.sleep(0.05)  # 48 reads at least: the body takes longer than the bound, no pause comes near it
+    assert data[start:] == b"head" + BODY

@@ -40,11 +40,15 @@ def pool() -> ThreadPoolExecutor:
 def send_all(sock: socket.socket, body: memoryview) -> None:
     """On a pool thread: ``body`` whole, or ``OSError`` (the caller went away, or read nothing for ``STALL_S``)."""
     sock.settimeout(STALL_S)  # the descriptor stays non-blocking (the loop's is the same); the wait is poll's
-    sock.sendall(body)
+    view = body.cast("B")
+    while view:  # not sendall: its timeout bounds the whole body, a caller reading slowly but steadily included
+        view = view[sock.send(view) :]
 
 
 class ThreadSentCycle(RequestResponseCycle):
     """uvicorn's request cycle, sending a large view body from ``pool()``."""
+
+    owner: RowsProtocol | None = None
 
     async def send(self, message: Any) -> None:
         body = message.get("body") if message["type"] == "http.response.body" else None
@@ -53,6 +57,8 @@ class ThreadSentCycle(RequestResponseCycle):
             sock = socket.socket(fileno=os.dup(fd))
             sending = asyncio.get_running_loop().run_in_executor(pool(), send_all, sock, body)
             sending.add_done_callback(lambda f: _closed(sock, f))
+            if self.owner is not None:
+                self.owner.sending = sending
             try:
                 await asyncio.shield(sending)
             except asyncio.CancelledError:
@@ -104,7 +110,20 @@ def _cut(sock: socket.socket) -> None:
 class RowsProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol whose request cycles are ``ThreadSentCycle``."""
 
+    sending: asyncio.Future[None] | None = None
+
+    def send_400_response(self, msg: str) -> None:
+        """A bad request pipelined behind a body a thread sends is answered after that body, not inside it."""
+        sending = self.sending
+        if sending is not None and not sending.done():
+            sending.add_done_callback(lambda _: self.send_400_response(msg))
+        elif sending is not None and (sending.cancelled() or sending.exception() is not None):
+            self.transport.close()  # the body was cut short: nothing more is written on this connection
+        elif not self.transport.is_closing():
+            super().send_400_response(msg)
+
     def on_headers_complete(self) -> None:
         super().on_headers_complete()
         if type(self.cycle) is RequestResponseCycle:
             self.cycle.__class__ = ThreadSentCycle  # before its task first runs: every send is the subclass's
+            self.cycle.owner = self  # type: ignore[attr-defined]

@@ -107,6 +107,8 @@ async def test_the_device_runs_every_ready_batch_while_the_loop_is_blocked(monke
         assert [s.images for s in spans] == [4, 4, 4, 4]
         assert_never_drained(spans)
         assert_copied_before_the_next_forward_ends(tower, spans)
+        # the copy-out thread records a forward's seconds once its rows are out, just after its span ends
+        await until(lambda: histogram(engine.metrics.forward_seconds)[0] >= len(spans), what="every forward's seconds")
         assert_forward_seconds_from_the_device(engine.metrics, spans, tower.spec.launch_ms / 1000)
         for data in images:  # the rows were read once made, not before
             rows = await fetch_rows(client, sha(data))

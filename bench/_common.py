@@ -90,9 +90,10 @@ def visenc_cmd(model: str, port: int, *extra: str) -> list[str]:
     return [PYTHON, "-m", "visenc", "serve", "--model", model, "--port", str(port), "--log-level", "warning", *extra]
 
 
-def service_env() -> dict[str, str]:
-    """The project on the server's path, ahead of (never instead of) the caller's own entries."""
-    paths = [str(ROOT / "service"), str(ROOT / "clients"), os.environ.get("PYTHONPATH", "")]
+def service_env(tree: Path = ROOT) -> dict[str, str]:
+    """The project (this one, or another source ``tree``) on the server's path, ahead of (never instead of)
+    the caller's own entries."""
+    paths = [str(tree / "service"), str(tree / "clients"), os.environ.get("PYTHONPATH", "")]
     return {"PYTHONPATH": os.pathsep.join(p for p in paths if p)}
 
 

@@ -9,7 +9,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import tempfile
@@ -89,8 +88,7 @@ def main() -> int:
     host_bytes()
     trees = {"now": c.service_env()}
     if args.before is not None:
-        paths = [str(args.before / "service"), str(args.before / "clients"), os.environ.get("PYTHONPATH", "")]
-        trees["before"] = {"PYTHONPATH": os.pathsep.join(x for x in paths if x)}
+        trees["before"] = c.service_env(args.before)
     results: dict[str, list[dict[str, float]]] = {}
     seed = 0
     cases = [(n, hog, sync) for sync in args.sync for n in args.clients for hog in (0.0, args.hog_ms)]

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import os
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
+
+import psutil
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(ROOT), str(ROOT / "service"), str(ROOT / "clients"), str(ROOT / "bench")]
@@ -33,15 +34,7 @@ Measure = tuple[int | None, Callable[[], object]]
 
 def thread_cpu(pid: int | None) -> dict[int, float]:
     """CPU seconds (user and system) of each of ``pid``'s threads (none without a pid)."""
-    if pid is None:
-        return {}
-    tick = os.sysconf("SC_CLK_TCK")
-    seconds = {}
-    for tid in os.listdir(f"/proc/{pid}/task"):
-        with contextlib.suppress(OSError):
-            fields = Path(f"/proc/{pid}/task/{tid}/stat").read_text().rsplit(")", 1)[1].split()
-            seconds[int(tid)] = (int(fields[11]) + int(fields[12])) / tick
-    return seconds
+    return {} if pid is None else {t.id: t.user_time + t.system_time for t in psutil.Process(pid).threads()}
 
 
 def measured(pid: int | None, call: Callable[[], object], n: int) -> tuple[float, float, float, float]:
@@ -59,9 +52,8 @@ def measured(pid: int | None, call: Callable[[], object], n: int) -> tuple[float
 def served(stack: contextlib.ExitStack, tree: Path, checkpoint: Path, image: bytes) -> dict[str, Measure]:
     """The rows requests of a ``visenc serve`` run from ``tree``, each as (its server's pid, the call)."""
     port = c.free_port()
-    env = {"PYTHONPATH": os.pathsep.join([str(tree / "service"), str(tree / "clients")])}
     cmd = c.visenc_cmd(str(checkpoint), port, "--dtype", "bfloat16")
-    pid = stack.enter_context(c.server(cmd, f"http://127.0.0.1:{port}/readyz", env)).pid
+    pid = stack.enter_context(c.server(cmd, f"http://127.0.0.1:{port}/readyz", c.service_env(tree))).pid
     client = stack.enter_context(Client(f"http://127.0.0.1:{port}"))
     h = client.encode([image])[0]
     return {

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import inspect
+from collections.abc import Callable, Coroutine
 from typing import Any
 
 from fastapi import Request
+from fastapi.routing import APIRoute
+from starlette.responses import Response
 
 from visenc.api.schemas import ErrorResponse
 from visenc.engine.interface import EngineAPI, LeaseMode
@@ -21,6 +25,19 @@ from visenc_client.format import (
     Priority,
     is_valid_namespace,
 )
+
+
+class RequestRoute(APIRoute):
+    """A route documented by FastAPI; an endpoint that takes the request alone (and parses its own body) is
+    called with it directly, with no dependencies solved per request. The routers are included with none."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        d = self.dependant
+        takes = (d.path_params, d.query_params, d.header_params, d.cookie_params, d.body_params, d.dependencies)
+        if d.request_param_name is None or any(takes) or not inspect.iscoroutinefunction(self.endpoint):
+            return super().get_route_handler()
+        return self.endpoint  # type: ignore[no-any-return]
+
 
 #: the error answers every /v1 route may give, for the OpenAPI document
 ERRORS: dict[int | str, dict[str, Any]] = {

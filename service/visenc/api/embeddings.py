@@ -10,13 +10,13 @@ from fastapi import APIRouter, Query, Request
 from fastapi.responses import Response
 
 from visenc.api.codec import ROWS_MEDIA_TYPE, parse, rows_response
-from visenc.api.deps import ERRORS, body_schema, check_range, engine_of, namespace_of, read_lease
+from visenc.api.deps import ERRORS, RequestRoute, body_schema, check_range, engine_of, namespace_of, read_lease
 from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import MAX_ROW, FetchRequest
 from visenc.errors import PayloadTooLarge, VisencError
 from visenc_client.format import Entry
 
-router = APIRouter()
+router = APIRouter(route_class=RequestRoute)
 
 
 @router.get(

@@ -9,13 +9,13 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from visenc.api.codec import ROWS_MEDIA_TYPE, parse, render, rows_response, wants_msgpack
-from visenc.api.deps import ERRORS, body_schema, engine_of, lease_mode, namespace_of, priority_of
+from visenc.api.deps import ERRORS, RequestRoute, body_schema, engine_of, lease_mode, namespace_of, priority_of
 from visenc.api.guard import guarded, remaining, within
 from visenc.api.schemas import EncodeRequest, EncodeResponse
 from visenc.engine.interface import EncodeItem, Timing
 from visenc.errors import PayloadTooLarge
 
-router = APIRouter()
+router = APIRouter(route_class=RequestRoute)
 
 
 @router.post(

@@ -1,9 +1,13 @@
-"""Deadlines and client disconnects for handlers that wait (uvicorn does not cancel a handler itself)."""
+"""Deadlines and client disconnects for handlers that wait (uvicorn does not cancel a handler itself).
+
+An answer at hand costs neither: ``within`` arms a timer, not a task, and ``guarded`` listens for a
+disconnect only once its work has had to wait."""
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Coroutine
 from typing import Any, TypeVar
 
 from starlette.requests import Request
@@ -37,18 +41,51 @@ def remaining(deadline: float) -> float:
     return max(0.0, deadline - asyncio.get_running_loop().time())
 
 
+@contextlib.asynccontextmanager
+async def _timeout_at(deadline: float) -> AsyncIterator[None]:  # Python 3.10: asyncio has no timeout_at
+    task = asyncio.current_task()
+    assert task is not None
+    fired = False
+
+    def fire() -> None:
+        nonlocal fired
+        fired = True
+        task.cancel()
+
+    timer = asyncio.get_running_loop().call_at(deadline, fire)
+    try:
+        yield
+    except asyncio.CancelledError as e:
+        if fired:
+            raise asyncio.TimeoutError from e
+        raise
+    finally:
+        timer.cancel()
+
+
+timeout_at = getattr(asyncio, "timeout_at", _timeout_at)
+
+
 async def within(coro: Awaitable[T], deadline: float, what: str) -> T:
     """``await coro`` with a deadline (for reading the body, before ``guarded`` may listen)."""
     try:
-        return await asyncio.wait_for(coro, remaining(deadline))
+        async with timeout_at(deadline):
+            return await coro
     except asyncio.TimeoutError as e:
         raise DeadlineExceeded(f"{what}") from e
 
 
-async def guarded(request: Request, coro: Awaitable[T], deadline: float, what: str) -> T:
+async def guarded(request: Request, coro: Coroutine[Any, Any, T], deadline: float, what: str) -> T:
     """Run ``coro`` until it finishes, the client disconnects, or ``deadline`` passes (``what`` names the limit
     in the 504 message)."""
     work = asyncio.ensure_future(coro)
+    try:
+        await asyncio.sleep(0)  # its first step: an answer at hand is returned with no watcher
+    except asyncio.CancelledError:
+        await _cancel(request, work)
+        raise
+    if work.done():
+        return work.result()
     watcher = asyncio.ensure_future(_until_disconnected(request))
     try:
         done, _ = await asyncio.wait({work, watcher}, timeout=remaining(deadline), return_when=asyncio.FIRST_COMPLETED)

@@ -7,10 +7,10 @@ from fastapi.responses import PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from visenc.api.codec import render
-from visenc.api.deps import engine_of, namespace_of
+from visenc.api.deps import RequestRoute, engine_of, namespace_of
 from visenc.errors import NotReady
 
-router = APIRouter()
+router = APIRouter(route_class=RequestRoute)
 
 
 @router.get("/v1/model")

@@ -12,13 +12,13 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ValidationError
 
 from visenc.api.codec import read_body
-from visenc.api.deps import engine_of
+from visenc.api.deps import RequestRoute, engine_of
 from visenc.config import Settings
 from visenc.epd import EPD, EncodePart, EPDError, EPDSettings, ReceiveUrl
 from visenc.errors import VisencError
 from visenc.metrics import Metrics
 
-router = APIRouter(include_in_schema=False)
+router = APIRouter(include_in_schema=False, route_class=RequestRoute)
 M = TypeVar("M", bound=BaseModel)
 
 

@@ -12,7 +12,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
 from visenc.api.codec import render
-from visenc.api.deps import ERRORS, body_schema, engine_of, namespace_of
+from visenc.api.deps import ERRORS, RequestRoute, body_schema, engine_of, namespace_of
 from visenc.api.embeddings import resolve_ranges
 from visenc.api.schemas import FetchRequest
 from visenc.config import Settings
@@ -22,7 +22,7 @@ from visenc.shm import SegmentPool
 from visenc_client.format import DATA_OFFSET, entry_key
 
 log = logging.getLogger(__name__)
-router = APIRouter()
+router = APIRouter(route_class=RequestRoute)
 
 
 def _room(directory: str) -> int | None:

@@ -1,10 +1,14 @@
-"""Rows bodies sent from threads: the socket copy of a large body leaves the event loop.
+"""Rows bodies sent from threads when the loop is busy writing another: the socket copy of a large body leaves
+the event loop.
 
 One event loop thread sending every caller's rows is one core's worth of socket copies; on loopback the
 receiver's half of the work runs in the sender's system call too. A body that is a view of at least
-``MIN_BYTES`` is sent by a pool thread on a duplicate of the connection's descriptor (the system call
-drops the GIL), once what uvicorn wrote before it has left; uvicorn then ends the response as usual.
-Anything else (TLS, a write buffer not yet empty, HEAD, chunked bodies) is written by uvicorn itself.
+``MIN_BYTES`` is written by the loop itself while it writes no other (``LoopBody``: a thread's hand-off and
+its GIL round trips cost a lone caller more than the copy they move); while it does, the body is sent by a
+pool thread on a duplicate of the connection's descriptor (the system call drops the GIL), once what uvicorn
+wrote before it has left; uvicorn then ends the response as usual. Either way a caller that reads none of
+its body for ``STALL_S`` loses its connection. Anything else (TLS, a write buffer not yet empty, HEAD,
+chunked bodies) is written by uvicorn itself.
 """
 
 from __future__ import annotations
@@ -53,6 +57,10 @@ class ThreadSentCycle(RequestResponseCycle):
     async def send(self, message: Any) -> None:
         body = message.get("body") if message["type"] == "http.response.body" else None
         if isinstance(body, memoryview) and len(body) >= MIN_BYTES and self._may_send_raw(len(body)):
+            if not LoopBody.busy():
+                await super().send(message)
+                LoopBody(self.transport)
+                return
             fd = self.transport.get_extra_info("socket").fileno()
             sock = socket.socket(fileno=os.dup(fd))
             sending = asyncio.get_running_loop().run_in_executor(pool(), send_all, sock, body)
@@ -90,6 +98,44 @@ class ThreadSentCycle(RequestResponseCycle):
             and transport.get_extra_info("sslcontext") is None
             and transport.get_extra_info("socket") is not None
         )
+
+
+class LoopBody:
+    """The one large body the loop is writing itself (what the socket could not take yet waits in the
+    transport). Event loop only. Lives until its bytes are gone, its connection is, or another takes its place."""
+
+    current: LoopBody | None = None
+
+    def __init__(self, transport: Any) -> None:
+        self.transport = transport
+        self.left = transport.get_write_buffer_size()
+        LoopBody.current = self
+        if self.left:
+            self._watch()
+
+    @classmethod
+    def busy(cls) -> bool:
+        """Whether the loop is still writing a large body."""
+        body = cls.current
+        return body is not None and body.pending() > 0
+
+    def pending(self) -> int:
+        return 0 if self.transport.is_closing() else int(self.transport.get_write_buffer_size())
+
+    def _watch(self) -> None:
+        asyncio.get_running_loop().call_later(STALL_S, self._check)
+
+    def _check(self) -> None:
+        """Every ``STALL_S`` while pending: a caller that read none of it since the last check is cut off."""
+        left = self.pending()
+        if LoopBody.current is not self or not left:
+            return
+        if left >= self.left:
+            log.debug("rows body not sent: the caller read nothing for %s s", STALL_S)
+            self.transport.abort()
+            return
+        self.left = left
+        self._watch()
 
 
 def _closed(sock: socket.socket, sent: asyncio.Future[None]) -> None:

@@ -13,7 +13,7 @@ from visenc_client._exceptions import ImageEncodeError
 from visenc_client._http import Connections
 from visenc_client._rows import empty_chunk
 from visenc_client._shm import SegmentHandles
-from visenc_client._steps import AnyFlow
+from visenc_client._steps import AnyFlow, Ask
 from visenc_client._transport import rows_for, rows_transport
 from visenc_client._types import Handle, ImageInput, RowRange, Video
 from visenc_client.chunks import ImagePlacement, plan_chunk
@@ -80,6 +80,10 @@ class ClientBase:
             None if custom_transport else Connections(base_url, connect_s=timeout.connect, read_s=timeout.read)
         )
 
+    def _request(self, ask: Ask) -> httpx.Request:
+        """``ask`` as httpx sends it (what ``Connections`` does not send)."""
+        return self._http.build_request(ask.method, ask.path, content=ask.content or None, headers=ask.headers)
+
     def _choose(self, model_info: dict[str, Any]) -> None:
         """Settle the transport from ``/v1/model``."""
         self.rows = rows_for(model_info, self.base_url)
@@ -106,23 +110,21 @@ class ClientBase:
         self, images: Sequence[ImageInput | Video], wait: bool, hash_first: bool, include_rows: bool, pin: bool
     ) -> AnyFlow[list[Handle]]:
         headers = p.pinning(self.headers, pin)
-        return p.encode_flow(
-            self._http, images, wait=wait, hash_first=hash_first, headers=headers, include_rows=include_rows
-        )
+        return p.encode_flow(images, wait=wait, hash_first=hash_first, headers=headers, include_rows=include_rows)
 
     def _lookup_flow(self, hashes: Sequence[str], wait: bool, include_rows: bool, pin: bool) -> AnyFlow[list[Handle]]:
         unpinned = self.rows.reads_unpinned
-        return p.lookup_split_by_pin_flow(self._http, hashes, self.headers, unpinned, wait, include_rows, pin)
+        return p.lookup_split_by_pin_flow(hashes, self.headers, unpinned, wait, include_rows, pin)
 
     def _unpin_flow(self, handles: Sequence[Handle]) -> AnyFlow[None]:
-        return p.unpin_flow(self._http, handles, self.headers)
+        return p.unpin_flow(handles, self.headers)
 
     def _fetch_flow(self, image: str | Handle, start: int | None, end: int | None) -> AnyFlow[np.ndarray]:
         fetchable(image)
-        return (yield from self.rows.fetch(self._http, image, start, end, self.headers))
+        return (yield from self.rows.fetch(image, start, end, self.headers))
 
     def _fetch_many_flow(self, ranges: Sequence[RowRange], wait: bool) -> AnyFlow[list[np.ndarray]]:
-        return self.rows.fetch_many(self._http, ranges, wait, self.headers)
+        return self.rows.fetch_many(ranges, wait, self.headers)
 
     def _fetch_chunk_flow(
         self, placements: Sequence[ImagePlacement], start: int, end: int, out: Any, dense: bool, wait: bool
@@ -132,7 +134,7 @@ class ClientBase:
         plan = plan_chunk(placements, start, end, dense=dense)
         if not plan.pieces:
             return empty_chunk(plan, out)
-        return (yield from self.rows.fetch_chunk(self._http, plan, out, wait, self.headers))
+        return (yield from self.rows.fetch_chunk(plan, out, wait, self.headers))
 
     def _model_flow(self) -> AnyFlow[dict[str, Any]]:
-        return p.simple_flow(self._http, "GET", "/v1/model", self.headers)
+        return p.simple_flow("GET", "/v1/model", self.headers)

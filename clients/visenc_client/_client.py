@@ -25,8 +25,8 @@ import numpy as np
 
 from visenc_client._base import DEFAULT_TIMEOUT, ClientBase, SharedMemory, connecting, timeouts
 from visenc_client._exceptions import TransportError, VisencClientError, describe
-from visenc_client._http import AsyncChunkBody, Body, ChunkBody, Head, async_resolving_transport, resolving_transport
-from visenc_client._steps import READ, AnyFlow, Read, ReadInto, Stream
+from visenc_client._http import AsyncChunkBody, Body, ChunkBody, async_resolving_transport, resolving_transport
+from visenc_client._steps import READ, AnyFlow, Ask, Head, Read, ReadInto, Stream
 from visenc_client._types import Handle, ImageInput, RowRange, Video
 from visenc_client.chunks import ImagePlacement
 from visenc_client.format import Priority
@@ -59,15 +59,15 @@ class Client(ClientBase):
         super().__init__(base_url, namespace, api_key, shared_memory, t, transport is not None, priority)
         self._http = httpx.Client(base_url=self.base_url, timeout=t, transport=transport or resolving_transport())
 
-    def _open(self, request: httpx.Request) -> tuple[Head, Body | ChunkBody]:
+    def _open(self, request: Ask) -> tuple[Head, Body | ChunkBody]:
         if self._conns is not None:
             return self._conns.open(request)
-        resp = self._http.send(request, stream=True)
+        resp = self._http.send(self._request(request), stream=True)
         return Head(resp.status_code, resp.reason_phrase, resp.headers), ChunkBody(resp.iter_bytes(), resp.close)
 
     def _drive(self, flow: AnyFlow[T]) -> T:
         body: Body | ChunkBody | None = None
-        url: object = self.base_url
+        url = ""
         try:
             step = next(flow)
             while True:
@@ -77,16 +77,16 @@ class Client(ClientBase):
                     elif step is READ:
                         reply = body.read()  # type: ignore[union-attr]
                     elif isinstance(step, Stream):
-                        url = step.request.url
+                        url = step.request.path
                         done, body = body, None
                         if done is not None:
                             done.close()
                         reply, body = self._open(step.request)
                     else:
-                        url = step.url
-                        reply = self._http.send(step)
+                        url = step.path
+                        reply = self._http.send(self._request(step))
                 except httpx.TransportError as e:
-                    raise TransportError(describe(e), str(url), connecting=connecting(e)) from e
+                    raise TransportError(describe(e), self.base_url + url, connecting=connecting(e)) from e
                 step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
@@ -209,10 +209,10 @@ class AsyncClient(ClientBase):
             self._io = ThreadPoolExecutor(32, thread_name_prefix="visenc-client-io")
         return await asyncio.get_running_loop().run_in_executor(self._io, fn, *args)
 
-    async def _open(self, request: httpx.Request) -> tuple[Head, Body | AsyncChunkBody]:
+    async def _open(self, request: Ask) -> tuple[Head, Body | AsyncChunkBody]:
         if self._conns is not None:
             return await self._blocking(self._conns.open, request)
-        resp = await self._http.send(request, stream=True)
+        resp = await self._http.send(self._request(request), stream=True)
         head = Head(resp.status_code, resp.reason_phrase, resp.headers)
         return head, AsyncChunkBody(resp.aiter_bytes(), resp.aclose)
 
@@ -225,7 +225,7 @@ class AsyncClient(ClientBase):
 
     async def _drive(self, flow: AnyFlow[T]) -> T:
         body: Body | AsyncChunkBody | None = None
-        url: object = self.base_url
+        url = ""
         try:
             step = next(flow)
             while True:
@@ -234,15 +234,15 @@ class AsyncClient(ClientBase):
                         assert body is not None, "a flow read a body before it streamed a request"
                         reply: Any = await self._read(body, step)
                     elif isinstance(step, Stream):
-                        url = step.request.url
+                        url = step.request.path
                         done, body = body, None
                         await _close(done)
                         reply, body = await self._open(step.request)
                     else:
-                        url = step.url
-                        reply = await self._http.send(step)
+                        url = step.path
+                        reply = await self._http.send(self._request(step))
                 except httpx.TransportError as e:
-                    raise TransportError(describe(e), str(url), connecting=connecting(e)) from e
+                    raise TransportError(describe(e), self.base_url + url, connecting=connecting(e)) from e
                 step = flow.send(reply)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]

@@ -12,7 +12,6 @@ import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Iterator
-from dataclasses import dataclass
 from typing import Any
 
 import anyio.to_thread
@@ -20,6 +19,7 @@ import httpcore
 import httpx
 
 from visenc_client._exceptions import ProtocolError, TransportError, describe
+from visenc_client._steps import Ask, Head
 
 ERRORS = (OSError, http.client.HTTPException)
 #: an idle connection older than this is not reused (uvicorn closes kept-alive connections after 5 s)
@@ -78,13 +78,6 @@ def create_connection(
             sock.close()
             error = e
     raise error
-
-
-@dataclass(frozen=True, slots=True)
-class Head:
-    status_code: int
-    reason_phrase: str
-    headers: httpx.Headers
 
 
 class Body:
@@ -209,7 +202,7 @@ class Connections:
         url = httpx.URL(base_url)
         if url.scheme not in ("http", "https"):
             raise ValueError(f"not an http(s) URL: {base_url}")
-        self._https = url.scheme == "https"
+        self._https, self._origin = url.scheme == "https", f"{url.scheme}://{url.netloc.decode('ascii')}"
         self._host, self._port = url.host, url.port or (443 if self._https else 80)
         self._connect_s, self._read_s = connect_s, read_s
         self._idle: list[tuple[http.client.HTTPConnection, float]] = []
@@ -250,11 +243,9 @@ class Connections:
                 return
         conn.close()
 
-    def open(self, request: httpx.Request) -> tuple[Head, Body]:
+    def open(self, request: Ask) -> tuple[Head, Body]:
         """Send ``request``: its answer's head and its unread body (``close`` it once done)."""
-        headers = {k: v for k, v in request.headers.items() if k.lower() != "accept-encoding"}
-        target = request.url.raw_path.decode("ascii")
-        url = str(request.url)
+        url = self._origin + request.path
         while True:
             conn = self._idle_connection()
             kept = conn is not None
@@ -264,7 +255,7 @@ class Connections:
                 except ERRORS as e:
                     raise TransportError(f"connect: {describe(e)}", url, connecting=True) from e
             try:
-                conn.request(request.method, target, body=request.content or None, headers=headers)
+                conn.request(request.method, request.path, body=request.content or None, headers=request.headers)
                 response = conn.getresponse()
                 break
             except ERRORS as e:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
+from urllib.parse import urlencode
 
 import httpx
 import msgpack
@@ -13,6 +14,7 @@ import numpy as np
 from visenc_client._exceptions import ProtocolError, VisencClientError
 from visenc_client._steps import (
     AnyFlow,
+    Ask,
     Flow,
     ReadInto,
     as_array,
@@ -49,19 +51,9 @@ def read_image(image: ImageInput) -> bytes:
 
 
 def msgpack_request(
-    client: httpx.Client | httpx.AsyncClient,
-    path: str,
-    payload: dict[str, Any],
-    headers: dict[str, str] | None = None,
-    *,
-    accept: str = MSGPACK,
-) -> httpx.Request:
-    return client.build_request(
-        "POST",
-        path,
-        content=msgpack.packb(payload),
-        headers={"content-type": MSGPACK, "accept": accept, **(headers or {})},
-    )
+    path: str, payload: dict[str, Any], headers: dict[str, str] | None = None, *, accept: str = MSGPACK
+) -> Ask:
+    return Ask("POST", path, {"content-type": MSGPACK, "accept": accept, **(headers or {})}, msgpack.packb(payload))
 
 
 def _handles(resp: httpx.Response) -> list[Handle]:
@@ -82,13 +74,11 @@ def _parse_handles(content: bytes) -> list[Handle]:
         raise ProtocolError(f"unreadable encode response: {e}") from e
 
 
-def _ask(
-    client: httpx.Client | httpx.AsyncClient, payload: dict[str, Any], headers: dict[str, str] | None
-) -> AnyFlow[list[Handle]]:
+def _ask(payload: dict[str, Any], headers: dict[str, str] | None) -> AnyFlow[list[Handle]]:
     """One ``/v1/encode``; with ``include_rows``, a rows frame whose items are the handles."""
     if not payload.get("include_rows"):
-        return _handles((yield msgpack_request(client, "/v1/encode", payload, headers)))
-    request = msgpack_request(client, "/v1/encode", payload, headers, accept=f"{ROWS_MEDIA_TYPE}, {MSGPACK}")
+        return _handles((yield msgpack_request("/v1/encode", payload, headers)))
+    request = msgpack_request("/v1/encode", payload, headers, accept=f"{ROWS_MEDIA_TYPE}, {MSGPACK}")
     head = yield from send_streamed(request)
     if head.status_code < 400 and not head.headers.get("content-type", "").startswith(ROWS_MEDIA_TYPE):
         return _parse_handles((yield from read_all()))  # a service that answers rows inline in msgpack
@@ -107,7 +97,6 @@ def _ask(
 
 
 def encode_flow(
-    client: httpx.Client | httpx.AsyncClient,
     images: Sequence[ImageInput | Video],
     *,
     wait: bool,
@@ -119,25 +108,23 @@ def encode_flow(
     uploads = [_item(im) for im in images]
     options = {"wait": wait, **({"include_rows": True} if include_rows else {})}
     if not hash_first:
-        return (yield from _ask(client, {"items": uploads, **options}, headers))
+        return (yield from _ask({"items": uploads, **options}, headers))
     payload = {"items": [{"hash": u["hash"]} for u in uploads], **options}
-    handles = yield from _ask(client, payload, headers)
+    handles = yield from _ask(payload, headers)
     missing = [i for i, h in enumerate(handles) if h.status == "missing"]
     if missing:
         items = [uploads[i] for i in missing]
         try:
-            uploaded = yield from _ask(client, {"items": items, **options}, headers)
+            uploaded = yield from _ask({"items": items, **options}, headers)
         except VisencClientError:  # the caller reads none of the look-up's answers
-            yield from unpin_flow(client, handles, headers)
+            yield from unpin_flow(handles, headers)
             raise
         for i, h in zip(missing, uploaded):
             handles[i] = h
     return handles
 
 
-def unpin_flow(
-    client: httpx.Client | httpx.AsyncClient, handles: Sequence[Handle], headers: dict[str, str] | None
-) -> AnyFlow[None]:
+def unpin_flow(handles: Sequence[Handle], headers: dict[str, str] | None) -> AnyFlow[None]:
     """Unpin ready ``handles`` whose rows will not be read: one read of no rows at the end of each image."""
     ranges: list[RowRange] = []
     for h in handles:
@@ -146,11 +133,10 @@ def unpin_flow(
         per = h.num_tokens // len(h.tubes) if h.tubes else h.num_tokens
         ranges += [RowRange(t, per, per, h.lease) for t in h.tubes or (h.hash,)]
     if ranges:
-        yield ranges_request(client, "/v1/embeddings/fetch", ranges, wait=False, headers=headers)
+        yield ranges_request("/v1/embeddings/fetch", ranges, wait=False, headers=headers)
 
 
 def lookup_hashes_flow(
-    client: httpx.Client | httpx.AsyncClient,
     hashes: Sequence[str],
     headers: dict[str, str] | None,
     *,
@@ -163,11 +149,10 @@ def lookup_hashes_flow(
         "wait": wait,
         **({"include_rows": True} if include_rows else {}),
     }
-    return (yield from _ask(client, payload, headers))
+    return (yield from _ask(payload, headers))
 
 
 def lookup_split_by_pin_flow(
-    client: httpx.Client | httpx.AsyncClient,
     hashes: Sequence[str],
     headers: dict[str, str],
     reads_unpinned: Callable[[str], bool],
@@ -183,15 +168,12 @@ def lookup_split_by_pin_flow(
     handles: dict[int, Handle] = {}
     for part, pinned in parts:
         asked = [hashes[i] for i in part]
-        got = yield from lookup_hashes_flow(
-            client, asked, pinning(headers, pinned), wait=wait, include_rows=include_rows
-        )
+        got = yield from lookup_hashes_flow(asked, pinning(headers, pinned), wait=wait, include_rows=include_rows)
         handles.update(zip(part, got))
     return [handles[i] for i in range(len(hashes))]
 
 
 def fetch_flow(
-    client: httpx.Client | httpx.AsyncClient,
     image: str | Handle,
     start: int | None,
     end: int | None,
@@ -200,7 +182,8 @@ def fetch_flow(
     h = image.hash if isinstance(image, Handle) else image
     lease = image.lease if isinstance(image, Handle) else None
     params = {k: v for k, v in (("start", start), ("end", end), ("lease", lease)) if v is not None}
-    head = yield from send_streamed(client.build_request("GET", f"/v1/embeddings/{h}", params=params, headers=headers))
+    query = f"?{urlencode(params)}" if params else ""
+    head = yield from send_streamed(Ask("GET", f"/v1/embeddings/{h}{query}", dict(headers or {})))
     if head.status_code >= 400:
         raise_for_status(head, (yield from read_all()))
     try:
@@ -216,15 +199,14 @@ def fetch_flow(
 
 
 def ranges_request(
-    client: httpx.Client | httpx.AsyncClient,
     path: str,
     ranges: Sequence[RowRange],
     *,
     wait: bool,
     headers: dict[str, str] | None,
-) -> httpx.Request:
+) -> Ask:
     payload = {"ranges": [_range(r) for r in ranges], "wait": wait}
-    return msgpack_request(client, path, payload, headers)
+    return msgpack_request(path, payload, headers)
 
 
 def _range(r: RowRange) -> dict[str, Any]:
@@ -240,9 +222,9 @@ def pinning(headers: dict[str, str] | None, pin: bool) -> dict[str, str]:
 
 
 def fetch_many_flow(
-    client: httpx.Client | httpx.AsyncClient, ranges: Sequence[RowRange], *, wait: bool, headers: dict[str, str] | None
+    ranges: Sequence[RowRange], *, wait: bool, headers: dict[str, str] | None
 ) -> AnyFlow[list[np.ndarray]]:
-    head = yield from send_streamed(ranges_request(client, "/v1/embeddings/fetch", ranges, wait=wait, headers=headers))
+    head = yield from send_streamed(ranges_request("/v1/embeddings/fetch", ranges, wait=wait, headers=headers))
     arrays: list[np.ndarray] = []
 
     def place(item: dict[str, Any]) -> memoryview:
@@ -258,11 +240,9 @@ def fetch_many_flow(
     return arrays
 
 
-def simple_flow(
-    client: httpx.Client | httpx.AsyncClient, method: str, path: str, headers: dict[str, str] | None
-) -> Flow[dict[str, Any]]:
+def simple_flow(method: str, path: str, headers: dict[str, str] | None) -> Flow[dict[str, Any]]:
     """One request whose answer is a JSON object (``ProtocolError`` if it is anything else)."""
-    resp = yield client.build_request(method, path, headers=headers)
+    resp = yield Ask(method, path, dict(headers or {}))
     raise_for_status(resp)
     try:
         body = resp.json()

@@ -20,8 +20,6 @@ from visenc_client.format import NUMPY_DTYPES, tensor_words
 
 log = logging.getLogger("visenc_client")
 
-Client = Any  # httpx.Client | httpx.AsyncClient
-
 
 def destination(out: Any, rows: int, hidden: int, dtype: str, dense: bool) -> tuple[np.ndarray, Any]:
     """(a writable array viewing ``out`` in the wire dtype, the object to return); ``None`` allocates one."""
@@ -58,10 +56,10 @@ def _chunk_ranges(plan: ChunkPlan) -> list[RowRange]:
 
 
 def shm_chunk_flow(
-    client: Client, plan: ChunkPlan, out: Any, *, wait: bool, headers: dict[str, str] | None, known: SegmentHandles
+    plan: ChunkPlan, out: Any, *, wait: bool, headers: dict[str, str] | None, known: SegmentHandles
 ) -> AnyFlow[Any]:
     """Every row ``plan`` needs from the service's segments (no request for known ones), copied into one buffer."""
-    views = yield from shm_fetch_flow(client, _chunk_ranges(plan), wait=wait, headers=headers, known=known)
+    views = yield from shm_fetch_flow(_chunk_ranges(plan), wait=wait, headers=headers, known=known)
     hidden = views[0].shape[1]
     dtype = next(k for k, v in NUMPY_DTYPES.items() if v == views[0].dtype)
     array, result = destination(out, plan.rows, hidden, dtype, plan.dense)
@@ -70,12 +68,10 @@ def shm_chunk_flow(
     return result
 
 
-def http_chunk_flow(
-    client: Client, plan: ChunkPlan, out: Any, *, wait: bool, headers: dict[str, str] | None
-) -> AnyFlow[Any]:
+def http_chunk_flow(plan: ChunkPlan, out: Any, *, wait: bool, headers: dict[str, str] | None) -> AnyFlow[Any]:
     """Every row ``plan`` needs, in one round trip, read straight into one buffer."""
     ranges = _chunk_ranges(plan)
-    head = yield from send_streamed(ranges_request(client, "/v1/embeddings/fetch", ranges, wait=wait, headers=headers))
+    head = yield from send_streamed(ranges_request("/v1/embeddings/fetch", ranges, wait=wait, headers=headers))
     pieces = iter(plan.pieces)
     target: list[Any] = []
 
@@ -99,7 +95,6 @@ def http_chunk_flow(
 
 
 def shm_fetch_flow(
-    client: Client,
     ranges: Sequence[RowRange],
     *,
     wait: bool,
@@ -109,7 +104,7 @@ def shm_fetch_flow(
     """Several ranges as read-only views of the service's segments; those its budget could not hold, over HTTP."""
     if (views := known.views(ranges)) is not None:
         return views
-    resp = yield ranges_request(client, "/v1/embeddings/shm", ranges, wait=wait, headers=headers)
+    resp = yield ranges_request("/v1/embeddings/shm", ranges, wait=wait, headers=headers)
     raise_for_status(resp)
     try:
         body = msgpack.unpackb(resp.content)
@@ -139,7 +134,7 @@ def shm_fetch_flow(
                 items[full[0]].get("error"),
             )
         known.http_fallbacks += len(full)
-        over_http = yield from fetch_many_flow(client, [ranges[i] for i in full], wait=wait, headers=headers)
+        over_http = yield from fetch_many_flow([ranges[i] for i in full], wait=wait, headers=headers)
         for i, array in zip(full, over_http):
             arrays[i] = array
     known.spend(ranges)

@@ -12,12 +12,34 @@ import httpx
 import numpy as np
 
 from visenc_client._exceptions import ProtocolError, error_for
-from visenc_client._http import Head
 from visenc_client.format import FRAME_PREFIX_BYTES, NUMPY_DTYPES, CorruptFrame, frame_header_length, frame_items
 
 T = TypeVar("T")
-Flow = Generator[httpx.Request, httpx.Response, T]
-#: a flow that may also stream: yields ``httpx.Request | Stream | ReadInto | Read``
+
+
+@dataclass(frozen=True, slots=True)
+class Head:
+    """A streamed answer's status and headers (its body is read by later steps)."""
+
+    status_code: int
+    reason_phrase: str
+    headers: httpx.Headers
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """Step: send this request; its ``httpx.Response`` comes back, read whole. Each driver sends it its own
+    way (no flow knows the transport)."""
+
+    method: str
+    #: with its query string
+    path: str
+    headers: dict[str, str]
+    content: bytes = b""
+
+
+Flow = Generator[Ask, httpx.Response, T]
+#: a flow that may also stream: yields ``Ask | Stream | ReadInto | Read``
 AnyFlow = Generator[Any, Any, T]
 
 
@@ -25,7 +47,7 @@ AnyFlow = Generator[Any, Any, T]
 class Stream:
     """Step: send ``request``; its ``Head`` comes back, the body unread."""
 
-    request: httpx.Request
+    request: Ask
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +64,7 @@ class Read:
 READ = Read()
 
 
-def send_streamed(request: httpx.Request) -> Generator[Stream, Any, Head]:
+def send_streamed(request: Ask) -> Generator[Stream, Any, Head]:
     head = yield Stream(request)
     return cast(Head, head)
 

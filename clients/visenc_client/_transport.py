@@ -41,31 +41,25 @@ class RowsTransport(ABC):
 
     @abstractmethod
     def fetch(
-        self, http: Any, image: str | Handle, start: int | None, end: int | None, headers: Headers
+        self, image: str | Handle, start: int | None, end: int | None, headers: Headers
     ) -> AnyFlow[np.ndarray]: ...
 
     @abstractmethod
-    def fetch_many(
-        self, http: Any, ranges: Sequence[RowRange], wait: bool, headers: Headers
-    ) -> AnyFlow[list[np.ndarray]]: ...
+    def fetch_many(self, ranges: Sequence[RowRange], wait: bool, headers: Headers) -> AnyFlow[list[np.ndarray]]: ...
 
     @abstractmethod
-    def fetch_chunk(self, http: Any, plan: ChunkPlan, out: Any, wait: bool, headers: Headers) -> AnyFlow[Any]: ...
+    def fetch_chunk(self, plan: ChunkPlan, out: Any, wait: bool, headers: Headers) -> AnyFlow[Any]: ...
 
 
 class HttpRows(RowsTransport):
-    def fetch(
-        self, http: Any, image: str | Handle, start: int | None, end: int | None, headers: Headers
-    ) -> AnyFlow[np.ndarray]:
-        return p.fetch_flow(http, image, start, end, headers)
+    def fetch(self, image: str | Handle, start: int | None, end: int | None, headers: Headers) -> AnyFlow[np.ndarray]:
+        return p.fetch_flow(image, start, end, headers)
 
-    def fetch_many(
-        self, http: Any, ranges: Sequence[RowRange], wait: bool, headers: Headers
-    ) -> AnyFlow[list[np.ndarray]]:
-        return p.fetch_many_flow(http, ranges, wait=wait, headers=headers)
+    def fetch_many(self, ranges: Sequence[RowRange], wait: bool, headers: Headers) -> AnyFlow[list[np.ndarray]]:
+        return p.fetch_many_flow(ranges, wait=wait, headers=headers)
 
-    def fetch_chunk(self, http: Any, plan: ChunkPlan, out: Any, wait: bool, headers: Headers) -> AnyFlow[Any]:
-        return http_chunk_flow(http, plan, out, wait=wait, headers=headers)
+    def fetch_chunk(self, plan: ChunkPlan, out: Any, wait: bool, headers: Headers) -> AnyFlow[Any]:
+        return http_chunk_flow(plan, out, wait=wait, headers=headers)
 
 
 class ShmRows(RowsTransport):
@@ -84,20 +78,16 @@ class ShmRows(RowsTransport):
     def reads_unpinned(self, image_hash: str) -> bool:
         return self.segments is not None and self.segments.knows(image_hash)
 
-    def fetch(
-        self, http: Any, image: str | Handle, start: int | None, end: int | None, headers: Headers
-    ) -> AnyFlow[np.ndarray]:
-        return (yield from self.fetch_many(http, [RowRange.of(image, start, end)], True, headers))[0]
+    def fetch(self, image: str | Handle, start: int | None, end: int | None, headers: Headers) -> AnyFlow[np.ndarray]:
+        return (yield from self.fetch_many([RowRange.of(image, start, end)], True, headers))[0]
 
-    def fetch_many(
-        self, http: Any, ranges: Sequence[RowRange], wait: bool, headers: Headers
-    ) -> AnyFlow[list[np.ndarray]]:
+    def fetch_many(self, ranges: Sequence[RowRange], wait: bool, headers: Headers) -> AnyFlow[list[np.ndarray]]:
         assert self.segments is not None
-        return shm_fetch_flow(http, ranges, wait=wait, headers=headers, known=self.segments)
+        return shm_fetch_flow(ranges, wait=wait, headers=headers, known=self.segments)
 
-    def fetch_chunk(self, http: Any, plan: ChunkPlan, out: Any, wait: bool, headers: Headers) -> AnyFlow[Any]:
+    def fetch_chunk(self, plan: ChunkPlan, out: Any, wait: bool, headers: Headers) -> AnyFlow[Any]:
         assert self.segments is not None
-        return shm_chunk_flow(http, plan, out, wait=wait, headers=headers, known=self.segments)
+        return shm_chunk_flow(plan, out, wait=wait, headers=headers, known=self.segments)
 
 
 def rows_for(model_info: dict[str, Any], base_url: str) -> RowsTransport:
@@ -133,24 +123,20 @@ class AutoRows(RowsTransport):
     def reads_unpinned(self, image_hash: str) -> bool:
         return self.chosen is not None and self.chosen.reads_unpinned(image_hash)
 
-    def _settled(self, http: Any, headers: Headers) -> AnyFlow[RowsTransport]:
+    def _settled(self, headers: Headers) -> AnyFlow[RowsTransport]:
         if self.chosen is None:
-            info = yield from p.simple_flow(http, "GET", "/v1/model", headers)
+            info = yield from p.simple_flow("GET", "/v1/model", headers)
             self.chosen = rows_for(info, self.base_url)
         return self.chosen
 
-    def fetch(
-        self, http: Any, image: str | Handle, start: int | None, end: int | None, headers: Headers
-    ) -> AnyFlow[np.ndarray]:
-        return (yield from (yield from self._settled(http, headers)).fetch(http, image, start, end, headers))
+    def fetch(self, image: str | Handle, start: int | None, end: int | None, headers: Headers) -> AnyFlow[np.ndarray]:
+        return (yield from (yield from self._settled(headers)).fetch(image, start, end, headers))
 
-    def fetch_many(
-        self, http: Any, ranges: Sequence[RowRange], wait: bool, headers: Headers
-    ) -> AnyFlow[list[np.ndarray]]:
-        return (yield from (yield from self._settled(http, headers)).fetch_many(http, ranges, wait, headers))
+    def fetch_many(self, ranges: Sequence[RowRange], wait: bool, headers: Headers) -> AnyFlow[list[np.ndarray]]:
+        return (yield from (yield from self._settled(headers)).fetch_many(ranges, wait, headers))
 
-    def fetch_chunk(self, http: Any, plan: ChunkPlan, out: Any, wait: bool, headers: Headers) -> AnyFlow[Any]:
-        return (yield from (yield from self._settled(http, headers)).fetch_chunk(http, plan, out, wait, headers))
+    def fetch_chunk(self, plan: ChunkPlan, out: Any, wait: bool, headers: Headers) -> AnyFlow[Any]:
+        return (yield from (yield from self._settled(headers)).fetch_chunk(plan, out, wait, headers))
 
 
 def rows_transport(shared_memory: bool | str, base_url: str) -> RowsTransport:

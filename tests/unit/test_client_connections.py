@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from visenc_client import AsyncClient, Client, TransportError
+from visenc_client._steps import Ask
 
 ROWS = np.arange(12, dtype=np.float32).reshape(3, 4)
 
@@ -124,7 +125,7 @@ def test_a_body_gives_its_connection_back_once(resetting_uploads: str) -> None:
     with Client(resetting_uploads) as vc:
         assert vc._conns is not None
         for closers in (1, 2, 16):
-            _, body = vc._conns.open(vc._http.build_request("GET", f"/v1/embeddings/{'ab' * 32}"))
+            _, body = vc._conns.open(Ask("GET", f"/v1/embeddings/{'ab' * 32}", {}))
             while body.read():
                 pass
             start = threading.Barrier(closers)

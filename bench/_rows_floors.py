@@ -18,10 +18,12 @@ from visenc_client import image_hash
 
 
 class RawSender:
-    """A loopback server that answers each 8-byte request (a byte count) with that many bytes."""
+    """A loopback server that answers each 8-byte request (a byte count) with that many bytes, from each of
+    ``payloads`` in turn: a floor moves bytes from as many distinct buffers as the path it is set against
+    serves images (one buffer sent again and again stays in the CPU's cache, which no served image does)."""
 
-    def __init__(self, payload: bytes) -> None:
-        self.payload = memoryview(payload)
+    def __init__(self, payloads: list[bytes]) -> None:
+        self.payloads = [memoryview(p) for p in payloads]
         self.sock = socket.create_server(("127.0.0.1", 0))
         self.port = self.sock.getsockname()[1]
         threading.Thread(target=self._accept, daemon=True).start()
@@ -35,9 +37,11 @@ class RawSender:
             threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
 
     def _serve(self, conn: socket.socket) -> None:
+        turn = 0
         with conn:
             while ask := conn.recv(8):
-                conn.sendall(self.payload[: struct.unpack("<Q", ask)[0]])
+                conn.sendall(self.payloads[turn % len(self.payloads)][: struct.unpack("<Q", ask)[0]])
+                turn += 1
 
 
 class RawReceiver:
@@ -61,10 +65,17 @@ _POOLS: dict[int, ThreadPoolExecutor] = {}
 
 
 def threaded(concurrency: int, jobs: list[Callable[[], Any]]) -> float:
-    """Seconds to run ``jobs`` on ``concurrency`` threads (each takes the next job)."""
+    """Seconds to run ``jobs`` on ``concurrency`` threads (each takes the next job). Each job's result is dropped
+    as it ends, as a caller drops rows once used: kept, a round's fresh arrays would fault in hundreds of MB of
+    pages that a floor writing into one buffer never touches."""
     pool = _POOLS.get(concurrency) or _POOLS.setdefault(concurrency, ThreadPoolExecutor(concurrency))
+
+    def run(job: Callable[[], Any]) -> None:
+        job()
+
     t0 = time.perf_counter()
-    list(pool.map(lambda job: job(), jobs))
+    for _ in pool.map(run, jobs):
+        pass
     return time.perf_counter() - t0
 
 
@@ -103,12 +114,13 @@ class Zmq:
         for _ in range(n):
             self.pull.recv_multipart(copy=False)
 
-    def raw(self, concurrency: int, n: int, nbytes: int) -> float:
-        rows = np.zeros(nbytes, np.uint8)
+    def raw(self, concurrency: int, payloads: list[np.ndarray]) -> float:
+        """Seconds to push ``payloads`` (one part each) and receive them, ``concurrency`` at a time."""
+        n = len(payloads)
         t0 = time.perf_counter()
         for start in range(0, n, concurrency):
             k = min(concurrency, n - start)
-            for _ in range(k):
+            for rows in payloads[start : start + k]:
                 self.push.send_multipart([self.header, rows], copy=False)
             self._receive(k)
         return time.perf_counter() - t0

@@ -82,7 +82,7 @@ def main() -> int:
             for name, m in served(stack, tree, checkpoint, image).items()
         }
         nbytes = paths["include_rows"][1]()[0].rows.nbytes  # type: ignore[index]
-        receiver = RawReceiver(RawSender(bytes(nbytes)).port, nbytes)
+        receiver = RawReceiver(RawSender([bytes(nbytes)]).port, nbytes)  # one buffer, as one image is served
         paths = {"raw socket": (None, lambda: receiver.get(nbytes)), **paths}  # its sender: a thread here
         for pid, call in paths.values():  # warm-up
             measured(pid, call, 10)

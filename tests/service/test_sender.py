@@ -144,11 +144,12 @@ def test_a_caller_gone_mid_body_leaves_the_server_answering(served):
     conn.close()
 
 
-def test_a_caller_that_reads_nothing_loses_its_connection_after_the_stall_bound(served, monkeypatch):
+@pytest.mark.parametrize("connection", ["", "connection: close\r\n"], ids=["kept", "closed after"])
+def test_a_caller_that_reads_nothing_loses_its_connection_after_the_stall_bound(served, monkeypatch, connection):
     port, _, _ = served
     monkeypatch.setattr(sender, "STALL_S", 0.5)
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n{connection}\r\n".encode())
         time.sleep(2.0)  # past the bound: the server gave up on this connection
         sock.settimeout(10)
         received = 0

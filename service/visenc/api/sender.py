@@ -120,7 +120,8 @@ class LoopBody:
         return body is not None and body.pending() > 0
 
     def pending(self) -> int:
-        return 0 if self.transport.is_closing() else int(self.transport.get_write_buffer_size())
+        """Bytes not yet taken by the socket; a closing transport (``Connection: close``) still writes them."""
+        return int(self.transport.get_write_buffer_size())
 
     def _watch(self) -> None:
         asyncio.get_running_loop().call_later(STALL_S, self._check)

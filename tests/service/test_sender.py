@@ -22,8 +22,9 @@ BODY = bytes(range(256)) * (48 << 12)  # 48 MiB (more than loopback buffers hold
 async def app(scope, receive, send):
     if scope["type"] != "http":
         return
-    size = int(scope["path"].strip("/") or 0)
-    parts = [b"head", memoryview(BODY)[:size]] if size else [b"small body"]
+    size, *more = [int(n) for n in scope["path"].strip("/").split("/") if n]  # /SIZE, or /SIZE/COUNT/SMALL
+    views = [memoryview(BODY)[:size]] + ([memoryview(BODY)[: more[1]]] * more[0] if more else [])
+    parts = [b"head", *views] if size else [b"small body"]
     await ChunksResponse(parts, "application/octet-stream")(scope, receive, send)
 
 
@@ -188,3 +189,19 @@ def test_a_caller_reading_slowly_but_steadily_gets_the_whole_body(served, monkey
             data += chunk
             time.sleep(0.05)  # 48 reads at least: the body takes longer than the bound, no pause comes near it
     assert data[start:] == b"head" + BODY
+
+
+def test_a_caller_reading_a_large_view_and_smaller_ones_slowly_but_steadily_gets_them_all(served, monkeypatch):
+    port, _, _ = served
+    monkeypatch.setattr(sender, "STALL_S", 0.5)  # uvicorn writes each small view as the last leaves: no stall
+    size, count, small = 16 << 20, 12, 900_000
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        sock.settimeout(30)
+        sock.sendall(f"GET /{size}/{count}/{small} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        data = bytearray(sock.recv(4096))
+        start = data.index(b"\r\n\r\n") + 4
+        while len(data) < start + 4 + size + count * small and (chunk := sock.recv(1 << 16)):
+            data += chunk
+            time.sleep(0.005)
+    assert data[start:] == b"head" + BODY[:size] + BODY[:small] * count

@@ -203,6 +203,7 @@ class Connections:
         if url.scheme not in ("http", "https"):
             raise ValueError(f"not an http(s) URL: {base_url}")
         self._https, self._origin = url.scheme == "https", f"{url.scheme}://{url.netloc.decode('ascii')}"
+        self._prefix = url.raw_path.decode("ascii").partition("?")[0].rstrip("/")  # a base URL's path, as httpx's
         self._host, self._port = url.host, url.port or (443 if self._https else 80)
         self._connect_s, self._read_s = connect_s, read_s
         self._idle: list[tuple[http.client.HTTPConnection, float]] = []
@@ -245,7 +246,8 @@ class Connections:
 
     def open(self, request: Ask) -> tuple[Head, Body]:
         """Send ``request``: its answer's head and its unread body (``close`` it once done)."""
-        url = self._origin + request.path
+        target = self._prefix + request.path
+        url = self._origin + target
         while True:
             conn = self._idle_connection()
             kept = conn is not None
@@ -255,7 +257,7 @@ class Connections:
                 except ERRORS as e:
                     raise TransportError(f"connect: {describe(e)}", url, connecting=True) from e
             try:
-                conn.request(request.method, request.path, body=request.content or None, headers=request.headers)
+                conn.request(request.method, target, body=request.content or None, headers=request.headers)
                 response = conn.getresponse()
                 break
             except ERRORS as e:

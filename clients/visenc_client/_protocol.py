@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Callable, Sequence
 from typing import Any
-from urllib.parse import urlencode
+from urllib.parse import quote, urlencode
 
 import httpx
 import msgpack
@@ -183,7 +183,7 @@ def fetch_flow(
     lease = image.lease if isinstance(image, Handle) else None
     params = {k: v for k, v in (("start", start), ("end", end), ("lease", lease)) if v is not None}
     query = f"?{urlencode(params)}" if params else ""
-    head = yield from send_streamed(Ask("GET", f"/v1/embeddings/{h}{query}", dict(headers or {})))
+    head = yield from send_streamed(Ask("GET", f"/v1/embeddings/{quote(h)}{query}", dict(headers or {})))
     if head.status_code >= 400:
         raise_for_status(head, (yield from read_all()))
     try:

@@ -22,8 +22,9 @@ BODY = bytes(range(256)) * (48 << 12)  # 48 MiB (more than loopback buffers hold
 async def app(scope, receive, send):
     if scope["type"] != "http":
         return
-    size = int(scope["path"].strip("/") or 0)
-    parts = [b"head", memoryview(BODY)[:size]] if size else [b"small body"]
+    size, *more = [int(n) for n in scope["path"].strip("/").split("/") if n]  # /SIZE, or /SIZE/COUNT/SMALL
+    views = [memoryview(BODY)[:size]] + ([memoryview(BODY)[: more[1]]] * more[0] if more else [])
+    parts = [b"head", *views] if size else [b"small body"]
     await ChunksResponse(parts, "application/octet-stream")(scope, receive, send)
 
 
@@ -144,11 +145,12 @@ def test_a_caller_gone_mid_body_leaves_the_server_answering(served):
     conn.close()
 
 
-def test_a_caller_that_reads_nothing_loses_its_connection_after_the_stall_bound(served, monkeypatch):
+@pytest.mark.parametrize("connection", ["", "connection: close\r\n"], ids=["kept", "closed after"])
+def test_a_caller_that_reads_nothing_loses_its_connection_after_the_stall_bound(served, monkeypatch, connection):
     port, _, _ = served
     monkeypatch.setattr(sender, "STALL_S", 0.5)
     with socket.create_connection(("127.0.0.1", port)) as sock:
-        sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        sock.sendall(f"GET /{len(BODY)} HTTP/1.1\r\nhost: x\r\n{connection}\r\n".encode())
         time.sleep(2.0)  # past the bound: the server gave up on this connection
         sock.settimeout(10)
         received = 0
@@ -187,3 +189,19 @@ def test_a_caller_reading_slowly_but_steadily_gets_the_whole_body(served, monkey
             data += chunk
             time.sleep(0.05)  # 48 reads at least: the body takes longer than the bound, no pause comes near it
     assert data[start:] == b"head" + BODY
+
+
+def test_a_caller_reading_a_large_view_and_smaller_ones_slowly_but_steadily_gets_them_all(served, monkeypatch):
+    port, _, _ = served
+    monkeypatch.setattr(sender, "STALL_S", 0.5)  # uvicorn writes each small view as the last leaves: no stall
+    size, count, small = 16 << 20, 12, 900_000
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 1 << 16)
+        sock.settimeout(30)
+        sock.sendall(f"GET /{size}/{count}/{small} HTTP/1.1\r\nhost: x\r\n\r\n".encode())
+        data = bytearray(sock.recv(4096))
+        start = data.index(b"\r\n\r\n") + 4
+        while len(data) < start + 4 + size + count * small and (chunk := sock.recv(1 << 16)):
+            data += chunk
+            time.sleep(0.005)
+    assert data[start:] == b"head" + BODY[:size] + BODY[:small] * count

@@ -13,11 +13,12 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import msgpack
 import numpy as np
 import pytest
 
-from visenc_client import AsyncClient, Client, TransportError
+from visenc_client import AsyncClient, Client, NotFoundError, TransportError
 from visenc_client._steps import Ask
 
 ROWS = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -193,3 +194,43 @@ async def test_the_async_client_pools_nothing_twice(resetting_uploads: str) -> N
         assert vc._conns is not None
         conns = [conn for conn, _ in vc._conns._idle]
         assert len({id(c) for c in conns}) == len(conns) and all(c.sock is not None for c in conns)
+
+
+class Recorder(http.server.BaseHTTPRequestHandler):
+    """Answers every request 404, keeping its target and the headers the client sent."""
+
+    protocol_version = "HTTP/1.1"
+    seen: list[tuple[str, dict[str, str]]] = []
+
+    def do_GET(self) -> None:
+        self.seen.append((self.path, {k.lower(): v for k, v in self.headers.items()}))
+        body = b'{"error": {"kind": "not_found", "message": "no such image"}}'
+        self.send_response(404)
+        self.send_header("content-type", "application/json")
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize("transport", [None, "httpx"], ids=["own connections", "httpx transport"])
+async def test_a_streamed_read_goes_under_the_base_urls_path_with_the_callers_headers(transport: str | None) -> None:
+    """A service behind a path (a proxy's prefix): every request goes under it, its image quoted as httpx would."""
+    Recorder.seen = []
+    with serving(Recorder) as url:
+        options: dict[str, Any] = {"namespace": "tenant-a", "api_key": "k" * 20}
+        with Client(f"{url}/pre/fix", transport=transport and httpx.HTTPTransport(), **options) as vc:
+            for image in ("ab" * 32, "a b/é"):
+                with pytest.raises(NotFoundError):
+                    vc.fetch(image)
+        async with AsyncClient(f"{url}/pre/fix", transport=transport and httpx.AsyncHTTPTransport(), **options) as ac:
+            with pytest.raises(NotFoundError):
+                await ac.fetch("ab" * 32)
+    paths = [path for path, _ in Recorder.seen]
+    first = f"/pre/fix/v1/embeddings/{'ab' * 32}"
+    assert paths == [first, "/pre/fix/v1/embeddings/a%20b/%C3%A9", first]
+    assert all(
+        h["x-visenc-namespace"] == "tenant-a" and h["authorization"] == f"Bearer {'k' * 20}" for _, h in Recorder.seen
+    )

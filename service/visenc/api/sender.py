@@ -80,7 +80,16 @@ class ThreadSentCycle(RequestResponseCycle):
                 return
             self.expected_content_length -= len(body)
             message = {**message, "body": b""}
+        await self._send_behind(message)
+
+    async def _send_behind(self, message: Any) -> None:
+        """uvicorn's send; what it adds behind a loop-written body still pending counts as sent to that body's
+        stall check."""
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()  # as uvicorn's send would, so that its write alone is measured
+        before = self.transport.get_write_buffer_size()
         await super().send(message)
+        LoopBody.grew(self.transport, self.transport.get_write_buffer_size() - before)
 
     def _may_send_raw(self, nbytes: int) -> bool:
         """Whether the body may go past uvicorn's transport: plain TCP or a Unix socket, nothing unsent before
@@ -109,6 +118,7 @@ class LoopBody:
     def __init__(self, transport: Any) -> None:
         self.transport = transport
         self.left = transport.get_write_buffer_size()
+        self.added = 0
         LoopBody.current = self
         if self.left:
             self._watch()
@@ -119,8 +129,16 @@ class LoopBody:
         body = cls.current
         return body is not None and body.pending() > 0
 
+    @classmethod
+    def grew(cls, transport: Any, nbytes: int) -> None:
+        """``nbytes`` more were written behind the current body on ``transport`` (the next views of its answer)."""
+        body = cls.current
+        if body is not None and body.transport is transport and nbytes > 0:
+            body.added += nbytes
+
     def pending(self) -> int:
-        return 0 if self.transport.is_closing() else int(self.transport.get_write_buffer_size())
+        """Bytes not yet taken by the socket; a closing transport (``Connection: close``) still writes them."""
+        return int(self.transport.get_write_buffer_size())
 
     def _watch(self) -> None:
         asyncio.get_running_loop().call_later(STALL_S, self._check)
@@ -130,11 +148,11 @@ class LoopBody:
         left = self.pending()
         if LoopBody.current is not self or not left:
             return
-        if left >= self.left:
+        if left >= self.left + self.added:
             log.debug("rows body not sent: the caller read nothing for %s s", STALL_S)
             self.transport.abort()
             return
-        self.left = left
+        self.left, self.added = left, 0
         self._watch()
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import http.client
-import ipaddress
 import os
 import socket
 import threading
@@ -19,6 +18,7 @@ import httpcore
 import httpx
 
 from visenc_client._exceptions import ProtocolError, TransportError, describe
+from visenc_client._sockets import TimedSocket, create_connection, resolve
 from visenc_client._steps import Ask, Head
 
 ERRORS = (OSError, http.client.HTTPException)
@@ -27,57 +27,8 @@ KEEP_IDLE_S = 4.0
 #: a failed request is sent again only on a fresh connection, and only when a kept-alive one failed so
 STALE = (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError)
 _CHECKIN = threading.Lock()
-
-
-def resolve(host: str, port: int, timeout_s: float | None) -> list[tuple]:
-    """``getaddrinfo`` within ``timeout_s`` (``TimeoutError`` past it; the look-up's answer is then dropped)."""
-    try:
-        ipaddress.ip_address(host.strip("[]"))
-        return socket.getaddrinfo(host.strip("[]"), port, type=socket.SOCK_STREAM)
-    except ValueError:
-        pass
-    if timeout_s is None:
-        return socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    box: dict[str, object] = {}
-    done = threading.Event()
-
-    def look_up() -> None:
-        try:
-            box["infos"] = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-        except OSError as e:
-            box["error"] = e
-        done.set()
-
-    threading.Thread(target=look_up, name="visenc-resolve", daemon=True).start()
-    if not done.wait(timeout_s):
-        raise TimeoutError(f"the name {host} was not resolved within {timeout_s} s")
-    if "error" in box:
-        raise box["error"]  # type: ignore[misc]
-    return box["infos"]  # type: ignore[return-value]
-
-
-def create_connection(
-    address: tuple[str, int], timeout: float | None = None, source_address: tuple[str, int] | None = None
-) -> socket.socket:
-    """``socket.create_connection`` whose ``timeout`` bounds the name look-up too."""
-    timeout = timeout if isinstance(timeout, int | float) else None  # http.client's "no timeout given"
-    deadline = None if timeout is None else time.monotonic() + timeout
-    error: OSError = OSError(f"no address for {address[0]}")
-    for family, kind, proto, _, addr in resolve(*address, timeout):
-        left = None if deadline is None else deadline - time.monotonic()
-        if left is not None and left <= 0:
-            raise TimeoutError(f"connect to {address[0]} timed out")
-        sock = socket.socket(family, kind, proto)
-        try:
-            sock.settimeout(left)
-            if source_address is not None:
-                sock.bind(source_address)
-            sock.connect(addr)
-            return sock
-        except OSError as e:
-            sock.close()
-            error = e
-    raise error
+#: a view at least this large is read in one system call (``MSG_WAITALL``) on a ``TimedSocket``
+WHOLE_READ_BYTES = 1 << 20
 
 
 class Body:
@@ -101,8 +52,8 @@ class Body:
         raise ProtocolError("the response body ended early")
 
     def readinto(self, view: memoryview) -> None:
-        filled = 0
         try:
+            filled = self._whole(view) if len(view) >= WHOLE_READ_BYTES else 0
             while filled < len(view):
                 n = self._response.readinto(view[filled:])
                 if not n:
@@ -110,6 +61,29 @@ class Body:
                 filled += n
         except ERRORS as e:
             raise TransportError(describe(e), self.url) from e
+
+    def _whole(self, view: memoryview) -> int:
+        """``view`` filled in one system call past what ``http.client`` holds already, where the connection is
+        a ``TimedSocket`` and the body holds it all; the bytes read (0: none, read it as usual)."""
+        response, conn = self._response, self._conn
+        sock, length = (conn.sock if conn is not None else None), response.length
+        if not isinstance(sock, TimedSocket) or response.chunked or length is None or length < len(view):
+            return 0
+        held = response.fp.peek(1)  # what is buffered (one read only where nothing is)
+        filled = response.fp.readinto(view[: len(held)]) if held else 0
+        try:
+            while filled < len(view):
+                n = sock.recv_into(view[filled:], 0, socket.MSG_WAITALL)  # short only at a timeout or the end
+                if not n:
+                    break
+                filled += n
+        finally:
+            response.length = length - filled  # read past http.client: its count kept true
+        if filled < len(view):
+            self._ended()
+        if not response.length:
+            response.read(0)  # http.client ends the response as its own read would (no system call)
+        return filled
 
     def read(self, n: int = 1 << 16) -> bytes:
         try:
@@ -226,7 +200,10 @@ class Connections:
         try:
             conn.connect()
             assert conn.sock is not None
-            conn.sock.settimeout(self._read_s)
+            if isinstance(conn.sock, TimedSocket):
+                conn.sock.bound(self._read_s)
+            else:
+                conn.sock.settimeout(self._read_s)  # TLS: a wrapped socket keeps Python's timeouts
             conn.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         except BaseException:
             conn.close()
@@ -235,7 +212,7 @@ class Connections:
         return conn
 
     def _checkin(self, conn: http.client.HTTPConnection, response: http.client.HTTPResponse) -> None:
-        if response.will_close or not response.isclosed() or conn.sock is None:
+        if response.will_close or not response.isclosed() or response.length or conn.sock is None:  # cut short
             _hang_up(conn)
             return
         with self._lock:

@@ -10,6 +10,7 @@ import http.server
 import socket
 import struct
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -19,6 +20,7 @@ import numpy as np
 import pytest
 
 from visenc_client import AsyncClient, Client, NotFoundError, TransportError
+from visenc_client._sockets import KERNEL_TIMEOUTS, TimedSocket
 from visenc_client._steps import Ask
 
 ROWS = np.arange(12, dtype=np.float32).reshape(3, 4)
@@ -234,3 +236,101 @@ async def test_a_streamed_read_goes_under_the_base_urls_path_with_the_callers_he
     assert all(
         h["x-visenc-namespace"] == "tenant-a" and h["authorization"] == f"Bearer {'k' * 20}" for _, h in Recorder.seen
     )
+
+
+# --- a large view: one system call, the kernel bounding its waits ---------------------------------------
+#: 4 MiB of rows, past ``WHOLE_READ_BYTES``
+LARGE = np.arange(1 << 20, dtype=np.float32).reshape(1024, 1024)
+
+
+class Dribbles(http.server.BaseHTTPRequestHandler):
+    """Answers each GET (kept alive) with ``LARGE`` in 64 KiB pieces, ``pause_s`` apart; ``stop_at`` bytes into
+    the body it stalls (``stall``) or closes the connection (``cut``)."""
+
+    protocol_version = "HTTP/1.1"
+    pause_s = 0.0
+    stop_at: int | None = None
+    stop = "cut"
+    connections: set[int] = set()
+
+    def do_GET(self) -> None:
+        body = memoryview(LARGE.tobytes())
+        self.connections.add(id(self.connection))
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.send_header("x-visenc-shape", "1024,1024")
+        self.send_header("x-visenc-dtype", "float32")
+        self.end_headers()
+        end = len(body) if self.stop_at is None else self.stop_at
+        for start in range(0, end, 1 << 16):
+            self.wfile.write(body[start : min(start + (1 << 16), end)])
+            time.sleep(self.pause_s)
+        if self.stop_at is None:
+            return
+        if self.stop == "stall":
+            time.sleep(5.0)
+        self.close_connection = True
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def dribbling(**kinds: Any) -> Iterator[tuple[str, type[Dribbles]]]:
+    handler = type("Dribbling", (Dribbles,), {"connections": set(), **kinds})
+    with serving(handler) as url:
+        yield url, handler
+
+
+def count_reads(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    reads: list[int] = []
+    recv_into = TimedSocket.recv_into
+
+    def counted(self: TimedSocket, *args: Any) -> int:
+        reads.append(1)
+        return recv_into(self, *args)
+
+    monkeypatch.setattr(TimedSocket, "recv_into", counted)
+    return reads
+
+
+@pytest.mark.skipif(not KERNEL_TIMEOUTS, reason="the kernel bounds socket waits on Linux and macOS only")
+def test_a_large_view_is_read_in_one_system_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A body that comes in 64 pieces is read with a handful of reads (its head, what came with it, the rest
+    in one): one GIL round trip for the view however its bytes arrive. Read segment by segment, it took one
+    read, and one wait for the GIL, per piece."""
+    reads = count_reads(monkeypatch)
+    with dribbling(pause_s=0.002) as (url, handler), Client(url) as vc:
+        for _ in range(2):
+            reads.clear()
+            assert np.array_equal(vc.fetch("a" * 64), LARGE)
+            assert len(reads) <= 3, len(reads)
+        assert len(pooled(vc)) == 1  # the response ended as http.client ends one: its connection kept alive
+    assert len(handler.connections) == 1
+
+
+@pytest.mark.skipif(not KERNEL_TIMEOUTS, reason="the kernel bounds socket waits on Linux and macOS only")
+async def test_a_slow_but_steady_large_body_is_read_whole() -> None:
+    """The kernel's bound is on each wait for the next bytes, as before, not on the whole read: a body that
+    takes 1.5 s, a piece every 25 ms, reads whole under a 0.5 s timeout."""
+    with dribbling(pause_s=0.025) as (url, _):
+        with Client(url, timeout=0.5) as vc:
+            assert np.array_equal(vc.fetch("a" * 64), LARGE)
+        async with AsyncClient(url, timeout=0.5) as avc:
+            assert np.array_equal(await avc.fetch("a" * 64), LARGE)
+
+
+@pytest.mark.parametrize("stop", ["stall", "cut"])
+def test_a_large_body_that_stops_is_a_transport_error(stop: str) -> None:
+    """Stalled mid-view: a timeout (``timed_out``). Cut: the bytes missing, said. Either way the connection is
+    not pooled."""
+    with dribbling(stop_at=1 << 20, stop=stop) as (url, _), Client(url, timeout=0.5) as vc:
+        started = time.monotonic()
+        with pytest.raises(TransportError) as raised:
+            vc.fetch("a" * 64)
+        assert time.monotonic() - started < 30.0
+        assert pooled(vc) == []
+    if stop == "stall":
+        assert raised.value.timed_out, raised.value
+    else:
+        assert f"closed {LARGE.nbytes - (1 << 20)} bytes before the body's end" in str(raised.value)

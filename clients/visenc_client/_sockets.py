@@ -52,8 +52,8 @@ class TimedSocket(socket.socket):
         """Block from now on, each wait for the next bytes bounded by ``seconds`` (``None``: unbounded)."""
         self.settimeout(None)
         if seconds is not None:
-            seconds = max(seconds, 1e-6)  # a zero timeval means no bound at all
-            timeval = struct.pack("@ll", int(seconds), round(seconds % 1 * 1e6))
+            micros = max(round(seconds * 1e6), 1)  # a zero timeval means no bound at all
+            timeval = struct.pack("@ll", *divmod(micros, 1_000_000))  # 0 <= tv_usec < 10**6, or EDOM
             self.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
             self.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
 

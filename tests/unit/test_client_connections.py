@@ -334,3 +334,11 @@ def test_a_large_body_that_stops_is_a_transport_error(stop: str) -> None:
         assert raised.value.timed_out, raised.value
     else:
         assert f"closed {LARGE.nbytes - (1 << 20)} bytes before the body's end" in str(raised.value)
+
+
+@pytest.mark.skipif(not KERNEL_TIMEOUTS, reason="the kernel bounds socket waits on Linux and macOS only")
+@pytest.mark.parametrize("timeout", [2.9999999, 0.9999996])
+def test_a_timeout_a_hair_under_a_whole_second_reads(timeout: float) -> None:
+    """Its microseconds round up to a whole second: carried into the seconds, not sent as 10**6 (EDOM)."""
+    with dribbling() as (url, _), Client(url, timeout=timeout) as vc:
+        assert np.array_equal(vc.fetch("a" * 64), LARGE)

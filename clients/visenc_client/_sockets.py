@@ -76,6 +76,15 @@ class TimedSocket(socket.socket):
             raise TimeoutError("timed out") from None
 
 
+def socket_class() -> type[socket.socket]:
+    """``TimedSocket`` where the kernel bounds waits and ``socket.socket`` is the standard library's, as
+    ``TimedSocket``'s base; else ``socket.socket``: a cooperative one (gevent's, patched in before or after
+    this import) never blocks in the kernel, so only its own timeouts bound its waits."""
+    plain = socket.socket
+    kernel = KERNEL_TIMEOUTS and plain.__module__ == "socket" and TimedSocket.__bases__ == (plain,)
+    return TimedSocket if kernel else plain
+
+
 def create_connection(
     address: tuple[str, int], timeout: float | None = None, source_address: tuple[str, int] | None = None
 ) -> socket.socket:
@@ -87,7 +96,7 @@ def create_connection(
         left = None if deadline is None else deadline - time.monotonic()
         if left is not None and left <= 0:
             raise TimeoutError(f"connect to {address[0]} timed out")
-        sock = (TimedSocket if KERNEL_TIMEOUTS else socket.socket)(family, kind, proto)
+        sock = socket_class()(family, kind, proto)
         try:
             sock.settimeout(left)
             if source_address is not None:

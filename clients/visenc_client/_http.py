@@ -66,11 +66,13 @@ class Body:
         """``view`` filled in one system call past what ``http.client`` holds already, where the connection is
         a ``TimedSocket`` and the body holds it all; the bytes read (0: none, read it as usual)."""
         response, conn = self._response, self._conn
-        sock, length = (conn.sock if conn is not None else None), response.length
-        if not isinstance(sock, TimedSocket) or response.chunked or length is None or length < len(view):
+        sock, fp, length = (conn.sock if conn is not None else None), response.fp, response.length
+        if not isinstance(sock, TimedSocket) or sock.gettimeout() is not None or fp is None or response.chunked:
+            return 0  # (a socket with Python's timeout does not block: the kernel would not wait for it all)
+        if length is None or length < len(view):
             return 0
-        held = response.fp.peek(1)  # what is buffered (one read only where nothing is)
-        filled = response.fp.readinto(view[: len(held)]) if held else 0
+        held = fp.peek(1)  # what is buffered (one read only where nothing is)
+        filled = fp.readinto(view[: len(held)]) if held else 0
         try:
             while filled < len(view):
                 n = sock.recv_into(view[filled:], 0, socket.MSG_WAITALL)  # short only at a timeout or the end

@@ -49,13 +49,19 @@ class TimedSocket(socket.socket):
     each time). A wait past the bound raises ``TimeoutError``, as a socket timeout does."""
 
     def bound(self, seconds: float | None) -> None:
-        """Block from now on, each wait for the next bytes bounded by ``seconds`` (``None``: unbounded)."""
-        self.settimeout(None)
+        """Block from now on, each system call's waits bounded by ``seconds`` in all (``None``: unbounded); where
+        the kernel refuses the bound, Python's timeout stays (and the socket reads as any other)."""
+        self.settimeout(seconds)  # Python's check of the value, and the bound should the kernel refuse its own
         if seconds is not None:
             micros = max(round(seconds * 1e6), 1)  # a zero timeval means no bound at all
-            timeval = struct.pack("@ll", *divmod(micros, 1_000_000))  # 0 <= tv_usec < 10**6, or EDOM
-            self.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
-            self.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            size = len(self.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))  # the kernel's timeval: 8 or 16
+            timeval = struct.pack("@qq" if size == 16 else "@ll", *divmod(micros, 1_000_000))  # tv_usec < 10**6
+            try:
+                self.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
+                self.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
+            except OSError:
+                return
+        self.settimeout(None)
 
     def recv_into(self, buffer: Any, nbytes: int = 0, flags: int = 0) -> int:
         try:

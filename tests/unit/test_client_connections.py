@@ -311,7 +311,7 @@ def test_a_large_view_is_read_in_one_system_call(monkeypatch: pytest.MonkeyPatch
 
 @pytest.mark.skipif(not KERNEL_TIMEOUTS, reason="the kernel bounds socket waits on Linux and macOS only")
 async def test_a_slow_but_steady_large_body_is_read_whole() -> None:
-    """The kernel's bound is on each wait for the next bytes, as before, not on the whole read: a body that
+    """The read timeout bounds each wait for the next bytes, as before, not the whole read: a body that
     takes 1.5 s, a piece every 25 ms, reads whole under a 0.5 s timeout."""
     with dribbling(pause_s=0.025) as (url, _):
         with Client(url, timeout=0.5) as vc:
@@ -342,3 +342,26 @@ def test_a_timeout_a_hair_under_a_whole_second_reads(timeout: float) -> None:
     """Its microseconds round up to a whole second: carried into the seconds, not sent as 10**6 (EDOM)."""
     with dribbling() as (url, _), Client(url, timeout=timeout) as vc:
         assert np.array_equal(vc.fetch("a" * 64), LARGE)
+        (conn,) = pooled(vc)
+        assert conn.sock is not None
+        seconds, micros = struct.unpack("@qq", conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+        assert conn.sock.gettimeout() is None and seconds + micros / 1e6 == pytest.approx(timeout, abs=1e-5)
+
+
+@pytest.mark.skipif(not KERNEL_TIMEOUTS, reason="the kernel bounds socket waits on Linux and macOS only")
+def test_where_the_kernel_refuses_its_bound_pythons_timeout_stays(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel that refuses the timeval (another layout of it): the connection keeps Python's timeout and
+    reads segment by segment, as a socket that does not block must."""
+
+    def refuse(self: TimedSocket, level: int, option: int, value: Any) -> None:
+        if option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
+            raise OSError(22, "Invalid argument")
+        socket.socket.setsockopt(self, level, option, value)
+
+    monkeypatch.setattr(TimedSocket, "setsockopt", refuse)
+    reads = count_reads(monkeypatch)
+    with dribbling(pause_s=0.002) as (url, _), Client(url, timeout=5.0) as vc:
+        assert np.array_equal(vc.fetch("a" * 64), LARGE)
+        (conn,) = pooled(vc)
+        assert conn.sock is not None and conn.sock.gettimeout() == 5.0
+    assert len(reads) > 3

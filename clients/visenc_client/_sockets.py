@@ -54,9 +54,9 @@ class TimedSocket(socket.socket):
         self.settimeout(seconds)  # Python's check of the value, and the bound should the kernel refuse its own
         if seconds is not None:
             micros = max(round(seconds * 1e6), 1)  # a zero timeval means no bound at all
-            size = len(self.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))  # the kernel's timeval: 8 or 16
-            timeval = struct.pack("@qq" if size == 16 else "@ll", *divmod(micros, 1_000_000))  # tv_usec < 10**6
             try:
+                size = len(self.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))  # the kernel's timeval
+                timeval = struct.pack("@qq" if size == 16 else "@ll", *divmod(micros, 1_000_000))  # tv_usec < 10**6
                 self.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, timeval)
                 self.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, timeval)
             except OSError:

@@ -349,16 +349,17 @@ def test_a_timeout_a_hair_under_a_whole_second_reads(timeout: float) -> None:
 
 
 @pytest.mark.skipif(not KERNEL_TIMEOUTS, reason="the kernel bounds socket waits on Linux and macOS only")
-def test_where_the_kernel_refuses_its_bound_pythons_timeout_stays(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A kernel that refuses the timeval (another layout of it): the connection keeps Python's timeout and
-    reads segment by segment, as a socket that does not block must."""
+@pytest.mark.parametrize("call", ["setsockopt", "getsockopt"])
+def test_where_the_kernel_refuses_its_bound_pythons_timeout_stays(monkeypatch: pytest.MonkeyPatch, call: str) -> None:
+    """A kernel that refuses the timeval (another layout of it), or to say its size: the connection keeps
+    Python's timeout and reads segment by segment, as a socket that does not block must."""
 
-    def refuse(self: TimedSocket, level: int, option: int, value: Any) -> None:
+    def refuse(self: TimedSocket, level: int, option: int, *value: Any) -> Any:
         if option in (socket.SO_RCVTIMEO, socket.SO_SNDTIMEO):
             raise OSError(22, "Invalid argument")
-        socket.socket.setsockopt(self, level, option, value)
+        return getattr(socket.socket, call)(self, level, option, *value)
 
-    monkeypatch.setattr(TimedSocket, "setsockopt", refuse)
+    monkeypatch.setattr(TimedSocket, call, refuse)
     reads = count_reads(monkeypatch)
     with dribbling(pause_s=0.002) as (url, _), Client(url, timeout=5.0) as vc:
         assert np.array_equal(vc.fetch("a" * 64), LARGE)

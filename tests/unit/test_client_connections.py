@@ -344,7 +344,8 @@ def test_a_timeout_a_hair_under_a_whole_second_reads(timeout: float) -> None:
         assert np.array_equal(vc.fetch("a" * 64), LARGE)
         (conn,) = pooled(vc)
         assert conn.sock is not None
-        seconds, micros = struct.unpack("@qq", conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16))
+        timeval = conn.sock.getsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, 16)
+        seconds, micros = struct.unpack("@qq" if len(timeval) == 16 else "@ll", timeval)
         assert conn.sock.gettimeout() is None and seconds + micros / 1e6 == pytest.approx(timeout, abs=1e-5)
 
 

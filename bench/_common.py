@@ -121,6 +121,16 @@ async def clients_rate(images: list[bytes], send: Send, concurrency: int = 8) ->
         return len(images) / (time.perf_counter() - t0)
 
 
+def serve_checkpoint(
+    stack: contextlib.ExitStack, checkpoint: Path, *flags: str, env: dict[str, str] | None = None
+) -> str:
+    """``visenc serve`` of ``checkpoint`` in bf16 on a free loopback port until ``stack`` closes: its URL."""
+    port = free_port()
+    cmd = visenc_cmd(str(checkpoint), port, "--dtype", "bfloat16", *flags)
+    stack.enter_context(server(cmd, f"http://127.0.0.1:{port}/readyz", service_env() if env is None else env))
+    return f"http://127.0.0.1:{port}"
+
+
 def encode_request(data: bytes, namespace: str, inline: bool = True) -> tuple[bytes, dict[str, str]]:
     """The body and headers of a one-image ``/v1/encode`` that waits (msgpack both ways)."""
     import msgpack

@@ -71,10 +71,7 @@ def main() -> None:
     with contextlib.ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="visenc-fetch-")))
         checkpoint = c.write_qwen25_checkpoint(folder / "wide", bench_gpu.TINY_VISION)
-        port = c.free_port()
-        cmd = c.visenc_cmd(str(checkpoint), port, "--dtype", "bfloat16")
-        stack.enter_context(c.server(cmd, f"http://127.0.0.1:{port}/readyz", c.service_env()))
-        url = f"http://127.0.0.1:{port}"
+        url = c.serve_checkpoint(stack, checkpoint)
         images = folder / "images.json"
         images.write_text(json.dumps([base64.b64encode(c.jpeg(7000 + i, w, h)).decode() for i in range(args.images)]))
         script = folder / "reader.py"

@@ -129,9 +129,8 @@ class Env:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="visenc-rows-")))
         checkpoint = c.write_qwen25_checkpoint(folder / "wide", WIDE)
         redis_url, _ = stack.enter_context(redis_process())
-        env = c.service_env()
-        self.url = self._serve(stack, checkpoint, env, "--redis-url", redis_url)
-        self.sglang_url = self._serve(stack, checkpoint, env, "--image-loader", "sglang")
+        self.url = c.serve_checkpoint(stack, checkpoint, "--ready-lease-s", "1", "--redis-url", redis_url)
+        self.sglang_url = c.serve_checkpoint(stack, checkpoint, "--ready-lease-s", "1", "--image-loader", "sglang")
         self.http = stack.enter_context(Client(self.url))
         self.shm = stack.enter_context(Client(self.url, shared_memory=True))
         self.fingerprint = self.http.model()["fingerprint"]
@@ -158,13 +157,6 @@ class Env:
         stack.callback(self.loop.close)
         stack.callback(lambda: self.loop.run_until_complete(self.async_client.aclose()))
         self.connector = make_connector(self.url, self.http.model(), checkpoint)
-
-    @staticmethod
-    def _serve(stack: contextlib.ExitStack, checkpoint: Path, env: dict[str, str], *flags: str) -> str:
-        port = c.free_port()
-        cmd = c.visenc_cmd(str(checkpoint), port, "--dtype", "bfloat16", "--ready-lease-s", "1", *flags)
-        stack.enter_context(c.server(cmd, f"http://127.0.0.1:{port}/readyz", env))
-        return f"http://127.0.0.1:{port}"
 
     def key(self, h: Handle) -> str:
         return entry_key("default", self.fingerprint, h.hash)

@@ -77,10 +77,7 @@ def main() -> int:
     with contextlib.ExitStack() as stack:
         folder = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="visenc-busy-")))
         checkpoint = c.write_qwen25_checkpoint(folder / "wide", bench_rows.WIDE)
-        port = c.free_port()
-        cmd = c.visenc_cmd(str(checkpoint), port, "--dtype", "bfloat16")
-        stack.enter_context(c.server(cmd, f"http://127.0.0.1:{port}/readyz", c.service_env()))
-        vc = stack.enter_context(Client(f"http://127.0.0.1:{port}"))
+        vc = stack.enter_context(Client(c.serve_checkpoint(stack, checkpoint)))
         images = [c.jpeg(7000 + i, *bench_rows.SIZES[args.size]) for i in range(4)]
         handles = vc.encode(images)
         hashes = [h.hash for h in handles]

@@ -69,12 +69,6 @@ class TimedSocket(socket.socket):
         except BlockingIOError:  # the kernel's bound passed (``SocketIO`` would take it for "no data yet")
             raise TimeoutError("timed out") from None
 
-    def recv(self, bufsize: int, flags: int = 0) -> bytes:
-        try:
-            return super().recv(bufsize, flags)
-        except BlockingIOError:
-            raise TimeoutError("timed out") from None
-
     def sendall(self, data: Any, flags: int = 0) -> None:
         try:
             super().sendall(data, flags)

@@ -321,6 +321,17 @@ def test_compose_topology(compose):
     assert "9090:9090" in services["prometheus"]["ports"]
 
 
+def test_compose_has_no_default_secret(compose):
+    """A published port's login has no password a reader of this file knows: compose refuses to start
+    without each secret (``${VAR:?...}``) and gives none a default (``${VAR:-...}``)."""
+    text = (DEPLOY / "docker-compose.yml").read_text()
+    defaulted = re.findall(r"\$\{(\w*(?:PASSWORD|TOKEN|SECRET)\w*):?-", text)
+    assert not defaulted, defaulted
+    grafana = compose["services"]["grafana"]
+    assert "3000:3000" in grafana["ports"]
+    assert grafana["environment"]["GF_SECURITY_ADMIN_PASSWORD"].startswith("${GRAFANA_ADMIN_PASSWORD:?")
+
+
 def test_compose_vllm_profile(compose):
     """GPU hosts: vLLM with the connector (its own image: vLLM's plus visenc-client) behind the proxy."""
     services = compose["services"]

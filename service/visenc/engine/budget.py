@@ -21,7 +21,7 @@ CPU_PACKED_BATCH_TOKENS = 4096
 
 #: share of the process's memory budget the staged inputs may take on a GPU (where they live on the host)
 STAGING_SHARE = 0.125
-#: a staged line's bytes per input byte at most (a JPEG screenshot's decode is about 1.7 times its input)
+#: a staged line's bytes per input byte at most (a screenshot's input and decode charge: 2.8-3.0 times its input)
 STAGED_LINE_FACTOR = 3
 
 

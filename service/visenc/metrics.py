@@ -119,7 +119,7 @@ class Metrics:
             return Histogram(name, doc, buckets=SECONDS_BUCKETS, registry=r)
 
         self.queue_wait_seconds = seconds(
-            "visenc_queue_wait_seconds", "Time an image waited from admission to the start of its forward."
+            "visenc_queue_wait_seconds", "Time an image waited from admission until the device took its batch."
         )
         self.preprocess_seconds = seconds("visenc_preprocess_seconds", "Decode + preprocess time of one image.")
         self.forward_seconds = seconds(

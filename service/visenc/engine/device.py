@@ -135,7 +135,8 @@ class DeviceLoop:
         """Forward ``batch`` in the tower's groups, each group's rows handed on once launched."""
         self.busy_since = time.monotonic()
         for job in batch:
-            self.metrics.queue_wait_seconds.observe(self.busy_since - job.admitted_at)
+            job.dequeued_at = self.busy_since
+            self.metrics.queue_wait_seconds.observe(job.dequeued_at - job.admitted_at)
         for group in self.tower.forward_groups([j.input for j in batch]):
             if generation != self._generation and any(batch[i].state is not JobState.RUNNING for i in group):
                 return

@@ -227,7 +227,9 @@ class Intake:
                 self.inflight.leave(job, reader)
         if timing is not None:
             ran = list(jobs.values())
-            timing.queue_s = max((max(0.0, j.started_at - admitted) for j in ran if j.started_at), default=0.0)
+            # each waited from its admission, or this request's if it joined later, as the histogram counts
+            waits = (j.dequeued_at - max(admitted, j.admitted_at) for j in ran if j.dequeued_at and j.started_at)
+            timing.queue_s = max((max(0.0, w) for w in waits), default=0.0)
             timing.encode_s = sum({j.started_at: j.forward_s or 0.0 for j in ran if j.started_at}.values())
         for i, job in jobs.items():
             work[i].to(outcome_of(job))

@@ -89,6 +89,8 @@ class Job:
     layout: TokenLayout | None = None
     cost: int = 0
     decode_cost: int = 0
+    #: when the device thread took its batch: its queue wait ends there (the header's and the histogram's)
+    dequeued_at: float | None = None
     started_at: float | None = None
     forward_s: float | None = None
     seq: int = field(default_factory=lambda: next(_arrivals))

@@ -25,7 +25,7 @@ def assert_no_leaks(encoder) -> None:
 async def test_full_queue_answers_429_with_retry_after(tiny_tower, monkeypatch):
     async with running_app(tiny_tower, max_queue_images=2) as client:
         encoder = client.app.state.engine
-        with held_device(encoder, monkeypatch) as gate:
+        async with held_device(encoder, monkeypatch) as gate:
             a, b, c = (png_bytes(300 + i, 28, 28) for i in range(3))
             r = await encode_json(client, [{"data": a}, {"data": b}], wait=False)
             assert r.status_code == 200, r.text
@@ -49,7 +49,7 @@ async def test_full_queue_answers_429_with_retry_after(tiny_tower, monkeypatch):
 async def test_encode_deadline_504_and_the_work_is_released(tiny_tower, monkeypatch):
     async with running_app(tiny_tower, request_timeout_s=0.3, fetch_timeout_s=0.3) as client:
         encoder = client.app.state.engine
-        with held_device(encoder, monkeypatch):
+        async with held_device(encoder, monkeypatch):
             data = png_bytes(310, 28, 28)
             t0 = time.monotonic()
             r = await encode_json(client, [{"data": data}])
@@ -77,7 +77,7 @@ async def test_many_concurrent_requests_cancel_half_rest_succeed_nothing_leaks(t
         encoder = client.app.state.engine
         own = [png_bytes(400 + k, 28, 28) for k in range(30)]
         shared = [png_bytes(500 + j, 56, 28) for j in range(5)]
-        with held_device(encoder, monkeypatch) as gate:
+        async with held_device(encoder, monkeypatch) as gate:
             tasks = [
                 asyncio.create_task(encode_json(client, [{"data": own[k]}, {"data": shared[k % 5]}])) for k in range(30)
             ]
@@ -172,7 +172,7 @@ async def test_a_big_requests_first_images_start_before_its_last_are_inspected(t
         encoder = client.app.state.engine
         seen, _ = recording_inspect(encoder, monkeypatch)
         datas = [png_bytes(900 + i, 28, 28) for i in range(8)]
-        with held_device(encoder, monkeypatch) as gate:
+        async with held_device(encoder, monkeypatch) as gate:
             r = await encode_json(client, [{"data": d} for d in datas], wait=False)
             assert [it["status"] for it in r.json()["items"]] == ["pending"] * 8
             # waves [0], [1, 2], [3..6], [7]: in flight when each upload was inspected
@@ -188,7 +188,7 @@ async def test_a_request_that_may_not_fit_is_one_wave_and_refused_before_any_of_
     async with running_app(tiny_tower, max_queue_images=3) as client:
         encoder = client.app.state.engine
         seen, _ = recording_inspect(encoder, monkeypatch)
-        with held_device(encoder, monkeypatch):
+        async with held_device(encoder, monkeypatch):
             r = await encode_json(client, [{"data": png_bytes(920 + i, 28, 28)} for i in range(4)], wait=False)
             assert r.status_code == 429
             assert seen == [0, 0, 0, 0] and encoder.scheduler.depth == 0 and not encoder.inflight.jobs
@@ -199,7 +199,7 @@ async def test_a_request_abandoned_between_waves_releases_what_its_first_waves_s
         encoder = client.app.state.engine
         seen, release = recording_inspect(encoder, monkeypatch, block_at=3)  # the first upload of wave 3
         datas = [png_bytes(930 + i, 28, 28) for i in range(6)]
-        with held_device(encoder, monkeypatch):
+        async with held_device(encoder, monkeypatch):
             task = asyncio.create_task(encode_json(client, [{"data": d} for d in datas], wait=True))
             await until(lambda: len(seen) >= 4)
             assert len(encoder.inflight.jobs) == 3  # waves 1 and 2 started

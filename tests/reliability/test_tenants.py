@@ -20,7 +20,7 @@ def queued(encoder, tenant: str) -> list:
 async def test_priority_by_header_or_field_and_bad_values_are_4xx(tiny_tower, monkeypatch):
     async with running_app(tiny_tower) as client:
         encoder = client.app.state.engine
-        with held_device(encoder, monkeypatch):
+        async with held_device(encoder, monkeypatch):
             imgs = [png_bytes(700 + i, 28, 28) for i in range(3)]
             await encode_json(client, [{"data": imgs[0]}], wait=False, headers={"x-visenc-priority": "batch"})
             r = await client.post("/v1/encode", json={"items": [{"data": b64(imgs[1])}], "wait": False,
@@ -44,7 +44,7 @@ async def test_priority_by_header_or_field_and_bad_values_are_4xx(tiny_tower, mo
 async def test_a_tenant_over_its_quota_gets_429_and_the_other_is_unaffected(tiny_tower, monkeypatch):
     async with running_app(tiny_tower, tenant=["a max_images=2"], tenant_max_queued_tokens=10**6) as client:
         encoder = client.app.state.engine
-        with held_device(encoder, monkeypatch) as gate:
+        async with held_device(encoder, monkeypatch) as gate:
             a = [png_bytes(710 + i, 28, 28) for i in range(4)]
             b = [png_bytes(720 + i, 28, 28) for i in range(4)]
             r = await encode_json(client, [{"data": x} for x in a[:2]], wait=False, headers=A)
@@ -69,7 +69,7 @@ async def test_a_tenant_over_its_quota_gets_429_and_the_other_is_unaffected(tiny
 async def test_a_full_queue_sheds_the_tenant_holding_the_most(tiny_tower, monkeypatch):
     async with running_app(tiny_tower, max_queue_images=4) as client:
         encoder = client.app.state.engine
-        with held_device(encoder, monkeypatch):
+        async with held_device(encoder, monkeypatch):
             a = [png_bytes(730 + i, 28, 28) for i in range(5)]
             r = await encode_json(client, [{"data": x} for x in a[:4]], wait=False, headers=A)
             assert r.status_code == 200
@@ -82,7 +82,7 @@ async def test_a_full_queue_sheds_the_tenant_holding_the_most(tiny_tower, monkey
 async def test_a_client_going_away_frees_its_tenants_share_and_quota_at_once(tiny_tower, monkeypatch):
     async with running_app(tiny_tower, tenant=["a max_images=3"]) as client:
         encoder = client.app.state.engine
-        with held_device(encoder, monkeypatch):
+        async with held_device(encoder, monkeypatch):
             a = [png_bytes(750 + i, 28, 28) for i in range(3)]
             task = asyncio.create_task(encode_json(client, [{"data": x} for x in a], headers=A))
             account = encoder.tenants.account("a")
@@ -108,7 +108,7 @@ async def test_the_client_and_the_vllm_connector_can_set_the_class(tiny_tower, m
 
     async with running_app(tiny_tower) as client:
         encoder = client.app.state.engine
-        with held_device(encoder, monkeypatch):
+        async with held_device(encoder, monkeypatch):
             transport = httpx.ASGITransport(app=client.app)
             async with AsyncClient("http://visenc", transport=transport, priority="batch") as batch:
                 await batch.encode([png_bytes(770, 28, 28)], wait=False)
@@ -131,7 +131,7 @@ async def test_a_request_over_the_quota_of_an_idle_tenant_runs_whole_across_its_
     # taken in waves of 1, 2, 4 uploads: the second wave must not be refused for the first wave's images
     async with running_app(tiny_tower, tenant=["a max_images=2"]) as client:
         encoder = client.app.state.engine
-        with held_device(encoder, monkeypatch) as gate:
+        async with held_device(encoder, monkeypatch) as gate:
             a = [png_bytes(780 + i, 28, 28) for i in range(5)]
             r = await encode_json(client, [{"data": x} for x in a[:4]], wait=False, headers=A)
             assert r.status_code == 200, r.text
@@ -147,7 +147,7 @@ async def test_requests_admitted_while_their_place_is_asked_count_against_the_qu
     # admitted meanwhile must see it
     async with running_app(tiny_tower, tenant=["a max_images=2"], redis_url=redis_url) as client:
         encoder = client.app.state.engine
-        with held_device(encoder, monkeypatch) as gate:
+        async with held_device(encoder, monkeypatch) as gate:
             imgs = [png_bytes(790 + i, 56, 56) for i in range(8)]
             rs = await asyncio.gather(*(encode_json(client, [{"data": x}], wait=False, headers=A) for x in imgs))
             assert sorted(r.status_code for r in rs) == [200, 200, *[429] * 6]

@@ -31,11 +31,16 @@ async def test_encode_then_fetch_equals_single_image_forward(service, tiny_tower
     np.testing.assert_array_equal(part, rows[1:3])
 
 
-async def test_batched_mixed_resolutions_equal_single_image_forwards(service, tiny_tower):
+async def test_batched_mixed_resolutions_equal_single_image_forwards(service, tiny_tower, monkeypatch):
     """One request, several resolutions (and a repeat): every embedding equals its own single forward."""
     sizes = [(64, 64), (120, 80), (64, 64), (200, 56), (84, 140), (120, 80)]
     datas = [png_bytes(i + 10, w, h) for i, (w, h) in enumerate(sizes)]
-    r = await encode_json(service, [{"data": d} for d in datas])
+    engine = service.app.state.engine
+    async with held_device(engine, monkeypatch) as gate:  # all ready before the first batch, however busy the host
+        asking = asyncio.create_task(encode_json(service, [{"data": d} for d in datas]))
+        await until(lambda: len(engine.scheduler._ready) == len(datas))
+        gate.set()
+        r = await asking
     assert r.status_code == 200, r.text
     assert [it["status"] for it in r.json()["items"]] == ["ready"] * len(datas)
     for d in datas:
@@ -179,7 +184,7 @@ async def test_cancelled_waiters_drop_queued_work(tiny_tower, monkeypatch):
     """A waiting request that goes away leaves no job, future or in-flight entry behind."""
     async with running_app(tiny_tower) as client:
         encoder = client.app.state.engine  # type: ignore[attr-defined]
-        with held_device(encoder, monkeypatch) as gate:
+        async with held_device(encoder, monkeypatch) as gate:
             tasks = [asyncio.create_task(encode_json(client, [{"data": png_bytes(40 + i, 64, 64)}])) for i in range(4)]
             await until(lambda: len(encoder.inflight.jobs) == 4, what="4 images admitted")
             assert len(encoder.inflight.jobs) == 4

@@ -6,17 +6,14 @@ images to the device without the loop. Its busy share under load: ``bench/bench_
 
 from __future__ import annotations
 
-import contextlib
 import itertools
-import threading
 import time
-from collections.abc import Iterator
 
 import numpy as np
 import pytest
 from harness.images import png_bytes
 from harness.waits import until
-from tests.support.api import encode_json, fetch_rows, running_app, sha
+from tests.support.api import encode_json, fetch_rows, held_device, running_app, sha
 
 from visenc.imaging.decode import decode
 from visenc.models import sim
@@ -31,23 +28,6 @@ SPEC = "sim:launch_ms=1,token_us=400,patch=16,hidden=8"
 SLOW_SPEC = "sim:launch_ms=1,token_us=1000,patch=16,hidden=8"
 #: far past the 4 forwards' device time: reached only when the device needs the event loop
 BLOCKED_LIMIT_S = 20.0
-
-
-@contextlib.contextmanager
-def held(scheduler, monkeypatch) -> Iterator[threading.Event]:
-    """The device thread takes no batch until the returned event is set."""
-    gate = threading.Event()
-    real = scheduler.take
-
-    def take(*a, **kw):
-        gate.wait()
-        return real(*a, **kw)
-
-    monkeypatch.setattr(scheduler, "take", take)
-    try:
-        yield gate
-    finally:
-        gate.set()
 
 
 def block_the_loop_until(done, limit_s: float) -> bool:
@@ -95,7 +75,7 @@ async def test_the_device_runs_every_ready_batch_while_the_loop_is_blocked(monke
     images = [png_bytes(900 + i, 128, 128) for i in range(IMAGES)]
     async with running_app(tower, max_batch_images=4, max_wait_ms=0, prefetch_tokens=4096) as client:
         engine = client.app.state.engine
-        with held(engine.scheduler, monkeypatch) as gate:
+        async with held_device(engine, monkeypatch) as gate:
             r = await encode_json(client, [{"data": d} for d in images], wait=False)
             assert r.status_code == 200, r.text
             await until(lambda: len(engine.scheduler._ready) == IMAGES)

@@ -113,8 +113,15 @@ async def test_a_claim_whose_owner_died_is_taken_over(raw, redis_url, tiny_tower
     async with running_app(tiny_tower, redis_url=redis_url, **FAST) as a:
         fp = (await a.get("/v1/model")).json()["fingerprint"]
         key = entry_key("default", fp, image_hash(data))
-        await raw.set(claim_key(key), "a-replica-that-died", px=300)  # never renewed: lapses
-        r = await encode_json(a, [{"data": data}])
+        await raw.set(claim_key(key), "a-replica-that-died", px=60_000)  # never renewed
+        asking = asyncio.create_task(encode_json(a, [{"data": data}]))
+
+        async def held() -> bool:
+            return metric(await metrics_of(a), "visenc_claims_total", outcome="held") == 1
+
+        await until(held, what="the encode finding the claim held")
+        await raw.pexpire(claim_key(key), 1)  # the dead owner's claim lapses
+        r = await asking
         assert r.json()["items"][0]["status"] == "ready"
         m = await metrics_of(a)
         assert metric(m, "visenc_claims_total", outcome="held") == 1

@@ -8,17 +8,20 @@ import base64
 import contextlib
 import hashlib
 import threading
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import httpx
 import numpy as np
+from harness.waits import until
 
 from visenc.bootstrap import create_app
 from visenc.config import Settings
 from visenc.imaging.decode import decode
 from visenc.models.base import VisionTower
 
+#: how long ``held_device`` waits for the device thread to come back for a batch (a quarter second when idle)
+PARK_TIMEOUT_S = 10.0
 MSGPACK = {"content-type": "application/msgpack", "accept": "application/msgpack"}
 
 
@@ -66,18 +69,23 @@ async def fetch_rows(client, h: str, start=None, end=None, headers=None) -> np.n
     return np.frombuffer(r.content, dtype="<f4").reshape(rows, hidden)
 
 
-@contextlib.contextmanager
-def held_device(encoder: Any, monkeypatch: Any) -> Iterator[threading.Event]:
-    """The device takes no batch until the returned event is set (images queue up, already admitted)."""
-    gate = threading.Event()
+@contextlib.asynccontextmanager
+async def held_device(encoder: Any, monkeypatch: Any) -> AsyncIterator[threading.Event]:
+    """The device takes no batch until the returned event is set (images queue up, already admitted).
+
+    Entered once the device thread waits at the gate: a take it had begun before ends first (within
+    ``TAKE_TIMEOUT_S``, or with the images that were ready then), so none taken later slips past."""
+    gate, parked = threading.Event(), threading.Event()
     real = encoder.scheduler.take
 
     def held(*a: Any, **kw: Any) -> Any:  # on the device thread, which takes its batches itself
+        parked.set()
         gate.wait()
         return real(*a, **kw)
 
     monkeypatch.setattr(encoder.scheduler, "take", held)
     try:
+        await until(parked.is_set, PARK_TIMEOUT_S, what="the device thread coming back for a batch")
         yield gate
     finally:
         gate.set()

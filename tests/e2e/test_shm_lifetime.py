@@ -14,6 +14,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import types
 
 import pytest
 from harness.images import png_bytes
@@ -21,7 +22,7 @@ from harness.paths import ROOT
 from harness.processes import serve_process
 from harness.waits import wait_until
 
-from visenc_client import BadRequestError, Client, ImagePlacement, RowRange
+from visenc_client import BadRequestError, Client, ImagePlacement, RowRange, _shm
 
 SHM_DIR = "/dev/shm"
 CLIENT = textwrap.dedent("""
@@ -84,12 +85,15 @@ def test_no_segment_outlives_its_lease_or_the_service_when_clients_exit_or_crash
     assert segments(prefix) == []
 
 
-def test_a_client_reads_a_known_segment_again_with_no_request():
+def test_a_client_reads_a_known_segment_again_with_no_request(monkeypatch):
     """A segment never changes: the next chunks of an image (and the next turn's fetches) read the
     segment the client was last given, with no request, for half the lease; then, and for a range
     outside the image, the service is asked; a stopped service's segments are never read again."""
     data = png_bytes(77, 320, 240)
-    with serve_process("--shm-enabled", "true", "--shm-lease-s", "2") as url:
+    ahead = [0.0]  # the client's clock moved on by this much: a busy host cannot outrun the half lease
+    clock = types.SimpleNamespace(monotonic=lambda: time.monotonic() + ahead[0], sleep=time.sleep)
+    monkeypatch.setattr(_shm, "time", clock)
+    with serve_process("--shm-enabled", "true", "--shm-lease-s", "30") as url:
         with Client(url, shared_memory=True) as vc, Client(url) as http:
             (h,) = vc.encode([data])
             n, sent = h.num_tokens, []
@@ -104,7 +108,7 @@ def test_a_client_reads_a_known_segment_again_with_no_request():
             with pytest.raises(BadRequestError):  # outside the image: the service's own answer
                 vc.fetch(h, 0, n + 1)
             assert len(sent) == 2
-            time.sleep(1.1)  # past half the 2 s lease: asked again (which renews the lease)
+            ahead[0] = 15.1  # past half the 30 s lease: asked again (which renews the lease)
             assert vc.fetch(h, 0, 1).tobytes() == http.fetch(h, 0, 1).tobytes()
             assert len(sent) == 3
             known = vc._segments

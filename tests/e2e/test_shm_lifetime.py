@@ -108,7 +108,10 @@ def test_a_client_reads_a_known_segment_again_with_no_request(monkeypatch):
             with pytest.raises(BadRequestError):  # outside the image: the service's own answer
                 vc.fetch(h, 0, n + 1)
             assert len(sent) == 2
-            ahead[0] = 15.1  # past half the 30 s lease: asked again (which renews the lease)
+            ahead[0] = 14.0  # within half the 30 s lease: still no request
+            assert vc.fetch(h, 0, 1).tobytes() == http.fetch(h, 0, 1).tobytes()
+            assert len(sent) == 2
+            ahead[0] = 15.1  # past half the lease: asked again (which renews the lease)
             assert vc.fetch(h, 0, 1).tobytes() == http.fetch(h, 0, 1).tobytes()
             assert len(sent) == 3
             known = vc._segments

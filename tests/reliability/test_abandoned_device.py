@@ -12,10 +12,12 @@ from collections.abc import Sequence
 import torch
 from harness.images import png_bytes
 from harness.waits import until
-from tests.support.api import encode_json, running_app
+from tests.support.api import encode_json, held_device, running_app
 from tests.support.faults import FaultyTower
 
+from visenc.engine.device import DeviceLoop
 from visenc.engine.worker import WorkerState
+from visenc.metrics import Metrics
 from visenc.models import sim
 from visenc.models.base import Prepared
 
@@ -45,11 +47,11 @@ async def test_an_abandoned_device_thread_forwards_no_more_of_its_batch(tiny_tow
     try:
         async with running_app(tower, stall_timeout_s=0.3, max_wait_ms=300.0) as client:
             engine = client.app.state.engine
-            real, gate = engine.scheduler.take, threading.Event()
-            monkeypatch.setattr(engine.scheduler, "take", lambda *a: gate.wait(30) and real(*a))
-            sent = asyncio.create_task(encode_json(client, [{"data": png_bytes(760 + i, 28, 28)} for i in range(3)]))
-            await until(lambda: len(engine.scheduler._ready) == 3)
-            gate.set()  # the three images go in one batch
+            async with held_device(engine, monkeypatch) as gate:
+                images = [{"data": png_bytes(760 + i, 28, 28)} for i in range(3)]
+                sent = asyncio.create_task(encode_json(client, images))
+                await until(lambda: len(engine.scheduler._ready) == 3)
+                gate.set()  # the three images go in one batch
             r = await sent
             assert r.status_code == 503 and "stall_timeout_s" in r.text
             await until(lambda: engine.worker.state is WorkerState.HEALTHY)
@@ -78,3 +80,29 @@ async def test_a_launched_forward_the_device_never_ends_is_a_stall():
         r = await encode_json(client, [{"data": png_bytes(795, 128, 128)}])
         assert r.status_code == 503 and "stall_timeout_s=0.5" in r.text, r.text
         assert time.monotonic() - t0 < 4.0, "the stalled forward's waiter was answered only when it ended"
+
+
+def test_a_loop_retired_while_it_waits_for_a_launched_forward_takes_no_more_batches(monkeypatch):
+    """A stall declared while the device thread waits on a launched forward retires its loop: once the
+    wait ends, that thread takes nothing (what it took would be failed, though the live loop could run it)."""
+    taken: list[int] = []
+
+    class Ready:
+        def take(self, max_wait_s: float, timeout_s: float) -> list:
+            taken.append(threading.get_ident())
+            return []
+
+        def dispatch(self) -> None:
+            pass
+
+    device = DeviceLoop(
+        sim.load("sim:launch_ms=1,token_us=10,patch=16,hidden=8"), Ready(), None, metrics=Metrics(), max_wait_s=0.0
+    )
+    loop = asyncio.new_event_loop()
+    try:
+        generation = device.bind(loop)
+        monkeypatch.setattr(device, "_wait_launched", lambda g: device.retire())  # the stall, during the wait
+        assert device.run(generation) is None
+    finally:
+        loop.close()
+    assert taken == [], "a retired device loop took a batch"

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
 from harness.images import png_bytes
-from harness.waits import metric
-from tests.support.api import encode_json, running_app
+from harness.waits import metric, until
+from tests.support.api import encode_json, held_device, running_app
 
 pytestmark = pytest.mark.serial  # queue waits compared to the microsecond: a busy second core skews them
+
+
+#: how much later the second request asks for the image the first is waiting for
+LATER_S = 0.3
 
 
 def timings(r) -> tuple[float, float]:
@@ -47,6 +52,8 @@ async def test_timing_headers_match_the_forwards_this_request_waited_for(tiny_to
         assert 0 < queue_s <= wall_s
         # all three were admitted together: the header is the longest of their three queue waits
         assert wait_sum / 3 - 2e-6 <= queue_s <= wait_sum + 2e-6
+        if batch_images == 1:  # one forward each, one after another: the last one's wait is the longest
+            assert queue_s > wait_sum / 3
 
         # all hits (bytes resent, or hash only): nothing waited, nothing ran
         for items in ([{"data": d} for d in images], [{"hash": h["hash"]} for h in r.json()["items"]]):
@@ -55,3 +62,27 @@ async def test_timing_headers_match_the_forwards_this_request_waited_for(tiny_to
         # wait=false answers before any forward: the headers are present and zero
         r = await encode_json(client, [{"data": png_bytes(950, 96, 64)}], wait=False)
         assert timings(r) == (0.0, 0.0)
+
+
+async def test_a_request_joining_an_image_in_flight_counts_its_wait_from_its_own_admission(tiny_tower, monkeypatch):
+    data = png_bytes(960, 64, 64)
+    async with running_app(tiny_tower) as client:
+        engine = client.app.state.engine
+        before = await scrape(client)
+        async with held_device(engine, monkeypatch) as gate:
+            first = asyncio.create_task(encode_json(client, [{"data": data}]))
+            await until(lambda: len(engine.scheduler._ready) == 1)
+            await asyncio.sleep(LATER_S)
+            second = asyncio.create_task(encode_json(client, [{"data": data}]))
+            await until(lambda: [j.interest for j in engine.inflight.jobs.values()] == [2], what="the second joining")
+            gate.set()
+            queue_a, _ = timings(await first)
+            queue_b, _ = timings(await second)
+        after = await scrape(client)
+        wait_count = metric(after, "visenc_queue_wait_seconds_count") - metric(
+            before, "visenc_queue_wait_seconds_count"
+        )
+        wait_sum = metric(after, "visenc_queue_wait_seconds_sum") - metric(before, "visenc_queue_wait_seconds_sum")
+        assert wait_count == 1  # one image, one wait: the first request's
+        assert queue_a == pytest.approx(wait_sum, abs=2e-6)
+        assert 0 < queue_b <= queue_a - LATER_S  # the second waited only from its own admission

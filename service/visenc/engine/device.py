@@ -94,6 +94,8 @@ class DeviceLoop:
         worked_at: float | None = None
         while generation == self._generation:
             self._wait_launched(generation)
+            if generation != self._generation:  # abandoned while it waited: the live loop takes the jobs
+                break
             batch = self.ready.take(self.max_wait_s, TAKE_TIMEOUT_S)
             if not batch:
                 if worked_at is not None and time.monotonic() - worked_at >= self.heap_idle_s:

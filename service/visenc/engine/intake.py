@@ -228,7 +228,7 @@ class Intake:
         if timing is not None:
             ran = list(jobs.values())
             # each waited from its admission, or this request's if it joined later, as the histogram counts
-            waits = (j.dequeued_at - max(admitted, j.admitted_at) for j in ran if j.dequeued_at and j.started_at)
+            waits = (j.dequeued_at - max(admitted, j.admitted_at) for j in ran if j.dequeued_at is not None)
             timing.queue_s = max((max(0.0, w) for w in waits), default=0.0)
             timing.encode_s = sum({j.started_at: j.forward_s or 0.0 for j in ran if j.started_at}.values())
         for i, job in jobs.items():

@@ -27,7 +27,7 @@ class EncodeItem:
 class Timing:
     """Where one encode request's time went (seconds; both 0 for an all-hit request and ``wait=false``)."""
 
-    #: admission to the start of the last forward waited for
+    #: the longest queue wait of its images: admission until the device took each one's batch
     queue_s: float = 0.0
     #: the distinct forwards waited for, each counted once
     encode_s: float = 0.0

@@ -82,6 +82,25 @@ async def test_a_launched_forward_the_device_never_ends_is_a_stall():
         assert time.monotonic() - t0 < 4.0, "the stalled forward's waiter was answered only when it ended"
 
 
+async def test_after_a_stall_the_restarted_device_idles_without_another(tiny_tower):
+    """The stalled batch's start is not the new loop's: with nothing more to do, it is never called stalled."""
+    release = threading.Event()
+    tower = GroupedStallingTower(tiny_tower, release)
+    try:
+        async with running_app(tower, stall_timeout_s=0.3) as client:
+            engine = client.app.state.engine
+            r = await encode_json(client, [{"data": png_bytes(770, 28, 28)}])
+            assert r.status_code == 503 and "stall_timeout_s" in r.text
+            await until(lambda: engine.worker.state is WorkerState.HEALTHY)
+            await asyncio.sleep(1.0)  # four of the watchdog's looks at an idle device
+            assert engine.worker.state is WorkerState.HEALTHY
+            assert engine.metrics.worker_stalls._value.get() == 1
+            r = await encode_json(client, [{"data": png_bytes(771, 28, 28)}])
+            assert r.status_code == 200 and r.json()["items"][0]["status"] == "ready"
+    finally:
+        release.set()
+
+
 def test_a_loop_retired_while_it_waits_for_a_launched_forward_takes_no_more_batches(monkeypatch):
     """A stall declared while the device thread waits on a launched forward retires its loop: once the
     wait ends, that thread takes nothing (what it took would be failed, though the live loop could run it)."""

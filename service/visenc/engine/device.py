@@ -68,6 +68,7 @@ class DeviceLoop:
         self._loop = loop
         self._generation += 1
         self._launched.clear()  # a retired loop's forwards are not waited for (a stalled one never ends)
+        self.busy_since = None  # nor its work timed: the new loop starts idle
         return self._generation
 
     def retire(self) -> None:
@@ -123,7 +124,7 @@ class DeviceLoop:
 
     def _wait_launched(self, generation: int) -> None:
         """Wait until at most ``LAUNCHED_AHEAD`` forwards are unfinished; a wait that never ends is a stall."""
-        if len(self._launched) <= LAUNCHED_AHEAD:
+        if len(self._launched) <= LAUNCHED_AHEAD or generation != self._generation:
             return
         self.busy_since = time.monotonic()
         while len(self._launched) > LAUNCHED_AHEAD and generation == self._generation:
@@ -135,10 +136,12 @@ class DeviceLoop:
 
     def _run_batch(self, batch: list[Job], generation: int) -> None:
         """Forward ``batch`` in the tower's groups, each group's rows handed on once launched."""
-        self.busy_since = time.monotonic()
+        now = time.monotonic()
+        if generation == self._generation:  # a retired loop's batch is not the live one's work
+            self.busy_since = now
         for job in batch:
-            job.dequeued_at = self.busy_since
-            self.metrics.queue_wait_seconds.observe(job.dequeued_at - job.admitted_at)
+            job.dequeued_at = now
+            self.metrics.queue_wait_seconds.observe(now - job.admitted_at)
         for group in self.tower.forward_groups([j.input for j in batch]):
             if generation != self._generation and any(batch[i].state is not JobState.RUNNING for i in group):
                 return

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 from harness.images import png_bytes
 from harness.waits import until
-from tests.support.api import encode_json, held_device, running_app
+from tests.support.api import encode_in_one_batch, encode_json, running_app
 from tests.support.faults import FaultyTower
 
 from visenc.engine.device import DeviceLoop
@@ -47,12 +47,8 @@ async def test_an_abandoned_device_thread_forwards_no_more_of_its_batch(tiny_tow
     try:
         async with running_app(tower, stall_timeout_s=0.3, max_wait_ms=300.0) as client:
             engine = client.app.state.engine
-            async with held_device(engine, monkeypatch) as gate:
-                images = [{"data": png_bytes(760 + i, 28, 28)} for i in range(3)]
-                sent = asyncio.create_task(encode_json(client, images))
-                await until(lambda: len(engine.scheduler._ready) == 3)
-                gate.set()  # the three images go in one batch
-            r = await sent
+            images = [{"data": png_bytes(760 + i, 28, 28)} for i in range(3)]
+            r = await encode_in_one_batch(client, images, monkeypatch)  # the three images go in one batch
             assert r.status_code == 503 and "stall_timeout_s" in r.text
             await until(lambda: engine.worker.state is WorkerState.HEALTHY)
             stalled = tower.calls[0][0]

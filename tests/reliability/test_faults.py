@@ -15,7 +15,7 @@ import numpy as np
 from harness.images import png_bytes
 from harness.processes import serve_subprocess
 from harness.waits import metric, until, wait_until
-from tests.support.api import b64, encode_json, fetch_rows, held_device, reference, running_app, sha
+from tests.support.api import b64, encode_in_one_batch, encode_json, fetch_rows, reference, running_app, sha
 from tests.support.faults import FaultyTower, faulty_index
 from tests.support.serve_faulty import launcher as faulty
 
@@ -261,12 +261,7 @@ async def test_out_of_memory_splits_the_batch_and_retries_down_to_one_image(tiny
     big = png_bytes(790, 112, 112)  # 64 patches: over the limit even alone
     tower = FaultyTower(tiny_tower, oom_above_tokens=40)
     async with running_app(tower, max_batch_images=8) as client:
-        engine = client.app.state.engine
-        async with held_device(engine, monkeypatch) as gate:  # all five in one first batch, however busy the host
-            asking = asyncio.create_task(encode_json(client, [{"data": d} for d in [*small, big]]))
-            await until(lambda: len(engine.scheduler._ready) == 5)
-            gate.set()
-            r = await asking
+        r = await encode_in_one_batch(client, [{"data": d} for d in [*small, big]], monkeypatch)
         assert r.status_code == 200, r.text
         items = r.json()["items"]
         assert [it["status"] for it in items] == ["ready"] * 4 + ["error"]

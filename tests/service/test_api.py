@@ -12,7 +12,16 @@ import pytest
 import torch
 from harness.images import png_bytes
 from harness.waits import metric, until
-from tests.support.api import MSGPACK, encode_json, fetch_rows, held_device, reference, running_app, sha
+from tests.support.api import (
+    MSGPACK,
+    encode_in_one_batch,
+    encode_json,
+    fetch_rows,
+    held_device,
+    reference,
+    running_app,
+    sha,
+)
 
 
 async def test_encode_then_fetch_equals_single_image_forward(service, tiny_tower):
@@ -35,12 +44,7 @@ async def test_batched_mixed_resolutions_equal_single_image_forwards(service, ti
     """One request, several resolutions (and a repeat): every embedding equals its own single forward."""
     sizes = [(64, 64), (120, 80), (64, 64), (200, 56), (84, 140), (120, 80)]
     datas = [png_bytes(i + 10, w, h) for i, (w, h) in enumerate(sizes)]
-    engine = service.app.state.engine
-    async with held_device(engine, monkeypatch) as gate:  # all ready before the first batch, however busy the host
-        asking = asyncio.create_task(encode_json(service, [{"data": d} for d in datas]))
-        await until(lambda: len(engine.scheduler._ready) == len(datas))
-        gate.set()
-        r = await asking
+    r = await encode_in_one_batch(service, [{"data": d} for d in datas], monkeypatch)
     assert r.status_code == 200, r.text
     assert [it["status"] for it in r.json()["items"]] == ["ready"] * len(datas)
     for d in datas:

@@ -4,6 +4,7 @@ forward every served row must equal."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import hashlib
@@ -89,3 +90,13 @@ async def held_device(encoder: Any, monkeypatch: Any) -> AsyncIterator[threading
         yield gate
     finally:
         gate.set()
+
+
+async def encode_in_one_batch(client: Any, items: list[dict], monkeypatch: Any) -> httpx.Response:
+    """One request whose images all wait ready before the device takes any: one batch where they fit."""
+    engine = client.app.state.engine
+    async with held_device(engine, monkeypatch) as gate:
+        asking = asyncio.create_task(encode_json(client, items))
+        await until(lambda: len(engine.scheduler._ready) == len(items), what="every image ready")
+        gate.set()
+        return await asking

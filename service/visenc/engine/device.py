@@ -124,7 +124,7 @@ class DeviceLoop:
 
     def _wait_launched(self, generation: int) -> None:
         """Wait until at most ``LAUNCHED_AHEAD`` forwards are unfinished; a wait that never ends is a stall."""
-        if len(self._launched) <= LAUNCHED_AHEAD or generation != self._generation:
+        if len(self._launched) <= LAUNCHED_AHEAD:
             return
         self.busy_since = time.monotonic()
         while len(self._launched) > LAUNCHED_AHEAD and generation == self._generation:
